@@ -1,0 +1,127 @@
+"""The ``covey`` command: train and eval.
+
+    covey train                                   # the built-in demo
+    covey train my.yaml --learning-rate 2e-5 --max-steps 50
+    covey eval runs/20261129-101500               # a run folder's final model on its held-out split
+
+Every GRPOConfig field is an option in dash-case; YAML values are overridden by the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from covey.config import GRPOConfig, config_fields, suggest_field
+from covey.errors import ConfigError, CoveyError
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML file of config fields (command-line options override it)")
+    group = parser.add_argument_group("config fields (TRL names, dash-case)")
+    for f in config_fields():
+        kind = str(f.type)
+        options: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"]}
+        if kind.startswith("list"):
+            options.update(nargs="+", metavar="VALUE")
+        elif kind == "bool":
+            options.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            options["metavar"] = kind.split(" ")[0].upper()
+        if "choices" in f.metadata:
+            options["help"] += f" ({' | '.join(f.metadata['choices'])})"
+        group.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    namespace, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            raise ConfigError(f"unknown option {token.split('=', 1)[0]}{suggest_field(name)}; "
+                              "see covey train --help")
+        raise ConfigError(f"unexpected argument {token!r}; give at most one config file")
+    known = {f.name for f in config_fields()}
+    overrides = {k: v for k, v in vars(namespace).items() if k in known}
+    return namespace, overrides
+
+
+def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConfig:
+    if config_path is None:
+        return GRPOConfig.from_dict(overrides, source="command line")
+    return GRPOConfig.from_yaml(config_path, overrides)
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="covey train", description="Train a model with GRPO.")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    args = _load_config(namespace.config, overrides)
+    from covey.trainer import GRPOTrainer
+
+    GRPOTrainer(args=args).train()
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey eval", description="Greedy held-out accuracy and mean reward of a model or run folder.")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    config_path = namespace.config
+    run_dir = Path(config_path) if config_path and Path(config_path).is_dir() else None
+    if run_dir is not None:  # a run folder: its config, its final model
+        if not (run_dir / "config.yaml").is_file() or not (run_dir / "final_model").is_dir():
+            raise ConfigError(f"{run_dir} is not a finished run folder (needs config.yaml and final_model/)")
+        config_path = str(run_dir / "config.yaml")
+        overrides.setdefault("model", str(run_dir / "final_model"))
+    overrides.setdefault("use_peft", False)  # a saved adapter is loaded as it is, not wrapped again
+    args = _load_config(config_path, overrides)
+
+    from rich.console import Console
+
+    from covey.data import heldout_rows
+    from covey.evaluation import evaluate
+    from covey.models import eos_token_ids, load_policy, load_tokenizer
+    from covey.rewards import load_reward_func
+    from covey.rollout import HFEngine
+
+    rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9)
+    if not rows:
+        raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
+    reward_funcs = [load_reward_func(f) for f in args.reward_funcs]
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_policy(args.model, args.trust_remote_code).eval()
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), args.bf16)
+    result = evaluate(engine, tokenizer, rows, reward_funcs, args.reward_weights or [1.0] * len(reward_funcs),
+                      args.max_completion_length, args.max_prompt_length)
+    Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "
+                    f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
+        print("usage: covey {train,eval} [CONFIG] [--field value ...]   (covey train --help lists the fields)",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except CoveyError as e:
+        print(f"covey: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

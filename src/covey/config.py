@@ -1,0 +1,215 @@
+"""The one configuration object of a covey run.
+
+Field names follow TRL's ``GRPOConfig`` wherever TRL has the concept, so a TRL config moves across
+unchanged; on the command line the same names are written in dash-case (``--learning-rate``).
+Every field carries a one-line help text (shown by ``covey train --help``) and is used somewhere.
+The defaults are the built-in demo: the embedded SmolLM2-135M-Instruct on the ``arithmetic`` task,
+sized to finish in minutes on a laptop CPU.
+
+    >>> cfg = GRPOConfig(learning_rate=2e-5, max_steps=10)
+    >>> cfg.generation_batch_size // cfg.num_generations   # prompts per step
+    2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from covey.errors import ConfigError
+
+
+def _f(default: Any, help: str, **choices: Any) -> Any:
+    """A config field with its one-line help (and, optionally, the allowed values)."""
+    meta = {"help": help, **choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+
+
+@dataclass
+class GRPOConfig:
+    # --- model -------------------------------------------------------------------------------
+    model: str = _f(EMBEDDED_MODEL, "Hugging Face hub id, local model folder, or the embedded default model")
+    trust_remote_code: bool = _f(False, "allow model code from the hub or folder to run (off unless you trust it)")
+    use_peft: bool = _f(False, "train a LoRA adapter instead of all weights")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA scaling numerator (scale = lora_alpha / lora_r)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
+    lora_target_modules: list = _f(["all-linear"], "module names LoRA wraps ('all-linear' = every linear layer but the head)")
+    # --- data --------------------------------------------------------------------------------
+    dataset: str = _f("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
+    dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
+    eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
+    eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
+    max_prompt_length: int = _f(512, "longest prompt in tokens; a longer prompt is an error")
+    seed: int = _f(42, "seed for data order, sampling and initialisation")
+    # --- rewards -----------------------------------------------------------------------------
+    reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")
+    reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
+    # --- generation --------------------------------------------------------------------------
+    num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
+    max_completion_length: int = _f(32, "most tokens generated per completion")
+    temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
+    top_p: float = _f(1.0, "nucleus sampling: keep the smallest token set with this much probability")
+    top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
+    # --- optimisation ------------------------------------------------------------------------
+    learning_rate: float = _f(5e-6, "peak learning rate of AdamW")
+    per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; one generation batch feeds them all")
+    max_steps: int = _f(40, "optimizer steps to train for")
+    num_iterations: int = _f(1, "optimizer steps taken on each generation batch (PPO epochs, mu)")
+    loss_type: str = _f("dapo", "how token losses are aggregated", choices=LOSS_TYPES)
+    beta: float = _f(0.0, "KL penalty coefficient towards the reference model (0 = no reference model)")
+    epsilon: float = _f(0.2, "lower clip range of the probability ratio")
+    epsilon_high: float | None = _f(None, "upper clip range (default: same as epsilon)")
+    scale_rewards: str = _f("group", "divide advantages by the std of the group, of the batch, or not at all", choices=SCALE_REWARDS)
+    max_grad_norm: float = _f(1.0, "clip the gradient norm to this value (0 = no clipping)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    warmup_ratio: float = _f(0.0, "fraction of max_steps spent warming the learning rate up from 0")
+    lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
+    bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    # --- output ------------------------------------------------------------------------------
+    output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
+    overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
+    logging_steps: int = _f(1, "write metrics every this many optimizer steps")
+    log_completions: bool = _f(True, "append every sampled completion with its rewards to completions.jsonl")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # older TRL configs use true/false
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            setattr(self, f.name, _coerce(f.name, value, _field_type(f)))
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(allowed)}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
+        need(
+            self.generation_batch_size % self.num_generations == 0,
+            f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
+            f"{self.gradient_accumulation_steps} = {self.generation_batch_size} completions per step is not divisible "
+            f"by num_generations={self.num_generations}; make it a multiple so every prompt gets a whole group",
+        )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",
+                     "max_completion_length", "max_prompt_length", "logging_steps"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
+        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be positive")
+        need(self.temperature > 0, f"temperature={self.temperature} must be positive (use a small value for near-greedy)")
+        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
+        need(self.beta >= 0, f"beta={self.beta} must be >= 0")
+        need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
+        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
+        need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
+        need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
+        if self.reward_weights is not None:
+            need(
+                len(self.reward_weights) == len(self.reward_funcs),
+                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}; "
+                "give one weight per function",
+            )
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions sampled per optimizer step (prompts per step = this / num_generations)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
+        return cls.from_dict({**values, **(overrides or {})}, source=str(path))
+
+
+def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """(base type, optional) of a field, from its annotation string."""
+    hint = typing.get_type_hints(GRPOConfig)[f.name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
+    return typing.get_origin(base) or base, optional
+
+
+def _coerce(name: str, value: Any, kind: tuple[type, bool]) -> Any:
+    base, optional = kind
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{name} must not be empty")
+    try:
+        if base is bool:
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if base is list:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            return [float(v) if name == "reward_weights" else v for v in items]
+        if base is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise ValueError
+        return base(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {base.__name__}") from None
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(GRPOConfig))
+
+
+def suggest_field(name: str) -> str:
+    return _did_you_mean(name, [f.name for f in config_fields()])

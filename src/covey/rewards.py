@@ -1,0 +1,171 @@
+"""Reward functions: the TRL calling convention, the built-ins, and loading the user's own.
+
+A reward function is called once per batch as
+
+    fn(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns) -> list[float | None]
+
+where ``completions`` are strings for plain-text prompts and ``[{"role": "assistant", "content": ...}]``
+for chat prompts, and every extra dataset column (``answer``, ...) arrives as a list keyword
+argument aligned with the completions. ``None`` means "not applicable to this sample".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from covey.errors import RewardError
+
+RewardFunc = Callable[..., list]
+
+TAGGED_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def completion_text(completion: Any) -> str:
+    """The assistant text of a completion in either format."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message.get("content", "") for message in completion if message.get("role") == "assistant")
+
+
+def parse_number(text: Any) -> float | None:
+    """A number written as text ('1,234', '-3.5', ' 42 ') or given as a number; None if it is not one."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    match = NUMBER.fullmatch(str(text).strip().rstrip("."))
+    return float(match.group().replace(",", "")) if match else None
+
+
+def tagged_answer(text: str) -> str | None:
+    """The content of the first <answer>...</answer> block, or None."""
+    match = TAGGED_ANSWER.search(text)
+    return match.group(1) if match else None
+
+
+def last_number(text: str) -> float | None:
+    numbers = NUMBER.findall(text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def is_correct(completion: Any, answer: Any) -> bool:
+    """Strict check used for evaluation: the answer is in <answer> tags and equals ``answer``."""
+    given, expected = parse_number(tagged_answer(completion_text(completion)) or ""), parse_number(answer)
+    return given is not None and expected is not None and math.isclose(given, expected, abs_tol=1e-6)
+
+
+# ---- built-in rewards ---------------------------------------------------------------------------
+
+
+def answer_format(completions: list, **_: Any) -> list[float]:
+    """Partial credit for '<answer>N</answer>': a quarter each for the opening tag, the closing tag,
+    a bare number inside, and nothing written after the closing tag."""
+    scores = []
+    for completion in completions:
+        text = completion_text(completion)
+        score = 0.25 * ("<answer>" in text) + 0.25 * ("</answer>" in text)
+        inside = tagged_answer(text)
+        if inside is not None:
+            score += 0.25 * (parse_number(inside) is not None)
+            score += 0.25 * (text.rstrip().endswith("</answer>"))
+        scores.append(score)
+    return scores
+
+
+def answer_correct(completions: list, answer: list, **_: Any) -> list[float | None]:
+    """1 if the tagged answer equals the `answer` column; 0.5 if there is no tagged answer but the
+    last number in the text is right; 0 otherwise. None where the row has no usable answer."""
+    scores: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        target = parse_number(expected)
+        if target is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        inside = tagged_answer(text)
+        if inside is not None:
+            given = parse_number(inside)
+            scores.append(1.0 if given is not None and math.isclose(given, target, abs_tol=1e-6) else 0.0)
+        else:
+            given = last_number(text)
+            scores.append(0.5 if given is not None and math.isclose(given, target, abs_tol=1e-6) else 0.0)
+    return scores
+
+
+BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def load_reward_func(spec: str | RewardFunc) -> RewardFunc:
+    """A built-in name, 'path/to/file.py:function', 'package.module:function', or a callable."""
+    if callable(spec):
+        return spec
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise RewardError(f"reward function {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) and not a "
+                          "reference; write 'path/to/rewards.py:function' or 'package.module:function'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise RewardError(f"reward function {spec!r}: file {path} does not exist")
+        module_name = f"covey_user_rewards_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise RewardError(f"reward function {spec!r}: cannot import module {where!r} ({e})") from e
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise RewardError(f"reward function {spec!r}: {where} has no function named {name!r}")
+    return func
+
+
+def reward_name(func: RewardFunc) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def score_completions(
+    reward_funcs: Sequence[RewardFunc],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> torch.Tensor:
+    """Call every reward function on the batch; (B, F) float64 with NaN where a function said None."""
+    B = len(completions)
+    table = torch.full((B, len(reward_funcs)), math.nan, dtype=torch.float64)
+    for j, func in enumerate(reward_funcs):
+        name = reward_name(func)
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if not isinstance(values, (list, tuple)) or len(values) != B:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
+                              "it must return one float (or None) per completion")
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+                raise RewardError(f"reward function {name!r} returned {value!r} for completion {i}; "
+                                  "expected a finite float or None")
+            table[i, j] = float(value)
+    return table
+
+
+def combine_rewards(per_func_BF: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """Weighted sum over functions; a None (NaN) contributes nothing. (B,)"""
+    return (per_func_BF * torch.tensor(weights, dtype=per_func_BF.dtype)).nansum(dim=1)

@@ -1,0 +1,95 @@
+"""Rollout engines: token ids in; completion ids, sampling log-probs and finish reasons out.
+
+An engine knows nothing of rewards, datasets or the trainer. Anything with a ``generate`` method
+of the ``RolloutEngine`` shape can be passed to the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from covey.core import completion_mask
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class Rollout:
+    """Completions of a batch of prompts; rows of one prompt are contiguous (G per prompt)."""
+
+    completion_ids_BT: torch.Tensor  # (B, T) long, padded with pad_token_id after the end
+    completion_mask_BT: torch.Tensor  # (B, T) long, 1 up to and including EOS
+    sampling_logp_BT: torch.Tensor  # (B, T) float, log-prob of each token under the sampling distribution
+    finish_reasons: list[str]  # per row: "eos" or "length"
+
+    @property
+    def lengths_B(self) -> torch.Tensor:
+        return self.completion_mask_BT.sum(1)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 seed: int | None = None) -> Rollout: ...
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids_BT, attention_mask_BT)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+class HFEngine:
+    """Sampling with ``transformers`` ``generate`` on the policy itself."""
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], autocast_bf16: bool = False):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = eos_token_ids
+        self.autocast_bf16 = autocast_bf16
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 seed: int | None = None) -> Rollout:
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        input_ids, attention_mask = left_pad(repeated, self.pad_token_id)
+        device = next(self.model.parameters()).device
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = {} if params.greedy else dict(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
+                pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
+                output_scores=True, return_dict_in_generate=True,
+            )
+        self.model.train(was_training)
+        completion_ids_BT = out.sequences[:, input_ids.shape[1]:].cpu()
+        # scores are the processed logits actually sampled from (temperature, top-k, top-p applied)
+        scores_BTV = torch.stack(out.scores, dim=1).float().cpu()
+        sampling_logp_BT = torch.log_softmax(scores_BTV, dim=-1).gather(-1, completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+        mask_BT = completion_mask(completion_ids_BT, self.eos_token_ids)
+        completion_ids_BT = completion_ids_BT.masked_fill(mask_BT == 0, self.pad_token_id)
+        sampling_logp_BT = sampling_logp_BT.masked_fill(mask_BT == 0, 0.0)
+        ends_with_eos = torch.isin(completion_ids_BT, torch.tensor(self.eos_token_ids)) & (mask_BT == 1)
+        finish_reasons = ["eos" if row.any() else "length" for row in ends_with_eos]
+        return Rollout(completion_ids_BT, mask_BT, sampling_logp_BT, finish_reasons)

@@ -1,0 +1,71 @@
+"""Built-in tasks: seeded problem sets with disjoint train and held-out splits.
+
+Each task yields rows in the dataset format covey trains on: a chat ``prompt`` plus an ``answer``
+column that the built-in rewards (``answer_format``, ``answer_correct``) read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+ANSWER_SYSTEM_PROMPT = (
+    "Add the two numbers. Write the sum, then the final answer in answer tags. Example:\n"
+    "5 + 7 = 12\n<answer>12</answer>"
+)
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the problem step by step, then give only the final number in answer tags. Example:\n"
+    "3 apples + 4 apples = 7 apples\n<answer>7</answer>"
+)
+ARITHMETIC_TEMPLATES = ("What is {a} + {b}?", "Compute {a} + {b}.", "{a} + {b} = ?")
+ARITHMETIC_MAX_OPERAND = 12
+ARITHMETIC_HELDOUT_PAIRS = 64
+SPLIT_SEED = 1234  # fixed, so every run is evaluated on the same held-out problems
+
+
+def chat_prompt(system: str, user: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def arithmetic(split: str) -> list[dict]:
+    """Sums a + b with 0 <= a, b <= 12. The (a, b) pairs of the held-out split never occur in
+    training, in any phrasing; training sees each remaining pair in every phrasing."""
+    pairs = [(a, b) for a in range(ARITHMETIC_MAX_OPERAND + 1) for b in range(ARITHMETIC_MAX_OPERAND + 1)]
+    random.Random(SPLIT_SEED).shuffle(pairs)
+    if split == "test":
+        chosen = [(a, b, ARITHMETIC_TEMPLATES[i % len(ARITHMETIC_TEMPLATES)])
+                  for i, (a, b) in enumerate(pairs[:ARITHMETIC_HELDOUT_PAIRS])]
+    else:
+        chosen = [(a, b, t) for a, b in pairs[ARITHMETIC_HELDOUT_PAIRS:] for t in ARITHMETIC_TEMPLATES]
+    return [{"prompt": chat_prompt(ANSWER_SYSTEM_PROMPT, t.format(a=a, b=b)), "answer": str(a + b)}
+            for a, b, t in chosen]
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """GSM8K writes the final number after '####'."""
+    if "####" not in solution:
+        raise ValueError("no '####' final-answer marker")
+    return solution.split("####")[-1].strip().replace(",", "")
+
+
+def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
+    """GSM8K-format records ({question, answer with '#### N'}) as chat prompts with an `answer` column."""
+    rows = []
+    for i, record in enumerate(records):
+        try:
+            answer = gsm8k_final_answer(record["answer"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{source}, row {i}: not GSM8K format ({e}); expected 'question' and an 'answer' "
+                             "ending in '#### <number>'") from None
+        rows.append({"prompt": chat_prompt(GSM8K_SYSTEM_PROMPT, record["question"]), "answer": answer,
+                     "solution": record["answer"]})
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+TASKS = {"arithmetic": arithmetic}

@@ -1,0 +1,79 @@
+"""What a run shows and writes: the progress bar, metrics.jsonl, completions.jsonl, the summary.
+
+Telemetry receives numbers and texts; it never sees the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
+             ("tokens_per_second", "tok/s"))
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf
+    return value
+
+
+class RunLog:
+    """Appends metrics and completions as JSON lines and drives the console display."""
+
+    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None, quiet: bool = False):
+        self.run_dir = run_dir
+        self.console = console or Console(stderr=True)
+        self.quiet = quiet
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.completions_path = run_dir / "completions.jsonl"
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                                 console=self.console, disable=quiet)
+        self.task = self.progress.add_task("", total=total_steps)
+        self.history: list[dict] = []
+
+    def __enter__(self) -> "RunLog":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        live = "  ".join(f"{label} {metrics[key]:.3g}" for key, label in LIVE_KEYS if key in metrics)
+        self.progress.update(self.task, completed=step, description=live)
+
+    def log_completions(self, step: int, records: list[dict]) -> None:
+        with open(self.completions_path, "a") as f:
+            for record in records:
+                f.write(json.dumps({"step": step, **record}) + "\n")
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(message)
+
+
+def print_summary(console: Console, before: dict | None, after: dict | None, run_dir: Path) -> None:
+    table = Table(title="held-out evaluation (greedy)")
+    table.add_column("")
+    table.add_column("accuracy", justify="right")
+    table.add_column("mean reward", justify="right")
+    for name, result in (("before", before), ("after", after)):
+        if result:
+            table.add_row(name, f"{100 * result['accuracy']:.1f}%", f"{result['mean_reward']:.3f}")
+    if before and after:
+        table.add_row("change", f"{100 * (after['accuracy'] - before['accuracy']):+.1f} pts",
+                      f"{after['mean_reward'] - before['mean_reward']:+.3f}")
+    console.print(table)
+    console.print(f"run folder: {run_dir}")
