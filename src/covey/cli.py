@@ -57,7 +57,7 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 
 
 def cmd_train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="covey train", description="Train a model with GRPO.")
+    parser = argparse.ArgumentParser(prog="covey train", description="Train a model with GRPO.", allow_abbrev=False)
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     args = _load_config(namespace.config, overrides)
@@ -69,7 +69,8 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="covey eval", description="Greedy held-out accuracy and mean reward of a model or run folder.")
+        prog="covey eval", description="Greedy held-out accuracy and mean reward of a model or run folder.",
+        allow_abbrev=False)
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     config_path = namespace.config

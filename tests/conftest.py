@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny character-level tokenizer and a tiny random Llama, built offline."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    """Every printable character is a token; <s>/</s> frame chat turns; </s> is EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(string.printable))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                  bos_token="<s>", eos_token="</s>")
+    tok.add_special_tokens({"additional_special_tokens": []})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(vocab_size: int, seed: int = 0, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=2, eos_token_id=3, pad_token_id=0, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    return make_model(len(tokenizer))
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path, tokenizer):
+    """A tiny Llama saved as a Hugging Face folder, as a user's local model would be."""
+    folder = tmp_path / "tiny-llama"
+    make_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

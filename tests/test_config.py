@@ -1,0 +1,89 @@
+import dataclasses
+
+import pytest
+
+from covey.cli import main
+from covey.config import GRPOConfig
+from covey.errors import ConfigError
+
+
+def test_defaults_are_valid_and_every_field_has_help():
+    cfg = GRPOConfig()
+    for f in dataclasses.fields(cfg):
+        assert f.metadata.get("help"), f.name
+    assert cfg.generation_batch_size % cfg.num_generations == 0
+
+
+def test_unknown_key_names_the_closest_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rte: 1e-5\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'learning_rte'.*did you mean 'learning_rate'"):
+        GRPOConfig.from_yaml(path)
+
+
+def test_batch_must_divide_by_num_generations():
+    with pytest.raises(ConfigError, match="not divisible by num_generations=8"):
+        GRPOConfig(per_device_train_batch_size=12, gradient_accumulation_steps=1, num_generations=8)
+    GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8)
+
+
+def test_yaml_values_are_typed_and_command_line_overrides_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-5\nmax_steps: 7\nuse_peft: true\nreward_weights: [1, 2]\nepsilon_high: 0.28\n")
+    cfg = GRPOConfig.from_yaml(path, {"learning_rate": "2e-5"})
+    assert cfg.learning_rate == 2e-5 and isinstance(cfg.learning_rate, float)
+    assert cfg.max_steps == 7 and cfg.use_peft is True and cfg.reward_weights == [1.0, 2.0]
+    assert cfg.epsilon_high == 0.28
+
+
+def test_invalid_yaml_reports_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-5\nmax_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML at line \d+, column \d+"):
+        GRPOConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"max_steps": "ten"}, "max_steps='ten' is not a valid int"),
+    ({"max_steps": 2.5}, "is not a valid int"),
+    ({"learning_rate": -1}, "learning_rate=-1.0 must be positive"),
+    ({"loss_type": "ppo"}, "loss_type='ppo' is not one of grpo, bnpo, dr_grpo, dapo"),
+    ({"num_generations": 1, "per_device_train_batch_size": 1}, "at least 2"),
+    ({"reward_weights": [1.0]}, "reward_weights has 1 values but reward_funcs has 2"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"use_peft": "maybe"}, "use_peft='maybe' is not a valid bool"),
+])
+def test_bad_values_are_rejected_with_the_field_name(values, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**values)
+
+
+def test_trl_style_scale_rewards_booleans_are_accepted():
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = GRPOConfig(learning_rate=3e-6, reward_weights=[0.5, 2.0], epsilon_high=0.28)
+    cfg.save(tmp_path / "config.yaml")
+    assert GRPOConfig.from_yaml(tmp_path / "config.yaml") == cfg
+
+
+def test_help_lists_every_field_in_dash_case(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(GRPOConfig):
+        assert "--" + f.name.replace("_", "-") in out
+
+
+def test_cli_unknown_option_suggests_and_exits_before_loading(capsys):
+    assert main(["train", "--learning-rat", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option --learning-rat" in err and "learning_rate" in err
+
+
+def test_cli_bad_divisibility_is_one_line_error(capsys):
+    assert main(["train", "--per-device-train-batch-size", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "num_generations" in err

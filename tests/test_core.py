@@ -1,0 +1,181 @@
+"""Each invariant of the GRPO maths (SPEC.md) as a small exact test."""
+
+import math
+
+import pytest
+import torch
+
+from covey import core
+from covey.core import BatchCounts, LOSS_NORMALISERS, completion_mask, group_advantages, kl_k3, policy_loss
+
+
+def test_selective_log_softmax_equals_log_softmax_gather_and_is_nonpositive():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11) * 4
+    ids = torch.randint(0, 11, (3, 5))
+    got = core.selective_log_softmax(logits, ids)
+    want = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got <= 0).all()
+
+
+def test_selective_log_softmax_operand_order_matters():
+    # a reversed subtraction (logsumexp - selected) would be >= 0 everywhere
+    logits = torch.tensor([[[2.0, 0.0, -1.0]]])
+    value = core.selective_log_softmax(logits, torch.tensor([[0]])).item()
+    assert value == pytest.approx(2.0 - math.log(math.exp(2) + 1 + math.exp(-1)))
+
+
+def test_token_entropy_uniform_and_peaked():
+    uniform = core.token_entropy(torch.zeros(1, 2, 8))
+    assert torch.allclose(uniform, torch.full((1, 2), math.log(8)))
+    peaked = core.token_entropy(torch.tensor([[[100.0, 0.0, 0.0]]]))
+    assert peaked.item() < 1e-6
+
+
+def test_group_advantages_sum_to_zero_and_follow_reward_order():
+    rewards = torch.tensor([1.0, 3.0, 2.0, 0.0, 0.5, 0.7])
+    adv, zero_std = group_advantages(rewards, group_size=3)
+    for group in adv.view(2, 3):
+        assert abs(group.sum().item()) < 1e-6
+    assert adv[1] > adv[2] > adv[0] and adv[5] > adv[4] > adv[3]
+    # exact value: (r - mean) / (std + eps), std unbiased as in the paper's implementation
+    g = torch.tensor([1.0, 3.0, 2.0])
+    assert adv[:3].tolist() == pytest.approx(((g - g.mean()) / (g.std() + core.ADVANTAGE_EPS)).tolist())
+    assert zero_std.tolist() == [False, False]
+
+
+def test_constant_group_gets_zero_advantage_and_is_reported():
+    adv, zero_std = group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), group_size=2)
+    assert adv[:2].tolist() == [0.0, 0.0]
+    assert zero_std.tolist() == [True, False]
+
+
+def test_advantage_eps_is_small_relative_to_std():
+    # a reward spread of 0.01 must still give advantages near +-0.7, not be flattened by eps
+    adv, _ = group_advantages(torch.tensor([0.0, 0.01]), group_size=2)
+    assert adv[1].item() == pytest.approx(0.7071, rel=0.02)
+
+
+def test_scale_rewards_variants():
+    rewards = torch.tensor([0.0, 2.0, 10.0, 14.0])
+    none, _ = group_advantages(rewards, 2, scale="none")
+    assert none.tolist() == [-1.0, 1.0, -2.0, 2.0]
+    batch, _ = group_advantages(rewards, 2, scale="batch")
+    assert torch.allclose(batch, none / (rewards.std() + core.ADVANTAGE_EPS))
+    with pytest.raises(ValueError):
+        group_advantages(rewards, 2, scale="bogus")
+
+
+def test_kl_k3_zero_when_equal_and_nonnegative():
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 6) * 3
+    assert torch.equal(kl_k3(logp, logp), torch.zeros(4, 6))
+    assert (kl_k3(logp, -torch.rand(4, 6) * 3) >= 0).all()
+
+
+def test_completion_mask_includes_first_eos_and_excludes_padding():
+    ids = torch.tensor([[5, 6, 9, 0, 0], [5, 9, 9, 7, 0], [5, 6, 7, 8, 4]])
+    mask = completion_mask(ids, eos_ids=[9])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def _inputs(B=4, T=5, seed=0):
+    torch.manual_seed(seed)
+    logp = (-torch.rand(B, T, dtype=torch.float64) * 2).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(B, T, dtype=torch.float64)
+    adv = torch.randn(B, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return logp, old, adv, mask
+
+
+def test_ratio_is_one_on_first_pass_and_loss_is_minus_mean_advantage():
+    logp, _, adv, mask = _inputs()
+    counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, counts, loss_type="grpo")
+    assert loss.item() == pytest.approx(-adv.mean().item())
+    assert stats["clip_low_sum"] == 0 and stats["clip_high_sum"] == 0
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_NORMALISERS))
+def test_each_loss_type_matches_its_formula(loss_type):
+    logp, old, adv, mask = _inputs()
+    counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=7)
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28)
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.28) * a)
+    m = mask.double()
+    want = {
+        "grpo": ((per_token * m).sum(1) / m.sum(1)).mean(),
+        "bnpo": (per_token * m).sum() / m.sum(),
+        "dr_grpo": (per_token * m).sum() / (4 * 7),
+        "dapo": (per_token * m).sum() / m.sum(),
+    }[loss_type]
+    assert abs(loss.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_NORMALISERS))
+def test_micro_batches_add_up_to_the_full_batch(loss_type):
+    logp, old, adv, mask = _inputs(B=6, T=4, seed=1)
+    counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=1, max_completion_length=4)
+    full, _ = policy_loss(logp, old, adv, mask, counts, loss_type=loss_type, beta=0.1, ref_logp_BT=old - 0.1)
+    full_grad, = torch.autograd.grad(full, logp)
+    split_counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=2, max_completion_length=4)
+    total, grad = 0.0, torch.zeros_like(logp)
+    for rows in (slice(0, 3), slice(3, 6)):
+        part, _ = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], split_counts, loss_type=loss_type,
+                              beta=0.1, ref_logp_BT=old[rows] - 0.1)
+        total += part.item()
+        grad += torch.autograd.grad(part, logp)[0]
+    if loss_type == "bnpo":  # token mean per micro-batch, by definition not the full-batch token mean
+        return
+    assert total == pytest.approx(full.item(), rel=1e-12)
+    assert torch.allclose(grad, full_grad, rtol=1e-12)
+
+
+def test_padding_never_enters_the_loss():
+    logp, old, adv, mask = _inputs()
+    counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_type="grpo")
+    garbage = old.clone()
+    garbage[mask == 0] = 50.0  # absurd values where the mask is 0
+    loss2, _ = policy_loss(logp, garbage, adv, mask, counts, loss_type="grpo")
+    assert loss.item() == pytest.approx(loss2.item(), rel=1e-12)
+    grad, = torch.autograd.grad(loss, logp)
+    assert (grad[mask == 0] == 0).all()
+
+
+def test_gradient_step_raises_positive_and_lowers_negative_advantage_logprobs():
+    logp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    counts = BatchCounts(sequences=2, tokens=6, micro_batches=1, max_completion_length=3)
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, counts, loss_type="grpo")
+    grad, = torch.autograd.grad(loss, logp)
+    assert (grad[0] < 0).all() and (grad[1] > 0).all()  # descent raises row 0, lowers row 1
+
+
+def test_kl_penalty_adds_beta_times_k3_and_is_reported():
+    logp, old, adv, mask = _inputs()
+    ref = old - 0.2
+    counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
+    base, _ = policy_loss(logp, old, adv, mask, counts, loss_type="dapo")
+    with_kl, stats = policy_loss(logp, old, adv, mask, counts, loss_type="dapo", beta=0.5, ref_logp_BT=ref)
+    kl = (kl_k3(logp, ref) * mask).sum()
+    assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl.item() / mask.sum().item(), rel=1e-12)
+    assert stats["kl_sum"].item() == pytest.approx(kl.item())
+    with pytest.raises(ValueError):
+        policy_loss(logp, old, adv, mask, counts, beta=0.5)
+
+
+def test_clipping_stats_count_clipped_tokens():
+    logp = torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]], dtype=torch.float64))
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.long)
+    counts = BatchCounts(sequences=2, tokens=4, micro_batches=1, max_completion_length=2)
+    _, stats = policy_loss(logp, old, adv, mask, counts, epsilon_low=0.2, epsilon_high=0.2)
+    assert stats["clip_high_sum"].item() == 1 and stats["clip_low_sum"].item() == 1

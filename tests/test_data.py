@@ -1,0 +1,85 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from covey.data import PromptSampler, heldout_rows, load_rows
+from covey.errors import DataError
+from covey.tasks import arithmetic, gsm8k_final_answer
+
+DATA = Path(__file__).parent / "data"
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def test_arithmetic_splits_are_disjoint_seeded_and_answerable():
+    train, test = arithmetic("train"), arithmetic("test")
+    pair = lambda row: row["prompt"][-1]["content"]  # noqa: E731
+    numbers = lambda row: tuple(int(t) for t in pair(row).replace("?", " ").replace(".", " ").split() if t.isdigit())  # noqa: E731
+    assert not {numbers(r) for r in train} & {numbers(r) for r in test}
+    assert arithmetic("train") == train  # same every call
+    for row in train[:50] + test:
+        a, b = numbers(row)
+        assert int(row["answer"]) == a + b
+        assert row["prompt"][0]["role"] == "system" and "<answer>" in row["prompt"][0]["content"]
+    assert len(test) == 64 and len(train) == 3 * (169 - 64)
+
+
+def test_local_files_in_every_format(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(3)]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_rows(str(jsonl)) == rows
+    import datasets
+
+    plain = [{"prompt": f"question {i}", "answer": str(i)} for i in range(3)]
+    datasets.Dataset.from_list(plain).to_csv(tmp_path / "d.csv")
+    datasets.Dataset.from_list(plain).to_parquet(tmp_path / "d.parquet")
+    for name in ("d.csv", "d.parquet"):
+        loaded = load_rows(str(tmp_path / name))
+        assert [r["prompt"] for r in loaded] == [r["prompt"] for r in plain]
+    assert load_rows(datasets.Dataset.from_list(rows)) == rows
+
+
+def test_gsm8k_format_becomes_chat_prompts_with_final_answers():
+    rows = load_rows(str(DATA / "gsm8k_sample.jsonl"))
+    first = json.loads((DATA / "gsm8k_sample.jsonl").read_text().splitlines()[0])
+    assert rows[0]["answer"] == first["answer"].split("####")[-1].strip()
+    assert rows[0]["prompt"][-1] == {"role": "user", "content": first["question"]}
+    assert gsm8k_final_answer("so 3,000 total\n#### 3,000") == "3000"
+
+
+@pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="the full GSM8K copy is not beside this checkout")
+def test_full_gsm8k_test_split_loads():
+    rows = load_rows(str(SHARED_GSM8K / "test.jsonl"))
+    assert len(rows) == 1319 and all(r["answer"].lstrip("-").replace(".", "").isdigit() for r in rows)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "empty"),
+    ([{"text": "hi"}], "no 'prompt' column"),
+    ([{"prompt": "ok"}, {"prompt": "  "}], "row 1: 'prompt' must be a non-empty"),
+    ([{"prompt": [{"role": "user"}]}], "row 0"),
+    ([{"prompt": "a", "answer": 1}, {"prompt": "b"}], "row 1: columns"),
+])
+def test_bad_rows_are_reported_with_the_row(rows, message):
+    with pytest.raises(DataError, match=message):
+        load_rows(rows)
+
+
+def test_missing_file_is_reported(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+
+
+def test_heldout_rows():
+    assert len(heldout_rows("arithmetic", None, 10)) == 10
+    assert heldout_rows("arithmetic", None, 0) is None
+    assert heldout_rows([{"prompt": "x"}], None, 10) is None
+
+
+def test_prompt_sampler_covers_every_row_each_pass_and_is_seeded():
+    sampler = PromptSampler(10, 5, seed=3)
+    first_pass = next(sampler) + next(sampler)
+    assert sorted(first_pass) == list(range(10))
+    again = PromptSampler(10, 5, seed=3)
+    assert next(again) + next(again) == first_pass
