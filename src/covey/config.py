@@ -128,12 +128,6 @@ class GRPOConfig:
         need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
         need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
-        if self.reward_weights is not None:
-            need(
-                len(self.reward_weights) == len(self.reward_funcs),
-                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}; "
-                "give one weight per function",
-            )
 
     @property
     def generation_batch_size(self) -> int:

@@ -166,6 +166,23 @@ def score_completions(
     return table
 
 
+def preflight_check(reward_funcs: Sequence[RewardFunc], rows: list[dict]) -> None:
+    """Call each function once on a tiny batch of placeholder completions, before any model is
+    loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
+    A function that raises on the placeholder text is left for the real batch to judge."""
+    rows = rows[:2]
+    conversational = not isinstance(rows[0]["prompt"], str)
+    completions = [[{"role": "assistant", "content": ""}] if conversational else "" for _ in rows]
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    for func in reward_funcs:
+        try:
+            score_completions([func], [r["prompt"] for r in rows], completions, [[] for _ in rows], columns)
+        except RewardError:
+            raise
+        except Exception:
+            continue
+
+
 def combine_rewards(per_func_BF: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
     """Weighted sum over functions; a None (NaN) contributes nothing. (B,)"""
     return (per_func_BF * torch.tensor(weights, dtype=per_func_BF.dtype)).nansum(dim=1)

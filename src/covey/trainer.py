@@ -32,7 +32,8 @@ from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_model, load_policy, load_tokenizer,
                           prepare_tokenizer)
-from covey.rewards import RewardFunc, combine_rewards, completion_text, load_reward_func, reward_name, score_completions
+from covey.rewards import (RewardFunc, combine_rewards, completion_text, load_reward_func, preflight_check, reward_name,
+                           score_completions)
 from covey.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, left_pad
 from covey.telemetry import RunLog, print_summary
 from covey.text import decode_completions, encode_prompts
@@ -95,6 +96,7 @@ class GRPOTrainer:
                               f"{len(self.reward_funcs)} reward functions; give one weight per function")
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.train_rows = load_rows(dataset, split=args.dataset_split)
+        preflight_check(self.reward_funcs, self.train_rows)
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples)
         self.run_dir = make_run_dir(args)

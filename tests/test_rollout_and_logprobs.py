@@ -1,0 +1,102 @@
+"""The transformers rollout engine and the trainer's log-prob pass agree with plain forward passes."""
+
+import torch
+
+from covey.core import completion_mask
+from covey.logprobs import SequenceBatch, completion_logprobs
+from covey.rollout import HFEngine, SamplingParams, left_pad
+
+
+def _prompts(tokenizer):
+    chats = [[{"role": "user", "content": "hello there"}], [{"role": "user", "content": "2+2"}]]
+    return [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"] for c in chats]
+
+
+def _full_forward_logprobs(model, prompt, completion, temperature=1.0):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_greedy_rows_do_not_depend_on_padding_or_batch(tokenizer, tiny_model):
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    together = engine.generate(prompts, 1, params)
+    for row, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], 1, params)
+        n = int(alone.lengths_B[0])
+        assert together.completion_ids_BT[row, :n].tolist() == alone.completion_ids_BT[0, :n].tolist()
+
+
+def test_sampling_logprobs_match_a_full_forward_and_groups_are_contiguous(tokenizer, tiny_model):
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    prompts = _prompts(tokenizer)
+    rollout = engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, temperature=0.7), seed=0)
+    assert rollout.completion_ids_BT.shape[0] == 6
+    for row in range(6):
+        n = int(rollout.lengths_B[row])
+        completion = rollout.completion_ids_BT[row, :n].tolist()
+        want = _full_forward_logprobs(tiny_model, prompts[row // 3], completion, temperature=0.7)
+        assert torch.allclose(rollout.sampling_logp_BT[row, :n], want, atol=1e-4)
+        assert (rollout.completion_ids_BT[row, n:] == tokenizer.pad_token_id).all()
+
+
+def _always_emit(model, token: int, vocab: int):
+    """Replace the head so that `token` is the only plausible next token."""
+    head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-20.0)
+        head.bias[token] = 20.0
+    model.lm_head = head
+    return model
+
+
+def test_eos_ends_the_completion_inside_the_mask(tokenizer, tiny_model):
+    eos = tokenizer.eos_token_id
+    engine = HFEngine(_always_emit(tiny_model, eos, len(tokenizer)), tokenizer.pad_token_id, [eos])
+    rollout = engine.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=4))
+    assert rollout.finish_reasons == ["eos"] * 4
+    assert rollout.lengths_B.tolist() == [1] * 4 and (rollout.completion_ids_BT[:, 0] == eos).all()
+
+
+def test_length_finish_when_eos_never_comes(tokenizer, tiny_model):
+    engine = HFEngine(_always_emit(tiny_model, 50, len(tokenizer)), tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    rollout = engine.generate(_prompts(tokenizer), 1, SamplingParams(max_new_tokens=5))
+    assert rollout.finish_reasons == ["length", "length"] and rollout.lengths_B.tolist() == [5, 5]
+
+
+def test_sampling_is_reproducible_with_a_seed(tokenizer, tiny_model):
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    params = SamplingParams(max_new_tokens=8)
+    a = engine.generate(_prompts(tokenizer), 2, params, seed=5)
+    b = engine.generate(_prompts(tokenizer), 2, params, seed=5)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+
+
+def test_training_logprobs_equal_full_forward_under_left_padding(tokenizer, tiny_model):
+    prompts = _prompts(tokenizer)
+    completions = [[40, 41, 42, tokenizer.eos_token_id], [50, 51]]
+    prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id)
+    completion_ids = torch.full((2, 4), tokenizer.pad_token_id)
+    for row, c in enumerate(completions):
+        completion_ids[row, : len(c)] = torch.tensor(c)
+    mask = completion_mask(completion_ids, [tokenizer.eos_token_id], torch.tensor([4, 2]))
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, mask)
+    with torch.no_grad():
+        logp, entropy = completion_logprobs(tiny_model, batch, temperature=0.9, with_entropy=True)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        want = _full_forward_logprobs(tiny_model, prompt, completion, temperature=0.9)
+        assert torch.allclose(logp[row, : len(completion)], want, atol=1e-5)
+    assert (logp[mask == 1] <= 0).all() and (entropy >= 0).all()
+    trimmed = batch.rows(slice(1, 2))
+    assert trimmed.completion_ids_BT.shape[1] == 2 and trimmed.prompt_mask_BP.all()

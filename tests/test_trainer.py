@@ -1,0 +1,152 @@
+"""End to end on a tiny random Llama built in the test: no download, seconds per run."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from covey import GRPOConfig, GRPOTrainer
+from covey.errors import ConfigError, DataError, RewardError
+from tests.conftest import make_model
+
+ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
+
+
+def count_a(completions, **kwargs):
+    """Varies from sample to sample even for a random model: distinct characters, 'a' counting double."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(len(set(t)) + t.count("a")) / 8 for t in texts]
+
+
+def small_args(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, max_completion_length=8, learning_rate=1e-3, eval_max_samples=4)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, tokenizer, tiny_model):
+    args = small_args(tmp_path, beta=0.04, num_iterations=2, max_steps=3, reward_weights=[2.0])
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          eval_dataset=ROWS, processing_class=tokenizer, quiet=True)
+    before = _snapshot(trainer.model)
+    summary = trainer.train()
+    after = _snapshot(trainer.model)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert trainer.reference is not None and all(
+        torch.equal(before[n], p) for n, p in trainer.reference.frozen.named_parameters())
+
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for key in ("reward", "reward_std", "rewards/count_a/mean", "frac_reward_zero_std", "kl", "loss", "entropy",
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "step_time",
+                "learning_rate", "grad_norm"):
+        assert key in metrics[0], key
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first step
+    completions = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(completions) == 2 * 8 and {"prompt", "completion", "rewards", "advantage"} <= set(completions[0])
+    assert GRPOConfig.from_yaml(run / "config.yaml") == args
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["steps"] == 3 and saved["before"]["n"] == 4 and "accuracy" in saved["after"]
+    assert summary["final_model"] == str(run / "final_model")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(run / "final_model")
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, after[name]), name
+    assert AutoTokenizer.from_pretrained(run / "final_model").chat_template
+
+
+def test_lora_trains_only_the_adapter_and_saves_it(tmp_path, tokenizer, tiny_model_dir):
+    args = small_args(tmp_path, model=str(tiny_model_dir), use_peft=True, lora_r=4, beta=0.1, max_steps=2)
+    trainer = GRPOTrainer(reward_funcs=[count_a], args=args, train_dataset=ROWS, quiet=True)
+    before = _snapshot(trainer.model)
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
+    assert trainer.reference.frozen is None  # the reference is the base with the adapter disabled
+
+    from peft import AutoPeftModelForCausalLM
+
+    adapter = tmp_path / "run" / "final_model"
+    assert (adapter / "adapter_config.json").is_file()
+    loaded = AutoPeftModelForCausalLM.from_pretrained(adapter)
+    weights = dict(loaded.named_parameters())
+    assert any(torch.equal(weights[n], p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, tokenizer):
+    """Same samples, same step: 2 micro-batches of 4 give the gradient of 1 batch of 8 (dapo)."""
+    grads = []
+    for micro, accum in ((8, 1), (4, 2)):
+        model = make_model(len(tokenizer), seed=1)
+        args = small_args(tmp_path / f"{micro}", per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                          max_steps=1, eval_max_samples=0)
+        trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                              processing_class=tokenizer, quiet=True)
+        batch, _ = trainer.generate_and_score([0, 1])
+        trainer.optimizer.step = lambda: None  # keep the gradient for inspection
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        trainer.optimize(batch)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_a_run_folder_is_never_overwritten(tmp_path, tokenizer, tiny_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "precious.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="already holds files"):
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=ROWS,
+                    processing_class=tokenizer)
+    assert (run / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
+    import covey.trainer
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(covey.trainer, "load_policy", no_loading)
+    monkeypatch.setattr(covey.trainer, "load_tokenizer", no_loading)
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=[{"text": "x"}])
+
+    def two_values(completions, **kw):
+        return [1.0, 0.0]
+
+    with pytest.raises(RewardError, match="'two_values' returned 2 values for 1 completions"):
+        GRPOTrainer(reward_funcs=[two_values], args=small_args(tmp_path), train_dataset=ROWS[:1])
+    with pytest.raises(ConfigError, match="reward_weights has 2 values for 1 reward functions"):
+        GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, reward_weights=[1, 2]), train_dataset=ROWS)
+    with pytest.raises(RewardError, match="not a built-in"):
+        GRPOTrainer(reward_funcs=["nonexistent_reward"], args=small_args(tmp_path), train_dataset=ROWS)
+
+
+def test_prompt_longer_than_the_limit_is_reported(tmp_path, tokenizer, tiny_model):
+    with pytest.raises(DataError, match="row 0: prompt is .* tokens, over max_prompt_length=5"):
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path, max_prompt_length=5),
+                    train_dataset=ROWS, processing_class=tokenizer)
+
+
+def test_plain_text_prompts_get_string_completions(tmp_path, tokenizer, tiny_model):
+    seen = []
+
+    def spy(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "abc"}, {"prompt": "xyz"}]
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[spy], args=small_args(tmp_path, max_steps=1),
+                          train_dataset=rows, processing_class=tokenizer, quiet=True)
+    trainer.train()
+    assert seen and all(isinstance(c, str) for c in seen)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["max_steps"] == 1
