@@ -67,10 +67,10 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest token set with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
     # --- optimisation ------------------------------------------------------------------------
-    learning_rate: float = _f(5e-6, "peak learning rate of AdamW")
+    learning_rate: float = _f(1e-5, "peak learning rate of AdamW")
     per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; one generation batch feeds them all")
-    max_steps: int = _f(40, "optimizer steps to train for")
+    max_steps: int = _f(30, "optimizer steps to train for")
     num_iterations: int = _f(1, "optimizer steps taken on each generation batch (PPO epochs, mu)")
     loss_type: str = _f("dapo", "how token losses are aggregated", choices=LOSS_TYPES)
     beta: float = _f(0.0, "KL penalty coefficient towards the reference model (0 = no reference model)")

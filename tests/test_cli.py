@@ -1,0 +1,59 @@
+"""The command line, end to end, on a tiny local model folder."""
+
+import json
+import textwrap
+
+from covey.cli import main
+
+
+def test_train_from_yaml_with_overrides_and_user_rewards_then_eval(tmp_path, tiny_model_dir, capsys):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(textwrap.dedent("""
+        def distinct(completions, **kwargs):
+            return [len(set(c[0]["content"])) / 8 for c in completions]
+    """))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a} + 1"}], "answer": str(a + 1)}) + "\n"
+                            for a in range(6)))
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent(f"""
+        model: {tiny_model_dir}
+        dataset: {data}
+        eval_dataset: {data}
+        reward_funcs: [answer_format, "{rewards}:distinct"]
+        reward_weights: [1.0, 0.5]
+        num_generations: 4
+        per_device_train_batch_size: 8
+        max_completion_length: 6
+        learning_rate: 1.0e-4
+        max_steps: 5
+    """))
+    run = tmp_path / "run"
+    code = main(["train", str(config), "--max-steps", "2", "--learning-rate", "2e-5", "--output-dir", str(run),
+                 "--eval-max-samples", "3"])
+    assert code == 0
+    resolved = (run / "config.yaml").read_text()
+    assert "max_steps: 2" in resolved and "learning_rate: 2.0e-05" in resolved
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and "rewards/distinct/mean" in metrics[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["before"]["n"] == 3
+    capsys.readouterr()
+
+    assert main(["eval", str(run)]) == 0  # the run's own config: 3 held-out rows
+    assert "n=3" in capsys.readouterr().out
+    assert main(["eval", str(run), "--eval-max-samples", "5"]) == 0
+    assert "n=5" in capsys.readouterr().out
+
+
+def test_missing_config_file_and_bad_dataset_are_one_line_errors(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--dataset", str(tmp_path / "nope.jsonl")]) == 2
+    assert "dataset file" in capsys.readouterr().err
+
+
+def test_unknown_command_and_usage(capsys):
+    assert main(["frobnicate"]) == 2
+    assert main([]) == 2
+    assert "usage: covey" in capsys.readouterr().err
