@@ -179,3 +179,11 @@ def test_clipping_stats_count_clipped_tokens():
     counts = BatchCounts(sequences=2, tokens=4, micro_batches=1, max_completion_length=2)
     _, stats = policy_loss(logp, old, adv, mask, counts, epsilon_low=0.2, epsilon_high=0.2)
     assert stats["clip_high_sum"].item() == 1 and stats["clip_low_sum"].item() == 1
+
+
+def test_entropy_is_reported_over_masked_tokens():
+    logp, old, adv, mask = _inputs()
+    entropy = torch.rand(4, 5, dtype=torch.float64)
+    counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
+    _, stats = policy_loss(logp, old, adv, mask, counts, entropy_BT=entropy)
+    assert stats["entropy_sum"].item() == pytest.approx((entropy * mask).sum().item())

@@ -83,3 +83,17 @@ def test_prompt_sampler_covers_every_row_each_pass_and_is_seeded():
     assert sorted(first_pass) == list(range(10))
     again = PromptSampler(10, 5, seed=3)
     assert next(again) + next(again) == first_pass
+
+
+def test_hub_dataset_ids_go_to_datasets_with_the_split(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [{"prompt": "hi", "answer": "1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_rows("someone/some-dataset", split="validation") == [{"prompt": "hi", "answer": "1"}]
+    assert calls == [(("someone/some-dataset",), {"split": "validation"})]

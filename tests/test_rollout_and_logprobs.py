@@ -100,3 +100,28 @@ def test_training_logprobs_equal_full_forward_under_left_padding(tokenizer, tiny
     assert (logp[mask == 1] <= 0).all() and (entropy >= 0).all()
     trimmed = batch.rows(slice(1, 2))
     assert trimmed.completion_ids_BT.shape[1] == 2 and trimmed.prompt_mask_BP.all()
+
+
+def test_top_k_and_top_p_restrict_the_sampled_tokens(tokenizer, tiny_model):
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    prompt = _prompts(tokenizer)[:1]
+    with torch.no_grad():
+        first_logits = tiny_model(input_ids=torch.tensor(prompt)).logits[0, -1]
+    top3 = set(first_logits.topk(3).indices.tolist())
+    rollout = engine.generate(prompt, 32, SamplingParams(max_new_tokens=1, top_k=3), seed=0)
+    assert set(rollout.completion_ids_BT[:, 0].tolist()) <= top3
+    # the reported log-prob is that of the top-3 renormalised distribution, so it is >= the full one
+    full = torch.log_softmax(first_logits, -1)[rollout.completion_ids_BT[:, 0]]
+    assert (rollout.sampling_logp_BT[:, 0] >= full - 1e-6).all()
+    nucleus = engine.generate(prompt, 32, SamplingParams(max_new_tokens=1, top_p=1e-6), seed=0)
+    assert set(nucleus.completion_ids_BT[:, 0].tolist()) == {int(first_logits.argmax())}
+
+
+def test_a_generation_config_saved_with_the_model_is_ignored(tokenizer, tiny_model):
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    prompt = _prompts(tokenizer)[:1]
+    plain = engine.generate(prompt, 4, SamplingParams(max_new_tokens=6), seed=1)
+    tiny_model.generation_config.repetition_penalty = 5.0
+    tiny_model.generation_config.top_k = 2
+    again = engine.generate(prompt, 4, SamplingParams(max_new_tokens=6), seed=1)
+    assert torch.equal(plain.completion_ids_BT, again.completion_ids_BT)

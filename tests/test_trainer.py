@@ -150,3 +150,15 @@ def test_plain_text_prompts_get_string_completions(tmp_path, tokenizer, tiny_mod
     trainer.train()
     assert seen and all(isinstance(c, str) for c in seen)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["max_steps"] == 1
+
+
+@pytest.mark.parametrize("schedule, warmup, expected", [
+    ("constant", 0.0, [1.0, 1.0, 1.0, 1.0]),
+    ("linear", 0.0, [1.0, 0.75, 0.5, 0.25]),
+    ("cosine", 0.5, [1 / 3, 2 / 3, 1.0, 0.5]),
+])
+def test_learning_rate_schedules(tmp_path, tokenizer, tiny_model, schedule, warmup, expected):
+    args = small_args(tmp_path, max_steps=4, lr_scheduler_type=schedule, warmup_ratio=warmup, learning_rate=1.0)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer)
+    assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx(expected)

@@ -107,11 +107,13 @@ def policy_loss(
     epsilon_high: float = 0.2,
     beta: float = 0.0,
     ref_logp_BT: torch.Tensor | None = None,
+    entropy_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with an optional k3 KL penalty; returns (loss, detached stats).
 
     ``mask_BT`` is 1 on completion tokens that are trained (EOS included) and 0 on padding.
-    The stats are sums over masked tokens plus the token count, so micro-batches add up exactly.
+    The stats are sums over masked tokens (clipped tokens, KL, entropy when given) plus the token
+    count, so the stats of micro-batches add up exactly.
     """
     mask_BT = mask_BT.to(logp_BT.dtype)
     advantages_B1 = advantages_B.unsqueeze(1)
@@ -133,6 +135,8 @@ def policy_loss(
         stats["clip_low_sum"] = (low_BT * mask_BT).sum()
         stats["clip_high_sum"] = (high_BT * mask_BT).sum()
         stats["tokens"] = mask_BT.sum()
+        if entropy_BT is not None:
+            stats["entropy_sum"] = (entropy_BT * mask_BT).sum()
     return loss, stats
 
 

@@ -71,18 +71,27 @@ class HFEngine:
         device = next(self.model.parameters()).device
         if seed is not None:
             torch.manual_seed(seed)
-        sampling = {} if params.greedy else dict(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
-        was_training = self.model.training
+        from transformers import GenerationConfig
+
+        # A fresh generation config: settings saved with the model (repetition penalty, its own
+        # temperature, ...) must not change the distribution the trainer believes it sampled from.
+        sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        generation_config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
+            output_scores=True, return_dict_in_generate=True)
+        # generate() fills unset values from the model's own config, so swap in an empty one
+        holder = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        was_training, saved_config = self.model.training, holder.generation_config
         self.model.eval()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
-                pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
-                output_scores=True, return_dict_in_generate=True,
-            )
-        self.model.train(was_training)
+        holder.generation_config = GenerationConfig()
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                          generation_config=generation_config)
+        finally:
+            self.model.train(was_training)
+            holder.generation_config = saved_config
         completion_ids_BT = out.sequences[:, input_ids.shape[1]:].cpu()
         # scores are the processed logits actually sampled from (temperature, top-k, top-p applied)
         scores_BTV = torch.stack(out.scores, dim=1).float().cpu()

@@ -225,7 +225,7 @@ class GRPOTrainer:
         counts = core.BatchCounts(sequences=mask_BT.shape[0], tokens=int(mask_BT.sum()),
                                   micro_batches=args.gradient_accumulation_steps,
                                   max_completion_length=args.max_completion_length)
-        totals: dict[str, float] = {"loss": 0.0, "entropy_sum": 0.0}
+        totals: dict[str, float] = {"loss": 0.0}
         for start in range(0, mask_BT.shape[0], args.per_device_train_batch_size):
             rows = slice(start, start + args.per_device_train_batch_size)
             micro = batch.sequences.rows(rows)
@@ -237,10 +237,10 @@ class GRPOTrainer:
             micro_mask = micro.completion_mask_BT.to(self.device)
             loss, stats = core.policy_loss(
                 logp_BT, old_BT, batch.advantages_B[rows].to(self.device), micro_mask, counts, args.loss_type,
-                args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.beta, ref_BT)
+                args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.beta, ref_BT,
+                entropy_BT)
             loss.backward()
             totals["loss"] += float(loss.detach())
-            totals["entropy_sum"] += float((entropy_BT * micro_mask).sum())
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         params = [p for p in self.model.parameters() if p.requires_grad]
