@@ -90,11 +90,12 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.models import eos_token_ids, load_policy, load_tokenizer
     from covey.rewards import load_reward_func
     from covey.rollout import HFEngine
+    from covey.trainer import builtin_reward_settings
 
     rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9)
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
-    reward_funcs = [load_reward_func(f) for f in args.reward_funcs]
+    reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in args.reward_funcs]
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), args.bf16)

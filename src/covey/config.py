@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from covey.errors import ConfigError
+from covey.trl_fields import TRL_FIELDS
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -34,8 +35,12 @@ def _f(default: Any, help: str, **choices: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
@@ -60,22 +65,42 @@ class GRPOConfig:
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "combine rewards before normalising, or normalise each then sum", choices=REWARD_AGGREGATIONS)
+    overlong_max_length: int | None = _f(None, "soft_overlong_penalty reward: length where the penalty reaches -1 (default: max_completion_length)")
+    overlong_cache_length: int | None = _f(None, "soft_overlong_penalty reward: length of the linear ramp before it (default: a quarter of the max)")
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
     max_completion_length: int = _f(32, "most tokens generated per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest token set with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
+    mask_truncated_completions: bool = _f(False, "leave completions that hit max_completion_length out of the loss (DAPO)")
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
+    dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "peak learning rate of AdamW")
     per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; one generation batch feeds them all")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    steps_per_generation: int | None = _f(None, "micro-batches per generation batch (default: gradient_accumulation_steps); a multiple gives several optimizer steps per generation")
     max_steps: int = _f(30, "optimizer steps to train for")
     num_iterations: int = _f(1, "optimizer steps taken on each generation batch (PPO epochs, mu)")
-    loss_type: str = _f("dapo", "how token losses are aggregated", choices=LOSS_TYPES)
+    loss_type: str = _f("dapo", "objective and token aggregation (see docs/algorithms.md)", choices=LOSS_TYPES)
+    importance_sampling_level: str = _f("token", "per-token ratio, or GSPO's length-normalised sequence ratio", choices=IMPORTANCE_SAMPLING_LEVELS)
     beta: float = _f(0.0, "KL penalty coefficient towards the reference model (0 = no reference model)")
+    kl_estimator: str = _f("k3", "estimator of KL(policy || reference) per token", choices=KL_ESTIMATORS)
+    use_bias_correction_kl: bool = _f(False, "multiply the KL term by the importance ratio (TRL's default is true)")
+    sync_ref_model: bool = _f(False, "move the reference towards the policy every ref_model_sync_steps (TR-DPO style)")
+    ref_model_mixup_alpha: float = _f(0.6, "reference <- alpha * policy + (1 - alpha) * reference at each sync")
+    ref_model_sync_steps: int = _f(512, "optimizer steps between reference syncs")
     epsilon: float = _f(0.2, "lower clip range of the probability ratio")
-    epsilon_high: float | None = _f(None, "upper clip range (default: same as epsilon)")
+    epsilon_high: float | None = _f(None, "upper clip range (default: same as epsilon; DAPO clip-higher uses 0.28)")
+    delta: float | None = _f(None, "two-sided clipping: cap on the unclipped ratio (INTELLECT-2; > 1 + epsilon_high)")
+    clip_ratio_c: float | None = _f(None, "dual-clip: for negative advantages the objective never drops below c * A (c > 1)")
+    top_entropy_quantile: float = _f(1.0, "train only on this top fraction of tokens by entropy (1 = all)")
+    vllm_importance_sampling_correction: bool = _f(True, "correct for the engine's sampling distribution differing from the trainer's")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "how the engine/trainer ratio is applied", choices=ENGINE_IS_MODES)
+    vllm_importance_sampling_clip_max: float = _f(3.0, "upper bound C_max of the engine/trainer ratio")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "lower bound of the engine/trainer ratio (None = none)")
     scale_rewards: str = _f("group", "divide advantages by the std of the group, of the batch, or not at all", choices=SCALE_REWARDS)
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this value (0 = no clipping)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -109,14 +134,30 @@ class GRPOConfig:
                 raise ConfigError(message)
 
         need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
+        spg = self.micro_batches_per_generation
         need(
             self.generation_batch_size % self.num_generations == 0,
-            f"per_device_train_batch_size * gradient_accumulation_steps = {self.per_device_train_batch_size} * "
-            f"{self.gradient_accumulation_steps} = {self.generation_batch_size} completions per step is not divisible "
-            f"by num_generations={self.num_generations}; make it a multiple so every prompt gets a whole group",
+            f"per_device_train_batch_size * {'steps_per_generation' if self.steps_per_generation else 'gradient_accumulation_steps'}"
+            f" = {self.per_device_train_batch_size} * {spg} = {self.generation_batch_size} completions per generation is "
+            f"not divisible by num_generations={self.num_generations}; make it a multiple so every prompt gets a whole group",
         )
+        need(spg % self.gradient_accumulation_steps == 0,
+             f"steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={self.gradient_accumulation_steps}")
+        if self.delta is not None:
+            need(self.delta > 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high),
+                 f"delta={self.delta} must exceed 1 + epsilon_high, or it clips every ratio")
+        if self.clip_ratio_c is not None:
+            need(self.clip_ratio_c > 1, f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip uses about 3)")
+        need(0 < self.top_entropy_quantile <= 1, f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]")
+        need(0 <= self.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
+        need(not self.sync_ref_model or self.beta > 0,
+             "sync_ref_model needs beta > 0: with beta 0 there is no reference model to sync")
+        need(not (self.sync_ref_model and self.use_peft),
+             "sync_ref_model cannot be used with use_peft: the reference is the base model with the adapter disabled")
+        need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",
-                     "max_completion_length", "max_prompt_length", "logging_steps"):
+                     "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
+                     "dynamic_sampling_max_rounds"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be positive")
         need(self.temperature > 0, f"temperature={self.temperature} must be positive (use a small value for near-greedy)")
@@ -130,9 +171,18 @@ class GRPOConfig:
         need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
 
     @property
+    def micro_batches_per_generation(self) -> int:
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
     def generation_batch_size(self) -> int:
-        """Completions sampled per optimizer step (prompts per step = this / num_generations)."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+        """Completions sampled per generation round (prompts per round = this / num_generations)."""
+        return self.per_device_train_batch_size * self.micro_batches_per_generation
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps taken on each generation batch, over all its iterations."""
+        return self.micro_batches_per_generation // self.gradient_accumulation_steps * self.num_iterations
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,8 +194,12 @@ class GRPOConfig:
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
-            if key not in known:
-                raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
+            if key in known:
+                continue
+            if key in TRL_FIELDS:
+                raise ConfigError(f"{source}: {key!r} is a TRL field that covey does not support; remove it "
+                                  "(covey never ignores a setting silently)")
+            raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
         return cls(**values)
 
     @classmethod

@@ -1,22 +1,33 @@
 """The GRPO maths as pure functions on tensors: no config objects, no models, no state.
 
-Shape letters: B sequences (completions), G group size, T completion tokens, V vocabulary.
+Shape letters: B sequences (completions), G group size, N groups, F reward functions,
+T completion tokens, V vocabulary.
 
     log-probs   logp_BT = logits[b, t, ids[b, t]] - logsumexp(logits[b, t])       (always <= 0)
-    advantages  A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
-    ratio       rho_BT = exp(logp - old_logp)                                     (1 on the first pass)
-    surrogate   -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * KL_k3
-    aggregation one of LOSS_NORMALISERS (how token losses are summed and divided)
+    advantages  A_i = (r_i - mean(r_group)) / (std(r_group) + eps)                REWARD_SCALES
+    ratio       w_BT = exp(logp - old_logp), or GSPO's sequence ratio            IMPORTANCE_LEVELS
+    objective   clipped surrogate (PPO/GRPO) or CISPO's weighted log-prob        POLICY_OBJECTIVES
+    KL          beta * k1 | k2 | k3 estimator towards the reference               KL_ESTIMATORS
+    aggregation how token losses are summed and divided                         LOSS_NORMALISERS
+
+Every variant is one entry of one of these tables; ``LOSS_TYPES`` names the (objective,
+aggregation) pairs that the config's ``loss_type`` selects. The papers: GRPO (DeepSeekMath,
+arXiv:2402.03300), Dr. GRPO (arXiv:2503.20783), DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071),
+CISPO (MiniMax-M1, arXiv:2506.13585), dual-clip PPO (arXiv:1912.09729), two-sided clipping
+(INTELLECT-2, arXiv:2505.07291), k1/k2/k3 (Schulman, "Approximating KL divergence", 2020).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 ADVANTAGE_EPS = 1e-4
+
+# ---- log-probs ----------------------------------------------------------------------------------
 
 
 def selective_log_softmax(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
@@ -38,108 +49,6 @@ def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: str = "group",
-                     eps: float = ADVANTAGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages and a mask of groups whose rewards were all equal.
-
-    Completions of one prompt are contiguous: rows [g*G, (g+1)*G) form group g.
-    ``scale``: "group" divides by the group's std, "batch" by the std of all rewards, "none" not
-    at all (Dr. GRPO). A constant group always gets zero advantages.
-
-        >>> adv, zero_std = group_advantages(torch.tensor([0., 1., 2., 2.]), group_size=2)
-        >>> adv.round(decimals=3).tolist(), zero_std.tolist()
-        ([-0.707, 0.707, 0.0, 0.0], [False, True])
-    """
-    rewards_NG = rewards_B.view(-1, group_size)
-    mean_N1 = rewards_NG.mean(dim=1, keepdim=True)
-    std_N1 = rewards_NG.std(dim=1, keepdim=True)
-    centred_NG = rewards_NG - mean_N1
-    if scale == "group":
-        advantages_NG = centred_NG / (std_N1 + eps)
-    elif scale == "batch":
-        advantages_NG = centred_NG / (rewards_B.std() + eps)
-    elif scale == "none":
-        advantages_NG = centred_NG
-    else:
-        raise ValueError(f"scale_rewards={scale!r} is not one of group, batch, none")
-    zero_std_N = std_N1.squeeze(1) == 0
-    return advantages_NG.reshape(-1), zero_std_N
-
-
-def kl_k3(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref - logp; >= 0."""
-    delta_BT = ref_logp_BT - logp_BT
-    return torch.exp(delta_BT) - delta_BT - 1
-
-
-@dataclass(frozen=True)
-class BatchCounts:
-    """Sizes of the whole optimisation batch a micro-batch belongs to (for exact accumulation)."""
-
-    sequences: int  # completions in the optimizer step
-    tokens: int  # completion tokens (mask sum) in the optimizer step
-    micro_batches: int  # micro-batches accumulated into the optimizer step
-    max_completion_length: int
-
-
-# How a (B, T) tensor of token losses becomes this micro-batch's share of the step's loss.
-# Each returns sum / normaliser so that summing the micro-batches of a step gives the step's loss.
-LOSS_NORMALISERS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torch.Tensor]] = {
-    # DeepSeekMath: mean over each sequence's tokens, then mean over sequences.
-    "grpo": lambda loss_BT, mask_BT, n: ((loss_BT * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)).sum() / n.sequences,
-    # Token mean within the micro-batch, then mean over micro-batches.
-    "bnpo": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1) / n.micro_batches,
-    # Dr. GRPO: a constant normaliser, so long and short completions weigh the same per token.
-    "dr_grpo": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / (n.sequences * n.max_completion_length),
-    # DAPO: token mean over the whole generation batch.
-    "dapo": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / max(n.tokens, 1),
-}
-
-
-def policy_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_BT: torch.Tensor,
-    counts: BatchCounts,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    beta: float = 0.0,
-    ref_logp_BT: torch.Tensor | None = None,
-    entropy_BT: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss with an optional k3 KL penalty; returns (loss, detached stats).
-
-    ``mask_BT`` is 1 on completion tokens that are trained (EOS included) and 0 on padding.
-    The stats are sums over masked tokens (clipped tokens, KL, entropy when given) plus the token
-    count, so the stats of micro-batches add up exactly.
-    """
-    mask_BT = mask_BT.to(logp_BT.dtype)
-    advantages_B1 = advantages_B.unsqueeze(1)
-    ratio_BT = torch.exp(logp_BT - old_logp_BT)
-    clipped_BT = torch.clamp(ratio_BT, 1 - epsilon_low, 1 + epsilon_high)
-    surrogate_BT = torch.min(ratio_BT * advantages_B1, clipped_BT * advantages_B1)
-    loss_BT = -surrogate_BT
-    stats = {}
-    if beta > 0:
-        if ref_logp_BT is None:
-            raise ValueError("beta > 0 needs ref_logp_BT")
-        kl_BT = kl_k3(logp_BT, ref_logp_BT)
-        loss_BT = loss_BT + beta * kl_BT
-        stats["kl_sum"] = (kl_BT * mask_BT).sum().detach()
-    loss = LOSS_NORMALISERS[loss_type](loss_BT, mask_BT, counts)
-    with torch.no_grad():
-        low_BT = (ratio_BT < 1 - epsilon_low) & (advantages_B1 < 0)
-        high_BT = (ratio_BT > 1 + epsilon_high) & (advantages_B1 > 0)
-        stats["clip_low_sum"] = (low_BT * mask_BT).sum()
-        stats["clip_high_sum"] = (high_BT * mask_BT).sum()
-        stats["tokens"] = mask_BT.sum()
-        if entropy_BT is not None:
-            stats["entropy_sum"] = (entropy_BT * mask_BT).sum()
-    return loss, stats
-
-
 def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths_B: torch.Tensor | None = None) -> torch.Tensor:
     """1 up to and including the first EOS of each row, 0 after it (padding). (B, T) long.
 
@@ -153,3 +62,258 @@ def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths
         end_B = torch.minimum(end_B, lengths_B)
     positions_BT = torch.arange(T, device=completion_ids_BT.device).expand(B, T)
     return (positions_BT < end_B.unsqueeze(1)).long()
+
+
+# ---- advantages ---------------------------------------------------------------------------------
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std over the non-NaN entries (NaN where fewer than two)."""
+    valid = ~x.isnan()
+    count = valid.sum(dim=dim, keepdim=True) if dim is not None else valid.sum()
+    mean = x.nanmean(dim=dim, keepdim=True) if dim is not None else x.nanmean()
+    squares = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
+    total = squares.sum(dim=dim, keepdim=True) if dim is not None else squares.sum()
+    std = torch.sqrt(total / (count - 1).clamp(min=1)).masked_fill(count < 2, math.nan)
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+# The denominator of the advantage: the group's std, the whole batch's std, or none (Dr. GRPO).
+REWARD_SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "group": lambda rewards_NG: nanstd(rewards_NG, dim=1, keepdim=True),
+    "batch": lambda rewards_NG: nanstd(rewards_NG).expand(rewards_NG.shape[0], 1),
+    "none": lambda rewards_NG: torch.ones(rewards_NG.shape[0], 1, dtype=rewards_NG.dtype),
+}
+
+
+def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: str = "group",
+                     eps: float = ADVANTAGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages and a mask of groups whose rewards were all equal.
+
+    Completions of one prompt are contiguous: rows [g*G, (g+1)*G) form group g. A NaN reward
+    (no reward function applied) is left out of its group's mean and std and gets advantage 0.
+    A constant group always gets zero advantages (its centred rewards are exactly 0).
+
+        >>> adv, zero_std = group_advantages(torch.tensor([0., 1., 2., 2.]), group_size=2)
+        >>> adv.round(decimals=3).tolist(), zero_std.tolist()
+        ([-0.707, 0.707, 0.0, 0.0], [False, True])
+    """
+    if scale not in REWARD_SCALES:
+        raise ValueError(f"scale_rewards={scale!r} is not one of {', '.join(REWARD_SCALES)}")
+    rewards_NG = rewards_B.view(-1, group_size)
+    centred_NG = rewards_NG - rewards_NG.nanmean(dim=1, keepdim=True)
+    denominator_N1 = REWARD_SCALES[scale](rewards_NG)
+    if scale != "none":
+        denominator_N1 = denominator_N1.nan_to_num(0.0) + eps
+    advantages_NG = (centred_NG / denominator_N1).nan_to_num(0.0)
+    group_std_N = nanstd(rewards_NG, dim=1).nan_to_num(0.0)
+    return advantages_NG.reshape(-1), group_std_N == 0
+
+
+def _sum_then_normalize(rewards_BF, weights_F, group_size, scale, eps):
+    return group_advantages(weighted_reward_sum(rewards_BF, weights_F), group_size, scale, eps)
+
+
+def _normalize_then_sum(rewards_BF, weights_F, group_size, scale, eps):
+    """Normalise each reward within its group, sum with weights, then normalise over the batch
+    (GDPO-style), so one reward with a large range cannot drown the others."""
+    per_func = [group_advantages(rewards_BF[:, f], group_size, "group", eps)[0].masked_fill(rewards_BF[:, f].isnan(), math.nan)
+                for f in range(rewards_BF.shape[1])]
+    summed_B = weighted_reward_sum(torch.stack(per_func, dim=1), weights_F)
+    advantages_B = ((summed_B - summed_B.nanmean()) / (nanstd(summed_B).nan_to_num(0.0) + eps)).nan_to_num(0.0)
+    _, zero_std_N = group_advantages(weighted_reward_sum(rewards_BF, weights_F), group_size, "group", eps)
+    return advantages_B, zero_std_N
+
+
+# How several reward functions become one advantage per completion.
+REWARD_AGGREGATIONS = {"sum_then_normalize": _sum_then_normalize, "normalize_then_sum": _normalize_then_sum}
+
+
+def weighted_reward_sum(rewards_BF: torch.Tensor, weights_F: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over reward functions; None (NaN) entries are skipped; NaN if all are None. (B,)"""
+    total_B = (rewards_BF * weights_F.to(rewards_BF.dtype)).nansum(dim=1)
+    return total_B.masked_fill(rewards_BF.isnan().all(dim=1), math.nan)
+
+
+def advantages_from_rewards(rewards_BF: torch.Tensor, weights_F: torch.Tensor, group_size: int,
+                            scale: str = "group", aggregation: str = "sum_then_normalize",
+                            eps: float = ADVANTAGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_B, zero_std_N) from the per-function reward table (NaN = None)."""
+    return REWARD_AGGREGATIONS[aggregation](rewards_BF, weights_F, group_size, scale, eps)
+
+
+# ---- the policy loss ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The knobs of the policy loss (what the config's loss fields select)."""
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None  # two-sided clipping: cap on the unclipped ratio (INTELLECT-2)
+    clip_ratio_c: float | None = None  # dual-clip: for A < 0 the objective never drops below c * A
+    importance_sampling_level: str = "token"  # "sequence" = GSPO
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = False  # multiply the KL term by the importance ratio
+    top_entropy_quantile: float = 1.0  # train only on the top fraction of tokens by entropy
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """Sizes of the optimisation batch a micro-batch belongs to, so micro-batches add up exactly."""
+
+    sequences: int  # completions in the optimizer step
+    tokens: float  # token normaliser of dapo / cispo (tokens of the generation batch per optimizer step)
+    micro_batches: int  # micro-batches accumulated into the optimizer step
+    max_completion_length: int
+
+
+def _token_ratio(logp_BT, old_logp_BT, mask_BT):
+    return logp_BT - old_logp_BT
+
+
+def _gspo_token_ratio(logp_BT, old_logp_BT, mask_BT):
+    """GSPO-token: the value is the length-normalised sequence log-ratio, the gradient flows through
+    each token's own log-prob: log s_it = sg[log s_i] + logp_t - sg[logp_t]."""
+    sequence_B1 = ((logp_BT - old_logp_BT) * mask_BT).sum(1, keepdim=True) / mask_BT.sum(1, keepdim=True).clamp(min=1)
+    return sequence_B1.detach() + logp_BT - logp_BT.detach()
+
+
+# log importance weight per token, (B, T)
+IMPORTANCE_LEVELS = {"token": _token_ratio, "sequence": _gspo_token_ratio}
+
+
+def _clipped_surrogate(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
+    """PPO/GRPO: -min(w * A, clip(w, 1 - eps_low, 1 + eps_high) * A), with optional caps."""
+    clipped_BT = torch.clamp(ratio_BT, 1 - s.epsilon_low, 1 + s.epsilon_high)
+    unclipped_BT = ratio_BT if s.delta is None else torch.clamp(ratio_BT, max=s.delta)
+    loss_BT = -torch.min(unclipped_BT * advantages_B1, clipped_BT * advantages_B1)
+    if s.clip_ratio_c is not None:
+        dual_BT = -s.clip_ratio_c * advantages_B1.expand_as(loss_BT)
+        loss_BT = torch.where(advantages_B1 < 0, torch.min(loss_BT, dual_BT), loss_BT)
+    return loss_BT
+
+
+def _cispo(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
+    """CISPO: -sg[min(w, 1 + eps_high)] * A * logp; every token keeps a gradient."""
+    weight_BT = torch.clamp(ratio_BT, max=1 + s.epsilon_high).detach()
+    return -weight_BT * advantages_B1 * logp_BT
+
+
+POLICY_OBJECTIVES = {"clipped": _clipped_surrogate, "cispo": _cispo}
+
+# How a (B, T) tensor of token losses becomes this micro-batch's share of the step's loss.
+# Each returns sum / normaliser so that summing the micro-batches of a step gives the step's loss.
+LOSS_NORMALISERS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torch.Tensor]] = {
+    # DeepSeekMath: mean over each sequence's tokens, then mean over sequences.
+    "sequence_mean": lambda loss_BT, mask_BT, n: ((loss_BT * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)).sum() / n.sequences,
+    # Token mean within the micro-batch, then mean over micro-batches.
+    "micro_batch_token_mean": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1) / n.micro_batches,
+    # Dr. GRPO: a constant normaliser, so long and short completions weigh the same per token.
+    "constant": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / (n.sequences * n.max_completion_length),
+    # DAPO: token mean over the whole generation batch.
+    "generation_token_mean": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / max(n.tokens, 1.0),
+}
+
+# loss_type -> (objective, aggregation)
+LOSS_TYPES = {
+    "grpo": ("clipped", "sequence_mean"),
+    "bnpo": ("clipped", "micro_batch_token_mean"),
+    "dr_grpo": ("clipped", "constant"),
+    "dapo": ("clipped", "generation_token_mean"),
+    "cispo": ("cispo", "generation_token_mean"),
+}
+
+# Estimators of KL(pi || pi_ref) per token from samples of pi; d = ref_logp - logp.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": lambda logp, ref: logp - ref,  # unbiased, can be negative
+    "k2": lambda logp, ref: 0.5 * (logp - ref) ** 2,  # biased, low variance, >= 0
+    "k3": lambda logp, ref: torch.exp(ref - logp) - (ref - logp) - 1,  # unbiased, >= 0 (GRPO's choice)
+}
+
+
+def kl_k3(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref - logp; >= 0."""
+    return KL_ESTIMATORS["k3"](logp_BT, ref_logp_BT)
+
+
+def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """1 on the top ``top_quantile`` fraction of (masked) tokens by entropy, 0 elsewhere (80/20 rule)."""
+    values = entropy_BT[mask_BT.bool()].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask_BT)
+    threshold = torch.quantile(values, 1 - top_quantile)
+    return ((entropy_BT >= threshold) & mask_BT.bool()).to(mask_BT.dtype)
+
+
+def engine_importance_weights(trainer_logp_BT: torch.Tensor, sampling_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                              mode: str, clip_max: float, clip_min: float | None = None) -> torch.Tensor:
+    """Correction for an engine whose sampling distribution differs from the trainer's forward
+    (bf16 kernels, vLLM): w = pi_trainer / pi_engine per token or per sequence, then truncated to
+    [clip_min, clip_max] (``*_truncate``) or zeroed outside it (``*_mask``). (B, T) or (B, 1)."""
+    level, action = mode.split("_")
+    log_w_BT = ((trainer_logp_BT - sampling_logp_BT) * mask_BT).nan_to_num(0.0)
+    log_w = log_w_BT.sum(1, keepdim=True) if level == "sequence" else log_w_BT
+    w = torch.exp(log_w)
+    low = -math.inf if clip_min is None else clip_min
+    if action == "truncate":
+        return torch.clamp(w, min=clip_min, max=clip_max)
+    return w.masked_fill((w < low) | (w > clip_max), 0.0)
+
+
+def policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    counts: BatchCounts,
+    settings: LossSettings = LossSettings(),
+    ref_logp_BT: torch.Tensor | None = None,
+    entropy_BT: torch.Tensor | None = None,
+    engine_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO-family loss of one micro-batch; returns (loss, detached stats).
+
+    ``mask_BT`` is 1 on completion tokens that are trained (EOS included) and 0 on padding.
+    ``entropy_BT`` is needed for ``top_entropy_quantile`` < 1 and reported when given;
+    ``engine_weights`` ((B, T) or (B, 1)) multiply the policy term (engine mismatch correction).
+    Stats are sums over masked tokens plus the token count, so micro-batches add up exactly.
+    """
+    s = settings
+    objective, aggregation = LOSS_TYPES[s.loss_type]
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    advantages_B1 = advantages_B.to(logp_BT.dtype).unsqueeze(1)
+    ratio_BT = torch.exp(IMPORTANCE_LEVELS[s.importance_sampling_level](logp_BT, old_logp_BT, mask_BT))
+    loss_BT = POLICY_OBJECTIVES[objective](ratio_BT, logp_BT, advantages_B1, s)
+    train_mask_BT = mask_BT
+    if s.top_entropy_quantile < 1.0:
+        if entropy_BT is None:
+            raise ValueError("top_entropy_quantile < 1 needs entropy_BT")
+        train_mask_BT = high_entropy_mask(entropy_BT.detach(), mask_BT, s.top_entropy_quantile)
+        loss_BT = loss_BT * train_mask_BT
+    if engine_weights is not None:
+        loss_BT = loss_BT * engine_weights
+    stats = {"policy_loss": LOSS_NORMALISERS[aggregation](loss_BT.detach(), mask_BT, counts)}
+    if s.beta > 0:
+        if ref_logp_BT is None:
+            raise ValueError("beta > 0 needs ref_logp_BT")
+        kl_BT = KL_ESTIMATORS[s.kl_estimator](logp_BT, ref_logp_BT)
+        stats["kl_sum"] = (kl_BT * mask_BT).sum().detach()
+        loss_BT = loss_BT + s.beta * (kl_BT * ratio_BT if s.use_bias_correction_kl else kl_BT)
+    loss = LOSS_NORMALISERS[aggregation](loss_BT, mask_BT, counts)
+    with torch.no_grad():
+        if objective == "clipped":
+            low_BT = (ratio_BT < 1 - s.epsilon_low) & (advantages_B1 < 0)
+            high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
+        else:  # CISPO clips only the weight from above
+            low_BT = torch.zeros_like(ratio_BT, dtype=torch.bool)
+            high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
+        stats["clip_low_sum"] = (low_BT * mask_BT).sum()
+        stats["clip_high_sum"] = (high_BT * mask_BT).sum()
+        stats["tokens"] = mask_BT.sum()
+        if entropy_BT is not None:
+            stats["entropy_sum"] = (entropy_BT * mask_BT).sum()
+    return loss, stats

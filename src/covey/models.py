@@ -141,6 +141,12 @@ class Reference:
         if not is_peft_model(policy):
             self.frozen = copy.deepcopy(policy).eval().requires_grad_(False)
 
+    @torch.no_grad()
+    def sync(self, alpha: float) -> None:
+        """reference <- alpha * policy + (1 - alpha) * reference (a frozen copy only)."""
+        for ref_param, param in zip(self.frozen.parameters(), self.policy.parameters()):
+            ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
+
     @contextmanager
     def model(self) -> Iterator[torch.nn.Module]:
         if self.frozen is not None:

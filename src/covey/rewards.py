@@ -99,20 +99,43 @@ def answer_correct(completions: list, answer: list, **_: Any) -> list[float | No
     return scores
 
 
+class SoftOverlongPenalty:
+    """DAPO's soft overlong punishment (eq. 13): 0 up to max_length - cache_length tokens, then a
+    linear ramp down to -1 at max_length, and -1 beyond. Penalises length without rewarding brevity."""
+
+    __name__ = "soft_overlong_penalty"
+
+    def __init__(self, max_length: int, cache_length: int):
+        if not 0 < cache_length <= max_length:
+            raise RewardError(f"soft_overlong_penalty: need 0 < cache_length ({cache_length}) <= max_length ({max_length})")
+        self.max_length, self.cache_length = max_length, cache_length
+
+    def __call__(self, completion_ids: list[list[int]], **_: Any) -> list[float]:
+        free = self.max_length - self.cache_length
+        return [0.0 if len(ids) <= free else -1.0 if len(ids) > self.max_length else (free - len(ids)) / self.cache_length
+                for ids in completion_ids]
+
+
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
+# Built-ins that take settings (from the config fields named in their help).
+BUILTIN_REWARD_FACTORIES: dict[str, Callable[..., RewardFunc]] = {"soft_overlong_penalty": SoftOverlongPenalty}
 
 
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def load_reward_func(spec: str | RewardFunc) -> RewardFunc:
-    """A built-in name, 'path/to/file.py:function', 'package.module:function', or a callable."""
+def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] | None = None) -> RewardFunc:
+    """A built-in name, 'path/to/file.py:function', 'package.module:function', or a callable.
+    ``builtin_settings`` holds the keyword arguments of built-ins that take settings."""
     if callable(spec):
         return spec
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if spec in BUILTIN_REWARD_FACTORIES:
+        return BUILTIN_REWARD_FACTORIES[spec](**(builtin_settings or {}).get(spec, {}))
     if ":" not in spec:
-        raise RewardError(f"reward function {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) and not a "
+        names = ", ".join([*BUILTIN_REWARDS, *BUILTIN_REWARD_FACTORIES])
+        raise RewardError(f"reward function {spec!r} is not a built-in ({names}) and not a "
                           "reference; write 'path/to/rewards.py:function' or 'package.module:function'")
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):

@@ -44,14 +44,57 @@ class GenerationBatch:
     """Everything one generation round produced, ready for the optimisation passes."""
 
     sequences: SequenceBatch
+    loss_mask_BT: torch.Tensor  # (B, T) completion tokens that enter the loss
+    sampling_logp_BT: torch.Tensor  # (B, T) log-probs under the engine's sampling distribution
     rewards_BF: torch.Tensor  # (B, F) per reward function, NaN = None
-    rewards_B: torch.Tensor  # (B,) weighted sum
-    advantages_B: torch.Tensor  # (B,)
-    zero_std_N: torch.Tensor  # (N,) groups whose rewards were all equal
     finish_reasons: list[str]
-    old_logp_BT: torch.Tensor | None  # None: the policy has not moved since generation (ratio is 1)
-    ref_logp_BT: torch.Tensor | None  # None when beta == 0
     records: list[dict]  # prompt / completion / rewards per row, for completions.jsonl
+    advantages_B: torch.Tensor | None = None  # (B,)
+    zero_std_N: torch.Tensor | None = None  # (N,) groups whose rewards were all equal
+    old_logp_BT: torch.Tensor | None = None  # None: the policy has not moved since generation (ratio is 1)
+    ref_logp_BT: torch.Tensor | None = None  # None when beta == 0
+    engine_weights: torch.Tensor | None = None  # engine/trainer importance weights, (B, T) or (B, 1)
+
+    def select(self, rows: list[int]) -> "GenerationBatch":
+        """The given rows (before advantages and log-probs are attached)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        seq = self.sequences
+        return GenerationBatch(
+            SequenceBatch(seq.prompt_ids_BP[index], seq.prompt_mask_BP[index], seq.completion_ids_BT[index],
+                          seq.completion_mask_BT[index]),
+            self.loss_mask_BT[index], self.sampling_logp_BT[index], self.rewards_BF[index],
+            [self.finish_reasons[i] for i in rows], [self.records[i] for i in rows])
+
+    @staticmethod
+    def concat(batches: list["GenerationBatch"], pad_token_id: int) -> "GenerationBatch":
+        if len(batches) == 1:
+            return batches[0]
+        P = max(b.sequences.prompt_ids_BP.shape[1] for b in batches)
+        T = max(b.sequences.completion_ids_BT.shape[1] for b in batches)
+
+        def left(x, width, value):
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x, width, value):
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        cat = torch.cat
+        return GenerationBatch(
+            SequenceBatch(cat([left(b.sequences.prompt_ids_BP, P, pad_token_id) for b in batches]),
+                          cat([left(b.sequences.prompt_mask_BP, P, 0) for b in batches]),
+                          cat([right(b.sequences.completion_ids_BT, T, pad_token_id) for b in batches]),
+                          cat([right(b.sequences.completion_mask_BT, T, 0) for b in batches])),
+            cat([right(b.loss_mask_BT, T, 0) for b in batches]),
+            cat([right(b.sampling_logp_BT, T, 0.0) for b in batches]),
+            cat([b.rewards_BF for b in batches]),
+            [r for b in batches for r in b.finish_reasons], [r for b in batches for r in b.records])
+
+
+def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
+    """Keyword arguments of the built-in rewards that take settings, from the config."""
+    overlong_max = args.overlong_max_length or args.max_completion_length
+    return {"soft_overlong_penalty": {"max_length": overlong_max,
+                                      "cache_length": args.overlong_cache_length or max(1, overlong_max // 4)}}
 
 
 def make_run_dir(args: GRPOConfig) -> Path:
@@ -89,7 +132,7 @@ class GRPOTrainer:
         self.args = args = args or GRPOConfig()
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
-        self.reward_funcs = [load_reward_func(f) for f in (reward_funcs or args.reward_funcs)]
+        self.reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
         self.reward_weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
@@ -132,8 +175,16 @@ class GRPOTrainer:
                                            eps=args.adam_epsilon, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.sampler = PromptSampler(len(self.train_rows), args.generation_batch_size // args.num_generations, args.seed)
+        self.loss_settings = core.LossSettings(
+            loss_type=args.loss_type, epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
+            clip_ratio_c=args.clip_ratio_c, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
+            kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
+            top_entropy_quantile=args.top_entropy_quantile)
         self.quiet = quiet
         self.global_step = 0
+        self.rounds_sampled = 0
+        self.dynamic_sampling_stats: dict[str, float] = {}
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup over warmup_ratio * max_steps, then the chosen decay."""
@@ -165,80 +216,137 @@ class GRPOTrainer:
         return summary
 
     def _generation_round(self, log: RunLog) -> None:
-        """One generation batch and its num_iterations optimizer steps."""
+        """One generation batch, then its optimizer steps: (micro-batches per generation /
+        gradient_accumulation_steps) windows, each visited num_iterations times."""
+        args = self.args
         start = time.perf_counter()
-        batch, timings = self.generate_and_score(next(self.sampler))
-        for _ in range(self.args.num_iterations):
-            if self.global_step >= self.args.max_steps:
-                break
-            t_train = time.perf_counter()
-            stats = self.optimize(batch)
-            self.global_step += 1
-            timings["time/train"] = time.perf_counter() - t_train
-            step_time = time.perf_counter() - start
-            start = time.perf_counter()
-            if self.global_step % self.args.logging_steps == 0 or self.global_step == self.args.max_steps:
-                log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time))
-            timings = {"time/generate": 0.0, "time/score": 0.0}
-        if self.args.log_completions:
+        batch, timings = self.generate_and_score()
+        window = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        B = batch.loss_mask_BT.shape[0]
+        for _ in range(args.num_iterations):
+            for first in range(0, B, window):
+                if self.global_step >= args.max_steps:
+                    break
+                t_train = time.perf_counter()
+                stats = self.optimize(batch, slice(first, min(first + window, B)))
+                self.global_step += 1
+                if self.reference is not None and args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
+                    self.reference.sync(args.ref_model_mixup_alpha)
+                timings["time/train"] = time.perf_counter() - t_train
+                step_time, start = time.perf_counter() - start, time.perf_counter()
+                if self.global_step % args.logging_steps == 0 or self.global_step == args.max_steps:
+                    log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time))
+                timings = {"time/generate": 0.0, "time/score": 0.0}
+        if args.log_completions:
             log.log_completions(self.global_step, batch.records)
 
-    def generate_and_score(self, indices: list[int]) -> tuple[GenerationBatch, dict[str, float]]:
-        """Steps 1-4 for the training rows at ``indices``."""
+    def generate_and_score(self, indices: list[int] | None = None) -> tuple[GenerationBatch, dict[str, float]]:
+        """Steps 1-4 of the loop for the next prompts (or the training rows at ``indices``)."""
         args, G = self.args, self.args.num_generations
-        # 1. generate
+        timings = {"time/generate": 0.0, "time/score": 0.0}
+        # 1-2. generate and score; under dynamic sampling, keep only groups with a reward spread
+        batch = self._sample_and_score(indices if indices is not None else next(self.sampler), timings)
+        self.dynamic_sampling_stats = {}
+        if args.dynamic_sampling and indices is None:
+            batch = self._refill(batch, timings)
+        # 3. advantages
+        weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
+        advantages_B, batch.zero_std_N = core.advantages_from_rewards(
+            batch.rewards_BF, weights_F, G, args.scale_rewards, args.multi_objective_aggregation)
+        batch.advantages_B = advantages_B.float()
+        for record, advantage in zip(batch.records, batch.advantages_B.tolist()):
+            record["advantage"] = advantage
+        # 4. log-probs of the policy that generated (only when it moves before its last use, or to
+        #    compare with the engine) and of the reference (only when beta > 0)
+        engine_mismatch = args.vllm_importance_sampling_correction and not getattr(self.engine, "exact_logprobs", True)
+        policy_moves = args.num_iterations > 1 or args.micro_batches_per_generation > args.gradient_accumulation_steps
+        if policy_moves or engine_mismatch:
+            batch.old_logp_BT = self._logprobs_no_grad(self.model, batch.sequences)
+        if engine_mismatch:
+            batch.engine_weights = core.engine_importance_weights(
+                batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(), args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min)
+        if self.reference is not None:
+            with self.reference.model() as ref_model:
+                batch.ref_logp_BT = self._logprobs_no_grad(ref_model, batch.sequences)
+        return batch, timings
+
+    def _sample_and_score(self, indices: list[int], timings: dict[str, float]) -> GenerationBatch:
+        args, G = self.args, self.args.num_generations
         t0 = time.perf_counter()
         prompt_ids = [self.prompt_ids[i] for i in indices]
         params = SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k)
-        rollout = self.engine.generate(prompt_ids, G, params, seed=args.seed + self.global_step)
+        rollout = self.engine.generate(prompt_ids, G, params, seed=args.seed + self.rounds_sampled)
+        self.rounds_sampled += 1
         t1 = time.perf_counter()
-        # 2. score
         rows = [self.train_rows[i] for i in indices for _ in range(G)]
         completions, completion_ids = decode_completions(self.tokenizer, rollout.completion_ids_BT,
                                                          rollout.completion_mask_BT, is_conversational(rows))
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
                                        completion_ids, extra_columns(rows))
-        rewards_B = combine_rewards(rewards_BF, self.reward_weights).float()
-        t2 = time.perf_counter()
-        # 3. advantages
-        advantages_B, zero_std_N = core.group_advantages(rewards_B, G, args.scale_rewards)
-        # 4. log-probs of the policy that generated (only needed when it will have moved) and of the reference
-        sequences = self._sequences(prompt_ids, rollout)
-        old_logp_BT = self._logprobs_no_grad(self.model, sequences) if args.num_iterations > 1 else None
-        ref_logp_BT = None
-        if self.reference is not None:
-            with self.reference.model() as ref_model:
-                ref_logp_BT = self._logprobs_no_grad(ref_model, sequences)
+        timings["time/generate"] += t1 - t0
+        timings["time/score"] += time.perf_counter() - t1
+        loss_mask_BT = rollout.completion_mask_BT.clone()
+        if args.mask_truncated_completions:
+            truncated_B = torch.tensor([reason == "length" for reason in rollout.finish_reasons])
+            loss_mask_BT[truncated_B] = 0
         records = [{"prompt": r["prompt"], "completion": completion_text(c), "answer": r.get("answer"),
                     "rewards": {reward_name(f): _none_if_nan(v) for f, v in zip(self.reward_funcs, rewards_BF[i].tolist())},
-                    "reward": float(rewards_B[i]), "advantage": float(advantages_B[i]),
+                    "reward": _none_if_nan(float(core.weighted_reward_sum(rewards_BF[i:i + 1], torch.tensor(self.reward_weights))[0])),
                     "finish_reason": rollout.finish_reasons[i]} for i, (r, c) in enumerate(zip(rows, completions))]
-        batch = GenerationBatch(sequences, rewards_BF, rewards_B, advantages_B, zero_std_N, rollout.finish_reasons,
-                                old_logp_BT, ref_logp_BT, records)
-        return batch, {"time/generate": t1 - t0, "time/score": t2 - t1}
+        return GenerationBatch(self._sequences(prompt_ids, rollout), loss_mask_BT, rollout.sampling_logp_BT,
+                               rewards_BF, rollout.finish_reasons, records)
 
-    def optimize(self, batch: GenerationBatch) -> dict[str, float]:
-        """5-6. One optimizer step over all micro-batches of the generation batch."""
+    def _refill(self, batch: GenerationBatch, timings: dict[str, float]) -> GenerationBatch:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and
+        sample new prompts until the batch is full again or the round cap is reached."""
+        G, wanted = self.args.num_generations, self.args.generation_batch_size // self.args.num_generations
+        weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
+        kept, n_kept, dropped, rounds = [], 0, 0, 0
+        while True:
+            _, zero_std_N = core.group_advantages(core.weighted_reward_sum(batch.rewards_BF, weights_F), G)
+            groups = [g for g in range(len(zero_std_N)) if not zero_std_N[g]][: wanted - n_kept]
+            dropped += int(zero_std_N.sum())
+            if groups:
+                kept.append(batch.select([g * G + j for g in groups for j in range(G)]))
+                n_kept += len(groups)
+            if n_kept >= wanted or rounds >= self.args.dynamic_sampling_max_rounds:
+                break
+            rounds += 1
+            batch = self._sample_and_score(next(self.sampler), timings)
+        self.dynamic_sampling_stats = {"dynamic_sampling/dropped_groups": float(dropped),
+                                       "dynamic_sampling/extra_rounds": float(rounds),
+                                       "dynamic_sampling/kept_groups": float(n_kept)}
+        if not kept:  # every group was constant: train on the last batch (all advantages are 0)
+            return batch
+        return GenerationBatch.concat(kept, self.tokenizer.pad_token_id)
+
+    def optimize(self, batch: GenerationBatch, window: slice | None = None) -> dict[str, float]:
+        """5-6. One optimizer step over the micro-batches of ``window`` (default: the whole batch)."""
         args = self.args
         self.model.train()
-        mask_BT = batch.sequences.completion_mask_BT
-        counts = core.BatchCounts(sequences=mask_BT.shape[0], tokens=int(mask_BT.sum()),
-                                  micro_batches=args.gradient_accumulation_steps,
-                                  max_completion_length=args.max_completion_length)
+        B = batch.loss_mask_BT.shape[0]
+        window = window or slice(0, B)
+        rows_in_window = window.stop - window.start
+        generation_tokens = float(batch.loss_mask_BT.sum())
+        counts = core.BatchCounts(
+            sequences=rows_in_window,
+            tokens=generation_tokens * rows_in_window / B,  # the generation batch's tokens, per optimizer step
+            micro_batches=math.ceil(rows_in_window / args.per_device_train_batch_size),
+            max_completion_length=args.max_completion_length)
         totals: dict[str, float] = {"loss": 0.0}
-        for start in range(0, mask_BT.shape[0], args.per_device_train_batch_size):
-            rows = slice(start, start + args.per_device_train_batch_size)
+        for start in range(window.start, window.stop, args.per_device_train_batch_size):
+            rows = slice(start, min(start + args.per_device_train_batch_size, window.stop))
             micro = batch.sequences.rows(rows)
+            T = micro.completion_ids_BT.shape[1]
             with autocast(self.device, args.bf16):
                 logp_BT, entropy_BT = completion_logprobs(self.model, micro, args.temperature, with_entropy=True)
-            T = micro.completion_ids_BT.shape[1]
             old_BT = logp_BT.detach() if batch.old_logp_BT is None else batch.old_logp_BT[rows, :T].to(self.device)
             ref_BT = None if batch.ref_logp_BT is None else batch.ref_logp_BT[rows, :T].to(self.device)
-            micro_mask = micro.completion_mask_BT.to(self.device)
+            weights = None if batch.engine_weights is None else batch.engine_weights[rows, :T].to(self.device)
             loss, stats = core.policy_loss(
-                logp_BT, old_BT, batch.advantages_B[rows].to(self.device), micro_mask, counts, args.loss_type,
-                args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.beta, ref_BT,
-                entropy_BT)
+                logp_BT, old_BT, batch.advantages_B[rows].to(self.device), batch.loss_mask_BT[rows, :T].to(self.device),
+                counts, self.loss_settings, ref_BT, entropy_BT, weights)
             loss.backward()
             totals["loss"] += float(loss.detach())
             for key, value in stats.items():
@@ -274,22 +382,27 @@ class GRPOTrainer:
 
     def _metrics(self, batch: GenerationBatch, stats: dict[str, float], timings: dict[str, float],
                  step_time: float) -> dict[str, float]:
-        G = self.args.num_generations
+        """TRL's metric names, computed over the generation batch (and the step's loss stats)."""
         lengths_B = batch.sequences.completion_mask_BT.sum(1).float()
         tokens = max(stats["tokens"], 1.0)
+        rewards_B = core.weighted_reward_sum(batch.rewards_BF, torch.tensor(self.reward_weights, dtype=torch.float64))
         metrics = {
-            "reward": float(batch.rewards_B.mean()),
-            "reward_std": float(batch.rewards_B.view(-1, G).std(dim=1).mean()),
+            "reward": float(rewards_B.nanmean()),
+            "reward_std": float(core.nanstd(rewards_B).nan_to_num(0.0)),
             "frac_reward_zero_std": float(batch.zero_std_N.float().mean()),
         }
         for j, func in enumerate(self.reward_funcs):
             column = batch.rewards_BF[:, j]
             metrics[f"rewards/{reward_name(func)}/mean"] = float(column.nanmean())
-            metrics[f"rewards/{reward_name(func)}/std"] = float(column[~column.isnan()].std()) if (~column.isnan()).sum() > 1 else 0.0
+            metrics[f"rewards/{reward_name(func)}/std"] = float(core.nanstd(column).nan_to_num(0.0))
         if self.args.beta > 0:
             metrics["kl"] = stats["kl_sum"] / tokens
+        if batch.engine_weights is not None:
+            metrics["engine_is/mean_weight"] = float(batch.engine_weights.mean())
+            metrics["engine_is/masked_fraction"] = float((batch.engine_weights == 0).float().mean())
         metrics.update({
             "loss": stats["loss"],
+            "policy_loss": stats["policy_loss"],
             "entropy": stats["entropy_sum"] / tokens,
             "clip_ratio/low_mean": stats["clip_low_sum"] / tokens,
             "clip_ratio/high_mean": stats["clip_high_sum"] / tokens,
@@ -302,6 +415,7 @@ class GRPOTrainer:
             "grad_norm": stats["grad_norm"],
             "step_time": step_time,
             **timings,
+            **self.dynamic_sampling_stats,
             "tokens_per_second": float(lengths_B.sum()) / step_time if timings.get("time/generate") else 0.0,
         })
         return metrics
