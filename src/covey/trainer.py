@@ -223,12 +223,14 @@ class GRPOTrainer:
         batch, timings = self.generate_and_score()
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
         B = batch.loss_mask_BT.shape[0]
-        for _ in range(args.num_iterations):
+        for iteration in range(args.num_iterations):
             for first in range(0, B, window):
                 if self.global_step >= args.max_steps:
                     break
                 t_train = time.perf_counter()
-                stats = self.optimize(batch, slice(first, min(first + window, B)))
+                # until the first optimizer step on this batch the policy *is* the old policy: ratio exactly 1
+                policy_unchanged = iteration == 0 and first == 0
+                stats = self.optimize(batch, slice(first, min(first + window, B)), policy_unchanged)
                 self.global_step += 1
                 if self.reference is not None and args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
                     self.reference.sync(args.ref_model_mixup_alpha)
@@ -321,8 +323,10 @@ class GRPOTrainer:
             return batch
         return GenerationBatch.concat(kept, self.tokenizer.pad_token_id)
 
-    def optimize(self, batch: GenerationBatch, window: slice | None = None) -> dict[str, float]:
-        """5-6. One optimizer step over the micro-batches of ``window`` (default: the whole batch)."""
+    def optimize(self, batch: GenerationBatch, window: slice | None = None,
+                 policy_unchanged: bool = True) -> dict[str, float]:
+        """5-6. One optimizer step over the micro-batches of ``window`` (default: the whole batch).
+        ``policy_unchanged``: no step was taken since generation, so old log-probs = current ones."""
         args = self.args
         self.model.train()
         B = batch.loss_mask_BT.shape[0]
@@ -341,7 +345,8 @@ class GRPOTrainer:
             T = micro.completion_ids_BT.shape[1]
             with autocast(self.device, args.bf16):
                 logp_BT, entropy_BT = completion_logprobs(self.model, micro, args.temperature, with_entropy=True)
-            old_BT = logp_BT.detach() if batch.old_logp_BT is None else batch.old_logp_BT[rows, :T].to(self.device)
+            reuse = batch.old_logp_BT is None or policy_unchanged
+            old_BT = logp_BT.detach() if reuse else batch.old_logp_BT[rows, :T].to(self.device)
             ref_BT = None if batch.ref_logp_BT is None else batch.ref_logp_BT[rows, :T].to(self.device)
             weights = None if batch.engine_weights is None else batch.engine_weights[rows, :T].to(self.device)
             loss, stats = core.policy_loss(

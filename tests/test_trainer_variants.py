@@ -1,0 +1,206 @@
+"""The variants wired through the trainer, on a tiny random Llama."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from covey import GRPOConfig, GRPOTrainer, core
+from covey.cli import main
+from covey.errors import ConfigError
+from covey.rewards import SoftOverlongPenalty, load_reward_func
+from covey.rollout import HFEngine
+from tests.conftest import make_model
+from tests.test_trainer import ROWS, count_a, small_args
+
+
+def trainer_for(tmp_path, tokenizer, seed=0, **overrides):
+    args = small_args(tmp_path, eval_max_samples=0, **overrides)
+    return GRPOTrainer(model=make_model(len(tokenizer), seed=seed), reward_funcs=[count_a], args=args,
+                       train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+
+
+def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_computed_once(tmp_path, tokenizer):
+    trainer = trainer_for(tmp_path, tokenizer, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                          steps_per_generation=2, max_steps=2)
+    calls = []
+    original = trainer._logprobs_no_grad
+    trainer._logprobs_no_grad = lambda model, seq: calls.append(1) or original(model, seq)
+    ratios = []
+    real_loss = core.policy_loss
+
+    def spy(logp, old, *args, **kwargs):
+        ratios.append(torch.exp(logp.detach() - old))
+        return real_loss(logp, old, *args, **kwargs)
+
+    core.policy_loss, saved = spy, core.policy_loss
+    try:
+        trainer.train()
+    finally:
+        core.policy_loss = saved
+    assert trainer.global_step == 2 and trainer.rounds_sampled == 1 and len(calls) == 1
+    assert torch.equal(ratios[0], torch.ones_like(ratios[0]))  # first pass: ratio exactly 1
+    assert not torch.allclose(ratios[1], torch.ones_like(ratios[1]))  # the second window sees a moved policy
+
+
+def test_num_iterations_reuses_the_generation_batch(tmp_path, tokenizer):
+    trainer = trainer_for(tmp_path, tokenizer, num_iterations=3, max_steps=3)
+    trainer.train()
+    assert trainer.global_step == 3 and trainer.rounds_sampled == 1
+
+
+def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path, tokenizer):
+    def only_first_prompt_varies(prompts, completions, **kwargs):
+        return [float(len(c[0]["content"]) % 3) if p[0]["content"] == "say a" else 1.0
+                for p, c in zip(prompts, completions)]
+
+    args = small_args(tmp_path, eval_max_samples=0, dynamic_sampling=True, dynamic_sampling_max_rounds=3, max_steps=1)
+    trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[only_first_prompt_varies], args=args,
+                          train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+    trainer.train()
+    stats = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert stats["dynamic_sampling/extra_rounds"] == 3  # never two informative groups: the cap stops it
+    assert stats["dynamic_sampling/dropped_groups"] >= 6
+    assert stats["frac_reward_zero_std"] == 0.0  # what was trained on has signal
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, tokenizer):
+    trainer = trainer_for(tmp_path, tokenizer, mask_truncated_completions=True, max_completion_length=3)
+    batch, _ = trainer.generate_and_score([0, 1])
+    for row, reason in enumerate(batch.finish_reasons):
+        assert bool(batch.loss_mask_BT[row].any()) == (reason == "eos")
+    assert "length" in batch.finish_reasons
+
+
+def test_reference_sync_mixes_policy_into_reference(tmp_path, tokenizer):
+    trainer = trainer_for(tmp_path, tokenizer, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1,
+                          ref_model_mixup_alpha=0.5, max_steps=1)
+    ref_before = {n: p.clone() for n, p in trainer.reference.frozen.named_parameters()}
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        assert torch.allclose(trainer.reference.frozen.get_parameter(name), 0.5 * param + 0.5 * ref_before[name])
+
+
+def test_no_reference_model_when_beta_is_zero(tmp_path, tokenizer):
+    assert trainer_for(tmp_path, tokenizer, beta=0.0).reference is None
+
+
+def test_soft_overlong_penalty_matches_dapo():
+    penalty = SoftOverlongPenalty(max_length=10, cache_length=4)
+    assert penalty(completion_ids=[[1] * 6, [1] * 8, [1] * 10, [1] * 11]) == [0.0, -0.5, -1.0, -1.0]
+    built_in = load_reward_func("soft_overlong_penalty", {"soft_overlong_penalty": {"max_length": 8, "cache_length": 2}})
+    assert built_in(completion_ids=[[1] * 7]) == [-0.5]
+
+
+class InexactEngine(HFEngine):
+    """An engine whose log-probs are off from the trainer's (as bf16 kernels or vLLM are)."""
+
+    exact_logprobs = False
+
+    def generate(self, *args, **kwargs):
+        rollout = super().generate(*args, **kwargs)
+        rollout.sampling_logp_BT = rollout.sampling_logp_BT - 0.05 * rollout.completion_mask_BT
+        return rollout
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tokenizer, mode):
+    model = make_model(len(tokenizer))
+    args = small_args(tmp_path, eval_max_samples=0, max_steps=1, vllm_importance_sampling_mode=mode,
+                      vllm_importance_sampling_clip_max=1.5)
+    engine = InexactEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer, rollout_engine=engine, quiet=True)
+    batch, _ = trainer.generate_and_score([0, 1])
+    assert batch.old_logp_BT is not None
+    expected = core.engine_importance_weights(batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(),
+                                              mode, 1.5)
+    assert torch.equal(batch.engine_weights, expected)
+    token_w = torch.exp(batch.old_logp_BT - batch.sampling_logp_BT)[batch.loss_mask_BT == 1]
+    assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
+
+
+def test_exact_engine_needs_no_correction(tmp_path, tokenizer):
+    batch, _ = trainer_for(tmp_path, tokenizer).generate_and_score([0, 1])
+    assert batch.engine_weights is None and batch.old_logp_BT is None
+
+
+TRL_STYLE = """
+# a config written for TRL's GRPOTrainer, with TRL's field names
+learning_rate: 1.0e-4
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 2
+steps_per_generation: 4
+num_generations: 4
+max_completion_length: 6
+num_iterations: 2
+beta: 0.04
+epsilon: 0.2
+epsilon_high: 0.28
+delta: 2.0
+loss_type: dr_grpo
+scale_rewards: none
+multi_objective_aggregation: sum_then_normalize
+importance_sampling_level: token
+mask_truncated_completions: true
+top_entropy_quantile: 0.8
+use_bias_correction_kl: true
+sync_ref_model: true
+ref_model_mixup_alpha: 0.9
+ref_model_sync_steps: 2
+temperature: 0.9
+top_p: 0.95
+top_k: 20
+max_grad_norm: 1.0
+warmup_ratio: 0.1
+lr_scheduler_type: cosine
+adam_beta1: 0.9
+adam_beta2: 0.99
+weight_decay: 0.01
+seed: 7
+max_steps: 4
+logging_steps: 2
+log_completions: true
+bf16: false
+gradient_checkpointing: false
+"""
+
+
+def test_a_trl_style_config_runs_unchanged(tmp_path, tiny_model_dir):
+    config = tmp_path / "trl.yaml"
+    config.write_text(TRL_STYLE + f"model: {tiny_model_dir}\ndataset: arithmetic\nreward_funcs: [answer_format]\n"
+                                  f"eval_max_samples: 2\noutput_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(config)]) == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    for key, value in yaml.safe_load(TRL_STYLE).items():
+        assert saved[key] == value, key
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4]
+
+
+@pytest.mark.parametrize("field", ["use_vllm", "report_to", "num_train_epochs", "vllm_mode", "sapo_temperature_pos"])
+def test_unsupported_trl_fields_are_rejected_by_name(tmp_path, field):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{field}: 1\n")
+    with pytest.raises(ConfigError, match=f"'{field}' is a TRL field that covey does not support"):
+        GRPOConfig.from_yaml(config)
+
+
+def test_loss_type_choices_match_the_core_table():
+    from covey.config import KL_ESTIMATORS, LOSS_TYPES, REWARD_AGGREGATIONS, SCALE_REWARDS
+
+    assert set(LOSS_TYPES) == set(core.LOSS_TYPES) and set(SCALE_REWARDS) == set(core.REWARD_SCALES)
+    assert set(KL_ESTIMATORS) == set(core.KL_ESTIMATORS) and set(REWARD_AGGREGATIONS) == set(core.REWARD_AGGREGATIONS)
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2, per_device_train_batch_size=8), "multiple of gradient_accumulation_steps"),
+    (dict(delta=1.1), "delta=1.1 must exceed 1 \\+ epsilon_high"),
+    (dict(clip_ratio_c=0.5), "clip_ratio_c"),
+    (dict(sync_ref_model=True), "sync_ref_model needs beta > 0"),
+    (dict(top_entropy_quantile=0), "top_entropy_quantile"),
+])
+def test_incompatible_variant_settings(values, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**values)
