@@ -115,8 +115,8 @@ def _sum_then_normalize(rewards_BF, weights_F, group_size, scale, eps):
 
 
 def _normalize_then_sum(rewards_BF, weights_F, group_size, scale, eps):
-    """Normalise each reward within its group, sum with weights, then normalise over the batch
-    (GDPO-style), so one reward with a large range cannot drown the others."""
+    """Normalise each reward within its group, sum with weights, then normalise over the batch,
+    so one reward with a large range cannot drown the others."""
     per_func = [group_advantages(rewards_BF[:, f], group_size, "group", eps)[0].masked_fill(rewards_BF[:, f].isnan(), math.nan)
                 for f in range(rewards_BF.shape[1])]
     summed_B = weighted_reward_sum(torch.stack(per_func, dim=1), weights_F)
