@@ -89,7 +89,7 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.evaluation import evaluate
     from covey.models import eos_token_ids, load_policy, load_tokenizer
     from covey.rewards import load_reward_func
-    from covey.rollout import HFEngine
+    from covey.rollout import make_engine
     from covey.trainer import builtin_reward_settings
 
     rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9)
@@ -98,7 +98,7 @@ def cmd_eval(argv: list[str]) -> int:
     reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in args.reward_funcs]
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
-    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), args.bf16)
+    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.bf16)
     result = evaluate(engine, tokenizer, rows, reward_funcs, args.reward_weights or [1.0] * len(reward_funcs),
                       args.max_completion_length, args.max_prompt_length)
     Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "

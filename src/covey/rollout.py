@@ -19,7 +19,10 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    stop: tuple[str, ...] = ()  # strings that end a completion (kept in it)
     greedy: bool = False
 
 
@@ -30,7 +33,7 @@ class Rollout:
     completion_ids_BT: torch.Tensor  # (B, T) long, padded with pad_token_id after the end
     completion_mask_BT: torch.Tensor  # (B, T) long, 1 up to and including EOS
     sampling_logp_BT: torch.Tensor  # (B, T) float, log-prob of each token under the sampling distribution
-    finish_reasons: list[str]  # per row: "eos" or "length"
+    finish_reasons: list[str]  # per row: "eos", "stop" (a stop string) or "length"
 
     @property
     def lengths_B(self) -> torch.Tensor:
@@ -40,6 +43,18 @@ class Rollout:
 class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout: ...
+
+
+def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],
+                autocast_bf16: bool = False) -> RolloutEngine:
+    """The rollout engine called ``name`` ("fast" or "hf") over ``model``."""
+    if name == "hf":
+        return HFEngine(model, tokenizer.pad_token_id, eos_token_ids, autocast_bf16)
+    if name == "fast":
+        from covey.fast_rollout import FastEngine
+
+        return FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, autocast_bf16)
+    raise ValueError(f"rollout engine {name!r} is not one of fast, hf")
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +77,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.autocast_bf16 = autocast_bf16
+        self.exact_logprobs = not autocast_bf16
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
@@ -75,11 +91,14 @@ class HFEngine:
 
         # A fresh generation config: settings saved with the model (repetition penalty, its own
         # temperature, ...) must not change the distribution the trainer believes it sampled from.
-        sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        if params.stop:
+            raise ValueError("stop strings are supported by the 'fast' rollout engine only")
+        sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                                 min_p=params.min_p or None)
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
-            output_scores=True, return_dict_in_generate=True)
+            repetition_penalty=params.repetition_penalty, output_scores=True, return_dict_in_generate=True)
         # generate() fills unset values from the model's own config, so swap in an empty one
         holder = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         was_training, saved_config = self.model.training, holder.generation_config

@@ -34,7 +34,7 @@ from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_
                           prepare_tokenizer)
 from covey.rewards import (RewardFunc, combine_rewards, completion_text, load_reward_func, preflight_check, reward_name,
                            score_completions)
-from covey.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, left_pad
+from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.telemetry import RunLog, print_summary
 from covey.text import decode_completions, encode_prompts
 
@@ -168,7 +168,7 @@ class GRPOTrainer:
             self.model.gradient_checkpointing_enable()
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.engine = rollout_engine or HFEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, args.bf16)
+        self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids, args.bf16)
         self.device = next(self.model.parameters()).device
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
@@ -277,7 +277,8 @@ class GRPOTrainer:
         args, G = self.args, self.args.num_generations
         t0 = time.perf_counter()
         prompt_ids = [self.prompt_ids[i] for i in indices]
-        params = SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k)
+        params = SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p or 0.0,
+                                args.repetition_penalty, tuple(args.stop_strings or ()))
         rollout = self.engine.generate(prompt_ids, G, params, seed=args.seed + self.rounds_sampled)
         self.rounds_sampled += 1
         t1 = time.perf_counter()

@@ -1,0 +1,145 @@
+"""covey's fast engine: same tokens as transformers generate, exact log-probs, correct sampling."""
+
+import pytest
+import torch
+
+from covey.fast_rollout import FastEngine, process_logits
+from covey.rollout import HFEngine, SamplingParams
+from tests.conftest import make_model
+from tests.test_rollout_and_logprobs import _always_emit, _full_forward_logprobs, _prompts
+
+
+def engines(model, tokenizer):
+    eos = [tokenizer.eos_token_id]
+    return HFEngine(model, tokenizer.pad_token_id, eos), FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_greedy_is_token_identical_to_transformers_generate(tokenizer, G):
+    model = make_model(len(tokenizer), seed=4)
+    hf, fast = engines(model, tokenizer)
+    prompts = _prompts(tokenizer) + [tokenizer("a longer third prompt", add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    a, b = hf.generate(prompts, G, params), fast.generate(prompts, G, params)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+    assert a.finish_reasons == b.finish_reasons
+    assert torch.allclose(a.sampling_logp_BT, b.sampling_logp_BT, atol=1e-5)
+
+
+def test_sampled_logprobs_match_a_full_forward(tokenizer):
+    model = make_model(len(tokenizer), seed=1)
+    _, fast = engines(model, tokenizer)
+    prompts = _prompts(tokenizer)
+    rollout = fast.generate(prompts, 4, SamplingParams(max_new_tokens=12, temperature=0.7), seed=0)
+    for row in range(8):
+        n = int(rollout.lengths_B[row])
+        completion = rollout.completion_ids_BT[row, :n].tolist()
+        want = _full_forward_logprobs(model, prompts[row // 4], completion, temperature=0.7)
+        assert torch.allclose(rollout.sampling_logp_BT[row, :n], want, atol=1e-4)
+
+
+def known_distribution_model(tokenizer, logits):
+    """A model whose next-token logits are ``logits`` whatever the input."""
+    model = make_model(len(tokenizer))
+    head = torch.nn.Linear(model.config.hidden_size, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(logits)
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(max_new_tokens=1), [0.5, 0.3, 0.15, 0.05]),
+    (SamplingParams(max_new_tokens=1, top_k=2), [0.625, 0.375, 0.0, 0.0]),
+    (SamplingParams(max_new_tokens=1, top_p=0.8), [0.625, 0.375, 0.0, 0.0]),
+    (SamplingParams(max_new_tokens=1, min_p=0.25), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+])
+def test_sampling_frequencies_match_the_softmax(tokenizer, params, expected):
+    V = len(tokenizer)
+    tokens = [40, 41, 42, 43]
+    logits = torch.full((V,), -1e4)
+    for token, p in zip(tokens, [0.5, 0.3, 0.15, 0.05]):
+        logits[token] = torch.log(torch.tensor(p))
+    model = known_distribution_model(tokenizer, logits)
+    _, fast = engines(model, tokenizer)
+    N = 4000
+    rollout = fast.generate(_prompts(tokenizer)[:1], N, params, seed=1234)
+    first = rollout.completion_ids_BT[:, 0]
+    for token, p in zip(tokens, expected):
+        freq = (first == token).float().mean().item()
+        assert abs(freq - p) <= 4 * (p * (1 - p) / N) ** 0.5 + 1e-9, (token, freq, p)
+        if p > 0:  # the reported log-prob is that of the (renormalised) distribution sampled from
+            assert torch.allclose(rollout.sampling_logp_BT[first == token, 0], torch.log(torch.tensor(p)), atol=1e-4)
+    assert set(first.tolist()) <= set(tokens)
+
+
+def test_processors_match_transformers(tokenizer):
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    history = torch.randint(0, 50, (3, 7))
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+    want = RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)):
+        want = warper(history, want)
+    got = process_logits(logits, params, history)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)], atol=1e-6)
+
+
+def test_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tokenizer):
+    V = len(tokenizer)
+    logits = torch.full((V,), -1e4)
+    logits[tokenizer.eos_token_id] = 0.0
+    logits[50] = 0.0  # EOS with probability 1/2 at every step
+    model = known_distribution_model(tokenizer, logits)
+    batch_sizes = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    _, fast = engines(model, tokenizer)
+    rollout = fast.generate(_prompts(tokenizer), 8, SamplingParams(max_new_tokens=12), seed=0)
+    assert batch_sizes[0] == 2  # two prompts, each prefilled once for its 8 samples
+    decode = batch_sizes[1:]
+    assert decode == sorted(decode, reverse=True) and decode[-1] < 16
+    for row, reason in enumerate(rollout.finish_reasons):
+        n = int(rollout.lengths_B[row])
+        assert (reason == "eos") == (rollout.completion_ids_BT[row, n - 1].item() == tokenizer.eos_token_id)
+
+
+def test_stop_strings_end_a_completion(tokenizer, tiny_model):
+    x = tokenizer("x", add_special_tokens=False)["input_ids"][0]
+    model = _always_emit(tiny_model, x, len(tokenizer))
+    fast = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    rollout = fast.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=10, stop=("xxx",)))
+    assert rollout.finish_reasons == ["stop"] * 4 and rollout.lengths_B.tolist() == [3] * 4
+    assert rollout.completion_mask_BT.sum(1).tolist() == [3] * 4
+
+
+def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):
+    _, fast = engines(tiny_model, tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    a = fast.generate(_prompts(tokenizer), 4, params, seed=7)
+    b = fast.generate(_prompts(tokenizer), 4, params, seed=7)
+    c = fast.generate(_prompts(tokenizer), 4, params, seed=8)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+    assert not torch.equal(a.completion_ids_BT, c.completion_ids_BT)
+
+
+def test_fast_greedy_matches_transformers_on_the_default_model():
+    from covey.config import EMBEDDED_MODEL
+    from covey.models import eos_token_ids, load_policy, load_tokenizer
+    from covey.tasks import arithmetic
+    from covey.text import encode_prompts
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    model = load_policy(EMBEDDED_MODEL).eval()
+    eos = eos_token_ids(model, tokenizer)
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("test")[:6]], 512)
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    a = HFEngine(model, tokenizer.pad_token_id, eos).generate(prompts, 1, params)
+    b = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer).generate(prompts, 1, params)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+    assert torch.allclose(a.sampling_logp_BT, b.sampling_logp_BT, atol=1e-4)
