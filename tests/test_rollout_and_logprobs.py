@@ -1,5 +1,6 @@
 """The transformers rollout engine and the trainer's log-prob pass agree with plain forward passes."""
 
+import pytest
 import torch
 
 from covey.core import completion_mask
@@ -125,3 +126,33 @@ def test_a_generation_config_saved_with_the_model_is_ignored(tokenizer, tiny_mod
     tiny_model.generation_config.top_k = 2
     again = engine.generate(prompt, 4, SamplingParams(max_new_tokens=6), seed=1)
     assert torch.equal(plain.completion_ids_BT, again.completion_ids_BT)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, T):
+    """Running each group's prompt once and sharing its keys/values is exact, gradients included."""
+    from tests.conftest import make_model
+
+    model = make_model(len(tokenizer), seed=2)
+    prompts = _prompts(tokenizer)
+    repeated = [prompts[0]] * 3 + [prompts[1]] * 2 + [prompts[0]]  # groups of 3, 2 and 1 rows
+    prompt_ids, prompt_mask = left_pad(repeated, tokenizer.pad_token_id)
+    g = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(10, 90, (6, T), generator=g)
+    mask = torch.ones(6, T, dtype=torch.long)
+    if T > 1:
+        mask[1, 3:] = 0
+        mask[4, 1:] = 0
+        completion_ids[mask == 0] = tokenizer.pad_token_id
+    batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, mask)
+    assert batch.prompt_groups().tolist() == [0, 0, 0, 1, 1, 2]
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, batch, temperature=0.8, share_prompt=share)
+        (logp * mask).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (plain, plain_grads), (shared, shared_grads) = results
+    assert torch.allclose(plain[mask == 1], shared[mask == 1], atol=1e-5)
+    for a, b in zip(plain_grads, shared_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

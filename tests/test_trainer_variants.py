@@ -96,7 +96,9 @@ def test_soft_overlong_penalty_matches_dapo():
 class InexactEngine(HFEngine):
     """An engine whose log-probs are off from the trainer's (as bf16 kernels or vLLM are)."""
 
-    exact_logprobs = False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exact_logprobs = False
 
     def generate(self, *args, **kwargs):
         rollout = super().generate(*args, **kwargs)

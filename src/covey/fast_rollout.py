@@ -13,11 +13,10 @@ repetition penalty, temperature, top-k, top-p and min-p), like every engine.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from covey.core import completion_mask
+from covey.models import cache_keyword
 from covey.rollout import Rollout, SamplingParams, left_pad
 
 
@@ -61,9 +60,7 @@ class FastEngine:
         self.exact_logprobs = not autocast_bf16
 
     def _forward(self, cache, **inputs):
-        names = inspect.signature(self.model.forward).parameters
-        key = "cache" if "cache" in names else "past_key_values"
-        return self.model(**inputs, **{key: cache}, use_cache=True).logits[:, -1]
+        return self.model(**inputs, **{cache_keyword(self.model): cache}, use_cache=True).logits[:, -1]
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -154,6 +155,12 @@ class Reference:
             return
         with self.policy.disable_adapter():
             yield self.policy
+
+
+def cache_keyword(model) -> str:
+    """The forward() keyword of the KV cache: 'cache' in recent transformers, 'past_key_values' before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def autocast(device: torch.device, enabled: bool):
