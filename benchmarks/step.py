@@ -1,0 +1,124 @@
+"""One GRPO step, covey vs TRL's GRPOTrainer, on the same work and the same machine.
+
+Same model (the default, SmolLM2-135M-Instruct), 2 prompts x 8 generations of the arithmetic
+task, up to 64 completion tokens, beta 0.04, the same two rewards; full fine-tuning and LoRA;
+TRL's defaults otherwise (covey is given the same learning rate, loss type and sampling). Each
+measurement runs in a fresh process (so peak memory is that run's own); covey and TRL alternate,
+``--repeats`` times, and the first step of every run is left out as warm-up.
+
+    pip install -e .[bench]          # trl
+    python benchmarks/step.py --repeats 2 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+COMMON = dict(num_generations=8, per_device_train_batch_size=16, max_completion_length=64, beta=0.04,
+              learning_rate=1e-6, seed=42)
+
+
+def run_covey(mode: str, steps: int, out_dir: str) -> list[dict]:
+    from covey import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**COMMON, max_steps=steps, eval_max_samples=0, output_dir=out_dir, log_completions=False,
+                      use_peft=mode == "lora")
+    GRPOTrainer(args=args, quiet=True).train()
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    return [{"seconds": m["step_time"], "tokens": m["completions/mean_length"] * 16} for m in metrics]
+
+
+def run_trl(mode: str, steps: int, out_dir: str) -> list[dict]:
+    import datasets
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from covey.config import EMBEDDED_MODEL
+    from covey.models import embedded_model_folder
+    from covey.rewards import answer_correct, answer_format
+    from covey.tasks import arithmetic
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.records, self.start, self.length = [], 0.0, None
+
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.records.append({"seconds": time.perf_counter() - self.start})
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs and self.records:
+                self.records[-1]["tokens"] = logs["completions/mean_length"] * 16
+
+    rows = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic("train")])
+    config = GRPOConfig(**COMMON, max_steps=steps, output_dir=out_dir, logging_steps=1, report_to="none",
+                        use_cpu=True, bf16=False, save_strategy="no")
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if mode == "lora" else None
+    timer = Timer()
+    trainer = GRPOTrainer(model=str(embedded_model_folder(EMBEDDED_MODEL)), reward_funcs=[answer_format, answer_correct],
+                          args=config, train_dataset=rows, peft_config=lora, callbacks=[timer])
+    trainer.train()
+    return timer.records
+
+
+def worker(framework: str, mode: str, steps: int) -> None:
+    with tempfile.TemporaryDirectory() as out_dir:
+        records = (run_covey if framework == "covey" else run_trl)(mode, steps, os.path.join(out_dir, "run"))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps({"records": records, "peak_mib": peak_mib}))
+
+
+def measure(framework: str, mode: str, steps: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", framework, "--mode", mode, "--steps", str(steps)],
+                         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{framework} {mode} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(line[len("RESULT "):])
+    timed = result["records"][1:]  # the first step warms caches up
+    result["seconds"] = statistics.median(r["seconds"] for r in timed)
+    result["tokens_per_second"] = statistics.median(r["tokens"] / r["seconds"] for r in timed if "tokens" in r)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"])
+    parser.add_argument("--worker", choices=["covey", "trl"])
+    parser.add_argument("--mode", default="full")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.mode, args.steps)
+        return
+    print("| mode | framework | s / step | completion tok/s | peak RSS (MiB) |")
+    print("|---|---|---|---|---|")
+    for mode in args.modes:
+        runs = {"covey": [], "trl": []}
+        for _ in range(args.repeats):
+            for framework in ("covey", "trl"):
+                runs[framework].append(measure(framework, mode, args.steps))
+        for framework, results in runs.items():
+            print(f"| {mode} | {framework} | {statistics.median(r['seconds'] for r in results):.1f} | "
+                  f"{statistics.median(r['tokens_per_second'] for r in results):.1f} | "
+                  f"{max(r['peak_mib'] for r in results):.0f} |", flush=True)
+        ratios = [c["tokens_per_second"] / t["tokens_per_second"] for c, t in zip(runs["covey"], runs["trl"])]
+        print(f"| {mode} | covey / trl | | {statistics.median(ratios):.2f}x (per pair: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}) | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
