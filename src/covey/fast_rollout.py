@@ -46,6 +46,17 @@ def process_logits(logits_BV: torch.Tensor, params: SamplingParams, history_BL: 
     return logits_BV
 
 
+def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row by inverting the CDF with a single uniform number: the same distribution as
+    ``torch.multinomial``, without its per-call exponential noise over the whole vocabulary. (B,)"""
+    cdf_BV = probs_BV.double().cumsum(-1)
+    u_B1 = torch.rand(probs_BV.shape[0], 1, generator=generator, device=probs_BV.device, dtype=torch.float64)
+    index_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
+    # rounding can land u on the far edge of the CDF; fall back to the last token that has mass
+    last_nonzero_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(index_B, last_nonzero_B)
+
+
 class FastEngine:
     """Batched KV-cache sampling with shared prompt prefill and early exit of finished rows."""
 
@@ -105,7 +116,7 @@ class FastEngine:
             if params.greedy:
                 next_B = processed_BV.argmax(-1)
             else:
-                next_B = torch.multinomial(processed_BV.softmax(-1), 1, generator=generator).squeeze(1)
+                next_B = sample_categorical(processed_BV.softmax(-1), generator)
             logp_B = torch.log_softmax(processed_BV, -1).gather(1, next_B[:, None]).squeeze(1)
             tokens_BT[active, t] = next_B.cpu()
             logp_BT[active, t] = logp_B.float().cpu()
