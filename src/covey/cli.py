@@ -100,13 +100,78 @@ def cmd_eval(argv: list[str]) -> int:
     model = load_policy(args.model, args.trust_remote_code).eval()
     engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.bf16)
     result = evaluate(engine, tokenizer, rows, reward_funcs, args.reward_weights or [1.0] * len(reward_funcs),
-                      args.max_completion_length, args.max_prompt_length)
+                      args.max_completion_length, args.max_prompt_length, strip_reasoning=args.strip_reasoning)
     Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "
                     f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+def cmd_verify(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey verify", allow_abbrev=False,
+        description="Run every stage of the pipeline on one small batch and check its invariant; "
+                    "exit 1 naming the first failing stage.")
+    parser.add_argument("--num-prompts", type=int, default=2, help="prompts in the checked batch")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    args = _load_config(namespace.config, overrides)
+    from rich.console import Console
+
+    from covey.verify import print_report, verify
+
+    return print_report(verify(args, num_prompts=namespace.num_prompts), Console())
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey generate", allow_abbrev=False,
+        description="Sample completions for a few prompts and show every reward, the total and the advantage, "
+                    "without training.")
+    parser.add_argument("--num-prompts", type=int, default=2, help="prompts to sample (each num_generations times)")
+    parser.add_argument("--json", metavar="FILE", help="also write one JSON line per completion to FILE ('-' = stdout)")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    if namespace.num_prompts < 1:
+        raise ConfigError("--num-prompts must be at least 1")
+    args = _load_config(namespace.config, overrides)
+    import dataclasses
+    import json
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from covey.trainer import GRPOTrainer
+
+    args = dataclasses.replace(args, output_dir=tempfile.mkdtemp(prefix="covey-generate-"), overwrite_output_dir=True,
+                               eval_max_samples=0, per_device_train_batch_size=namespace.num_prompts * args.num_generations,
+                               gradient_accumulation_steps=1, steps_per_generation=None)
+    trainer = GRPOTrainer(args=args, quiet=True)
+    indices = list(range(min(namespace.num_prompts, len(trainer.train_rows))))
+    batch, _ = trainer.generate_and_score(indices)
+    names = [r for r in batch.records[0]["rewards"]]
+    table = Table(title=f"{len(batch.records)} completions of {len(indices)} prompts", show_lines=True)
+    for column in ("prompt", "completion", *names, "total", "advantage"):
+        table.add_column(column, overflow="fold")
+    previous = None
+    for record in batch.records:
+        prompt = record["prompt"][-1]["content"] if isinstance(record["prompt"], list) else record["prompt"]
+        scores = [("None" if record["rewards"][n] is None else f"{record['rewards'][n]:.3g}") for n in names]
+        total = "None" if record["reward"] is None else f"{record['reward']:.3g}"
+        table.add_row("" if prompt == previous else prompt, record["completion"], *scores, total,
+                      f"{record['advantage']:+.3f}")
+        previous = prompt
+    Console().print(table)
+    if namespace.json:
+        lines = "".join(json.dumps(r) + "\n" for r in batch.records)
+        if namespace.json == "-":
+            sys.stdout.write(lines)
+        else:
+            Path(namespace.json).write_text(lines)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: covey {train,eval} [CONFIG] [--field value ...]   (covey train --help lists the fields)",
+        print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
+              "(covey train --help lists the fields)",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

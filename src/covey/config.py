@@ -65,6 +65,7 @@ class GRPOConfig:
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
+    strip_reasoning: bool = _f(False, "hand rewards only the answer after a <think>...</think> block (unterminated: empty)")
     multi_objective_aggregation: str = _f("sum_then_normalize", "combine rewards before normalising, or normalise each then sum", choices=REWARD_AGGREGATIONS)
     overlong_max_length: int | None = _f(None, "soft_overlong_penalty reward: length where the penalty reaches -1 (default: max_completion_length)")
     overlong_cache_length: int | None = _f(None, "soft_overlong_penalty reward: length of the linear ramp before it (default: a quarter of the max)")

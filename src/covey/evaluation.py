@@ -14,7 +14,7 @@ from covey.text import decode_completions, encode_prompts
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
              reward_weights: Sequence[float], max_new_tokens: int, max_prompt_length: int,
-             batch_size: int = 32) -> dict:
+             batch_size: int = 32, strip_reasoning: bool = False) -> dict:
     """Accuracy (the tagged answer equals the `answer` column) and mean weighted reward, greedy.
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "samples": [{prompt, completion, correct}, ...]}
@@ -25,7 +25,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk], max_prompt_length, "eval_dataset")
         rollout = engine.generate(prompt_ids, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
         completions, ids = decode_completions(tokenizer, rollout.completion_ids_BT, rollout.completion_mask_BT,
-                                              is_conversational(chunk))
+                                              is_conversational(chunk), strip_reasoning)
         columns = extra_columns(chunk)
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, columns)
         rewards.append(combine_rewards(per_func, reward_weights))

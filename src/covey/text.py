@@ -24,11 +24,32 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
     return encoded
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def answer_after_reasoning(text: str) -> str:
+    """The part of a completion after its reasoning block.
+
+        "<think>2+2 is 4</think> 4"  -> "4"     (complete block: what follows it)
+        "<think>2+2 is"              -> ""      (unterminated: the model never answered)
+        "4"                          -> "4"     (no block: the whole text)
+    """
+    if THINK_OPEN not in text:
+        return text
+    if THINK_CLOSE not in text.split(THINK_OPEN, 1)[1]:
+        return ""
+    return text.rsplit(THINK_CLOSE, 1)[1].strip()
+
+
 def decode_completions(tokenizer, completion_ids_BT: torch.Tensor, mask_BT: torch.Tensor,
-                       conversational: bool) -> tuple[list, list[list[int]]]:
-    """(completions in the reward format, completion token ids without padding)."""
+                       conversational: bool, strip_reasoning: bool = False) -> tuple[list, list[list[int]]]:
+    """(completions in the reward format, completion token ids without padding). Special tokens
+    (EOS, padding) are removed from the text; with ``strip_reasoning`` only the answer after a
+    <think>...</think> block is kept."""
     ids = [row[: int(n)].tolist() for row, n in zip(completion_ids_BT, mask_BT.sum(1))]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    if strip_reasoning:
+        texts = [answer_after_reasoning(t) for t in texts]
     if conversational:
         return [[{"role": "assistant", "content": t}] for t in texts], ids
     return texts, ids

@@ -284,7 +284,8 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         rows = [self.train_rows[i] for i in indices for _ in range(G)]
         completions, completion_ids = decode_completions(self.tokenizer, rollout.completion_ids_BT,
-                                                         rollout.completion_mask_BT, is_conversational(rows))
+                                                         rollout.completion_mask_BT, is_conversational(rows),
+                                                         args.strip_reasoning)
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
                                        completion_ids, extra_columns(rows))
         timings["time/generate"] += t1 - t0
@@ -357,14 +358,18 @@ class GRPOTrainer:
             totals["loss"] += float(loss.detach())
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
+        totals["grad_norm"] = self.apply_gradients()
+        return totals
+
+    def apply_gradients(self) -> float:
+        """Clip the accumulated gradients, step the optimizer and the schedule; the gradient norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals["grad_norm"] = grad_norm
-        return totals
+        return grad_norm
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -432,7 +437,8 @@ class GRPOTrainer:
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
         return evaluate(self.engine, self.tokenizer, rows, self.reward_funcs, self.reward_weights,
-                        self.args.max_completion_length, self.args.max_prompt_length)
+                        self.args.max_completion_length, self.args.max_prompt_length,
+                        strip_reasoning=self.args.strip_reasoning)
 
     def _write_outputs(self, before: dict | None, after: dict | None, history: list[dict]) -> dict:
         final = self.run_dir / "final_model"

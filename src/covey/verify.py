@@ -1,0 +1,388 @@
+"""covey verify: run every stage of a pipeline on one small real batch and check its invariant.
+
+A GRPO run that does not learn usually has several independent defects, each of which silently
+zeroes or inverts the signal. Each stage below is checked against an independent computation
+written here (not by calling the code under test twice), in the order of the loop, so the first
+FAIL names the broken stage:
+
+    data        prompts, columns that rewards need, alignment of columns with completions
+    decode      the text rewards receive: plain, complete and unterminated reasoning, no special tokens
+    rewards     one value per completion, lined up with its completion, not constant, weights applied
+    advantages  group sums ~0, order follows reward, eps small, constant groups zero
+    logprobs    <= 0, equal to a plain log_softmax gather, padding out, EOS in
+    loss        value equal to the formula on the first pass (ratio 1), KL >= 0 and 0 at the
+                reference, one step raises the best completion and lowers the worst
+    engine      the sampler's log-probs agree with the trainer's forward
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from covey import core, text
+from covey.config import GRPOConfig
+from covey.errors import CoveyError, DataError, RewardError
+
+STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
+STANDARD_REWARD_ARGS = {"prompts", "completions", "completion_ids"}
+
+
+@dataclass
+class Check:
+    stage: str
+    name: str
+    value: str
+    status: str  # PASS | WARN | FAIL
+    hint: str = ""
+
+
+class Report:
+    def __init__(self) -> None:
+        self.checks: list[Check] = []
+
+    def add(self, stage: str, name: str, ok: bool, value: str, hint: str = "", warn_only: bool = False) -> bool:
+        status = "PASS" if ok else ("WARN" if warn_only else "FAIL")
+        self.checks.append(Check(stage, name, value, status, "" if ok else hint))
+        return ok
+
+    @property
+    def first_failure(self) -> str | None:
+        failed = {c.stage for c in self.checks if c.status == "FAIL"}
+        return next((s for s in STAGES if s in failed), None)
+
+
+def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
+           reward_funcs=None) -> Report:
+    """Check the pipeline ``args`` describes (or the given objects) stage by stage."""
+    from covey.trainer import GRPOTrainer
+
+    report = Report()
+    G = args.num_generations
+    settings = dataclasses.replace(
+        args, output_dir=tempfile.mkdtemp(prefix="covey-verify-"), overwrite_output_dir=True, eval_max_samples=0,
+        max_steps=1, log_completions=False, per_device_train_batch_size=num_prompts * G, gradient_accumulation_steps=1,
+        steps_per_generation=None, num_iterations=1, dynamic_sampling=False)
+    try:
+        trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
+                              args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True)
+    except DataError as e:
+        report.add("data", "dataset loads", False, "error", str(e))
+        return report
+    except RewardError as e:
+        report.add("rewards", "reward functions load", False, "error", str(e))
+        return report
+    check_data(report, trainer)
+    check_decode(report, trainer)
+    indices = list(range(min(num_prompts, len(trainer.train_rows))))
+    calls = _record_reward_calls(trainer)
+    try:
+        batch, _ = trainer.generate_and_score(indices)
+    except CoveyError as e:
+        report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
+        return report
+    check_columns(report, trainer, indices, calls)
+    check_rewards(report, trainer, batch, calls)
+    check_advantages(report, trainer, batch)
+    logp_BT = check_logprobs(report, trainer, batch)
+    check_loss(report, trainer, batch, logp_BT)
+    check_engine(report, trainer, batch, logp_BT)
+    return report
+
+
+# ---- stages -------------------------------------------------------------------------------------
+
+
+def check_data(report: Report, trainer) -> None:
+    rows, args = trainer.train_rows, trainer.args
+    chat = isinstance(rows[0]["prompt"], list)
+    report.add("data", "prompt column", True, "chat messages" if chat else "plain text")
+    longest = max(len(ids) for ids in trainer.prompt_ids)
+    report.add("data", "prompt lengths fit", longest <= args.max_prompt_length,
+               f"longest {longest} <= {args.max_prompt_length} tokens", "raise max_prompt_length")
+    columns = set(rows[0]) - {"prompt"}
+    for func in trainer.reward_funcs:
+        needed = _required_arguments(func) - STANDARD_REWARD_ARGS
+        missing = needed - columns
+        report.add("data", f"columns for {_name(func)}", not missing,
+                   ", ".join(sorted(needed)) or "none needed",
+                   f"reward {_name(func)} needs dataset column(s) {sorted(missing)}; add them to the data")
+
+
+def check_decode(report: Report, trainer) -> None:
+    """Decode known completions (with EOS and padding) and compare with the text they came from."""
+    tokenizer = trainer.tokenizer
+    samples = ["The sum is 12.", "<think>7 + 5 is 12</think> 12", "<think>7 + 5 is"]
+    answers = {True: ["The sum is 12.", "12", ""], False: samples}
+    ids = [tokenizer(s, add_special_tokens=False)["input_ids"] + [trainer.eos_ids[0]] for s in samples]
+    width = max(len(i) for i in ids) + 2
+    ids_BT = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+    mask_BT = core.completion_mask(ids_BT, trainer.eos_ids)
+    names = ("plain completion", "complete reasoning block", "unterminated reasoning block")
+    for strip in sorted({trainer.args.strip_reasoning, True}, reverse=True):
+        texts, _ = text.decode_completions(tokenizer, ids_BT, mask_BT, conversational=False, strip_reasoning=strip)
+        for name, got, want in zip(names, texts, answers[strip]):
+            got_clean = got.strip()
+            report.add("decode", f"{name}{' (strip_reasoning)' if strip else ''}", got_clean == want.strip(),
+                       repr(got_clean[:40]), f"rewards would see {got!r}, expected {want!r}: see text.decode_completions "
+                       "and text.answer_after_reasoning")
+    specials = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
+    plain, _ = text.decode_completions(tokenizer, ids_BT, mask_BT, conversational=False)
+    leaked = [s for s in specials if any(s in t for t in plain)]
+    report.add("decode", "special tokens and padding removed", not leaked, "none left" if not leaked else str(leaked),
+               "decode with skip_special_tokens and cut at the completion mask")
+
+
+def check_columns(report: Report, trainer, indices: list[int], calls: list[dict]) -> None:
+    G = trainer.args.num_generations
+    if not calls:
+        return
+    columns = {k: v for k, v in calls[0].items() if k not in STANDARD_REWARD_ARGS}
+    bad = [(k, i) for k, values in columns.items() for i, v in enumerate(values)
+           if v != trainer.train_rows[indices[i // G]][k]]
+    report.add("data", "columns aligned with completions", not bad, f"{len(columns)} column(s) checked",
+               f"column {bad[0][0]!r} at completion {bad[0][1]} belongs to another prompt: see data.extra_columns"
+               if bad else "")
+
+
+def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
+    rewards_BF, B = batch.rewards_BF, batch.rewards_BF.shape[0]
+    for j, func in enumerate(trainer.reward_funcs):
+        column = rewards_BF[:, j]
+        defined = column[~column.isnan()]
+        report.add("rewards", f"{_name(func)} varies over the batch", defined.numel() > 1 and bool(defined.std() > 0),
+                   f"{defined.numel()} values, std {float(defined.std()) if defined.numel() > 1 else 0:.3g}",
+                   "a constant reward gives no signal: make it incremental (partial credit)", warn_only=True)
+        start = time.perf_counter()
+        single = []
+        for i in range(B):
+            kwargs = {k: [v[i]] for k, v in calls[0].items()}
+            single.append(func(**kwargs)[0])
+        per_call = (time.perf_counter() - start) / B
+        report.add("rewards", f"{_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
+                   "a slow reward dominates the step: cache or batch its work", warn_only=True)
+        want = torch.tensor([math.nan if v is None else float(v) for v in single], dtype=torch.float64)
+        same = torch.allclose(column.nan_to_num(1e9), want.nan_to_num(1e9), atol=1e-9)
+        report.add("rewards", f"{_name(func)} values belong to their completions", same,
+                   "scored one by one = scored as a batch" if same else "mismatch",
+                   "the reward table is shifted or reordered against the completions: see rewards.score_completions "
+                   "(or the function depends on batch order or randomness)")
+    weights = trainer.reward_weights
+    total = core.weighted_reward_sum(rewards_BF, torch.tensor(weights, dtype=torch.float64))
+    manual = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in rewards_BF.tolist()]
+    report.add("rewards", "weights applied", torch.allclose(total.nan_to_num(0.0), torch.tensor(manual, dtype=torch.float64)),
+               f"weights {weights}", "core.weighted_reward_sum does not equal sum(weight * reward)")
+
+
+def check_advantages(report: Report, trainer, batch) -> None:
+    args, G = trainer.args, trainer.args.num_generations
+    weights = torch.tensor(trainer.reward_weights, dtype=torch.float64)
+    probe = torch.tensor([[0.0], [1.0], [3.0], [3.0]], dtype=torch.float64)
+    adv, zero_std = core.advantages_from_rewards(probe, torch.ones(1, dtype=torch.float64), 2, args.scale_rewards,
+                                                 args.multi_objective_aggregation)
+    report.add("advantages", "higher reward, higher advantage", bool(adv[1] > adv[0]),
+               f"A(r=1) - A(r=0) = {float(adv[1] - adv[0]):.3g}", "the advantage sign is flipped: see core.group_advantages")
+    want = {"group": 1 / math.sqrt(2), "batch": 0.5 / float(probe.std()), "none": 0.5}[args.scale_rewards]
+    report.add("advantages", "eps small next to the reward spread", abs(float(adv[1]) - want) < 0.01 * want,
+               f"A(r=1) = {float(adv[1]):.4f}, formula {want:.4f}",
+               "eps in (r - mean) / (std + eps) is too large and flattens the signal: see core.ADVANTAGE_EPS",)
+    report.add("advantages", "constant group gives zeros and is counted",
+               bool((adv[2:] == 0).all() and zero_std.tolist() == [False, True]), f"{adv[2:].tolist()}",
+               "a group with equal rewards must have zero advantage")
+    sums = batch.advantages_B.view(-1, G).sum(1).abs()
+    report.add("advantages", "group sums near 0", bool((sums < 1e-3 * G).all()), f"max |sum| {float(sums.max()):.2g}",
+               "advantages are not centred within each group")
+    if args.multi_objective_aggregation == "sum_then_normalize":
+        rewards = core.weighted_reward_sum(batch.rewards_BF, weights).view(-1, G)
+        adv_NG = batch.advantages_B.view(-1, G).double()
+        inverted = ((rewards[:, :, None] > rewards[:, None, :]) & (adv_NG[:, :, None] < adv_NG[:, None, :])).any()
+        report.add("advantages", "order follows reward in the sampled batch", not bool(inverted), "checked",
+                   "a better completion got a lower advantage")
+
+
+def check_logprobs(report: Report, trainer, batch) -> torch.Tensor:
+    """Compare the trainer's log-probs with a plain full forward and a log_softmax gather."""
+    args, model, seq = trainer.args, trainer.model, batch.sequences
+    with torch.no_grad():
+        from covey.trainer import completion_logprobs
+
+        got, _ = completion_logprobs(model, seq, args.temperature)
+        input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
+        attention = torch.cat([seq.prompt_mask_BP, seq.completion_mask_BT], 1)
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+        device = next(model.parameters()).device
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                       position_ids=positions.to(device)).logits.float().cpu()
+        P = seq.prompt_ids_BP.shape[1]
+        reference = torch.log_softmax(logits[:, P - 1:-1] / args.temperature, -1)
+        want = reference.gather(-1, seq.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+    expected_mask = _eos_mask(seq.completion_ids_BT, trainer.eos_ids, trainer.tokenizer.pad_token_id)
+    on = expected_mask == 1
+    got = got.float().cpu()
+    report.add("logprobs", "all <= 0", bool((got[on] <= 1e-6).all()), f"max {float(got[on].max()):.3g}",
+               "log-probs must be <= 0: the log-softmax operands are reversed (see core.selective_log_softmax)")
+    diff = float((got[on] - want[on]).abs().max())
+    report.add("logprobs", "equal to log_softmax gathered at the token", diff < 1e-3, f"max diff {diff:.2g}",
+               "the trainer's log-probs differ from a plain forward: see logprobs.completion_logprobs")
+    eos_kept = all(seq.completion_ids_BT[row, int(seq.completion_mask_BT[row].sum()) - 1].item() in trainer.eos_ids
+                   for row, reason in enumerate(batch.finish_reasons) if reason == "eos")
+    report.add("logprobs", "padding and prompt excluded, EOS included",
+               torch.equal(seq.completion_mask_BT, expected_mask) and eos_kept,
+               f"{int(expected_mask.sum())} completion tokens",
+               "the completion mask must be 1 up to and including the first EOS and 0 after: see core.completion_mask")
+    return want
+
+
+def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
+    args = trainer.args
+    s = trainer.loss_settings
+    logp = -torch.rand(3, 4, dtype=torch.float64)
+    estimator = core.KL_ESTIMATORS[s.kl_estimator]
+    report.add("loss", "KL is 0 when policy = reference", bool((estimator(logp, logp) == 0).all()), s.kl_estimator,
+               "see core.KL_ESTIMATORS")
+    k3 = core.KL_ESTIMATORS["k3"](logp, logp - torch.rand(3, 4, dtype=torch.float64))
+    report.add("loss", "k3 KL >= 0", bool((k3 >= 0).all()), f"min {float(k3.min()):.3g}", "the KL sign is flipped")
+
+    # the loss value on the first pass, where the ratio is exactly 1, from the formula; the
+    # reference is moved away from the policy first, so a ratio taken against it would show
+    if batch.ref_logp_BT is not None:
+        batch.ref_logp_BT = batch.ref_logp_BT - 0.1
+    mask = batch.loss_mask_BT.double()
+    adv = batch.advantages_B.double()[:, None]
+    T = mask.shape[1]
+    logp_d = logp_BT[:, :T].double()
+    policy_term = -adv * logp_d if s.loss_type == "cispo" else -adv.expand_as(mask)
+    per_token = policy_term
+    if s.beta > 0:
+        d = batch.ref_logp_BT[:, :T].double() - logp_d
+        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
+        per_token = per_token + s.beta * kl
+    B = mask.shape[0]
+    expected = {
+        "grpo": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / B,
+        "bnpo": (per_token * mask).sum() / mask.sum().clamp(min=1),
+        "dr_grpo": (per_token * mask).sum() / (B * args.max_completion_length),
+        "dapo": (per_token * mask).sum() / mask.sum().clamp(min=1),
+        "cispo": (per_token * mask).sum() / mask.sum().clamp(min=1),
+    }[s.loss_type]
+    checkable = s.top_entropy_quantile == 1.0 and batch.engine_weights is None
+
+    # one optimizer step, plain SGD so the step follows the gradient
+    G = args.num_generations
+    rewards = core.weighted_reward_sum(batch.rewards_BF, torch.tensor(trainer.reward_weights, dtype=torch.float64))
+    group = next((g for g in range(B // G) if rewards[g * G:(g + 1) * G].std() > 0), None)
+    trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=1e-2)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    stats = trainer.optimize(batch)
+    if checkable:
+        rel = abs(stats["loss"] - float(expected)) / max(abs(float(expected)), 1e-6)
+        report.add("loss", "value equals the formula at ratio 1", rel < 1e-4,
+                   f"{stats['loss']:.6g} vs {float(expected):.6g}",
+                   "the loss is normalised by the wrong count, uses the wrong old/reference log-probs, or the "
+                   "KL term is wrong: see core.policy_loss and core.LOSS_NORMALISERS")
+    moved = any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
+               "gradients are not applied: see GRPOTrainer.apply_gradients")
+    if group is None:
+        report.add("loss", "step raises the best, lowers the worst", False, "no group with a reward spread",
+                   "sample more prompts or use an incremental reward", warn_only=True)
+        return
+    rows = list(range(group * G, (group + 1) * G))
+    best, worst = max(rows, key=lambda i: rewards[i]), min(rows, key=lambda i: rewards[i])
+    after = check_sequence_logprob(trainer, batch)
+    before_sums = (logp_BT[:, :T] * mask).sum(1)
+    rose, fell = float(after[best] - before_sums[best]), float(after[worst] - before_sums[worst])
+    report.add("loss", "step raises the best completion and lowers the worst", rose > 0 and fell < 0,
+               f"best {rose:+.3g}, worst {fell:+.3g}", "the update moves the wrong way: check the loss sign")
+
+
+def check_sequence_logprob(trainer, batch) -> torch.Tensor:
+    from covey.trainer import completion_logprobs
+
+    with torch.no_grad():
+        logp, _ = completion_logprobs(trainer.model, batch.sequences, trainer.args.temperature)
+    T = batch.loss_mask_BT.shape[1]
+    return (logp.float().cpu()[:, :T] * batch.loss_mask_BT).sum(1)
+
+
+def check_engine(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
+    args = trainer.args
+    if args.top_k or args.top_p < 1 or args.min_p or args.repetition_penalty != 1:
+        report.add("engine", "engine log-probs = trainer log-probs", False, "not comparable",
+                   "top_k / top_p / min_p / repetition_penalty change the sampled distribution", warn_only=True)
+        return
+    on = batch.sequences.completion_mask_BT == 1
+    diff = float((batch.sampling_logp_BT[on] - logp_BT.float()[on]).abs().max())
+    exact = getattr(trainer.engine, "exact_logprobs", True)
+    report.add("engine", "engine log-probs = trainer log-probs", diff < (1e-3 if exact else 0.1), f"max diff {diff:.2g}",
+               "the rollout engine samples from a different distribution than the trainer scores: check the "
+               "temperature and the engine's dtype", warn_only=not exact)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _required_arguments(func) -> set[str]:
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _record_reward_calls(trainer) -> list[dict]:
+    calls: list[dict] = []
+
+    def recording(func):
+        def wrapper(**kwargs):
+            calls.append(kwargs)
+            return func(**kwargs)
+        wrapper.__name__ = _name(func)
+        return wrapper
+
+    trainer.reward_funcs = [recording(f) for f in trainer.reward_funcs]
+    return calls
+
+
+def _eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS of each row (a row without EOS: its generated length)."""
+    mask = torch.zeros_like(ids_BT)
+    for row, ids in enumerate(ids_BT.tolist()):
+        end = next((t + 1 for t, tok in enumerate(ids) if tok in eos_ids), None)
+        if end is None:  # no EOS (length limit or stop string): everything before the trailing padding
+            end = len(ids)
+            while end > 0 and ids[end - 1] == pad_id:
+                end -= 1
+        mask[row, :end] = 1
+    return mask
+
+
+def print_report(report: Report, console) -> int:
+    from rich.table import Table
+
+    table = Table(title="covey verify")
+    for column in ("stage", "check", "measured", "status", "what to do"):
+        table.add_column(column)
+    colours = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+    for c in report.checks:
+        table.add_row(c.stage, c.name, c.value, f"[{colours[c.status]}]{c.status}[/]", c.hint)
+    console.print(table)
+    failed = report.first_failure
+    if failed:
+        console.print(f"[bold red]FAIL[/]: first failing stage: {failed}")
+        return 1
+    console.print("[green]every stage passed[/]")
+    return 0

@@ -1,0 +1,121 @@
+"""covey verify passes a clean pipeline and names the right stage for each planted defect.
+
+Each mutation monkeypatches one of covey's own functions the way a real bug would break it; the
+pipeline is a tiny random Llama with two rewards (one reading the `answer` column) and a KL term.
+"""
+
+import pytest
+import torch
+
+import covey.core as core
+import covey.fast_rollout as fast_rollout
+import covey.logprobs as logprobs
+import covey.text as text
+import covey.trainer as trainer_module
+from covey import GRPOConfig
+from covey.verify import STAGES, verify
+from tests.conftest import make_model
+
+ROWS = [{"prompt": [{"role": "system", "content": "answer"}, {"role": "user", "content": f"what is {i} + {i}?"}],
+         "answer": str(2 * i)} for i in range(6)]
+
+
+def variety(completions, **kwargs):
+    return [len(set(c[0]["content"])) / 8 for c in completions]
+
+
+def mentions_answer(completions, answer, **kwargs):
+    return [float(a in c[0]["content"]) + len(c[0]["content"]) / 100 for c, a in zip(completions, answer)]
+
+
+def run_verify(tokenizer):
+    args = GRPOConfig(num_generations=4, max_completion_length=10, beta=0.1, temperature=0.7,
+                      reward_weights=[1.0, 2.0], seed=3)
+    return verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                  train_dataset=ROWS, reward_funcs=[variety, mentions_answer])
+
+
+def test_clean_pipeline_passes(tokenizer):
+    report = run_verify(tokenizer)
+    failures = [c for c in report.checks if c.status == "FAIL"]
+    assert not failures, failures
+    assert {c.stage for c in report.checks} == set(STAGES)
+
+
+def _shifted_rewards(original):
+    def shifted(*args, **kwargs):
+        return torch.roll(original(*args, **kwargs), shifts=1, dims=0)
+    return shifted
+
+
+def _misaligned_columns(original):
+    def misaligned(rows):
+        return {k: v[1:] + v[:1] for k, v in original(rows).items()}
+    return misaligned
+
+
+def _without_eos(original):
+    def mask(ids, eos_ids, lengths=None):
+        m = original(ids, eos_ids, lengths)
+        ends_with_eos = torch.isin(ids.gather(1, (m.sum(1, keepdim=True) - 1).clamp(min=0)), torch.tensor(eos_ids))
+        last = (m.sum(1) - 1).clamp(min=0)
+        m[torch.arange(len(m))[ends_with_eos.squeeze(1)], last[ends_with_eos.squeeze(1)]] = 0
+        return m
+    return mask
+
+
+def _ratio_against_reference(original):
+    def loss(logp, old, adv, mask, counts, settings=core.LossSettings(), ref=None, *args, **kwargs):
+        return original(logp, ref if ref is not None else old, adv, mask, counts, settings, ref, *args, **kwargs)
+    return loss
+
+
+def _no_gradient_step(self):
+    self.optimizer.zero_grad(set_to_none=True)
+    return 0.0
+
+
+MUTATIONS = {
+    "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
+        logprobs, "selective_log_softmax", lambda logits, ids: -core.selective_log_softmax(logits, ids))),
+    "advantage eps 1e4": ("advantages", lambda mp: mp.setattr(
+        core, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),
+    "advantage sign flipped": ("advantages", lambda mp: mp.setattr(
+        core, "advantages_from_rewards", lambda *a, **k: (lambda out: (-out[0], out[1]))(_ORIGINAL_ADV(*a, **k)))),
+    "decode bug only for unterminated reasoning": ("decode", lambda mp: mp.setattr(
+        text, "answer_after_reasoning",
+        lambda t: t.split("<think>", 1)[1] if "<think>" in t and "</think>" not in t else _ORIGINAL_AFTER(t))),
+    "ratio against the reference instead of old": ("loss", lambda mp: mp.setattr(
+        core, "policy_loss", _ratio_against_reference(core.policy_loss))),
+    "KL sign flipped": ("loss", lambda mp: mp.setitem(
+        core.KL_ESTIMATORS, "k3", lambda logp, ref: -(torch.exp(ref - logp) - (ref - logp) - 1))),
+    "padding included in the loss mask": ("logprobs", lambda mp: mp.setattr(
+        fast_rollout, "completion_mask", lambda ids, eos, lengths=None: torch.ones_like(ids))),
+    "EOS excluded from the mask": ("logprobs", lambda mp: mp.setattr(
+        fast_rollout, "completion_mask", _without_eos(core.completion_mask))),
+    "rewards shifted by one sample": ("rewards", lambda mp: mp.setattr(
+        trainer_module, "score_completions", _shifted_rewards(trainer_module.score_completions))),
+    "answer column misaligned with prompts": ("data", lambda mp: mp.setattr(
+        trainer_module, "extra_columns", _misaligned_columns(trainer_module.extra_columns))),
+    "loss normalised by the wrong count": ("loss", lambda mp: mp.setitem(
+        core.LOSS_NORMALISERS, "generation_token_mean", lambda loss, mask, n: (loss * mask).sum() / n.sequences)),
+    "gradients not applied": ("loss", lambda mp: mp.setattr(
+        trainer_module.GRPOTrainer, "apply_gradients", _no_gradient_step)),
+    "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(
+        trainer_module, "completion_logprobs",
+        lambda model, batch, temperature=1.0, **k: logprobs.completion_logprobs(model, batch, 1.0, **k))),
+    "reward weights ignored": ("rewards", lambda mp: mp.setattr(
+        core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
+}
+_ORIGINAL_GROUP_ADV = core.group_advantages
+_ORIGINAL_ADV = core.advantages_from_rewards
+_ORIGINAL_AFTER = text.answer_after_reasoning
+_ORIGINAL_SUM = core.weighted_reward_sum
+
+
+@pytest.mark.parametrize("defect", list(MUTATIONS))
+def test_planted_defect_fails_at_the_right_stage(defect, tokenizer, monkeypatch):
+    stage, plant = MUTATIONS[defect]
+    plant(monkeypatch)
+    report = run_verify(tokenizer)
+    assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
