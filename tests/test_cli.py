@@ -57,3 +57,31 @@ def test_unknown_command_and_usage(capsys):
     assert main(["frobnicate"]) == 2
     assert main([]) == 2
     assert "usage: covey" in capsys.readouterr().err
+
+
+def test_verify_and_generate_commands(tmp_path, tiny_model_dir, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_model_dir}\nnum_generations: 4\nmax_completion_length: 6\n"
+                      "reward_funcs: [answer_format, answer_correct]\n")
+    code = main(["verify", str(config)])
+    out = capsys.readouterr().out
+    assert "covey verify" in out and "logprobs" in out
+    # a random tiny model never writes tags, so answer_format is constant: a WARN, not a FAIL
+    assert code == 0 and "WARN" in out and "every stage passed" in out
+    out_file = tmp_path / "samples.jsonl"
+    assert main(["generate", str(config), "--num-prompts", "2", "--json", str(out_file)]) == 0
+    lines = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(lines) == 8 and {"prompt", "completion", "rewards", "reward", "advantage"} <= set(lines[0])
+    assert abs(sum(line["advantage"] for line in lines[:4])) < 1e-4
+    assert "advantage" in capsys.readouterr().out
+
+
+def test_verify_exit_code_names_the_failing_stage(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    import covey.core as core
+
+    monkeypatch.setattr(core, "advantages_from_rewards",
+                        lambda *a, _orig=core.advantages_from_rewards, **k: (-_orig(*a, **k)[0], _orig(*a, **k)[1]))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_model_dir}\nnum_generations: 4\nmax_completion_length: 6\n")
+    assert main(["verify", str(config)]) == 1
+    assert "first failing stage: advantages" in capsys.readouterr().out

@@ -289,8 +289,12 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
                    "the loss is normalised by the wrong count, uses the wrong old/reference log-probs, or the "
                    "KL term is wrong: see core.policy_loss and core.LOSS_NORMALISERS")
     moved = any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)
-    report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
-               "gradients are not applied: see GRPOTrainer.apply_gradients")
+    if bool((batch.advantages_B != 0).any()) or s.beta > 0:
+        report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
+                   "gradients are not applied: see GRPOTrainer.apply_gradients")
+    else:
+        report.add("loss", "an optimizer step changes the weights", False, "no signal in this batch",
+                   "every advantage is 0 (all groups constant): the rewards give nothing to learn from", warn_only=True)
     if group is None:
         report.add("loss", "step raises the best, lowers the worst", False, "no group with a reward spread",
                    "sample more prompts or use an incremental reward", warn_only=True)
