@@ -119,3 +119,15 @@ def test_planted_defect_fails_at_the_right_stage(defect, tokenizer, monkeypatch)
     plant(monkeypatch)
     report = run_verify(tokenizer)
     assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def test_a_reward_function_that_raises_fails_the_rewards_stage(tokenizer):
+    def broken(completions, **kwargs):
+        if len(completions) > 2:  # fine on the pre-flight call, breaks on a real batch
+            raise KeyError("score")
+        return [0.0] * len(completions)
+
+    report = verify(GRPOConfig(num_generations=4, max_completion_length=6), model=make_model(len(tokenizer)),
+                    processing_class=tokenizer, train_dataset=ROWS, reward_funcs=[broken])
+    assert report.first_failure == "rewards"
+    assert any("'broken' raised KeyError" in c.hint for c in report.checks)

@@ -154,18 +154,7 @@ class GRPOTrainer:
         self.prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows],
                                          args.max_prompt_length, "train_dataset")
 
-        self.model = model if isinstance(model, torch.nn.Module) else load_policy(model or args.model,
-                                                                                   args.trust_remote_code)
-        if (args.use_peft or peft_config is not None) and not is_peft_model(self.model):
-            if peft_config is not None:
-                from peft import get_peft_model
-
-                self.model = get_peft_model(self.model, peft_config)
-            else:
-                self.model = add_lora(self.model, args.lora_r, args.lora_alpha, args.lora_dropout,
-                                      args.lora_target_modules)
-        if args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.model = self._build_policy(model, peft_config)
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids, args.bf16)
@@ -185,6 +174,21 @@ class GRPOTrainer:
         self.global_step = 0
         self.rounds_sampled = 0
         self.dynamic_sampling_stats: dict[str, float] = {}
+
+    def _build_policy(self, model: Any, peft_config: Any) -> torch.nn.Module:
+        """The model to train: loaded if given by name, wrapped in LoRA when asked."""
+        args = self.args
+        policy = model if isinstance(model, torch.nn.Module) else load_policy(model or args.model, args.trust_remote_code)
+        if (args.use_peft or peft_config is not None) and not is_peft_model(policy):
+            if peft_config is not None:
+                from peft import get_peft_model
+
+                policy = get_peft_model(policy, peft_config)
+            else:
+                policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        return policy
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup over warmup_ratio * max_steps, then the chosen decay."""

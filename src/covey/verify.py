@@ -353,7 +353,10 @@ def _record_reward_calls(trainer) -> list[dict]:
     def recording(func):
         def wrapper(**kwargs):
             calls.append(kwargs)
-            return func(**kwargs)
+            try:
+                return func(**kwargs)
+            except Exception as e:  # a user function's own bug: report it as the rewards stage
+                raise RewardError(f"reward function {_name(func)!r} raised {type(e).__name__}: {e}") from e
         wrapper.__name__ = _name(func)
         return wrapper
 
