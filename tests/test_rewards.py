@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from covey.errors import RewardError
-from covey.rewards import (answer_correct, answer_format, combine_rewards, is_correct, load_reward_func,
+from covey.core import weighted_reward_sum
+from covey.rewards import (answer_correct, answer_format, is_correct, load_reward_func,
                            parse_number, score_completions)
 
 
@@ -90,4 +91,5 @@ def test_non_numbers_are_rejected(bad):
 
 def test_none_rewards_are_skipped_in_the_weighted_sum():
     table = torch.tensor([[1.0, math.nan], [math.nan, math.nan], [0.5, 2.0]], dtype=torch.float64)
-    assert combine_rewards(table, [2.0, 0.5]).tolist() == [2.0, 0.0, 2.0]
+    combined = weighted_reward_sum(table, torch.tensor([2.0, 0.5], dtype=torch.float64))
+    assert combined[0] == 2.0 and combined[2] == 2.0 and math.isnan(combined[1])  # all None: no reward at all

@@ -134,7 +134,6 @@ def cmd_generate(argv: list[str]) -> int:
     if namespace.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
     args = _load_config(namespace.config, overrides)
-    import dataclasses
     import json
     import tempfile
 

@@ -7,7 +7,8 @@ from typing import Sequence
 import torch
 
 from covey.data import extra_columns, is_conversational
-from covey.rewards import RewardFunc, combine_rewards, completion_text, is_correct, score_completions
+from covey.core import weighted_reward_sum
+from covey.rewards import RewardFunc, completion_text, is_correct, score_completions
 from covey.rollout import RolloutEngine, SamplingParams
 from covey.text import decode_completions, encode_prompts
 
@@ -28,10 +29,10 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
                                               is_conversational(chunk), strip_reasoning)
         columns = extra_columns(chunk)
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, columns)
-        rewards.append(combine_rewards(per_func, reward_weights))
+        rewards.append(weighted_reward_sum(per_func, torch.tensor(reward_weights, dtype=torch.float64)))
         for row, completion in zip(chunk, completions):
             ok = "answer" in row and is_correct(completion, row["answer"])
             correct.append(ok)
             samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok})
-    return {"accuracy": sum(correct) / max(len(correct), 1), "mean_reward": float(torch.cat(rewards).mean()),
+    return {"accuracy": sum(correct) / max(len(correct), 1), "mean_reward": float(torch.cat(rewards).nanmean()),
             "n": len(rows), "samples": samples}

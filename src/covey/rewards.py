@@ -204,8 +204,3 @@ def preflight_check(reward_funcs: Sequence[RewardFunc], rows: list[dict]) -> Non
             raise
         except Exception:
             continue
-
-
-def combine_rewards(per_func_BF: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """Weighted sum over functions; a None (NaN) contributes nothing. (B,)"""
-    return (per_func_BF * torch.tensor(weights, dtype=per_func_BF.dtype)).nansum(dim=1)

@@ -32,7 +32,7 @@ from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_model, load_policy, load_tokenizer,
                           prepare_tokenizer)
-from covey.rewards import (RewardFunc, combine_rewards, completion_text, load_reward_func, preflight_check, reward_name,
+from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.telemetry import RunLog, print_summary
