@@ -42,6 +42,7 @@ def load_rows(spec: Any, split: str = "train") -> list[dict]:
 def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
     import datasets
 
+    datasets.disable_progress_bars()  # a local file loads in a blink; a bar per load is noise
     try:
         return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
     except Exception as e:  # datasets raises many types; all mean "could not get this data"
