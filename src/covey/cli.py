@@ -50,6 +50,21 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
     return namespace, overrides
 
 
+def _parse_command(prog: str, description: str, argv: list[str], num_prompts_help: str | None = None,
+                   json_output: bool = False) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse a command's options: [CONFIG], every config field, and optionally --num-prompts / --json."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    if num_prompts_help:
+        parser.add_argument("--num-prompts", type=int, default=2, help=num_prompts_help)
+    if json_output:
+        parser.add_argument("--json", metavar="FILE", help="also write one JSON line per completion to FILE ('-' = stdout)")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    if num_prompts_help and namespace.num_prompts < 1:
+        raise ConfigError("--num-prompts must be at least 1")
+    return namespace, overrides
+
+
 def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConfig:
     if config_path is None:
         return GRPOConfig.from_dict(overrides, source="command line")
@@ -57,9 +72,7 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 
 
 def cmd_train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="covey train", description="Train a model with GRPO.", allow_abbrev=False)
-    _add_config_options(parser)
-    namespace, overrides = _parse(parser, argv)
+    namespace, overrides = _parse_command("covey train", "Train a model with GRPO.", argv)
     args = _load_config(namespace.config, overrides)
     from covey.trainer import GRPOTrainer
 
@@ -68,11 +81,8 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="covey eval", description="Greedy held-out accuracy and mean reward of a model or run folder.",
-        allow_abbrev=False)
-    _add_config_options(parser)
-    namespace, overrides = _parse(parser, argv)
+    namespace, overrides = _parse_command(
+        "covey eval", "Greedy held-out accuracy and mean reward of a model or run folder.", argv)
     config_path = namespace.config
     run_dir = Path(config_path) if config_path and Path(config_path).is_dir() else None
     if run_dir is not None:  # a run folder: its config, its final model
@@ -107,13 +117,9 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="covey verify", allow_abbrev=False,
-        description="Run every stage of the pipeline on one small batch and check its invariant; "
-                    "exit 1 naming the first failing stage.")
-    parser.add_argument("--num-prompts", type=int, default=2, help="prompts in the checked batch")
-    _add_config_options(parser)
-    namespace, overrides = _parse(parser, argv)
+    namespace, overrides = _parse_command(
+        "covey verify", "Run every stage of the pipeline on one small batch and check its invariant; "
+        "exit 1 naming the first failing stage.", argv, num_prompts_help="prompts in the checked batch")
     args = _load_config(namespace.config, overrides)
     from rich.console import Console
 
@@ -123,16 +129,10 @@ def cmd_verify(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="covey generate", allow_abbrev=False,
-        description="Sample completions for a few prompts and show every reward, the total and the advantage, "
-                    "without training.")
-    parser.add_argument("--num-prompts", type=int, default=2, help="prompts to sample (each num_generations times)")
-    parser.add_argument("--json", metavar="FILE", help="also write one JSON line per completion to FILE ('-' = stdout)")
-    _add_config_options(parser)
-    namespace, overrides = _parse(parser, argv)
-    if namespace.num_prompts < 1:
-        raise ConfigError("--num-prompts must be at least 1")
+    namespace, overrides = _parse_command(
+        "covey generate", "Sample completions for a few prompts and show every reward, the total and the "
+        "advantage, without training.", argv, num_prompts_help="prompts to sample (each num_generations times)",
+        json_output=True)
     args = _load_config(namespace.config, overrides)
     import json
     import tempfile
