@@ -108,6 +108,7 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: float | None = _f(None, "lower bound of the engine/trainer ratio (None = none)")
     scale_rewards: str = _f("group", "divide advantages by the std of the group, of the batch, or not at all", choices=SCALE_REWARDS)
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this value (0 = no clipping)")
+    max_consecutive_bad_steps: int = _f(3, "stop after this many steps in a row with NaN/inf loss or gradients (each is skipped)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
@@ -162,7 +163,7 @@ class GRPOConfig:
         need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",
                      "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
-                     "dynamic_sampling_max_rounds"):
+                     "dynamic_sampling_max_rounds", "max_consecutive_bad_steps"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be positive")
         need(self.temperature > 0, f"temperature={self.temperature} must be positive (use a small value for near-greedy)")

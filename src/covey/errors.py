@@ -19,3 +19,7 @@ class ModelError(CoveyError):
 
 class RewardError(CoveyError):
     pass
+
+
+class NumericsError(CoveyError):
+    """Training produced NaN or inf too many steps in a row."""

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from covey.health import HealthMonitor
+
 LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
              ("tokens_per_second", "tok/s"))
 
@@ -38,6 +40,7 @@ class RunLog:
                                  console=self.console, disable=quiet)
         self.task = self.progress.add_task("", total=total_steps)
         self.history: list[dict] = []
+        self.health = HealthMonitor()
 
     def __enter__(self) -> "RunLog":
         self.progress.start()
@@ -53,6 +56,8 @@ class RunLog:
             f.write(json.dumps(record) + "\n")
         live = "  ".join(f"{label} {metrics[key]:.3g}" for key, label in LIVE_KEYS if key in metrics)
         self.progress.update(self.task, completed=step, description=live)
+        for message in self.health.check(self.history):
+            self.info(f"[yellow]step {step}: {message}[/]")
 
     def log_completions(self, step: int, records: list[dict]) -> None:
         with open(self.completions_path, "a") as f:

@@ -26,7 +26,7 @@ import torch
 
 from covey import core
 from covey.config import GRPOConfig
-from covey.errors import ConfigError
+from covey.errors import ConfigError, NumericsError
 from covey.data import PromptSampler, extra_columns, heldout_rows, is_conversational, load_rows
 from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
@@ -173,6 +173,7 @@ class GRPOTrainer:
         self.quiet = quiet
         self.global_step = 0
         self.rounds_sampled = 0
+        self.bad_steps = self.consecutive_bad_steps = 0
         self.dynamic_sampling_stats: dict[str, float] = {}
 
     def _build_policy(self, model: Any, peft_config: Any) -> torch.nn.Module:
@@ -366,11 +367,21 @@ class GRPOTrainer:
         return totals
 
     def apply_gradients(self) -> float:
-        """Clip the accumulated gradients, step the optimizer and the schedule; the gradient norm."""
+        """Clip the accumulated gradients, step the optimizer and the schedule; the gradient norm.
+        Non-finite gradients skip the update (counted); too many in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        self.optimizer.step()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_bad_steps = 0
+        else:
+            self.bad_steps += 1
+            self.consecutive_bad_steps += 1
+            if self.consecutive_bad_steps >= self.args.max_consecutive_bad_steps:
+                raise NumericsError(
+                    f"{self.consecutive_bad_steps} steps in a row had NaN/inf gradients (step {self.global_step + 1}); "
+                    "lower the learning rate, check the rewards for NaN/inf, or try bf16: false")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -428,6 +439,7 @@ class GRPOTrainer:
             "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
             "learning_rate": self.scheduler.get_last_lr()[0],
             "grad_norm": stats["grad_norm"],
+            "bad_steps": float(self.bad_steps),
             "step_time": step_time,
             **timings,
             **self.dynamic_sampling_stats,

@@ -1,0 +1,88 @@
+"""Plain-language health warnings from the metric history of a run.
+
+Each rule looks at the logged metrics (dicts with TRL's names) and returns a warning with the
+likely cause and a fix, or None. The monitor shows each kind of warning once per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+WINDOW = 5  # logged steps a trend must hold before it is reported
+
+
+@dataclass(frozen=True)
+class HealthWarning:
+    key: str
+    message: str
+
+
+def _last(history: list[dict], key: str, n: int = WINDOW) -> list[float] | None:
+    values = [h[key] for h in history[-n:] if isinstance(h.get(key), (int, float))]
+    return values if len(values) == n else None
+
+
+def reward_collapse(history):
+    values = _last(history, "reward_std")
+    if values and max(values) < 0.01:
+        return HealthWarning("reward_std", f"reward_std has stayed below 0.01 for {WINDOW} logged steps: every completion "
+                        "gets the same reward, so there is nothing to learn from. Likely the policy collapsed to one "
+                        "answer or the reward is too harsh; raise the temperature, make the reward incremental "
+                        "(partial credit), or lower the learning rate.")
+
+
+def constant_groups(history):
+    values = _last(history, "frac_reward_zero_std", 3)
+    if values and min(values) > 0.5:
+        return HealthWarning("frac_reward_zero_std", f"over half of the groups had identical rewards in each of the last "
+                        "3 logged steps; those groups give zero advantage. Try a larger num_generations, a softer "
+                        "reward, or dynamic_sampling: true.")
+
+
+def high_kl(history):
+    kl = history[-1].get("kl")
+    if isinstance(kl, (int, float)) and kl > 0.5:
+        return HealthWarning("kl", f"KL to the reference is {kl:.2f} (> 0.5): the policy is drifting far from where it "
+                        "started. Lower the learning rate or raise beta.")
+
+
+def flat_reward(history):
+    values = _last(history, "reward", 2 * WINDOW)
+    if values and max(values) - min(values) < 1e-6:
+        return HealthWarning("reward", f"the mean reward has not moved in {2 * WINDOW} logged steps. Check that the rewards "
+                        "vary between completions (covey generate) and that the pipeline is sound (covey verify).")
+
+
+def truncation(history):
+    values = _last(history, "completions/clipped_ratio", 3)
+    if values and min(values) > 0.5:
+        return HealthWarning("completions/clipped_ratio", "over half of the completions hit max_completion_length in each of "
+                        "the last 3 logged steps: their rewards judge cut-off text. Raise max_completion_length, or "
+                        "penalise length (soft_overlong_penalty) / mask_truncated_completions: true.")
+
+
+def loss_near_zero(history):
+    if len(history) == 1:
+        return HealthWarning("loss-info", "note: a GRPO loss near 0 is expected (advantages are centred within each "
+                        "group, and the ratio starts at 1); watch reward and reward_std instead.")
+
+
+RULES: list[Callable[[list[dict]], HealthWarning | None]] = [
+    loss_near_zero, reward_collapse, constant_groups, high_kl, flat_reward, truncation]
+
+
+class HealthMonitor:
+    """Collects the warnings the rules raise, each kind once per run."""
+
+    def __init__(self) -> None:
+        self.shown: set[str] = set()
+
+    def check(self, history: list[dict]) -> list[str]:
+        messages = []
+        for rule in RULES:
+            warning = rule(history)
+            if warning and warning.key not in self.shown:
+                self.shown.add(warning.key)
+                messages.append(warning.message)
+        return messages

@@ -1,0 +1,76 @@
+"""Health warnings fire on the patterns they describe, once each, and not on a healthy run."""
+
+import json
+
+import pytest
+import torch
+
+import covey.core as core
+from covey.errors import NumericsError
+from covey.health import HealthMonitor
+from tests.test_trainer_variants import trainer_for
+
+HEALTHY = {"reward": 0.5, "reward_std": 0.3, "frac_reward_zero_std": 0.1, "kl": 0.05, "completions/clipped_ratio": 0.1}
+
+
+def history(n, **changes):
+    rows = []
+    for i in range(n):
+        row = dict(HEALTHY, reward=0.5 + 0.01 * i)
+        row.update({k: (v(i) if callable(v) else v) for k, v in changes.items()})
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    (dict(reward_std=0.0), "reward_std has stayed below 0.01"),
+    (dict(frac_reward_zero_std=0.8), "over half of the groups had identical rewards"),
+    (dict(kl=0.9), "KL to the reference is 0.90"),
+    (dict(reward=lambda i: 0.25), "mean reward has not moved"),
+    ({"completions/clipped_ratio": 0.9}, "hit max_completion_length"),
+])
+def test_each_rule_fires_once_on_its_pattern(changes, phrase):
+    monitor = HealthMonitor()
+    shown = []
+    rows = history(12, **changes)
+    for i in range(1, len(rows) + 1):
+        shown.extend(monitor.check(rows[:i]))
+    assert sum(phrase in m for m in shown) == 1, shown
+
+
+def test_healthy_run_only_gets_the_loss_note():
+    monitor = HealthMonitor()
+    rows = history(12)
+    shown = [m for i in range(1, 13) for m in monitor.check(rows[:i])]
+    assert len(shown) == 1 and "loss near 0 is expected" in shown[0]
+
+
+def _nan_loss_for_steps(monkeypatch, trainer, bad_steps):
+    original = core.policy_loss
+
+    def maybe_nan(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        return (loss * float("nan"), stats) if trainer.global_step + 1 in bad_steps else (loss, stats)
+
+    monkeypatch.setattr(core, "policy_loss", maybe_nan)
+
+
+def test_a_nan_step_is_skipped_and_counted(tmp_path, tokenizer, monkeypatch):
+    trainer = trainer_for(tmp_path, tokenizer, max_steps=3)
+    _nan_loss_for_steps(monkeypatch, trainer, bad_steps={1})
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    batch, _ = trainer.generate_and_score([0, 1])
+    trainer.optimize(batch)
+    assert trainer.bad_steps == 1 and all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    trainer.global_step = 1
+    trainer.optimize(batch)
+    assert trainer.consecutive_bad_steps == 0 and any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_the_run_stops_after_too_many_bad_steps_in_a_row(tmp_path, tokenizer, monkeypatch):
+    trainer = trainer_for(tmp_path, tokenizer, max_steps=5, max_consecutive_bad_steps=2)
+    _nan_loss_for_steps(monkeypatch, trainer, bad_steps={1, 2, 3, 4, 5})
+    with pytest.raises(NumericsError, match="2 steps in a row had NaN/inf gradients"):
+        trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["bad_steps"] == 1.0 and metrics[0]["loss"] is None  # NaN is written as null
