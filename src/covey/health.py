@@ -35,7 +35,7 @@ def reward_collapse(history):
 def constant_groups(history):
     values = _last(history, "frac_reward_zero_std", 3)
     if values and min(values) > 0.5:
-        return HealthWarning("frac_reward_zero_std", f"over half of the groups had identical rewards in each of the last "
+        return HealthWarning("frac_reward_zero_std", "over half of the groups had identical rewards in each of the last "
                         "3 logged steps; those groups give zero advantage. Try a larger num_generations, a softer "
                         "reward, or dynamic_sampling: true.")
 
