@@ -58,6 +58,9 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    card = (run / "final_model" / "README.md").read_text()
+    assert card.startswith("---") and "| count_a | 2 |" in card and "| beta | 0.04 |" in card
+    assert f"| before | {100 * saved['before']['accuracy']:.1f}%" in card
     reloaded = AutoModelForCausalLM.from_pretrained(run / "final_model")
     for name, p in reloaded.named_parameters():
         assert torch.equal(p, after[name]), name

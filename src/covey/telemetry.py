@@ -82,3 +82,23 @@ def print_summary(console: Console, before: dict | None, after: dict | None, run
                       f"{after['mean_reward'] - before['mean_reward']:+.3f}")
     console.print(table)
     console.print(f"run folder: {run_dir}")
+
+
+def model_card(base_model: str, dataset: str, reward_names: list[str], reward_weights: list[float],
+               hyperparameters: dict[str, Any], steps: int, before: dict | None, after: dict | None,
+               adapter: bool) -> str:
+    """A Hugging Face model card (README.md with YAML front matter) for the trained model."""
+    front = ["---", f"base_model: {base_model}" if "/" in base_model and not base_model.startswith((".", "/"))
+             else f"# base model: {base_model}", "library_name: " + ("peft" if adapter else "transformers"),
+             "tags:", "- grpo", "- covey", "---"]
+    lines = [*front, "", f"# {'LoRA adapter' if adapter else 'Model'} trained with GRPO (covey)", "",
+             f"- base model: `{base_model}`", f"- training data: `{dataset}`", f"- optimizer steps: {steps}", "",
+             "## Rewards", "", "| reward | weight |", "|---|---|"]
+    lines += [f"| {name} | {weight:g} |" for name, weight in zip(reward_names, reward_weights)]
+    lines += ["", "## Hyperparameters", "", "| field | value |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in hyperparameters.items()]
+    if before and after:
+        lines += ["", "## Held-out evaluation (greedy)", "", "| | accuracy | mean reward | n |", "|---|---|---|---|",
+                  f"| before | {100 * before['accuracy']:.1f}% | {before['mean_reward']:.3f} | {before['n']} |",
+                  f"| after | {100 * after['accuracy']:.1f}% | {after['mean_reward']:.3f} | {after['n']} |"]
+    return "\n".join(lines) + "\n"

@@ -35,7 +35,7 @@ from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_
 from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
-from covey.telemetry import RunLog, print_summary
+from covey.telemetry import RunLog, model_card, print_summary
 from covey.text import decode_completions, encode_prompts
 
 
@@ -138,6 +138,7 @@ class GRPOTrainer:
             raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
                               f"{len(self.reward_funcs)} reward functions; give one weight per function")
         dataset = train_dataset if train_dataset is not None else args.dataset
+        self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
         preflight_check(self.reward_funcs, self.train_rows)
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
@@ -155,6 +156,10 @@ class GRPOTrainer:
                                          args.max_prompt_length, "train_dataset")
 
         self.model = self._build_policy(model, peft_config)
+        if model is None or isinstance(model, str):
+            self.model_name = model or args.model
+        else:
+            self.model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids, args.bf16)
@@ -462,8 +467,8 @@ class GRPOTrainer:
         self.tokenizer.save_pretrained(final)
         summary = {
             "steps": self.global_step,
-            "model": self.args.model,
-            "dataset": self.args.dataset if isinstance(self.args.dataset, str) else "train_dataset",
+            "model": self.model_name,
+            "dataset": self.dataset_name,
             "final_model": str(final),
             "before": _without_samples(before),
             "after": _without_samples(after),
@@ -473,7 +478,15 @@ class GRPOTrainer:
             summary["accuracy_change"] = after["accuracy"] - before["accuracy"]
             summary["eval_samples"] = {"before": before["samples"][:8], "after": after["samples"][:8]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        hyperparameters = {k: getattr(self.args, k) for k in MODEL_CARD_FIELDS}
+        (final / "README.md").write_text(model_card(
+            self.model_name, self.dataset_name, [reward_name(f) for f in self.reward_funcs], self.reward_weights,
+            hyperparameters, self.global_step, before, after, adapter=is_peft_model(self.model)))
         return summary
+
+
+MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
+                     "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
 
 
 def _none_if_nan(value: float) -> float | None:
