@@ -65,6 +65,8 @@ class GRPOConfig:
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
+    reward_errors: str = _f("raise", "a reward function that raises or times out: stop the run, or score the sample None", choices=("raise", "skip"))
+    reward_timeout: float | None = _f(None, "seconds one reward call may take before it counts as an error (None = no limit)")
     strip_reasoning: bool = _f(False, "hand rewards only the answer after a <think>...</think> block (unterminated: empty)")
     multi_objective_aggregation: str = _f("sum_then_normalize", "combine rewards before normalising, or normalise each then sum", choices=REWARD_AGGREGATIONS)
     overlong_max_length: int | None = _f(None, "soft_overlong_penalty reward: length where the penalty reaches -1 (default: max_completion_length)")
@@ -161,6 +163,7 @@ class GRPOConfig:
         need(not (self.sync_ref_model and self.use_peft),
              "sync_ref_model cannot be used with use_peft: the reference is the base model with the adapter disabled")
         need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
+        need(self.reward_timeout is None or self.reward_timeout > 0, f"reward_timeout={self.reward_timeout} must be positive")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",
                      "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
                      "dynamic_sampling_max_rounds", "max_consecutive_bad_steps"):

@@ -11,8 +11,11 @@ argument aligned with the completions. ``None`` means "not applicable to this sa
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -162,19 +165,68 @@ def reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def _call(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
+    """One call, within ``timeout`` seconds when set (a timed-out thread is abandoned, not killed)."""
+    if inspect.iscoroutinefunction(func):
+        return asyncio.run(asyncio.wait_for(func(**kwargs), timeout))
+    if timeout is None:
+        return func(**kwargs)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(func, **kwargs).result(timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None) -> list:
+    """Each function's result or the exception it raised; async functions run concurrently."""
+    results: list[Any] = [None] * len(reward_funcs)
+    asynchronous = [j for j, f in enumerate(reward_funcs) if inspect.iscoroutinefunction(f)]
+    if asynchronous:
+        async def gather():
+            return await asyncio.gather(*(asyncio.wait_for(reward_funcs[j](**kwargs), timeout) for j in asynchronous),
+                                        return_exceptions=True)
+        for j, result in zip(asynchronous, asyncio.run(gather())):
+            results[j] = result
+    for j, func in enumerate(reward_funcs):
+        if j not in asynchronous:
+            try:
+                results[j] = _call(func, kwargs, timeout)
+            except Exception as e:  # the user's code: any exception is a reward fault
+                results[j] = e
+    return results
+
+
+def _describe(e: BaseException, timeout: float | None) -> str:
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+        return f"took longer than reward_timeout={timeout}s"
+    return f"raised {type(e).__name__}: {e}"
+
+
 def score_completions(
     reward_funcs: Sequence[RewardFunc],
     prompts: list,
     completions: list,
     completion_ids: list[list[int]],
     columns: dict[str, list],
+    on_error: str = "raise",
+    timeout: float | None = None,
+    errors: list | None = None,
 ) -> torch.Tensor:
-    """Call every reward function on the batch; (B, F) float64 with NaN where a function said None."""
+    """Call every reward function on the batch; (B, F) float64 with NaN where a function said None.
+
+    A function that raises or exceeds ``timeout`` is called again one completion at a time to find
+    the culprit: ``on_error="raise"`` stops with an error naming the function, the sample and its
+    text; ``"skip"`` makes each failing sample's reward None and appends (function, index, reason)
+    to ``errors``.
+    """
     B = len(completions)
     table = torch.full((B, len(reward_funcs)), math.nan, dtype=torch.float64)
-    for j, func in enumerate(reward_funcs):
+    batch = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    for j, (func, values) in enumerate(zip(reward_funcs, _call_all(reward_funcs, batch, timeout))):
         name = reward_name(func)
-        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if isinstance(values, BaseException):
+            values = _one_by_one(func, batch, B, on_error, timeout, errors, values)
         if not isinstance(values, (list, tuple)) or len(values) != B:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
@@ -189,6 +241,30 @@ def score_completions(
     return table
 
 
+def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,
+                batch_error: BaseException) -> list:
+    name, values, failed = reward_name(func), [], False
+    for i in range(B):
+        try:
+            values.append(_call(func, {k: v[i:i + 1] for k, v in batch.items()}, timeout)[0])
+        except Exception as e:
+            text = completion_text(batch["completions"][i])
+            if on_error == "raise":
+                raise RewardError(f"reward function {name!r} {_describe(e, timeout)} on completion {i}: {text[:200]!r}; "
+                                  "fix the function, or set reward_errors: skip to score such samples as None") from e
+            failed = True
+            values.append(None)
+            if errors is not None:
+                errors.append((name, i, _describe(e, timeout)))
+    if not failed:  # only the whole batch fails: a batch-size dependent bug
+        reason = f"{_describe(batch_error, timeout)} on the batch of {B}, though each completion alone scores fine"
+        if on_error == "raise":
+            raise RewardError(f"reward function {name!r} {reason}")
+        if errors is not None:
+            errors.append((name, None, reason))
+    return values
+
+
 def preflight_check(reward_funcs: Sequence[RewardFunc], rows: list[dict]) -> None:
     """Call each function once on a tiny batch of placeholder completions, before any model is
     loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
@@ -197,10 +273,5 @@ def preflight_check(reward_funcs: Sequence[RewardFunc], rows: list[dict]) -> Non
     conversational = not isinstance(rows[0]["prompt"], str)
     completions = [[{"role": "assistant", "content": ""}] if conversational else "" for _ in rows]
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    for func in reward_funcs:
-        try:
-            score_completions([func], [r["prompt"] for r in rows], completions, [[] for _ in rows], columns)
-        except RewardError:
-            raise
-        except Exception:
-            continue
+    for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
+        score_completions([func], [r["prompt"] for r in rows], completions, [[] for _ in rows], columns, on_error="skip")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -179,6 +180,7 @@ class GRPOTrainer:
         self.global_step = 0
         self.rounds_sampled = 0
         self.bad_steps = self.consecutive_bad_steps = 0
+        self.reward_errors, self.warned_reward_errors = 0, False
         self.dynamic_sampling_stats: dict[str, float] = {}
 
     def _build_policy(self, model: Any, peft_config: Any) -> torch.nn.Module:
@@ -296,8 +298,16 @@ class GRPOTrainer:
         completions, completion_ids = decode_completions(self.tokenizer, rollout.completion_ids_BT,
                                                          rollout.completion_mask_BT, is_conversational(rows),
                                                          args.strip_reasoning)
+        errors: list = []
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
-                                       completion_ids, extra_columns(rows))
+                                       completion_ids, extra_columns(rows), args.reward_errors, args.reward_timeout, errors)
+        self.reward_errors += len(errors)
+        if errors and not self.warned_reward_errors:
+            self.warned_reward_errors = True
+            name, index, reason = errors[0]
+            where = "" if index is None else f" on completion {index}"
+            warnings.warn(f"reward function {name!r} {reason}{where}; scored None where it failed "
+                          "(reward_errors: skip). Shown once; the count is logged as rewards/errors.", stacklevel=2)
         timings["time/generate"] += t1 - t0
         timings["time/score"] += time.perf_counter() - t1
         loss_mask_BT = rollout.completion_mask_BT.clone()
@@ -445,6 +455,7 @@ class GRPOTrainer:
             "learning_rate": self.scheduler.get_last_lr()[0],
             "grad_norm": stats["grad_norm"],
             "bad_steps": float(self.bad_steps),
+            "rewards/errors": float(self.reward_errors),
             "step_time": step_time,
             **timings,
             **self.dynamic_sampling_stats,
