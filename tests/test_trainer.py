@@ -165,3 +165,17 @@ def test_learning_rate_schedules(tmp_path, tokenizer, tiny_model, schedule, warm
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
     assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncate_left"])
+def test_prompt_overflow_policies(tmp_path, tokenizer, tiny_model, policy):
+    rows = ROWS[:3] + [{"prompt": [{"role": "user", "content": "x" * 200}], "answer": "9"}]
+    args = small_args(tmp_path, max_prompt_length=40, prompt_overflow=policy)
+    with pytest.warns(UserWarning, match="1 training prompts were longer than max_prompt_length=40"):
+        trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=rows,
+                              processing_class=tokenizer)
+    assert trainer.prompt_overflow_count == 1
+    assert len(trainer.train_rows) == (3 if policy == "drop" else 4)
+    assert max(len(ids) for ids in trainer.prompt_ids) <= 40
+    if policy == "truncate_left":  # the end of the prompt, where the assistant turn opens, is kept
+        assert tokenizer.decode(trainer.prompt_ids[3]).endswith("assistant\n")

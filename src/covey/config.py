@@ -60,7 +60,8 @@ class GRPOConfig:
     dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
-    max_prompt_length: int = _f(512, "longest prompt in tokens; a longer prompt is an error")
+    max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
+    prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))
     seed: int = _f(42, "seed for data order, sampling and initialisation")
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")

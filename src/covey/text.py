@@ -7,10 +7,13 @@ import torch
 from covey.errors import DataError
 
 
-def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset") -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
+                   overflow: str = "error", overflowed: list[int] | None = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
-    turn opened), plain strings as they are. A prompt over ``max_prompt_length`` is an error."""
-    encoded = []
+    turn opened), plain strings as they are. A prompt over ``max_prompt_length`` is an error
+    (``overflow="error"``), None (``"drop"``), or keeps its last max_prompt_length tokens
+    (``"truncate_left"``); the indices of such prompts are appended to ``overflowed``."""
+    encoded: list[list[int] | None] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -18,8 +21,13 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
-            raise DataError(f"{source}, row {i}: prompt is {len(ids)} tokens, over max_prompt_length="
-                                f"{max_prompt_length}; raise max_prompt_length or shorten the prompt")
+            if overflow == "error":
+                raise DataError(f"{source}, row {i}: prompt is {len(ids)} tokens, over max_prompt_length="
+                                f"{max_prompt_length}; raise max_prompt_length, shorten the prompt, or set "
+                                "prompt_overflow: drop | truncate_left")
+            if overflowed is not None:
+                overflowed.append(i)
+            ids = None if overflow == "drop" else ids[-max_prompt_length:]
         encoded.append(ids)
     return encoded
 

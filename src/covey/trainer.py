@@ -27,7 +27,7 @@ import torch
 
 from covey import core
 from covey.config import GRPOConfig
-from covey.errors import ConfigError, NumericsError
+from covey.errors import ConfigError, DataError, NumericsError
 from covey.data import PromptSampler, extra_columns, heldout_rows, is_conversational, load_rows
 from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
@@ -153,8 +153,18 @@ class GRPOTrainer:
         else:
             source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
             self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
-        self.prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows],
-                                         args.max_prompt_length, "train_dataset")
+        overflowed: list[int] = []
+        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows], args.max_prompt_length,
+                                    "train_dataset", args.prompt_overflow, overflowed)
+        kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
+        if not kept:
+            raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
+        self.train_rows, self.prompt_ids = [self.train_rows[i] for i in kept], [prompt_ids[i] for i in kept]
+        self.prompt_overflow_count = len(overflowed)
+        if overflowed:
+            action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
+            warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
+                          f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=2)
 
         self.model = self._build_policy(model, peft_config)
         if model is None or isinstance(model, str):
@@ -480,6 +490,7 @@ class GRPOTrainer:
             "steps": self.global_step,
             "model": self.model_name,
             "dataset": self.dataset_name,
+            "prompts_over_max_prompt_length": self.prompt_overflow_count,
             "final_model": str(final),
             "before": _without_samples(before),
             "after": _without_samples(after),
