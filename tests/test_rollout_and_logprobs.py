@@ -156,3 +156,21 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     assert torch.allclose(plain[mask == 1], shared[mask == 1], atol=1e-5)
     for a, b in zip(plain_grads, shared_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_forward_stays_exact_under_gradient_checkpointing(tokenizer):
+    """Checkpointed layers drop the cache while gradients are on: the forward must not share then."""
+    from tests.conftest import make_model
+
+    model = make_model(len(tokenizer), seed=2)
+    prompts = _prompts(tokenizer)
+    prompt_ids, prompt_mask = left_pad([prompts[0]] * 3, tokenizer.pad_token_id)
+    completion_ids = torch.randint(10, 90, (3, 4), generator=torch.Generator().manual_seed(1))
+    batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, torch.ones(3, 4, dtype=torch.long))
+    with torch.no_grad():
+        want, _ = completion_logprobs(model, batch, share_prompt=False)
+    model.gradient_checkpointing_enable()
+    model.train()
+    got, _ = completion_logprobs(model, batch)
+    got.sum().backward()
+    assert torch.allclose(got.detach(), want, atol=1e-5)

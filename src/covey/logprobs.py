@@ -50,7 +50,10 @@ def completion_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt
     group_B = batch.prompt_groups()
     n_groups = int(group_B[-1]) + 1
     T = batch.completion_ids_BT.shape[1]
-    if not share_prompt or n_groups == len(group_B):
+    # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
+    checkpointing = torch.is_grad_enabled() and model.training and any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if not share_prompt or checkpointing or n_groups == len(group_B):
         input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
         attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
         # positions count real tokens only, exactly as generation numbers them under left padding
