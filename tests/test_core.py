@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from covey import core
-from covey.core import BatchCounts, LossSettings, completion_mask, group_advantages, kl_k3, policy_loss
+from covey.core import BatchCounts, LossSettings, completion_mask, group_advantages, policy_loss
+
+kl_k3 = core.KL_ESTIMATORS["k3"]
 
 
 def test_selective_log_softmax_equals_log_softmax_gather_and_is_nonpositive():

@@ -135,31 +135,19 @@ def cmd_generate(argv: list[str]) -> int:
         json_output=True)
     args = _load_config(namespace.config, overrides)
     import json
-    import tempfile
 
     from rich.console import Console
-    from rich.table import Table
 
+    from covey.telemetry import completions_table
     from covey.trainer import GRPOTrainer
 
-    args = dataclasses.replace(args, output_dir=tempfile.mkdtemp(prefix="covey-generate-"), overwrite_output_dir=True,
-                               eval_max_samples=0, per_device_train_batch_size=namespace.num_prompts * args.num_generations,
+    # nothing is written: no run folder is created unless train() runs
+    args = dataclasses.replace(args, output_dir=None, eval_max_samples=0, per_device_train_batch_size=namespace.num_prompts * args.num_generations,
                                gradient_accumulation_steps=1, steps_per_generation=None)
     trainer = GRPOTrainer(args=args, quiet=True)
     indices = list(range(min(namespace.num_prompts, len(trainer.train_rows))))
     batch, _ = trainer.generate_and_score(indices)
-    names = [r for r in batch.records[0]["rewards"]]
-    table = Table(title=f"{len(batch.records)} completions of {len(indices)} prompts", show_lines=True)
-    for column in ("prompt", "completion", *names, "total", "advantage"):
-        table.add_column(column, overflow="fold")
-    previous = None
-    for record in batch.records:
-        prompt = record["prompt"][-1]["content"] if isinstance(record["prompt"], list) else record["prompt"]
-        scores = [("None" if record["rewards"][n] is None else f"{record['rewards'][n]:.3g}") for n in names]
-        total = "None" if record["reward"] is None else f"{record['reward']:.3g}"
-        table.add_row("" if prompt == previous else prompt, record["completion"], *scores, total,
-                      f"{record['advantage']:+.3f}")
-        previous = prompt
+    table = completions_table(batch.records, title=f"{len(batch.records)} completions of {len(indices)} prompts")
     Console().print(table)
     if namespace.json:
         lines = "".join(json.dumps(r) + "\n" for r in batch.records)

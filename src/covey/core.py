@@ -235,11 +235,6 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
-def kl_k3(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref - logp; >= 0."""
-    return KL_ESTIMATORS["k3"](logp_BT, ref_logp_BT)
-
-
 def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, top_quantile: float) -> torch.Tensor:
     """1 on the top ``top_quantile`` fraction of (masked) tokens by entropy, 0 elsewhere (80/20 rule)."""
     values = entropy_BT[mask_BT.bool()].float()

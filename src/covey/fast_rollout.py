@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from covey.core import completion_mask
-from covey.models import cache_keyword
+from covey.models import autocast, cache_keyword
 from covey.rollout import Rollout, SamplingParams, left_pad
 
 
@@ -86,7 +86,7 @@ class FastEngine:
         generator.manual_seed(seed if seed is not None else torch.seed())
         G = num_generations
         try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            with autocast(device, self.autocast_bf16):
                 # prefill each distinct prompt once, then give every sample of its group a copy
                 ids_NP, mask_NP = left_pad(prompt_ids, self.pad_token_id)
                 ids_NP, mask_NP = ids_NP.to(device), mask_NP.to(device)

@@ -32,14 +32,6 @@ def reward_collapse(history):
                         "(partial credit), or lower the learning rate.")
 
 
-def constant_groups(history):
-    values = _last(history, "frac_reward_zero_std", 3)
-    if values and min(values) > 0.5:
-        return HealthWarning("frac_reward_zero_std", "over half of the groups had identical rewards in each of the last "
-                        "3 logged steps; those groups give zero advantage. Try a larger num_generations, a softer "
-                        "reward, or dynamic_sampling: true.")
-
-
 def high_kl(history):
     kl = history[-1].get("kl")
     if isinstance(kl, (int, float)) and kl > 0.5:
@@ -54,12 +46,22 @@ def flat_reward(history):
                         "vary between completions (covey generate) and that the pipeline is sound (covey verify).")
 
 
-def truncation(history):
-    values = _last(history, "completions/clipped_ratio", 3)
-    if values and min(values) > 0.5:
-        return HealthWarning("completions/clipped_ratio", "over half of the completions hit max_completion_length in each of "
-                        "the last 3 logged steps: their rewards judge cut-off text. Raise max_completion_length, or "
-                        "penalise length (soft_overlong_penalty) / mask_truncated_completions: true.")
+def sustained_above(key: str, threshold: float, steps: int, message: str) -> Callable[[list[dict]], HealthWarning | None]:
+    """A rule that fires when ``key`` stayed above ``threshold`` in each of the last ``steps`` logged steps."""
+    def rule(history):
+        values = _last(history, key, steps)
+        if values and min(values) > threshold:
+            return HealthWarning(key, message)
+    return rule
+
+
+constant_groups = sustained_above(
+    "frac_reward_zero_std", 0.5, 3, "over half of the groups had identical rewards in each of the last 3 logged "
+    "steps; those groups give zero advantage. Try a larger num_generations, a softer reward, or dynamic_sampling: true.")
+truncation = sustained_above(
+    "completions/clipped_ratio", 0.5, 3, "over half of the completions hit max_completion_length in each of the last "
+    "3 logged steps: their rewards judge cut-off text. Raise max_completion_length, or penalise length "
+    "(soft_overlong_penalty) / mask_truncated_completions: true.")
 
 
 def loss_near_zero(history):

@@ -14,7 +14,7 @@ import inspect
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -164,4 +164,5 @@ def cache_keyword(model) -> str:
 
 
 def autocast(device: torch.device, enabled: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+    """bfloat16 autocast on ``device`` when enabled (the `bf16` setting), a no-op otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)

@@ -265,13 +265,10 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
     return values
 
 
-def preflight_check(reward_funcs: Sequence[RewardFunc], rows: list[dict]) -> None:
+def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: dict[str, list]) -> None:
     """Call each function once on a tiny batch of placeholder completions, before any model is
     loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
     A function that raises on the placeholder text is left for the real batch to judge."""
-    rows = rows[:2]
-    conversational = not isinstance(rows[0]["prompt"], str)
-    completions = [[{"role": "assistant", "content": ""}] if conversational else "" for _ in rows]
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    completions = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
     for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
-        score_completions([func], [r["prompt"] for r in rows], completions, [[] for _ in rows], columns, on_error="skip")
+        score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip")

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from covey.core import completion_mask
+from covey.models import autocast
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class Rollout:
 
 
 class RolloutEngine(Protocol):
+    # False when the sampling log-probs may differ from the trainer's float32 forward (bf16, vLLM):
+    # the trainer then applies the engine/trainer importance-sampling correction
+    exact_logprobs: bool
+
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout: ...
 
@@ -105,7 +110,7 @@ class HFEngine:
         self.model.eval()
         holder.generation_config = GenerationConfig()
         try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            with autocast(device, self.autocast_bf16):
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                           generation_config=generation_config)
         finally:

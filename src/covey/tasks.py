@@ -6,9 +6,7 @@ column that the built-in rewards (``answer_format``, ``answer_correct``) read.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 ANSWER_SYSTEM_PROMPT = (
     "Add the two numbers. Write the sum, then the final answer in answer tags. Example:\n"
@@ -61,11 +59,6 @@ def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
         rows.append({"prompt": chat_prompt(GSM8K_SYSTEM_PROMPT, record["question"]), "answer": answer,
                      "solution": record["answer"]})
     return rows
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 TASKS = {"arithmetic": arithmetic}

@@ -69,6 +69,24 @@ class RunLog:
             self.console.print(message)
 
 
+def completions_table(records: list[dict], title: str) -> Table:
+    """Prompt, completion, each reward, the weighted total and the advantage, one row per completion
+    (the prompt is shown once per group)."""
+    names = list(records[0]["rewards"])
+    table = Table(title=title, show_lines=True)
+    for column in ("prompt", "completion", *names, "total", "advantage"):
+        table.add_column(column, overflow="fold")
+    previous = None
+    for record in records:
+        prompt = record["prompt"][-1]["content"] if isinstance(record["prompt"], list) else record["prompt"]
+        scores = ["None" if record["rewards"][n] is None else f"{record['rewards'][n]:.3g}" for n in names]
+        total = "None" if record["reward"] is None else f"{record['reward']:.3g}"
+        table.add_row("" if prompt == previous else prompt, record["completion"], *scores, total,
+                      f"{record['advantage']:+.3f}")
+        previous = prompt
+    return table
+
+
 def print_summary(console: Console, before: dict | None, after: dict | None, run_dir: Path) -> None:
     table = Table(title="held-out evaluation (greedy)")
     table.add_column("")

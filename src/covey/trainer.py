@@ -138,10 +138,11 @@ class GRPOTrainer:
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
                               f"{len(self.reward_funcs)} reward functions; give one weight per function")
+        self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
-        preflight_check(self.reward_funcs, self.train_rows)
+        preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]))
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples)
         self.run_dir = make_run_dir(args)
@@ -274,9 +275,8 @@ class GRPOTrainer:
         if args.dynamic_sampling and indices is None:
             batch = self._refill(batch, timings)
         # 3. advantages
-        weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         advantages_B, batch.zero_std_N = core.advantages_from_rewards(
-            batch.rewards_BF, weights_F, G, args.scale_rewards, args.multi_objective_aggregation)
+            batch.rewards_BF, self.reward_weights_F, G, args.scale_rewards, args.multi_objective_aggregation)
         batch.advantages_B = advantages_B.float()
         for record, advantage in zip(batch.records, batch.advantages_B.tolist()):
             record["advantage"] = advantage
@@ -324,10 +324,11 @@ class GRPOTrainer:
         if args.mask_truncated_completions:
             truncated_B = torch.tensor([reason == "length" for reason in rollout.finish_reasons])
             loss_mask_BT[truncated_B] = 0
+        totals_B = core.weighted_reward_sum(rewards_BF, self.reward_weights_F).tolist()
         records = [{"prompt": r["prompt"], "completion": completion_text(c), "answer": r.get("answer"),
                     "rewards": {reward_name(f): _none_if_nan(v) for f, v in zip(self.reward_funcs, rewards_BF[i].tolist())},
-                    "reward": _none_if_nan(float(core.weighted_reward_sum(rewards_BF[i:i + 1], torch.tensor(self.reward_weights))[0])),
-                    "finish_reason": rollout.finish_reasons[i]} for i, (r, c) in enumerate(zip(rows, completions))]
+                    "reward": _none_if_nan(totals_B[i]), "finish_reason": rollout.finish_reasons[i]}
+                   for i, (r, c) in enumerate(zip(rows, completions))]
         return GenerationBatch(self._sequences(prompt_ids, rollout), loss_mask_BT, rollout.sampling_logp_BT,
                                rewards_BF, rollout.finish_reasons, records)
 
@@ -335,10 +336,9 @@ class GRPOTrainer:
         """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and
         sample new prompts until the batch is full again or the round cap is reached."""
         G, wanted = self.args.num_generations, self.args.generation_batch_size // self.args.num_generations
-        weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         kept, n_kept, dropped, rounds = [], 0, 0, 0
         while True:
-            _, zero_std_N = core.group_advantages(core.weighted_reward_sum(batch.rewards_BF, weights_F), G)
+            _, zero_std_N = core.group_advantages(core.weighted_reward_sum(batch.rewards_BF, self.reward_weights_F), G)
             groups = [g for g in range(len(zero_std_N)) if not zero_std_N[g]][: wanted - n_kept]
             dropped += int(zero_std_N.sum())
             if groups:
@@ -436,7 +436,7 @@ class GRPOTrainer:
         """TRL's metric names, computed over the generation batch (and the step's loss stats)."""
         lengths_B = batch.sequences.completion_mask_BT.sum(1).float()
         tokens = max(stats["tokens"], 1.0)
-        rewards_B = core.weighted_reward_sum(batch.rewards_BF, torch.tensor(self.reward_weights, dtype=torch.float64))
+        rewards_B = core.weighted_reward_sum(batch.rewards_BF, self.reward_weights_F)
         metrics = {
             "reward": float(rewards_B.nanmean()),
             "reward_std": float(core.nanstd(rewards_B).nan_to_num(0.0)),

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import inspect
 import math
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -67,7 +66,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     report = Report()
     G = args.num_generations
     settings = dataclasses.replace(
-        args, output_dir=tempfile.mkdtemp(prefix="covey-verify-"), overwrite_output_dir=True, eval_max_samples=0,
+        args, output_dir=None, eval_max_samples=0,  # nothing is written: train() never runs here
         max_steps=1, log_completions=False, per_device_train_batch_size=num_prompts * G, gradient_accumulation_steps=1,
         steps_per_generation=None, num_iterations=1, dynamic_sampling=False)
     try:
@@ -175,7 +174,7 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
                    "the reward table is shifted or reordered against the completions: see rewards.score_completions "
                    "(or the function depends on batch order or randomness)")
     weights = trainer.reward_weights
-    total = core.weighted_reward_sum(rewards_BF, torch.tensor(weights, dtype=torch.float64))
+    total = core.weighted_reward_sum(rewards_BF, trainer.reward_weights_F)
     manual = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in rewards_BF.tolist()]
     report.add("rewards", "weights applied", torch.allclose(total.nan_to_num(0.0), torch.tensor(manual, dtype=torch.float64)),
                f"weights {weights}", "core.weighted_reward_sum does not equal sum(weight * reward)")
@@ -183,7 +182,7 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
 
 def check_advantages(report: Report, trainer, batch) -> None:
     args, G = trainer.args, trainer.args.num_generations
-    weights = torch.tensor(trainer.reward_weights, dtype=torch.float64)
+    weights = trainer.reward_weights_F
     probe = torch.tensor([[0.0], [1.0], [3.0], [3.0]], dtype=torch.float64)
     adv, zero_std = core.advantages_from_rewards(probe, torch.ones(1, dtype=torch.float64), 2, args.scale_rewards,
                                                  args.multi_objective_aggregation)
@@ -250,33 +249,16 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
     k3 = core.KL_ESTIMATORS["k3"](logp, logp - torch.rand(3, 4, dtype=torch.float64))
     report.add("loss", "k3 KL >= 0", bool((k3 >= 0).all()), f"min {float(k3.min()):.3g}", "the KL sign is flipped")
 
-    # the loss value on the first pass, where the ratio is exactly 1, from the formula; the
-    # reference is moved away from the policy first, so a ratio taken against it would show
+    # the reference is moved away from the policy first, so a ratio taken against it would show
     if batch.ref_logp_BT is not None:
         batch.ref_logp_BT = batch.ref_logp_BT - 0.1
-    mask = batch.loss_mask_BT.double()
-    adv = batch.advantages_B.double()[:, None]
-    T = mask.shape[1]
-    logp_d = logp_BT[:, :T].double()
-    policy_term = -adv * logp_d if s.loss_type == "cispo" else -adv.expand_as(mask)
-    per_token = policy_term
-    if s.beta > 0:
-        d = batch.ref_logp_BT[:, :T].double() - logp_d
-        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
-        per_token = per_token + s.beta * kl
-    B = mask.shape[0]
-    expected = {
-        "grpo": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / B,
-        "bnpo": (per_token * mask).sum() / mask.sum().clamp(min=1),
-        "dr_grpo": (per_token * mask).sum() / (B * args.max_completion_length),
-        "dapo": (per_token * mask).sum() / mask.sum().clamp(min=1),
-        "cispo": (per_token * mask).sum() / mask.sum().clamp(min=1),
-    }[s.loss_type]
+    expected = formula_loss_at_ratio_one(batch, logp_BT, s, args.max_completion_length)
     checkable = s.top_entropy_quantile == 1.0 and batch.engine_weights is None
+    B = batch.loss_mask_BT.shape[0]
 
     # one optimizer step, plain SGD so the step follows the gradient
     G = args.num_generations
-    rewards = core.weighted_reward_sum(batch.rewards_BF, torch.tensor(trainer.reward_weights, dtype=torch.float64))
+    rewards = core.weighted_reward_sum(batch.rewards_BF, trainer.reward_weights_F)
     group = next((g for g in range(B // G) if rewards[g * G:(g + 1) * G].std() > 0), None)
     trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=1e-2)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
@@ -301,14 +283,38 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
         return
     rows = list(range(group * G, (group + 1) * G))
     best, worst = max(rows, key=lambda i: rewards[i]), min(rows, key=lambda i: rewards[i])
-    after = check_sequence_logprob(trainer, batch)
-    before_sums = (logp_BT[:, :T] * mask).sum(1)
+    after = sequence_logprobs(trainer, batch)
+    T = batch.loss_mask_BT.shape[1]
+    before_sums = (logp_BT[:, :T] * batch.loss_mask_BT).sum(1)
     rose, fell = float(after[best] - before_sums[best]), float(after[worst] - before_sums[worst])
     report.add("loss", "step raises the best completion and lowers the worst", rose > 0 and fell < 0,
                f"best {rose:+.3g}, worst {fell:+.3g}", "the update moves the wrong way: check the loss sign")
 
 
-def check_sequence_logprob(trainer, batch) -> torch.Tensor:
+def formula_loss_at_ratio_one(batch, logp_BT: torch.Tensor, s: core.LossSettings, max_completion_length: int):
+    """The first-pass loss written out from the papers (ratio exactly 1, so clipping is inactive)."""
+    mask = batch.loss_mask_BT.double()
+    adv = batch.advantages_B.double()[:, None]
+    T = mask.shape[1]
+    logp = logp_BT[:, :T].double()
+    per_token = -adv * logp if s.loss_type == "cispo" else -adv.expand_as(mask)
+    if s.beta > 0:
+        d = batch.ref_logp_BT[:, :T].double() - logp
+        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
+        per_token = per_token + s.beta * kl
+    B = mask.shape[0]
+    token_mean = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return {
+        "grpo": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / B,
+        "bnpo": token_mean,
+        "dr_grpo": (per_token * mask).sum() / (B * max_completion_length),
+        "dapo": token_mean,
+        "cispo": token_mean,
+    }[s.loss_type]
+
+
+def sequence_logprobs(trainer, batch) -> torch.Tensor:
+    """Sum of the trainer's log-probs over each completion's trained tokens. (B,)"""
     from covey.trainer import completion_logprobs
 
     with torch.no_grad():
