@@ -131,3 +131,11 @@ def test_a_reward_function_that_raises_fails_the_rewards_stage(tokenizer):
                     processing_class=tokenizer, train_dataset=ROWS, reward_funcs=[broken])
     assert report.first_failure == "rewards"
     assert any("'broken' raised KeyError" in c.hint for c in report.checks)
+
+
+def test_settings_outside_the_formula_check_are_reported_as_unchecked(tokenizer):
+    args = GRPOConfig(num_generations=4, max_completion_length=10, top_entropy_quantile=0.5)
+    report = verify(args, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer, train_dataset=ROWS,
+                    reward_funcs=[variety, mentions_answer])
+    row = next(c for c in report.checks if c.name == "value equals the formula at ratio 1")
+    assert row.status == "WARN" and row.value == "not checked"

@@ -270,6 +270,10 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
                    f"{stats['loss']:.6g} vs {float(expected):.6g}",
                    "the loss is normalised by the wrong count, uses the wrong old/reference log-probs, or the "
                    "KL term is wrong: see core.policy_loss and core.LOSS_NORMALISERS")
+    else:
+        report.add("loss", "value equals the formula at ratio 1", False, "not checked",
+                   "top_entropy_quantile < 1 or the engine correction reweights tokens; the formula check "
+                   "covers the plain objectives only", warn_only=True)
     moved = any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)
     if bool((batch.advantages_B != 0).any()) or s.beta > 0:
         report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
