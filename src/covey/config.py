@@ -68,6 +68,9 @@ class GRPOConfig:
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
     reward_errors: str = _f("raise", "a reward function that raises or times out: stop the run, or score the sample None", choices=("raise", "skip"))
     reward_timeout: float | None = _f(None, "seconds one reward call may take before it counts as an error (None = no limit)")
+    reward_num_workers: int = _f(0, "worker processes that run the (non-async) reward functions (0 = in the trainer's process)")
+    code_timeout: float = _f(5.0, "code_tests reward: wall-clock seconds one completion's program may run")
+    code_memory_limit_mb: int = _f(512, "code_tests reward: memory limit of one completion's program in MiB")
     strip_reasoning: bool = _f(False, "hand rewards only the answer after a <think>...</think> block (unterminated: empty)")
     multi_objective_aggregation: str = _f("sum_then_normalize", "combine rewards before normalising, or normalise each then sum", choices=REWARD_AGGREGATIONS)
     overlong_max_length: int | None = _f(None, "soft_overlong_penalty reward: length where the penalty reaches -1 (default: max_completion_length)")
@@ -81,7 +84,13 @@ class GRPOConfig:
     min_p: float | None = _f(None, "drop tokens less likely than min_p times the most likely one (None = off)")
     repetition_penalty: float = _f(1.0, "divide the logits of tokens already in the completion by this (1 = off)")
     stop_strings: list | None = _f(None, "strings that end a completion (kept in it; fast engine only)")
-    rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, or transformers generate", choices=("fast", "hf"))
+    rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, transformers generate, or vLLM", choices=("fast", "hf", "vllm"))
+    use_vllm: bool = _f(False, "TRL's switch for rollout_engine: vllm")
+    vllm_mode: str = _f("colocate", "vLLM in the trainer's process, or a `covey server` reached over HTTP", choices=("colocate", "server"))
+    vllm_server_host: str = _f("127.0.0.1", "host of the `covey server` (vllm_mode: server)")
+    vllm_server_port: int = _f(8000, "port of the `covey server` (vllm_mode: server)")
+    vllm_server_timeout: float = _f(240.0, "seconds to wait for the `covey server` to answer its health check")
+    vllm_gpu_memory_utilization: float = _f(0.3, "fraction of GPU memory vLLM may take (vllm_mode: colocate)")
     mask_truncated_completions: bool = _f(False, "leave completions that hit max_completion_length out of the loss (DAPO)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
     dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")
@@ -124,9 +133,20 @@ class GRPOConfig:
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
     logging_steps: int = _f(1, "write metrics every this many optimizer steps")
-    log_completions: bool = _f(True, "append every sampled completion with its rewards to completions.jsonl")
+    log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
+    log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
+    num_completions_to_print: int = _f(4, "rows of the console completions table")
+    report_to: list = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
+    run_name: str | None = _f(None, "the run's name in trackers (default: the run folder's name)")
+    save_steps: int = _f(500, "write a checkpoint every this many optimizer steps (0 = none; the final model is always saved)")
+    save_total_limit: int | None = _f(2, "keep only the newest this many checkpoints (None = keep all)")
+    resume_from_checkpoint: str | None = _f(None, "continue a run: 'auto' (newest checkpoint in output_dir) or a checkpoint folder")
 
     def __post_init__(self) -> None:
+        if self.use_vllm:
+            self.rollout_engine = "vllm"
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
         if isinstance(self.scale_rewards, bool):  # older TRL configs use true/false
             self.scale_rewards = "group" if self.scale_rewards else "none"
         for f in dataclasses.fields(self):
@@ -182,6 +202,19 @@ class GRPOConfig:
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
+        need(self.reward_num_workers >= 0, f"reward_num_workers={self.reward_num_workers} must be >= 0")
+        need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
+             "code_timeout must be positive and code_memory_limit_mb at least 16")
+        need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
+        need(self.save_total_limit is None or self.save_total_limit >= 1,
+             f"save_total_limit={self.save_total_limit} must be at least 1 (None keeps all)")
+        need(self.log_completions_steps >= 1 and self.num_completions_to_print >= 0,
+             "log_completions_steps must be at least 1 and num_completions_to_print >= 0")
+        need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
+        trackers = {"tensorboard", "wandb", "trackio", "mlflow", "none"}
+        unknown = [t for t in self.report_to if t not in trackers]
+        need(not unknown, f"report_to: {', '.join(map(repr, unknown))} is not a tracker; choose from "
+                          f"{', '.join(sorted(trackers))}")
         need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
 
     @property
