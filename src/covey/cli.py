@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.config import GRPOConfig, config_fields, suggest_field
-from covey.errors import ConfigError, CoveyError
+from covey.errors import ConfigError, CoveyError, TrainingInterrupted
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +158,43 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate}
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey report", allow_abbrev=False,
+        description="Plots of a run's training curves and one self-contained HTML page with the plots, the config, "
+                    "the before/after evaluation and sample completions.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output_dir of covey train)")
+    parser.add_argument("--out", metavar="DIR", help="folder for report.html and the PNGs (default: RUN_DIR/report)")
+    namespace = parser.parse_args(argv)
+    from covey.report import write_report
+
+    page = write_report(namespace.run_dir, namespace.out)
+    print(f"report: {page}")
+    return 0
+
+
+def cmd_compare(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey compare", allow_abbrev=False,
+        description="Overlay one metric of several runs in one plot (PNG).")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="two or more run folders")
+    parser.add_argument("--metric", default="reward", help="a key of metrics.jsonl (default: reward)")
+    parser.add_argument("--out", metavar="FILE", help="the PNG to write (default: compare-<metric>.png here)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    namespace = parser.parse_args(argv)
+    from covey.report import compare_file_name, compare_runs
+
+    if len(namespace.run_dirs) < 2:
+        raise ConfigError("covey compare needs at least two run folders (covey report shows one run)")
+    out = Path(namespace.out or compare_file_name(namespace.metric))
+    if out.exists() and not namespace.overwrite:
+        raise ConfigError(f"{out} already exists: pass --overwrite to replace it, or --out another file")
+    print(f"plot: {compare_runs(namespace.run_dirs, out, namespace.metric)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
+            "report": cmd_report, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,12 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
         print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
-              "(covey train --help lists the fields)",
+              "(covey train --help lists the fields)\n"
+              "       covey report RUN_DIR [--out DIR]\n"
+              "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return COMMANDS[argv[0]](argv[1:])
+    except TrainingInterrupted as e:
+        print(f"covey: {e}", file=sys.stderr)
+        return 128 + e.signal_number
     except CoveyError as e:
         print(f"covey: error: {e}", file=sys.stderr)
         return 2

@@ -117,3 +117,13 @@ class PromptSampler:
                 self.epoch += 1
             batch.append(self.order.pop())
         return batch
+
+    def state_dict(self) -> dict:
+        """The position in the data (JSON-able), for checkpoints."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": list(self.order), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.order, self.epoch = list(state["order"]), state["epoch"]

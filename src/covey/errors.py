@@ -23,3 +23,15 @@ class RewardError(CoveyError):
 
 class NumericsError(CoveyError):
     """Training produced NaN or inf too many steps in a row."""
+
+
+class CheckpointError(CoveyError):
+    """A checkpoint could not be written or read; the previous one is left as it was."""
+
+
+class TrainingInterrupted(CoveyError):
+    """SIGINT or SIGTERM stopped the run after a checkpoint was saved."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.signal_number = signal_number

@@ -59,14 +59,35 @@ class RunLog:
         for message in self.health.check(self.history):
             self.info(f"[yellow]step {step}: {message}[/]")
 
-    def log_completions(self, step: int, records: list[dict]) -> None:
+    def resume(self, history: list[dict], step: int) -> None:
+        """Continue a run from a checkpoint at ``step``: its metric history, and the files cut back to
+        that step (lines a crashed run wrote after its checkpoint are written again as training redoes them)."""
+        self.history = list(history)
+        _rewrite_jsonl(self.metrics_path, self.history)
+        if self.completions_path.exists():
+            kept = [line for line in self.completions_path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            _rewrite_jsonl(self.completions_path, [json.loads(line) for line in kept])
+        self.progress.update(self.task, completed=step)
+
+    def log_completions(self, step: int, records: list[dict], num_to_print: int = 0) -> None:
+        """Append the step's completions to completions.jsonl; show the first ``num_to_print`` as a table."""
         with open(self.completions_path, "a") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")
+        if num_to_print and not self.quiet:
+            self.console.print(completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
 
     def info(self, message: str) -> None:
         if not self.quiet:
             self.console.print(message)
+
+
+def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSON-lines file in one rename, so a crash leaves the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
 
 
 def completions_table(records: list[dict], title: str) -> Table:

@@ -14,9 +14,12 @@ advantage and to shard rows after it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 import warnings
 from datetime import datetime
@@ -26,8 +29,9 @@ from typing import Any, Sequence
 import torch
 
 from covey import core
+from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from covey.config import GRPOConfig
-from covey.errors import ConfigError, DataError, NumericsError
+from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import PromptSampler, extra_columns, heldout_rows, is_conversational, load_rows
 from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
@@ -98,8 +102,11 @@ def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
                                       "cache_length": args.overlong_cache_length or max(1, overlong_max // 4)}}
 
 
-def make_run_dir(args: GRPOConfig) -> Path:
-    """The run folder; refuses to write into one that already holds files unless told to."""
+def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
+    """The run folder; refuses to write into one that already holds files unless told to or resuming
+    (a checkpoint given without output_dir continues in the run folder it belongs to)."""
+    if resume_from is not None:
+        return Path(args.output_dir) if args.output_dir else resume_from.parent.parent
     if args.output_dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir, n = Path("runs") / stamp, 1
@@ -145,7 +152,9 @@ class GRPOTrainer:
         preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]))
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples)
-        self.run_dir = make_run_dir(args)
+        self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+                            if args.resume_from_checkpoint else None)
+        self.run_dir = make_run_dir(args, self.resume_from)
         torch.manual_seed(args.seed)
 
         if processing_class is not None:
@@ -193,6 +202,11 @@ class GRPOTrainer:
         self.bad_steps = self.consecutive_bad_steps = 0
         self.reward_errors, self.warned_reward_errors = 0, False
         self.dynamic_sampling_stats: dict[str, float] = {}
+        self.before: dict | None = None  # the evaluation before training
+        self.history: list[dict] = []  # logged metrics, restored on resume
+        self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
 
     def _build_policy(self, model: Any, peft_config: Any) -> torch.nn.Module:
         """The model to train: loaded if given by name, wrapped in LoRA when asked."""
@@ -224,25 +238,28 @@ class GRPOTrainer:
         """Run max_steps optimizer steps; returns the summary that is also written to summary.json."""
         args = self.args
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        args.save(self.run_dir / "config.yaml")
-        with RunLog(self.run_dir, args.max_steps, quiet=self.quiet) as log:
-            before = self.evaluate() if self.eval_rows else None
-            if before:
-                log.info(f"held-out accuracy before training: {100 * before['accuracy']:.1f}% "
-                         f"(mean reward {before['mean_reward']:.3f}, n={before['n']})")
+        self._save_config()
+        with RunLog(self.run_dir, args.max_steps, quiet=self.quiet) as log, self._stop_on_signals(log):
+            if self.resume_from is not None:
+                log.resume(self.history, self.global_step)
+                log.info(f"resumed from {self.resume_from} at step {self.global_step}")
+            elif self.eval_rows:
+                self.before = self.evaluate()
+                log.info(f"held-out accuracy before training: {100 * self.before['accuracy']:.1f}% "
+                         f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             while self.global_step < args.max_steps:
                 self._generation_round(log)
             after = self.evaluate() if self.eval_rows else None
-        summary = self._write_outputs(before, after, log.history)
+        summary = self._write_outputs(self.before, after, log.history)
         if not self.quiet:
-            print_summary(log.console, before, after, self.run_dir)
+            print_summary(log.console, self.before, after, self.run_dir)
         return summary
 
     def _generation_round(self, log: RunLog) -> None:
         """One generation batch, then its optimizer steps: (micro-batches per generation /
         gradient_accumulation_steps) windows, each visited num_iterations times."""
         args = self.args
-        start = time.perf_counter()
+        start, first_step = time.perf_counter(), self.global_step
         batch, timings = self.generate_and_score()
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
         B = batch.loss_mask_BT.shape[0]
@@ -262,8 +279,19 @@ class GRPOTrainer:
                 if self.global_step % args.logging_steps == 0 or self.global_step == args.max_steps:
                     log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time))
                 timings = {"time/generate": 0.0, "time/score": 0.0}
-        if args.log_completions:
-            log.log_completions(self.global_step, batch.records)
+        self.history = log.history
+        if args.log_completions and (first_step == 0 or self.global_step == args.max_steps
+                                     or _crossed(first_step, self.global_step, args.log_completions_steps)):
+            log.log_completions(self.global_step, batch.records, args.num_completions_to_print)
+        # checkpoints are written between generation rounds, where the state is small and complete
+        if args.save_steps and _crossed(first_step, self.global_step, args.save_steps) or self.stop_signal:
+            path = self.save_checkpoint()
+            log.info(f"checkpoint saved: {path}")
+        if self.stop_signal:
+            name = signal.Signals(self.stop_signal).name
+            raise TrainingInterrupted(
+                f"stopped by {name} at step {self.global_step}; checkpoint saved in {path}. Continue with: "
+                f"covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto", self.stop_signal)
 
     def generate_and_score(self, indices: list[int] | None = None) -> tuple[GenerationBatch, dict[str, float]]:
         """Steps 1-4 of the loop for the next prompts (or the training rows at ``indices``)."""
@@ -411,6 +439,57 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path."""
+        state = {"global_step": self.global_step, "rounds_sampled": self.rounds_sampled, "bad_steps": self.bad_steps,
+                 "consecutive_bad_steps": self.consecutive_bad_steps, "reward_errors": self.reward_errors,
+                 "warned_reward_errors": self.warned_reward_errors, "sampler": self.sampler.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "history": self.history, "before": self.before}
+        moving_reference = self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
+        return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state, moving_reference,
+                               self.args.save_total_limit)
+
+    def _restore(self, path: Path) -> None:
+        moving_reference = self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
+        state = load_checkpoint(path, self.model, self.optimizer, moving_reference)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        for key in ("global_step", "rounds_sampled", "bad_steps", "consecutive_bad_steps", "reward_errors",
+                    "warned_reward_errors", "history", "before"):
+            setattr(self, key, state[key])
+
+    def _save_config(self) -> None:
+        """config.yaml of the run; a resumed run with changed settings keeps the first one beside it."""
+        path = self.run_dir / "config.yaml"
+        if path.exists() and self.resume_from is not None:
+            if GRPOConfig.from_yaml(path).to_dict() != self.args.to_dict():
+                self.args.save(self.run_dir / f"config.resumed-at-{self.global_step}.yaml")
+            return
+        self.args.save(path)
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self, log: RunLog):
+        """SIGINT / SIGTERM: finish the current round, save a checkpoint, stop. A second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            log.info(f"[yellow]{signal.Signals(signum).name} received: saving a checkpoint after this step "
+                     "(send it again to stop at once, without saving)[/]")
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
     # ---- helpers ----------------------------------------------------------------------------
 
     def _sequences(self, prompt_ids: list[list[int]], rollout: Rollout) -> SequenceBatch:
@@ -509,6 +588,11 @@ class GRPOTrainer:
 
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
                      "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in (before, after]."""
+    return after // every > before // every
 
 
 def _none_if_nan(value: float) -> float | None:

@@ -1,0 +1,215 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+A checkpoint is a folder ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
+
+    model/                  the policy (Hugging Face folder, or the LoRA adapter), safetensors
+    optimizer.safetensors   AdamW's tensors; optimizer.json the rest of its state
+    reference.safetensors   the reference model, only when sync_ref_model moves it
+    rng.safetensors         the torch RNG states; state.json the python / numpy RNG states, the
+                            scheduler, the data position, the step counters and the metric history
+
+It is written into a hidden temporary folder, flushed to disk, then renamed into place, so a crash
+or a full disk never leaves a half-written ``checkpoint-<step>`` behind and never harms the
+previous one. No file is a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from covey.errors import CheckpointError, ConfigError
+
+CHECKPOINTS = "checkpoints"
+PREFIX = "checkpoint-"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
+    """The checkpoint folder named by ``resume_from_checkpoint``: 'auto' or a path."""
+    if spec == "auto":
+        if output_dir is None:
+            raise ConfigError("resume_from_checkpoint: auto needs output_dir, the run folder to continue")
+        found = checkpoint_dirs(Path(output_dir))
+        if not found:
+            raise ConfigError(f"resume_from_checkpoint: auto found no checkpoint in {Path(output_dir) / CHECKPOINTS}; "
+                              "was save_steps 0, or did the run stop before its first save?")
+        return found[-1]
+    path = Path(spec)
+    if not (path / "state.json").is_file():
+        raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint folder (it has no state.json); "
+                          f"give a {CHECKPOINTS}/{PREFIX}<step> folder of a run, or 'auto'")
+    return path
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], reference: torch.nn.Module | None = None,
+                    total_limit: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
+    ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    final = folder / f"{PREFIX}{step}"
+    tmp = folder / f".tmp-{PREFIX}{step}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in [*folder.glob(f".tmp-{PREFIX}*"), *folder.glob(f".old-{PREFIX}*")]:  # left by a killed run
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tensors, rest = _split_optimizer_state(optimizer.state_dict())
+        save_file(tensors, tmp / "optimizer.safetensors")
+        _write_json(tmp / "optimizer.json", rest)
+        if reference is not None:
+            save_model(reference, str(tmp / "reference.safetensors"))
+        torch_states, other_states = _rng_states()
+        save_file(torch_states, tmp / "rng.safetensors")
+        _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (a resumed run): replace it only now that the new one is whole
+            old = folder / f".old-{PREFIX}{step}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(folder)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p.name for p in checkpoint_dirs(run_dir)]
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {final}: {e.strerror or e} "
+                              f"({type(e).__name__}); {kept}. Free disk space or fix the folder's permissions, "
+                              "then resume with --resume-from-checkpoint auto") from e
+    if total_limit is not None:
+        for old in checkpoint_dirs(run_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors of the optimizer state (for safetensors) and everything else (for JSON)."""
+    tensors, rest = {}, {"param_groups": state_dict["param_groups"], "state": {}}
+    for index, param_state in state_dict["state"].items():
+        rest["state"][str(index)] = {}
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach().contiguous()
+            else:
+                rest["state"][str(index)][key] = value
+    return tensors, rest
+
+
+def _rng_states() -> tuple[dict[str, torch.Tensor], dict]:
+    import numpy as np
+
+    torch_states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            torch_states[f"cuda.{i}"] = s
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return torch_states, {"python": _to_lists(random.getstate()),
+                          "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(path)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    reference: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state."""
+    _load_model(path / "model", model)
+    tensors = load_file(path / "optimizer.safetensors")
+    rest = json.loads((path / "optimizer.json").read_text())
+    state = {}
+    for index, plain in rest["state"].items():
+        state[int(index)] = dict(plain)
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
+    if reference is not None and (path / "reference.safetensors").is_file():
+        load_model(reference, str(path / "reference.safetensors"))
+    trainer_state = json.loads((path / "state.json").read_text())
+    _restore_rng(load_file(path / "rng.safetensors"), trainer_state.pop("rng"))
+    return trainer_state
+
+
+def _load_model(folder: Path, model: torch.nn.Module) -> None:
+    from covey.models import is_peft_model
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if missing:
+            raise CheckpointError(f"{folder}: the adapter lacks {len(missing)} LoRA weights (first: {missing[0]}); "
+                                  "was it saved with different lora_r / lora_target_modules?")
+        return
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded = {t.data_ptr() for name, t in model.state_dict().items() if name in state}
+    untied = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise CheckpointError(f"{folder} does not match the model of this run (missing {untied[:3]}, unexpected "
+                              f"{unexpected[:3]}); resume with the same model as the run that saved it")
+
+
+def _restore_rng(torch_states: dict[str, torch.Tensor], other: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(torch_states["torch"])
+    cuda = [torch_states[f"cuda.{i}"] for i in range(sum(k.startswith("cuda.") for k in torch_states))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = other["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = other["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,195 @@
+"""Checkpoints and resume: a resumed run is bitwise the run that was never stopped."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from covey import GRPOConfig, GRPOTrainer
+from covey.checkpoint import checkpoint_dirs
+from covey.errors import CheckpointError, ConfigError
+from tests.conftest import make_model
+from tests.test_trainer import ROWS, count_a
+
+TIMING_KEYS = ("step_time", "time/", "tokens_per_second")
+
+
+def run_args(out: Path, **overrides) -> GRPOConfig:
+    values = dict(output_dir=str(out), max_steps=6, save_steps=2, num_generations=4, per_device_train_batch_size=8,
+                  max_completion_length=8, learning_rate=1e-2, eval_max_samples=0, log_completions_steps=1)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def trainer_for(args: GRPOConfig, tokenizer, **kwargs) -> GRPOTrainer:
+    return GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                       processing_class=tokenizer, quiet=True, **kwargs)
+
+
+def learned_metrics(run: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock timings (the only values allowed to differ)."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS)} for m in lines]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for shard in folder.glob("*.safetensors"):
+        state.update(load_file(shard))
+    return state
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, num_iterations=2, lr_scheduler_type="cosine",
+         warmup_ratio=0.2, weight_decay=0.1),
+    dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]),
+], ids=["full", "kl-sync-ref-iterations-cosine", "lora"])
+def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tokenizer, variant):
+    whole = trainer_for(run_args(tmp_path / "whole", save_total_limit=None, **variant), tokenizer)
+    whole.train()
+
+    # a checkpoint folder given by path continues into a new run folder (the original is left alone)
+    checkpoint_2 = tmp_path / "whole" / "checkpoints" / "checkpoint-2"
+    resumed = trainer_for(run_args(tmp_path / "resumed", resume_from_checkpoint=str(checkpoint_2), **variant), tokenizer)
+    assert resumed.global_step == 2
+    resumed.train()
+
+    assert_same_weights(tmp_path / "whole" / "final_model", tmp_path / "resumed" / "final_model")
+    assert learned_metrics(tmp_path / "whole") == learned_metrics(tmp_path / "resumed")
+    assert [p.name for p in checkpoint_dirs(tmp_path / "whole")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
+def test_save_total_limit_keeps_the_newest_and_none_keeps_all(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "a", save_total_limit=1), tokenizer).train()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "a")] == ["checkpoint-6"]
+    trainer_for(run_args(tmp_path / "b", save_total_limit=None), tokenizer).train()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "b")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    ckpt = tmp_path / "b" / "checkpoints" / "checkpoint-2"
+    assert {"model", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "state.json"} <= {
+        p.name for p in ckpt.iterdir()}
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["global_step"] == 2 and len(state["history"]) == 2 and "sampler" in state and "rng" in state
+    assert not list(ckpt.rglob("*.bin")) and not list(ckpt.rglob("*.pt"))  # nothing pickled
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   PermissionError(errno.EACCES, "Permission denied")], ids=["disk-full", "permission"])
+def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, tokenizer, monkeypatch, error):
+    import covey.checkpoint as checkpoint
+
+    real_save_file, calls = checkpoint.save_file, []
+
+    def failing_on_the_second_checkpoint(tensors, path, *a, **k):
+        calls.append(path)
+        if "checkpoint-4" in str(path):
+            raise error
+        return real_save_file(tensors, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "save_file", failing_on_the_second_checkpoint)
+    with pytest.raises(CheckpointError, match=f"{error.strerror}.*checkpoint-2 is intact"):
+        trainer_for(run_args(tmp_path / "run"), tokenizer).train()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["checkpoint-2"]
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(checkpoint, "save_file", real_save_file)
+    resumed = trainer_for(run_args(tmp_path / "run", resume_from_checkpoint="auto"), tokenizer)
+    assert resumed.global_step == 2
+
+
+def test_resume_errors_are_clear_and_come_before_the_model_loads(tmp_path):
+    with pytest.raises(ConfigError, match="found no checkpoint"):
+        GRPOTrainer(args=run_args(tmp_path / "empty", resume_from_checkpoint="auto"), reward_funcs=[count_a],
+                    train_dataset=ROWS, model="no/such-model-is-loaded")
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        GRPOTrainer(args=run_args(tmp_path / "x", resume_from_checkpoint=str(tmp_path)), reward_funcs=[count_a],
+                    train_dataset=ROWS, model="no/such-model-is-loaded")
+
+
+# ---- the real thing: a training process killed with SIGKILL, and one stopped with SIGTERM ------------------
+
+
+@pytest.fixture
+def cli_run(tmp_path, tiny_model_dir):
+    """A config for `covey train` on the tiny model, and a way to start it as a subprocess."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "rewards.py").write_text(
+        "def count_a(completions, **kw):\n"
+        "    texts = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
+        "    return [(len(set(t)) + t.count('a')) / 8 for t in texts]\n")
+    config = {"model": str(tiny_model_dir), "dataset": str(tmp_path / "data.jsonl"), "eval_max_samples": 0,
+              "reward_funcs": [f"{tmp_path / 'rewards.py'}:count_a"], "max_steps": 16, "save_steps": 2,
+              "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 8,
+              "learning_rate": 0.01, "save_total_limit": None}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def start(out: Path, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "covey.cli", "train", str(tmp_path / "config.yaml"),
+                                 "--output-dir", str(out), *extra], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return start
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    _, err = process.communicate(timeout=timeout)
+    return process.returncode, err
+
+
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tmp_path, cli_run):
+    code, err = finish(cli_run(tmp_path / "whole"))
+    assert code == 0, err
+
+    victim = cli_run(tmp_path / "killed")
+    wait_for(tmp_path / "killed" / "checkpoints" / "checkpoint-4", victim)
+    victim.send_signal(signal.SIGKILL)
+    finish(victim)
+    assert victim.returncode == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "final_model").exists()  # it really died mid-run
+
+    code, err = finish(cli_run(tmp_path / "killed", "--resume-from-checkpoint", "auto"))
+    assert code == 0, err
+    assert_same_weights(tmp_path / "whole" / "final_model", tmp_path / "killed" / "final_model")
+    assert learned_metrics(tmp_path / "whole") == learned_metrics(tmp_path / "killed")
+
+
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, cli_run):
+    process = cli_run(tmp_path / "run")
+    wait_for(tmp_path / "run" / "metrics.jsonl", process)
+    process.send_signal(signal.SIGTERM)
+    code, err = finish(process)
+    assert code == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "--resume-from-checkpoint auto" in err and "Traceback" not in err
+    saved = checkpoint_dirs(tmp_path / "run")
+    assert saved, "no checkpoint was written on SIGTERM"
+    stopped_at = int(saved[-1].name.split("-")[1])
+    assert stopped_at < 16
+    code, err = finish(cli_run(tmp_path / "run", "--resume-from-checkpoint", "auto"))
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, 17))
