@@ -179,3 +179,17 @@ def test_prompt_overflow_policies(tmp_path, tokenizer, tiny_model, policy):
     assert max(len(ids) for ids in trainer.prompt_ids) <= 40
     if policy == "truncate_left":  # the end of the prompt, where the assistant turn opens, is kept
         assert tokenizer.decode(trainer.prompt_ids[3]).endswith("assistant\n")
+
+
+def test_completions_are_recorded_every_log_completions_steps_and_shown_as_a_table(tmp_path, tokenizer, capsys):
+    args = small_args(tmp_path, max_steps=5, gradient_accumulation_steps=1, log_completions_steps=2,
+                      num_completions_to_print=3, eval_max_samples=0)
+    GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                processing_class=tokenizer).train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in lines}) == [1, 2, 4, 5]  # the first, every 2nd, the last
+    assert all(len([r for r in lines if r["step"] == s]) == 4 for s in (1, 2, 4, 5))
+    shown = capsys.readouterr().err
+    for step in (1, 2, 4, 5):
+        assert f"step {step}: sample completions" in shown
+    assert "step 3: sample completions" not in shown and "count_a" in shown and "advantage" in shown
