@@ -97,3 +97,23 @@ def test_hub_dataset_ids_go_to_datasets_with_the_split(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_rows("someone/some-dataset", split="validation") == [{"prompt": "hi", "answer": "1"}]
     assert calls == [(("someone/some-dataset",), {"split": "validation"})]
+
+
+def test_a_column_a_reward_needs_is_checked_by_name_and_row(tmp_path):
+    from covey.data import check_reward_columns
+    from covey.rewards import answer_correct
+
+    def needs_tests(completions, tests, **kwargs):
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    check_reward_columns(rows, [answer_correct], "data.jsonl")  # fine
+    with pytest.raises(DataError, match="'needs_tests' needs a column 'tests'.*columns: prompt, answer"):
+        check_reward_columns(rows, [needs_tests], "data.jsonl")
+    # a JSONL row without the key: the loader fills it with null, and the error names the row
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    from covey.data import load_rows
+
+    with pytest.raises(DataError, match=r"row 1: column 'answer', needed by reward function 'answer_correct', is empty"):
+        check_reward_columns(load_rows(str(path)), [answer_correct], str(path))

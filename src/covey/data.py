@@ -87,6 +87,29 @@ def check_rows(rows: list[dict], source: str) -> None:
                             f"{{'role': ..., 'content': ...}} messages, got {prompt!r:.120}")
 
 
+def check_reward_columns(rows: list[dict], reward_funcs: list, source: str) -> None:
+    """Every column a reward function requires by name exists and has a value in every row."""
+    import inspect
+
+    passed_by_the_trainer = {"prompts", "completions", "completion_ids"}
+    for func in reward_funcs:
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+            continue
+        needed = [p.name for p in parameters if p.default is inspect.Parameter.empty
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in passed_by_the_trainer]
+        name = getattr(func, "__name__", type(func).__name__)
+        for column in needed:
+            if column not in rows[0]:
+                raise DataError(f"{source}: reward function {name!r} needs a column {column!r}, which the data lacks "
+                                f"(columns: {', '.join(rows[0])}); add it or give the parameter a default")
+            empty = next((i for i, row in enumerate(rows) if row[column] is None), None)
+            if empty is not None:
+                raise DataError(f"{source}, row {empty}: column {column!r}, needed by reward function {name!r}, "
+                                "is empty; fill it in or drop the row")
+
+
 def is_conversational(rows: list[dict]) -> bool:
     return isinstance(rows[0]["prompt"], list)
 

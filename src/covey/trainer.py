@@ -32,11 +32,12 @@ from covey import core
 from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
-from covey.data import PromptSampler, extra_columns, heldout_rows, is_conversational, load_rows
+from covey.data import PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational, load_rows
 from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_model, load_policy, load_tokenizer,
                           prepare_tokenizer)
+from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
@@ -99,7 +100,8 @@ def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
     """Keyword arguments of the built-in rewards that take settings, from the config."""
     overlong_max = args.overlong_max_length or args.max_completion_length
     return {"soft_overlong_penalty": {"max_length": overlong_max,
-                                      "cache_length": args.overlong_cache_length or max(1, overlong_max // 4)}}
+                                      "cache_length": args.overlong_cache_length or max(1, overlong_max // 4)},
+            "code_tests": {"timeout": args.code_timeout, "memory_limit_mb": args.code_memory_limit_mb}}
 
 
 def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
@@ -141,6 +143,7 @@ class GRPOTrainer:
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         self.reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+        self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers)  # workers start on first use
         self.reward_weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
@@ -152,6 +155,9 @@ class GRPOTrainer:
         preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]))
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples)
+        check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
+        if self.eval_rows:
+            check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         self.run_dir = make_run_dir(args, self.resume_from)
@@ -183,7 +189,8 @@ class GRPOTrainer:
             self.model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids, args.bf16)
+        self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids,
+                                                    args.bf16, args=args)
         self.device = next(self.model.parameters()).device
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
@@ -239,7 +246,7 @@ class GRPOTrainer:
         args = self.args
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config()
-        with RunLog(self.run_dir, args.max_steps, quiet=self.quiet) as log, self._stop_on_signals(log):
+        with self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet) as log, self._stop_on_signals(log):
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
@@ -272,6 +279,8 @@ class GRPOTrainer:
                 policy_unchanged = iteration == 0 and first == 0
                 stats = self.optimize(batch, slice(first, min(first + window, B)), policy_unchanged)
                 self.global_step += 1
+                if hasattr(self.engine, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
+                    self.engine.sync_weights(self.model)
                 if self.reference is not None and args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
                     self.reference.sync(args.ref_model_mixup_alpha)
                 timings["time/train"] = time.perf_counter() - t_train
@@ -338,7 +347,8 @@ class GRPOTrainer:
                                                          args.strip_reasoning)
         errors: list = []
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
-                                       completion_ids, extra_columns(rows), args.reward_errors, args.reward_timeout, errors)
+                                       completion_ids, extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
+                                       self.reward_pool)
         self.reward_errors += len(errors)
         if errors and not self.warned_reward_errors:
             self.warned_reward_errors = True
