@@ -1,0 +1,95 @@
+"""The ``code_tests`` reward: run the completion's Python against the dataset's tests in a sandbox.
+
+A dataset row carries ``tests``: Python test code, or a list of statements (usually asserts). The
+completion's program is its last fenced Python block (or, without one, its whole text). The score is 1.0
+when the program and then the tests run to their end in one sandboxed process, 0.0 otherwise; rows
+without tests score None.
+
+Passing is judged by the harness writing a secret token, read from stdin before the program starts,
+after the last test; the exit code or anything the program prints alone cannot fake it. So a program
+that exits early (``sys.exit(0)``, ``os._exit(0)``) or prints "all tests passed" scores 0. There is
+no partial credit per assert: the program shares the tests' process, so any count it could report
+could be forged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import secrets
+from typing import Any
+
+from covey.errors import RewardError
+from covey.sandbox import available_isolation, run_python
+
+FENCED_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+# Runs the program, then the tests, in one namespace; ``__name__`` is not "__main__", so a program's
+# own ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes).
+HARNESS = """\
+import os, sys
+
+
+def _covey_harness(program, tests):
+    token = sys.stdin.readline().strip()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    namespace = {{"__name__": "solution"}}
+    exec(compile(program, "solution.py", "exec"), namespace)
+    exec(compile(tests, "tests.py", "exec"), namespace)
+    sys.stdout.flush()
+    os.write(1, ("\\n" + token + "\\n").encode())
+
+
+_covey_harness({program!r}, {tests!r})
+"""
+
+
+def program_of(completion: Any) -> str:
+    """The last fenced block tagged python/py (or untagged) in the completion, else its whole text."""
+    from covey.rewards import completion_text  # here: covey.rewards imports this module
+
+    text = completion_text(completion)
+    blocks = FENCED_BLOCK.findall(text)
+    return blocks[-1][1] if blocks else text
+
+
+def code_of_tests(tests: Any) -> str | None:
+    """The row's tests as code: a string as it is, a list of statements one per line; None if empty."""
+    if isinstance(tests, (list, tuple)):
+        tests = "\n".join(str(t) for t in tests)
+    if tests is None or not str(tests).strip():
+        return None
+    if not isinstance(tests, str):
+        raise RewardError(f"code_tests: a row's tests must be Python code or a list of statements, "
+                          f"got {type(tests).__name__}")
+    return tests
+
+
+class CodeTests:
+    """Reward 1.0 for a completion whose program passes its row's tests, run in a sandbox
+    (``covey.sandbox``) with ``timeout`` wall seconds and ``memory_limit_mb`` of memory; the batch's
+    programs run concurrently, each in its own process, ``workers`` at a time."""
+
+    __name__ = "code_tests"
+
+    def __init__(self, timeout: float = 5.0, memory_limit_mb: int = 512, workers: int | None = None):
+        if timeout <= 0 or memory_limit_mb < 16:
+            raise RewardError(f"code_tests: timeout ({timeout}) must be positive and memory_limit_mb "
+                              f"({memory_limit_mb}) at least 16; set code_timeout / code_memory_limit_mb")
+        self.timeout, self.memory_limit_mb = timeout, memory_limit_mb
+        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.isolation = available_isolation()  # probe now, before training, not in the first batch
+
+    def __call__(self, completions: list, tests: list, **_: Any) -> list[float | None]:
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            return list(pool.map(self.score, completions, tests))
+
+    def score(self, completion: Any, tests: Any) -> float | None:
+        test_code = code_of_tests(tests)
+        if test_code is None:
+            return None
+        token = secrets.token_hex(16)
+        result = run_python(HARNESS.format(program=program_of(completion), tests=test_code), stdin=token + "\n",
+                            timeout=self.timeout, memory_limit_mb=self.memory_limit_mb, isolation=self.isolation)
+        return 1.0 if result.ok and result.stdout.endswith("\n" + token + "\n") else 0.0

@@ -1,0 +1,343 @@
+"""The code sandbox and the code_tests reward, against correct, wrong and hostile programs.
+
+Every hostile program must be contained, score 0, and leave this test process alive and unharmed with
+no process of its own left behind. Tests that rely on namespaces skip, saying why, where the machine
+does not allow them (on Linux as root, or with user namespaces, they run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from covey import GRPOConfig, GRPOTrainer
+from covey import sandbox
+from covey.code_reward import CodeTests, program_of, code_of_tests
+from covey.errors import RewardError
+from covey.rewards import load_reward_func
+from covey.rollout import Rollout
+from covey.sandbox import Isolation, available_isolation, run_python
+from covey.trainer import builtin_reward_settings
+from tests.conftest import make_model
+
+TIMEOUT = 1.5
+MARGIN = 2.5  # start-up and clean-up beyond the timeout, generous for a busy machine
+ADD_TESTS = "assert add(1, 2) == 3\nassert add(-4, 4) == 0"
+CORRECT = "```python\ndef add(a, b):\n    return a + b\n```"
+INFINITE_LOOP = "def add(a, b):\n    while True:\n        pass\nadd(1, 2)"
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+MEMORY_BOMB = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))"
+HUGE_OUTPUT = "while True:\n    print('x' * 10000)"
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return CodeTests(timeout=TIMEOUT, memory_limit_mb=256, workers=4)
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    level = available_isolation()
+    if level not in (Isolation.NAMESPACES, Isolation.USER_NAMESPACES):
+        pytest.skip(f"needs Linux namespaces, which this machine does not allow (the sandbox uses {level.value})")
+    return level
+
+
+def live_descendants() -> list[int]:
+    """Processes below this test process that have not exited."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in "ZX":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def sandbox_uid_processes() -> list[int]:
+    """Live processes of any uid the sandbox hands out."""
+    uids = range(sandbox.FIRST_SANDBOX_UID, sandbox.FIRST_SANDBOX_UID + sandbox.SANDBOX_UIDS)
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields["Uid"].split()[0]) in uids and fields["State"].split()[0] not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+def assert_nothing_left():
+    assert live_descendants() == []
+    assert sandbox_uid_processes() == []
+
+
+# ---- the reward on ordinary programs -------------------------------------------------------------
+
+
+def test_correct_wrong_and_broken_programs(reward):
+    chat = [{"role": "assistant", "content": "Sure.\n```py\ndef add(a, b):\n    return b + a\n```\nThat is it."}]
+    completions = [CORRECT, "def add(a, b):\n    return a - b", "def add(a, b) return a + b", chat,
+                   "def add(a, b):\n    raise ValueError('no')", "print('solution')\ndef add(a, b):\n    return a + b"]
+    assert reward(completions, [ADD_TESTS] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert_nothing_left()
+
+
+def test_tests_may_be_a_list_of_asserts_and_rows_without_tests_score_none(reward):
+    tests = [["assert add(1, 2) == 3", "assert add(2, 2) == 4"], ["assert add(1, 2) == 4"], "", []]
+    assert reward([CORRECT] * 4, tests) == [1.0, 0.0, None, None]
+
+
+def test_early_exits_and_printed_claims_do_not_pass(reward):
+    cheats = ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "def add(a, b):\n    return 0\nquit()",
+              "import os\nos.kill(os.getpid(), 9)",
+              "import sys\nprint('All tests passed')\nsys.stdout.flush()\nimport os\nos._exit(0)",
+              "def add(a, b):\n    raise SystemExit(0)"]
+    assert reward(cheats, [ADD_TESTS] * len(cheats)) == [0.0] * len(cheats)
+
+
+def test_program_is_the_last_python_block_or_the_whole_text():
+    assert program_of("a\n```python\nx = 1\n```\nthen\n```python\nx = 2\n```\n") == "x = 2\n"
+    assert program_of("```\ny = 3\n```") == "y = 3\n"
+    assert program_of("```python\nx = 1\n```\n```bash\nls\n```") == "x = 1\n"
+    assert program_of("x = 4") == "x = 4"
+    assert program_of([{"role": "assistant", "content": "```py\nz = 5\n```"}]) == "z = 5\n"
+    assert code_of_tests(["assert f()", "assert g()"]) == "assert f()\nassert g()"
+    with pytest.raises(RewardError, match="tests must be Python code"):
+        code_of_tests(42)
+
+
+def test_programs_of_a_batch_run_concurrently():
+    reward = CodeTests(timeout=5.0, memory_limit_mb=256, workers=4)
+    sleeper = "import time\ntime.sleep(1.0)\ndef add(a, b):\n    return a + b"
+    start = time.monotonic()
+    assert reward([sleeper] * 4, [ADD_TESTS] * 4) == [1.0] * 4
+    assert time.monotonic() - start < 3.5  # one after another it takes over 4 s
+
+
+def test_settings_come_from_the_config():
+    args = GRPOConfig(code_timeout=2.5, code_memory_limit_mb=128)
+    func = load_reward_func("code_tests", builtin_reward_settings(args))
+    assert isinstance(func, CodeTests) and (func.timeout, func.memory_limit_mb) == (2.5, 128)
+    with pytest.raises(RewardError, match="code_timeout"):
+        CodeTests(timeout=0)
+
+
+# ---- hostile programs ------------------------------------------------------------------------------
+
+
+def test_infinite_loop_is_stopped_at_the_timeout(reward):
+    start = time.monotonic()
+    assert reward([INFINITE_LOOP], [ADD_TESTS]) == [0.0]
+    assert time.monotonic() - start < TIMEOUT + MARGIN
+    result = run_python("while True:\n    pass", timeout=TIMEOUT, memory_limit_mb=256)
+    assert result.status == "timeout" and result.seconds < TIMEOUT + MARGIN
+    assert_nothing_left()
+
+
+def test_fork_bomb_is_contained_and_leaves_no_process(reward):
+    start = time.monotonic()
+    assert reward([FORK_BOMB + "\ndef add(a, b):\n    return a + b"], [ADD_TESTS]) == [0.0]
+    assert time.monotonic() - start < TIMEOUT + MARGIN
+    assert_nothing_left()
+
+
+def test_memory_bomb_is_stopped(reward):
+    result = run_python(MEMORY_BOMB, timeout=5.0, memory_limit_mb=128)
+    assert result.status == "memory" and result.returncode == 1
+    assert reward([MEMORY_BOMB + "\ndef add(a, b):\n    return a + b"], [ADD_TESTS]) == [0.0]
+    big = bytearray(50 * 2**20)  # this process can still allocate
+    assert len(big) == 50 * 2**20
+
+
+def test_environment_secrets_do_not_reach_the_program(reward, monkeypatch, namespaces):
+    secret = f"covey-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("COVEY_TEST_SECRET", secret)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, "COVEY_TEST_SECRET": secret})
+    try:
+        snoop = (f"import os\nfound = repr(dict(os.environ))\n"
+                 f"for pid in ({os.getpid()}, {holder.pid}, {os.getppid()}):\n"
+                 f"    try:\n        found += open(f'/proc/{{pid}}/environ').read()\n"
+                 f"    except OSError as e:\n        print('blocked', pid, e)\n"
+                 f"for pid in os.listdir('/proc'):\n"
+                 f"    try:\n        found += open(f'/proc/{{pid}}/environ').read()\n"
+                 f"    except OSError:\n        pass\n"
+                 f"print(found)\n")
+        result = run_python(snoop, timeout=TIMEOUT, memory_limit_mb=256)
+        assert result.status == "ok", result.stderr
+        assert secret not in result.stdout + result.stderr
+        assert "COVEY_TEST_SECRET" not in result.stdout
+        assert reward([snoop], ["assert 'covey-secret-' in found"]) == [0.0]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_writes_outside_the_folder_do_not_happen(reward, tmp_path, namespaces):
+    repo_file = Path(__file__).resolve().parent / f"written-by-sandbox-{uuid.uuid4().hex}"
+    outside = tmp_path / "written-by-sandbox"
+    for target in (repo_file, outside):
+        writer = f"with open({str(target)!r}, 'w') as f:\n    f.write('x')\nwith open({str(target)!r}) as f:\n    ok = f.read() == 'x'"
+        assert reward([writer], ["assert ok"]) == [0.0]
+        assert not target.exists()
+    result = run_python("open('scratch.txt', 'w').write('in the folder is fine')\nprint(open('scratch.txt').read())",
+                        timeout=TIMEOUT, memory_limit_mb=256)
+    assert result.stdout == "in the folder is fine\n"
+
+
+def test_no_network_not_even_loopback(reward, namespaces):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    client = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+              f"s.sendall(b'leaked')\nsent = True")
+    try:
+        assert reward([client], ["assert sent"]) == [0.0]
+        result = run_python(client, timeout=TIMEOUT, memory_limit_mb=256)
+        assert result.status == "error" and "OSError" in result.stderr
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_program_cannot_kill_the_trainer(reward, namespaces):
+    me = os.getpid()
+    killer = (f"import os, signal\nfor attempt in (lambda: os.kill({me}, signal.SIGKILL),\n"
+              f"                lambda: os.killpg(os.getpgid({me}), signal.SIGKILL),\n"
+              f"                lambda: os.kill(-1, signal.SIGKILL)):\n"
+              f"    try:\n        attempt()\n    except OSError as e:\n        print('refused', e)\n"
+              f"killed = True\n")
+    result = run_python(killer, timeout=TIMEOUT, memory_limit_mb=256)
+    assert result.stdout.count("refused") == 3
+    assert reward([killer], ["assert killed"]) == [1.0]  # the program ran to its end; nothing of ours was hit
+    assert os.getpid() == me
+
+
+def test_huge_output_is_capped_and_stopped(reward):
+    start = time.monotonic()
+    result = run_python(HUGE_OUTPUT, timeout=10.0, memory_limit_mb=256, output_limit_bytes=4096)
+    assert result.status == "output_limit" and len(result.stdout) <= 4096
+    assert time.monotonic() - start < 5.0  # stopped when over the cap, not at the timeout
+    assert reward([HUGE_OUTPUT], [ADD_TESTS]) == [0.0]
+    assert_nothing_left()
+
+
+def test_background_processes_die_with_the_program():
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+              "    os._exit(0)\nprint('parent done')")
+    for level in {available_isolation(), Isolation.LIMITS_ONLY}:
+        result = run_python(daemon, timeout=TIMEOUT, memory_limit_mb=256, isolation=level)
+        assert result.stdout == "parent done\n", (level, result)
+        assert result.seconds < TIMEOUT  # its output closed when the program ended, not at the timeout
+        assert_nothing_left()
+
+
+# ---- isolation levels -----------------------------------------------------------------------------
+
+
+def test_namespaces_are_used_where_the_machine_allows_them():
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("namespaces as root need Linux and root")
+    assert available_isolation() is Isolation.NAMESPACES
+    result = run_python("import os\nprint(os.getuid(), os.getpid())", timeout=TIMEOUT, memory_limit_mb=256)
+    uid, pid = map(int, result.stdout.split())
+    assert result.isolation is Isolation.NAMESPACES and uid >= sandbox.FIRST_SANDBOX_UID and pid == 2
+
+
+def test_weaker_fallback_is_announced_and_still_limits(monkeypatch):
+    """When namespaces fail, the next level is chosen and a warning says what it does not protect."""
+    real = sandbox.run_python
+
+    def without_namespaces(source, **kwargs):
+        if kwargs.get("isolation") in (Isolation.NAMESPACES, Isolation.USER_NAMESPACES):
+            raise RewardError("namespaces refused")
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(sandbox, "run_python", without_namespaces)
+    available_isolation.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            level = available_isolation()
+    finally:
+        available_isolation.cache_clear()
+    assert level in (Isolation.SEPARATE_USER, Isolation.LIMITS_ONLY)
+    assert any(level.value in str(w.message) and level.gaps in str(w.message) for w in caught)
+
+    secret = f"covey-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("COVEY_TEST_SECRET", secret)
+    results = [real(src, timeout=TIMEOUT, memory_limit_mb=128, output_limit_bytes=4096, isolation=level)
+               for src in ("while True:\n    pass", MEMORY_BOMB, HUGE_OUTPUT, "import os\nprint(dict(os.environ))")]
+    assert [r.status for r in results] == ["timeout", "memory", "output_limit", "ok"]
+    assert all(r.isolation is level for r in results)
+    assert secret not in results[3].stdout
+    assert_nothing_left()
+
+
+# ---- the trainer keeps running ----------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """A rollout engine whose completions are fixed programs, cycled through the batch."""
+
+    exact_logprobs = True
+
+    def __init__(self, tokenizer, programs: list[str]):
+        self.tokenizer, self.programs, self.calls = tokenizer, programs, 0
+
+    def generate(self, prompt_ids, num_generations, params, seed=None) -> Rollout:
+        rows = []
+        for _ in range(len(prompt_ids) * num_generations):
+            text = self.programs[self.calls % len(self.programs)]
+            self.calls += 1
+            rows.append(self.tokenizer.convert_tokens_to_ids(list(text)) + [self.tokenizer.eos_token_id])
+        T = max(map(len, rows))
+        ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+        return Rollout(ids, mask, torch.zeros(ids.shape), ["eos"] * len(rows))
+
+
+def test_trainer_keeps_running_through_hostile_completions(tmp_path, tokenizer, namespaces):
+    me = os.getpid()
+    hostile = [INFINITE_LOOP, FORK_BOMB, MEMORY_BOMB, "import os, signal\nos.kill(%d, signal.SIGKILL)" % me,
+               "import sys\nsys.exit(0)", HUGE_OUTPUT, "def add(a, b):\n    return a - b"]
+    programs = [CORRECT, *hostile]
+    rows = [{"prompt": f"write add {i}", "tests": ADD_TESTS} for i in range(4)]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=2, max_completion_length=128, learning_rate=1e-3, eval_max_samples=0,
+                      code_timeout=1.0, code_memory_limit_mb=128)
+    model = make_model(len(tokenizer))
+    trainer = GRPOTrainer(model=model, reward_funcs=["code_tests"], args=args, train_dataset=rows,
+                          processing_class=tokenizer, rollout_engine=ScriptedEngine(tokenizer, programs), quiet=True)
+    trainer.train()
+    run = tmp_path / "run"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    scored = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(scored) == 16
+    for record in scored:
+        expected = 1.0 if record["completion"] == CORRECT else 0.0
+        assert record["rewards"]["code_tests"] == expected, record["completion"]
+    assert {r["completion"] for r in scored} == set(programs)
+    assert_nothing_left()
