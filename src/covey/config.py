@@ -14,7 +14,10 @@ sized to finish in minutes on a laptop CPU.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -241,6 +244,9 @@ class GRPOConfig:
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}: config key {key!r} is not a name; keys are field names such as "
+                                  "learning_rate")
             if key in known:
                 continue
             if key in TRL_FIELDS:
@@ -255,14 +261,36 @@ class GRPOConfig:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8") from None
+        try:
+            values = yaml.load(text, Loader=_YAMLLoader) or {}
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
+            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+            problem = getattr(e, "problem", None) or e
+            if isinstance(e, yaml.reader.ReaderError):  # a forbidden character: a position, no mark
+                mark = yaml.Mark(str(path), e.position, text.count("\n", 0, e.position),
+                                 e.position - text.rfind("\n", 0, e.position) - 1, None, None)
+                problem = f"the character {e.character!r} is not allowed in YAML"
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+            raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: invalid YAML: nested too deeply to read") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
         return cls.from_dict({**values, **(overrides or {})}, source=str(path))
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """yaml's safe loader, reporting a value its tag cannot hold (a date such as 2024-02-30,
+    '!!int x') with its line and column, like every other YAML error."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:
+            raise yaml.constructor.ConstructorError(None, None, str(e), node.start_mark) from None
 
 
 def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
@@ -270,6 +298,7 @@ def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+@functools.cache  # resolving the annotations is slow, and every config resolves every field
 def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
     """(base type, optional) of a field, from its annotation string."""
     hint = typing.get_type_hints(GRPOConfig)[f.name]
@@ -280,11 +309,18 @@ def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
 
 
 def _coerce(name: str, value: Any, kind: tuple[type, bool]) -> Any:
+    """``value`` as the field's type, parsing strings (the command line gives only strings). A bool
+    is no number or text (a number or a YAML date is fine as text), numbers are finite, and list items
+    are strings (numbers for reward_weights)."""
     base, optional = kind
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
         raise ConfigError(f"{name} must not be empty")
+    if base is list:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        item_kind = (float if name == "reward_weights" else str, False)
+        return [_coerce(f"{name}[{i}]", item, item_kind) for i, item in enumerate(items)]
     try:
         if base is bool:
             if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
@@ -292,14 +328,16 @@ def _coerce(name: str, value: Any, kind: tuple[type, bool]) -> Any:
             if not isinstance(value, bool):
                 raise ValueError
             return value
-        if base is list:
-            items = value if isinstance(value, (list, tuple)) else [value]
-            return [float(v) if name == "reward_weights" else v for v in items]
-        if base is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        if isinstance(value, bool) or (base is str and not isinstance(value, (str, int, float, datetime.date))):
+            raise TypeError
+        if base is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
-        return base(value)
-    except (TypeError, ValueError):
+        coerced = base(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name}={value!r} is not a valid {base.__name__}") from None
+    if base is float and not math.isfinite(coerced):
+        raise ConfigError(f"{name}={value!r} is not a finite number")
+    return coerced
 
 
 def config_fields() -> list[dataclasses.Field]:

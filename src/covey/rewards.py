@@ -20,16 +20,18 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from covey.code_reward import CodeTests
 from covey.errors import RewardError
+from covey.reward_pool import RewardPool, WorkerFault
 
 RewardFunc = Callable[..., list]
 
 TAGGED_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
 
 def completion_text(completion: Any) -> str:
@@ -40,11 +42,25 @@ def completion_text(completion: Any) -> str:
 
 
 def parse_number(text: Any) -> float | None:
-    """A number written as text ('1,234', '-3.5', ' 42 ') or given as a number; None if it is not one."""
+    """A finite number written as text ('1,234', '-3.5', '$12', ' 42 ') or given as a number; None
+    if it is not one (NaN, or too large for a float, is not)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return float(text)
-    match = NUMBER.fullmatch(str(text).strip().rstrip("."))
-    return float(match.group().replace(",", "")) if match else None
+        try:
+            value = float(text)
+        except OverflowError:
+            return None
+    else:
+        match = NUMBER.fullmatch(str(text).strip().rstrip("."))
+        if match is None:
+            return None
+        value = float(match.group().replace(",", "").replace("$", ""))
+    return value if math.isfinite(value) else None
+
+
+def same_number(given: float | None, expected: float | None) -> bool:
+    """Both are numbers and equal up to float noise: within 1e-6, or to 12 significant digits (the
+    default relative tolerance, 1e-9, would call 1000000000 and 1000000001 equal)."""
+    return given is not None and expected is not None and math.isclose(given, expected, rel_tol=1e-12, abs_tol=1e-6)
 
 
 def tagged_answer(text: str) -> str | None:
@@ -60,8 +76,7 @@ def last_number(text: str) -> float | None:
 
 def is_correct(completion: Any, answer: Any) -> bool:
     """Strict check used for evaluation: the answer is in <answer> tags and equals ``answer``."""
-    given, expected = parse_number(tagged_answer(completion_text(completion)) or ""), parse_number(answer)
-    return given is not None and expected is not None and math.isclose(given, expected, abs_tol=1e-6)
+    return same_number(parse_number(tagged_answer(completion_text(completion)) or ""), parse_number(answer))
 
 
 # ---- built-in rewards ---------------------------------------------------------------------------
@@ -94,11 +109,9 @@ def answer_correct(completions: list, answer: list, **_: Any) -> list[float | No
         text = completion_text(completion)
         inside = tagged_answer(text)
         if inside is not None:
-            given = parse_number(inside)
-            scores.append(1.0 if given is not None and math.isclose(given, target, abs_tol=1e-6) else 0.0)
+            scores.append(1.0 if same_number(parse_number(inside), target) else 0.0)
         else:
-            given = last_number(text)
-            scores.append(0.5 if given is not None and math.isclose(given, target, abs_tol=1e-6) else 0.0)
+            scores.append(0.5 if same_number(last_number(text), target) else 0.0)
     return scores
 
 
@@ -121,7 +134,8 @@ class SoftOverlongPenalty:
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
 # Built-ins that take settings (from the config fields named in their help).
-BUILTIN_REWARD_FACTORIES: dict[str, Callable[..., RewardFunc]] = {"soft_overlong_penalty": SoftOverlongPenalty}
+BUILTIN_REWARD_FACTORIES: dict[str, Callable[..., RewardFunc]] = {"soft_overlong_penalty": SoftOverlongPenalty,
+                                                                "code_tests": CodeTests}
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -178,8 +192,9 @@ def _call(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
         pool.shutdown(wait=False)
 
 
-def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None) -> list:
-    """Each function's result or the exception it raised; async functions run concurrently."""
+def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None, pool: RewardPool | None) -> list:
+    """Each function's result or the exception it raised. Async functions run concurrently; the
+    functions the pool runs are split into one contiguous chunk of the batch per worker."""
     results: list[Any] = [None] * len(reward_funcs)
     asynchronous = [j for j, f in enumerate(reward_funcs) if inspect.iscoroutinefunction(f)]
     if asynchronous:
@@ -188,16 +203,51 @@ def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float |
                                         return_exceptions=True)
         for j, result in zip(asynchronous, asyncio.run(gather())):
             results[j] = result
+    pooled = [j for j, f in enumerate(reward_funcs) if pool is not None and pool.runs(f)]
+    if pooled:
+        chunks = _chunks(kwargs, pool.num_workers)
+        outcomes = pool.run([(reward_funcs[j], chunk) for j in pooled for chunk in chunks], timeout)
+        for n, j in enumerate(pooled):
+            results[j] = _joined(outcomes[n * len(chunks):(n + 1) * len(chunks)])
     for j, func in enumerate(reward_funcs):
-        if j not in asynchronous:
-            try:
-                results[j] = _call(func, kwargs, timeout)
-            except Exception as e:  # the user's code: any exception is a reward fault
-                results[j] = e
+        if j not in asynchronous and j not in pooled:
+            results[j] = next(_outcomes(func, [kwargs], timeout, None))
     return results
 
 
+def _chunks(batch: dict, n: int) -> list[dict]:
+    """The batch cut into at most ``n`` contiguous, non-empty, near-equal slices of every column."""
+    B = len(batch["completions"])
+    bounds = [B * k // min(n, B) for k in range(min(n, B) + 1)] if B else []
+    return [{key: column[a:b] for key, column in batch.items()} for a, b in zip(bounds, bounds[1:])]
+
+
+def _joined(parts: list) -> Any:
+    """The chunks' outcomes as one: the first failure, else the concatenated scores (a chunk that
+    returned no list stands for the whole call, for validation to report)."""
+    failure = next((p for p in parts if isinstance(p, BaseException)), None)
+    if failure is not None:
+        return failure
+    wrong = next((p for p in parts if not isinstance(p, (list, tuple))), None)
+    return wrong if wrong is not None else [value for part in parts for value in part]
+
+
+def _outcomes(func: RewardFunc, calls: list[dict], timeout: float | None, pool: RewardPool | None) -> Iterator[Any]:
+    """Each call's result or the exception it raised, in order: all at once over the pool's workers
+    when the pool runs ``func``, else one after another in this process."""
+    if pool is not None and pool.runs(func):
+        yield from pool.run([(func, kwargs) for kwargs in calls], timeout)
+        return
+    for kwargs in calls:
+        try:
+            yield _call(func, kwargs, timeout)
+        except Exception as e:  # the user's code: any exception is a reward fault
+            yield e
+
+
 def _describe(e: BaseException, timeout: float | None) -> str:
+    if isinstance(e, WorkerFault):  # worded in the worker
+        return str(e)
     if isinstance(e, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
         return f"took longer than reward_timeout={timeout}s"
     return f"raised {type(e).__name__}: {e}"
@@ -212,21 +262,23 @@ def score_completions(
     on_error: str = "raise",
     timeout: float | None = None,
     errors: list | None = None,
+    pool: RewardPool | None = None,
 ) -> torch.Tensor:
     """Call every reward function on the batch; (B, F) float64 with NaN where a function said None.
 
     A function that raises or exceeds ``timeout`` is called again one completion at a time to find
     the culprit: ``on_error="raise"`` stops with an error naming the function, the sample and its
     text; ``"skip"`` makes each failing sample's reward None and appends (function, index, reason)
-    to ``errors``.
+    to ``errors``. The synchronous functions of ``pool`` run in its worker processes, each worker
+    scoring one contiguous chunk of the batch; the result is the same as in this process.
     """
     B = len(completions)
     table = torch.full((B, len(reward_funcs)), math.nan, dtype=torch.float64)
     batch = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    for j, (func, values) in enumerate(zip(reward_funcs, _call_all(reward_funcs, batch, timeout))):
+    for j, (func, values) in enumerate(zip(reward_funcs, _call_all(reward_funcs, batch, timeout, pool))):
         name = reward_name(func)
         if isinstance(values, BaseException):
-            values = _one_by_one(func, batch, B, on_error, timeout, errors, values)
+            values = _one_by_one(func, batch, B, on_error, timeout, errors, values, pool)
         if not isinstance(values, (list, tuple)) or len(values) != B:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
@@ -242,11 +294,14 @@ def score_completions(
 
 
 def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,
-                batch_error: BaseException) -> list:
+                batch_error: BaseException, pool: RewardPool | None) -> list:
     name, values, failed = reward_name(func), [], False
-    for i in range(B):
+    singles = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(B)]
+    for i, outcome in enumerate(_outcomes(func, singles, timeout, pool)):
         try:
-            values.append(_call(func, {k: v[i:i + 1] for k, v in batch.items()}, timeout)[0])
+            if isinstance(outcome, BaseException):
+                raise outcome
+            values.append(outcome[0])
         except Exception as e:
             text = completion_text(batch["completions"][i])
             if on_error == "raise":

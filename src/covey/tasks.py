@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+from covey.errors import DataError
+
 ANSWER_SYSTEM_PROMPT = (
     "Add the two numbers. Write the sum, then the final answer in answer tags. Example:\n"
     "5 + 7 = 12\n<answer>12</answer>"
@@ -42,7 +44,7 @@ def arithmetic(split: str) -> list[dict]:
 
 def gsm8k_final_answer(solution: str) -> str:
     """GSM8K writes the final number after '####'."""
-    if "####" not in solution:
+    if not isinstance(solution, str) or "####" not in solution:
         raise ValueError("no '####' final-answer marker")
     return solution.split("####")[-1].strip().replace(",", "")
 
@@ -54,8 +56,8 @@ def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
         try:
             answer = gsm8k_final_answer(record["answer"])
         except (KeyError, ValueError) as e:
-            raise ValueError(f"{source}, row {i}: not GSM8K format ({e}); expected 'question' and an 'answer' "
-                             "ending in '#### <number>'") from None
+            raise DataError(f"{source}, row {i}: not GSM8K format ({e}); expected 'question' and an 'answer' "
+                            "ending in '#### <number>'") from None
         rows.append({"prompt": chat_prompt(GSM8K_SYSTEM_PROMPT, record["question"]), "answer": answer,
                      "solution": record["answer"]})
     return rows
