@@ -86,3 +86,20 @@ def test_cli_bad_divisibility_is_one_line_error(capsys):
     assert main(["train", "--per-device-train-batch-size", "6"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "num_generations" in err
+
+
+@pytest.mark.parametrize("values", [
+    {"steps_per_generation": -2}, {"lora_r": -1}, {"lora_alpha": 0}, {"lora_dropout": 3}, {"adam_beta1": 5},
+    {"adam_epsilon": -1}, {"weight_decay": -1}, {"vllm_server_port": -5}, {"vllm_server_timeout": -1},
+    {"overlong_max_length": -3}, {"overlong_cache_length": 0}, {"vllm_importance_sampling_clip_min": -2},
+    {"save_steps": -1}, {"save_total_limit": 0}, {"reward_num_workers": -1}, {"report_to": ["tensorbored"]},
+])
+def test_out_of_range_values_are_rejected_naming_the_field(values):
+    (name, value), = values.items()
+    with pytest.raises(ConfigError, match=name.split("_")[0]):
+        GRPOConfig(**values)
+
+
+def test_use_vllm_given_as_text_is_read_as_a_bool():
+    assert GRPOConfig(use_vllm="false").rollout_engine == "fast"
+    assert GRPOConfig(use_vllm="true").rollout_engine == "vllm"

@@ -146,8 +146,6 @@ class GRPOConfig:
     resume_from_checkpoint: str | None = _f(None, "continue a run: 'auto' (newest checkpoint in output_dir) or a checkpoint folder")
 
     def __post_init__(self) -> None:
-        if self.use_vllm:
-            self.rollout_engine = "vllm"
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         if isinstance(self.scale_rewards, bool):  # older TRL configs use true/false
@@ -158,6 +156,8 @@ class GRPOConfig:
             allowed = f.metadata.get("choices")
             if allowed and getattr(self, f.name) not in allowed:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(allowed)}")
+        if self.use_vllm:
+            self.rollout_engine = "vllm"
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -205,6 +205,21 @@ class GRPOConfig:
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
+        need(self.steps_per_generation is None or self.steps_per_generation >= 1,
+             f"steps_per_generation={self.steps_per_generation} must be at least 1")
+        need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
+             f"LoRA settings out of range: lora_r={self.lora_r} (>= 1), lora_alpha={self.lora_alpha} (> 0), "
+             f"lora_dropout={self.lora_dropout} (in [0, 1))")
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
+             f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
+             f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")
+        need(1 <= self.vllm_server_port <= 65535, f"vllm_server_port={self.vllm_server_port} must be in 1..65535")
+        need(self.vllm_server_timeout > 0, f"vllm_server_timeout={self.vllm_server_timeout} must be positive")
+        need((self.overlong_max_length is None or self.overlong_max_length >= 1)
+             and (self.overlong_cache_length is None or self.overlong_cache_length >= 1),
+             "overlong_max_length and overlong_cache_length must be at least 1")
+        need(self.vllm_importance_sampling_clip_min is None or self.vllm_importance_sampling_clip_min >= 0,
+             f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be >= 0")
         need(self.reward_num_workers >= 0, f"reward_num_workers={self.reward_num_workers} must be >= 0")
         need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
              "code_timeout must be positive and code_memory_limit_mb at least 16")
