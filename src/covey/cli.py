@@ -108,7 +108,7 @@ def cmd_eval(argv: list[str]) -> int:
     reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in args.reward_funcs]
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
-    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.bf16)
+    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.bf16, args=args)
     result = evaluate(engine, tokenizer, rows, reward_funcs, args.reward_weights or [1.0] * len(reward_funcs),
                       args.max_completion_length, args.max_prompt_length, strip_reasoning=args.strip_reasoning)
     Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "
@@ -193,8 +193,27 @@ def cmd_compare(argv: list[str]) -> int:
     return 0
 
 
+def cmd_server(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey server", allow_abbrev=False,
+        description="Serve rollouts to trainers run with rollout_engine: vllm and vllm_mode: server, from vLLM on "
+                    "this machine's GPU (or covey's fast engine). Give it the run's config; the trainer pushes "
+                    "its weights after every optimizer step.")
+    parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm",
+                        help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
+    parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")
+    parser.add_argument("--port", type=int, help="port to listen on (default: vllm_server_port)")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    args = _load_config(namespace.config, overrides)
+    from covey.server import run_server
+
+    port = args.vllm_server_port if namespace.port is None else namespace.port
+    return run_server(args, namespace.backend, namespace.host or args.vllm_server_host, port)
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "compare": cmd_compare}
+            "report": cmd_report, "compare": cmd_compare, "server": cmd_server}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
               "(covey train --help lists the fields)\n"
               "       covey report RUN_DIR [--out DIR]\n"
-              "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]",
+              "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"
+              "       covey server [CONFIG] [--backend vllm|fast] [--host H] [--port P] [--field value ...]",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

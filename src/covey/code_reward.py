@@ -21,6 +21,7 @@ import secrets
 from typing import Any
 
 from covey.errors import RewardError
+from covey.rewards import completion_text
 from covey.sandbox import available_isolation, run_python
 
 FENCED_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -47,8 +48,6 @@ _covey_harness({program!r}, {tests!r})
 
 def program_of(completion: Any) -> str:
     """The last fenced block tagged python/py (or untagged) in the completion, else its whole text."""
-    from covey.rewards import completion_text  # here: covey.rewards imports this module
-
     text = completion_text(completion)
     blocks = FENCED_BLOCK.findall(text)
     return blocks[-1][1] if blocks else text

@@ -105,6 +105,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def default_device() -> torch.device:
+    """Where covey puts the models it loads: the current CUDA device when there is one, else the CPU
+    (a model object handed to the trainer stays where it is)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -114,8 +120,10 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
             from peft import AutoPeftModelForCausalLM
 
-            return AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model.to(default_device())
     except OSError as e:
         raise ModelError(f"could not load model {name_or_path!r}: {e}. Pass a hub id, a local folder with "
                          "config.json and weights, or leave `model` at its default (the embedded model)") from e

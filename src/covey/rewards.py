@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from covey.code_reward import CodeTests
 from covey.errors import RewardError
 from covey.reward_pool import RewardPool, WorkerFault
 
@@ -134,8 +133,15 @@ class SoftOverlongPenalty:
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
 # Built-ins that take settings (from the config fields named in their help).
+def code_tests(**settings: Any) -> RewardFunc:
+    """The sandboxed code-execution reward (``covey.code_reward``; Linux only, so imported on use)."""
+    from covey.code_reward import CodeTests
+
+    return CodeTests(**settings)
+
+
 BUILTIN_REWARD_FACTORIES: dict[str, Callable[..., RewardFunc]] = {"soft_overlong_penalty": SoftOverlongPenalty,
-                                                                "code_tests": CodeTests}
+                                                                "code_tests": code_tests}
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -7,12 +7,16 @@ of the ``RolloutEngine`` shape can be passed to the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from covey.core import completion_mask
+from covey.errors import ConfigError
 from covey.models import autocast
+
+if TYPE_CHECKING:
+    from covey.config import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,35 @@ class RolloutEngine(Protocol):
                  seed: int | None = None) -> Rollout: ...
 
 
+class WeightSyncedEngine(RolloutEngine, Protocol):
+    """An engine with its own copy of the weights (vLLM, a ``covey server``). The trainer calls
+    ``sync_weights(policy)`` after every optimizer step when the engine has it; engines that sample
+    with the policy module itself (fast, hf) have no such method."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
 def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],
-                autocast_bf16: bool = False) -> RolloutEngine:
-    """The rollout engine called ``name`` ("fast" or "hf") over ``model``."""
+                autocast_bf16: bool = False, args: GRPOConfig | None = None) -> RolloutEngine:
+    """The rollout engine called ``name`` ("fast", "hf" or "vllm") over ``model``; "vllm" needs the
+    run's config ``args`` (``vllm_mode`` and the vLLM settings)."""
     if name == "hf":
         return HFEngine(model, tokenizer.pad_token_id, eos_token_ids, autocast_bf16)
     if name == "fast":
         from covey.fast_rollout import FastEngine
 
         return FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, autocast_bf16)
-    raise ValueError(f"rollout engine {name!r} is not one of fast, hf")
+    if name == "vllm":
+        if args is None:
+            raise ConfigError("rollout_engine: vllm needs the run's config to build its engine")
+        if args.vllm_mode == "server":
+            from covey.server import ServerEngine
+
+            return ServerEngine.from_config(args, tokenizer.pad_token_id, policy=model)
+        from covey.vllm_engine import VLLMEngine
+
+        return VLLMEngine(args, tokenizer.pad_token_id, eos_token_ids, policy=model)
+    raise ValueError(f"rollout engine {name!r} is not one of fast, hf, vllm")
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,367 @@
+"""``covey server``: a rollout engine in its own process, reached over HTTP (``vllm_mode: server``).
+
+The server hosts one backend: vLLM (on the GPU it was started on) or covey's ``fast`` engine over
+a model it loaded (any machine; what the tests use). The trainer talks to it through
+``ServerEngine``, a rollout engine like any other, and pushes the policy's weights after every
+optimizer step. Plain HTTP and JSON from the standard library; weights travel as safetensors bytes.
+
+    GET  /health        -> {"backend", "exact_logprobs", "weight_dtype"}
+    POST /generate      {"prompt_ids", "num_generations", "params", "seed"}
+                        -> {"completion_ids", "lengths", "sampling_logp", "finish_reasons", "exact_logprobs"}
+    POST /weights       safetensors bytes -> {"tensors": count loaded, "sha256": of the bytes received}
+    POST /weights/done  -> {"tensors": count loaded since the last done} (the end of one push)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterable, Iterator, Protocol
+
+import torch
+
+from covey import errors
+from covey.config import GRPOConfig
+from covey.errors import ConfigError, CoveyError, ModelError
+from covey.rollout import Rollout, SamplingParams
+from covey.vllm_engine import policy_weights
+
+CHUNK_BYTES = 256 * 2**20  # weights per /weights request
+
+
+class Backend(Protocol):
+    """What the server needs of the engine it hosts: sampling, and loading pushed weights."""
+
+    name: str  # "vllm" or "fast"
+    exact_logprobs: bool
+    weight_dtype: str  # the dtype the client should send weights in
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 seed: int | None = None) -> Rollout: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def finish_weight_update(self) -> None: ...
+
+
+class FastBackend:
+    """covey's fast engine over a model held by the server."""
+
+    name = "fast"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int], autocast_bf16: bool = False):
+        from covey.fast_rollout import FastEngine
+
+        self.model = model
+        self.engine = FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, autocast_bf16)
+        self.exact_logprobs = self.engine.exact_logprobs
+        self.weight_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 seed: int | None = None) -> Rollout:
+        return self.engine.generate(prompt_ids, num_generations, params, seed)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy the named tensors into the model; all are checked before any is copied."""
+        params = dict(self.model.named_parameters())
+        weights = list(weights)
+        for name, tensor in weights:
+            if name not in params:
+                raise ModelError(f"the server's model has no weight {name!r}; start the server with the trainer's "
+                                 "model (the same `model` in the config)")
+            if params[name].shape != tensor.shape:
+                raise ModelError(f"weight {name!r} has shape {tuple(tensor.shape)} but the server's model expects "
+                                 f"{tuple(params[name].shape)}; start the server with the trainer's model")
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+        return len(weights)
+
+    def finish_weight_update(self) -> None:
+        """Nothing is cached across calls."""
+
+
+# ---- wire format -----------------------------------------------------------------------------------
+
+
+def params_to_json(params: SamplingParams) -> dict[str, Any]:
+    return {**dataclasses.asdict(params), "stop": list(params.stop)}
+
+
+def params_from_json(values: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**{**values, "stop": tuple(values.get("stop", ()))})
+    except TypeError as e:
+        raise ConfigError(f"unreadable sampling settings ({e}); are the trainer and the server the same covey "
+                          "version?") from None
+
+
+def rollout_to_json(rollout: Rollout, exact_logprobs: bool) -> dict[str, Any]:
+    return {"completion_ids": rollout.completion_ids_BT.tolist(), "lengths": rollout.lengths_B.tolist(),
+            "sampling_logp": rollout.sampling_logp_BT.tolist(), "finish_reasons": rollout.finish_reasons,
+            "exact_logprobs": exact_logprobs}
+
+
+def rollout_from_json(reply: dict[str, Any], pad_token_id: int) -> Rollout:
+    """The ``Rollout`` the server's engine returned, padded with the client's pad id. float32 values
+    survive JSON exactly (each is written as the shortest decimal that reads back to it)."""
+    ids_BT = torch.tensor(reply["completion_ids"], dtype=torch.long)
+    B, T = ids_BT.shape
+    mask_BT = (torch.arange(T).expand(B, T) < torch.tensor(reply["lengths"]).unsqueeze(1)).long()
+    return Rollout(ids_BT.masked_fill(mask_BT == 0, pad_token_id), mask_BT,
+                   torch.tensor(reply["sampling_logp"], dtype=torch.float32), list(reply["finish_reasons"]))
+
+
+def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                  max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive groups of CPU tensors (floating ones cast to ``dtype``) of at most ``max_bytes``
+    each (a single larger tensor goes alone)."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in weights:
+        tensor = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+# ---- the server --------------------------------------------------------------------------------------
+
+
+class RolloutServer(ThreadingHTTPServer):
+    """HTTP front of one backend. Requests are served one at a time (a lock), so weights never
+    change in the middle of a generation."""
+
+    daemon_threads = True
+
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.weights_loaded = 0  # since the last /weights/done
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "RolloutServer":
+        """Serve from a background thread (in-process use, e.g. tests); ``close`` stops it."""
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def health(self) -> dict[str, Any]:
+        return {"backend": self.backend.name, "exact_logprobs": self.backend.exact_logprobs,
+                "weight_dtype": self.backend.weight_dtype}
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        params = params_from_json(request["params"])
+        rollout = self.backend.generate(request["prompt_ids"], request["num_generations"], params, request.get("seed"))
+        return rollout_to_json(rollout, self.backend.exact_logprobs)
+
+    def load_weights(self, body: bytes) -> dict[str, Any]:
+        from safetensors.torch import load
+
+        count = self.backend.load_weights(load(body).items())
+        self.weights_loaded += count
+        return {"tensors": count, "sha256": hashlib.sha256(body).hexdigest()}
+
+    def finish_weights(self) -> dict[str, Any]:
+        self.backend.finish_weight_update()
+        loaded, self.weights_loaded = self.weights_loaded, 0
+        return {"tensors": loaded}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RolloutServer
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._reply(200, self.server.health())
+        else:
+            self._reply(404, {"error": f"no endpoint GET {self.path}", "kind": "ConfigError"})
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        routes = {"/generate": lambda: self.server.generate(json.loads(body)),
+                  "/weights": lambda: self.server.load_weights(body),
+                  "/weights/done": self.server.finish_weights}
+        if self.path not in routes:
+            self._reply(404, {"error": f"no endpoint POST {self.path}", "kind": "ConfigError"})
+            return
+        try:
+            with self.server.lock:
+                reply = routes[self.path]()
+        except CoveyError as e:
+            self._reply(400, {"error": str(e), "kind": type(e).__name__})
+        except Exception as e:  # reported to the client, and in full here
+            traceback.print_exc()
+            self._reply(500, {"error": f"{type(e).__name__}: {e}", "kind": "ModelError"})
+        else:
+            self._reply(200, reply)
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """One line per request would drown the server's own output."""
+
+
+def build_backend(args: GRPOConfig, name: str) -> Backend:
+    """The backend ``covey server`` hosts for a run's config."""
+    from covey.models import eos_token_ids, is_peft_model, load_policy, load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    if name == "vllm":
+        from transformers import GenerationConfig
+
+        from covey.vllm_engine import VLLMEngine
+
+        path = resolve_model_path(args.model)
+        if (Path(path) / "adapter_config.json").is_file():
+            raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
+                              "the adapter's base model as `model` (the trainer pushes the merged weights)")
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # a folder without generation_config.json: the tokenizer's EOS alone
+            generation_config = None
+        # no transformers model is loaded here: the EOS ids come from the folder's generation config
+        eos = eos_token_ids(SimpleNamespace(generation_config=generation_config), tokenizer)
+        return VLLMEngine(args, tokenizer.pad_token_id, eos, model_path=path)
+    if name == "fast":
+        model = load_policy(args.model, args.trust_remote_code)
+        if is_peft_model(model):  # a saved adapter: the server holds plain weights, as the trainer pushes them
+            model = model.merge_and_unload()
+        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer), args.bf16)
+    raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
+
+
+def run_server(args: GRPOConfig, backend_name: str, host: str, port: int) -> int:
+    """``covey server``: serve until interrupted."""
+    backend = build_backend(args, backend_name)
+    server = RolloutServer(backend, host, port)
+    print(f"covey server: {backend_name} backend for {args.model} at {server.url} "
+          "(vllm_mode: server trainers connect here; Ctrl-C stops it)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+# ---- the client ---------------------------------------------------------------------------------------
+
+
+class ServerEngine:
+    """A rollout engine that forwards to a ``covey server``.
+
+    ``policy``: the training model; its weights are pushed before the first ``generate`` so the
+    server samples from exactly the trainer's policy, whatever it loaded at start."""
+
+    def __init__(self, host: str, port: int, pad_token_id: int, timeout: float = 240.0,
+                 policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES):
+        self.url = f"http://{host}:{port}"
+        self.pad_token_id = pad_token_id
+        self.chunk_bytes = chunk_bytes
+        # the server is reached directly, never through an HTTP proxy from the environment
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        info = self._wait_for_health(timeout)
+        self.exact_logprobs = bool(info["exact_logprobs"])
+        self.weight_dtype = getattr(torch, info["weight_dtype"])
+        self.unsynced_policy = policy
+
+    @classmethod
+    def from_config(cls, args: GRPOConfig, pad_token_id: int, policy: torch.nn.Module | None = None) -> "ServerEngine":
+        return cls(args.vllm_server_host, args.vllm_server_port, pad_token_id, args.vllm_server_timeout, policy)
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 seed: int | None = None) -> Rollout:
+        if self.unsynced_policy is not None:
+            self.sync_weights(self.unsynced_policy)
+        request = {"prompt_ids": [list(map(int, ids)) for ids in prompt_ids], "num_generations": num_generations,
+                   "params": params_to_json(params), "seed": seed}
+        reply = self._post("/generate", json.dumps(request).encode(), "application/json")
+        self.exact_logprobs = bool(reply["exact_logprobs"])
+        return rollout_from_json(reply, self.pad_token_id)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push the policy's current weights (LoRA merged), checking each request's count and checksum."""
+        from safetensors.torch import save
+
+        sent = 0
+        for chunk in weight_chunks(policy_weights(model), self.weight_dtype, self.chunk_bytes):
+            data = save(chunk)
+            reply = self._post("/weights", data, "application/octet-stream")
+            if reply["tensors"] != len(chunk) or reply["sha256"] != hashlib.sha256(data).hexdigest():
+                raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} of {len(chunk)} pushed "
+                                 "tensors or received different bytes; restart it and the run")
+            sent += len(chunk)
+        reply = self._post("/weights/done", b"{}", "application/json")
+        if reply["tensors"] != sent:
+            raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} tensors of the {sent} pushed; "
+                             "is another trainer pushing to the same server?")
+        self.unsynced_policy = None
+
+    def _wait_for_health(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self.opener.open(self.url + "/health", timeout=max(1.0, min(10.0, timeout))) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                raise ConfigError(f"{self.url} answered /health with HTTP {e.code}: it is not a covey server; "
+                                  "check vllm_server_host and vllm_server_port") from None
+            except (urllib.error.URLError, OSError):
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConfigError(
+                    f"no covey server answered at {self.url} within {timeout:g} s (vllm_mode: server). Start one "
+                    "on the GPU machine with `covey server CONFIG` (the run's config file; it listens on "
+                    "vllm_server_host:vllm_server_port), raise vllm_server_timeout if it is still loading, or use "
+                    "vllm_mode: colocate / rollout_engine: fast")
+            time.sleep(min(1.0, remaining))
+
+    def _post(self, path: str, data: bytes, content_type: str) -> dict[str, Any]:
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type},
+                                         method="POST")
+        try:
+            with self.opener.open(request) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            try:
+                payload = json.loads(e.read())
+            except ValueError:
+                payload = {"error": f"HTTP {e.code} {e.reason}"}
+            kind = getattr(errors, str(payload.get("kind")), ModelError)
+            kind = kind if isinstance(kind, type) and issubclass(kind, CoveyError) else ModelError
+            raise kind(f"covey server at {self.url}{path}: {payload.get('error')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ModelError(f"lost the covey server at {self.url} on {path} ({getattr(e, 'reason', e)}); "
+                             "is it still running? Its own output says why it stopped") from None

@@ -1,0 +1,202 @@
+"""`covey server` and its client: rollouts over HTTP equal the in-process engine's, weights follow the trainer."""
+
+import copy
+import importlib.util
+import socket
+import time
+
+import pytest
+import torch
+
+from covey import GRPOConfig, GRPOTrainer
+from covey.cli import main
+from covey.errors import ConfigError, ModelError
+from covey.fast_rollout import FastEngine
+from covey.models import add_lora
+from covey.rollout import SamplingParams
+from covey.server import FastBackend, RolloutServer, ServerEngine, build_backend, weight_chunks
+from tests.conftest import make_model
+from tests.test_rollout_and_logprobs import _prompts
+
+ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
+
+
+def distinct_chars(completions, **kwargs):
+    return [len(set(c[0]["content"])) / 8 for c in completions]
+
+
+def serve(model, tokenizer) -> RolloutServer:
+    """A server on a free port over its own copy of ``model``."""
+    backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
+    return RolloutServer(backend, "127.0.0.1", 0).start()
+
+
+def connect(server: RolloutServer, tokenizer, **options) -> ServerEngine:
+    host, port = server.server_address[:2]
+    return ServerEngine(host, port, tokenizer.pad_token_id, timeout=5.0, **options)
+
+
+@pytest.fixture
+def model(tokenizer):
+    return make_model(len(tokenizer), seed=3)
+
+
+@pytest.fixture
+def server(model, tokenizer):
+    server = serve(model, tokenizer)
+    yield server
+    server.close()
+
+
+def assert_same_rollout(a, b):
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+    assert torch.equal(a.completion_mask_BT, b.completion_mask_BT)
+    assert torch.equal(a.sampling_logp_BT, b.sampling_logp_BT)
+    assert a.finish_reasons == b.finish_reasons
+
+
+@pytest.mark.parametrize("params, seed", [
+    (SamplingParams(max_new_tokens=16, greedy=True), None),
+    (SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9), 7),
+    (SamplingParams(max_new_tokens=16, temperature=1.3, stop=("e",)), 11),
+])
+def test_rollouts_over_http_equal_the_in_process_engine(server, model, tokenizer, params, seed):
+    client = connect(server, tokenizer)
+    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    prompts = _prompts(tokenizer)
+    remote, here = client.generate(prompts, 3, params, seed=seed), local.generate(prompts, 3, params, seed=seed)
+    assert_same_rollout(remote, here)
+    assert client.exact_logprobs is True and here.completion_mask_BT.sum() > 0
+
+
+def test_sync_weights_makes_the_server_follow_the_trainer(server, model, tokenizer):
+    client = connect(server, tokenizer, chunk_bytes=20_000)  # several /weights requests
+    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=16)
+    before = local.generate(prompts, 2, params, seed=3)
+    model.load_state_dict(make_model(len(tokenizer), seed=9).state_dict())  # the trainer's policy moves
+    after = local.generate(prompts, 2, params, seed=3)
+    assert not torch.equal(before.completion_ids_BT, after.completion_ids_BT)
+    assert_same_rollout(client.generate(prompts, 2, params, seed=3), before)  # the server still has the old weights
+
+    assert len(list(weight_chunks(model.named_parameters(), torch.float32, 20_000))) > 2
+    client.sync_weights(model)
+    assert_same_rollout(client.generate(prompts, 2, params, seed=3), after)
+    server_params = dict(server.backend.model.named_parameters())
+    assert all(torch.equal(p, server_params[n]) for n, p in model.named_parameters())
+
+
+def test_lora_policy_is_pushed_merged_and_left_untouched(server, model, tokenizer):
+    policy = add_lora(copy.deepcopy(model), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # B starts at zero: give the adapter an effect
+                p.normal_(0.0, 0.3)
+    snapshot = {n: p.detach().clone() for n, p in policy.state_dict().items()}
+    client = connect(server, tokenizer)
+    client.sync_weights(policy)
+
+    assert {n: p for n, p in policy.state_dict().items()}.keys() == snapshot.keys()
+    assert all(torch.equal(p, snapshot[n]) for n, p in policy.state_dict().items())  # bitwise unchanged
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    pushed = dict(server.backend.model.named_parameters())
+    assert pushed.keys() == merged.keys()
+    assert all(torch.allclose(pushed[n], merged[n], atol=1e-6, rtol=0) for n in merged)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(pushed[q], dict(model.named_parameters())[q], atol=1e-3)  # the delta arrived
+
+
+def test_a_training_run_through_the_server_equals_the_in_process_run(tmp_path, tokenizer):
+    def run(name, rollout_engine, **fields):
+        args = GRPOConfig(output_dir=str(tmp_path / name), max_steps=3, num_generations=4, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=2, max_completion_length=8, learning_rate=3e-3,
+                          eval_max_samples=0, log_completions=False, rollout_engine=rollout_engine, **fields)
+        trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=5), reward_funcs=[distinct_chars], args=args,
+                              train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+        trainer.train()
+        return dict(trainer.model.named_parameters())
+
+    # the server starts from other weights: the first generation must already use the trainer's policy
+    server = serve(make_model(len(tokenizer), seed=6), tokenizer)
+    try:
+        remote = run("server", "vllm", vllm_mode="server", vllm_server_port=server.server_address[1],
+                     vllm_server_timeout=5.0)
+        server_params = dict(server.backend.model.named_parameters())
+    finally:
+        server.close()
+    local = run("fast", "fast")
+    start = dict(make_model(len(tokenizer), seed=5).named_parameters())
+    assert any(not torch.equal(local[n], start[n]) for n in local)
+    for name in local:
+        assert torch.equal(remote[name], local[name]), name
+        assert torch.equal(server_params[name], remote[name]), name  # synced after the last step too
+
+
+def test_no_server_is_a_clear_error_after_the_timeout(tokenizer):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"no covey server answered at http://127\.0\.0\.1:\d+ within 1\.5 s.*"
+                                          r"covey server CONFIG"):
+        ServerEngine("127.0.0.1", port, tokenizer.pad_token_id, timeout=1.5)
+    assert 1.5 <= time.monotonic() - start < 10
+
+
+def test_server_errors_come_back_as_covey_errors(server, model, tokenizer):
+    client = connect(server, tokenizer)
+    other = make_model(len(tokenizer), layers=3)
+    with pytest.raises(ModelError, match=r"covey server at .*/weights: the server's model has no weight "
+                                         r"'model\.layers\.2\."):
+        client.sync_weights(other)
+    # nothing was loaded: the server still samples with its own weights
+    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
+    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    assert_same_rollout(client.generate(prompts, 1, greedy), local.generate(prompts, 1, greedy))
+
+
+def test_cli_server_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["server", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--backend {vllm,fast}", "--host", "--port", "--vllm-server-port", "--model"):
+        assert option in out
+    assert main(["--help"]) == 0 and "covey server [CONFIG] [--backend vllm|fast]" in capsys.readouterr().err
+
+
+def test_cli_server_starts_the_fast_backend_on_the_config_model(tiny_model_dir, tokenizer, capsys, monkeypatch):
+    served = []
+
+    def serve_once(self):
+        served.append(self)
+        raise KeyboardInterrupt  # Ctrl-C right away
+
+    monkeypatch.setattr(RolloutServer, "serve_forever", serve_once)
+    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0",
+                 "--vllm-server-host", "127.0.0.1"]) == 0
+    assert "fast backend for" in capsys.readouterr().err
+    assert isinstance(served[0].backend, FastBackend) and served[0].server_address[0] == "127.0.0.1"
+
+    backend = build_backend(GRPOConfig(model=str(tiny_model_dir)), "fast")
+    assert backend.weight_dtype == "float32" and backend.exact_logprobs
+    with pytest.raises(ConfigError, match="not one of vllm, fast"):
+        build_backend(GRPOConfig(model=str(tiny_model_dir)), "hf")
+
+
+def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir, capsys):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: this checks the message shown without it")
+    assert main(["server", "--model", str(tiny_model_dir)]) == 2
+    assert "needs vLLM, which is not installed; install it with pip install 'covey[vllm]'" in capsys.readouterr().err
+
+
+def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_dir, tokenizer):
+    from covey.models import load_policy
+
+    adapter = tmp_path / "adapter"
+    add_lora(load_policy(str(tiny_model_dir)), 2, 4, 0.0, ["all-linear"]).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    with pytest.raises(ConfigError, match="is a LoRA adapter, which vLLM cannot load as a model"):
+        build_backend(GRPOConfig(model=str(adapter)), "vllm")

@@ -1,0 +1,308 @@
+"""The vLLM engine: its pure parts on any machine (fake vLLM objects), the real thing on a CUDA GPU."""
+
+import copy
+import os
+import sys
+import types
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from torch import nn
+
+from covey import GRPOConfig
+from covey.errors import ConfigError, ModelError
+from covey.models import add_lora, load_policy
+from covey.rollout import HFEngine, SamplingParams, make_engine
+from covey.vllm_engine import (VLLMEngine, base_parameter_name, finish_reason, llm_kwargs, model_source,
+                               policy_weights, request_seeds, rollout_from_outputs, vllm_sampling_kwargs)
+from tests.conftest import make_model, make_tokenizer
+from tests.test_rollout_and_logprobs import _full_forward_logprobs, _prompts
+
+
+def completion(index, tokens, logps, reason="length", stop_reason=None):
+    """Shaped like vLLM's CompletionOutput with logprobs=0: one {token: Logprob} per step."""
+    steps = [{t: NS(logprob=lp, rank=1, decoded_token=None)} for t, lp in zip(tokens, logps)]
+    return NS(index=index, token_ids=tokens, logprobs=steps, finish_reason=reason, stop_reason=stop_reason)
+
+
+# ---- sampling settings -------------------------------------------------------------------------------
+
+
+def test_sampling_settings_map_to_vllm():
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
+                            repetition_penalty=1.1, stop=("</answer>",))
+    assert vllm_sampling_kwargs(params, 4, [3, 7]) == dict(
+        n=4, max_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1,
+        stop=["</answer>"], include_stop_str_in_output=True, stop_token_ids=[3, 7], logprobs=0)
+    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.7, top_k=5, greedy=True), 1, [3])
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"], greedy["min_p"]) == (0.0, 1.0, 0, 0.0)
+    assert greedy["stop"] == [] and greedy["logprobs"] == 0
+
+
+def test_request_seeds_are_reproducible_and_do_not_repeat_across_rounds():
+    assert request_seeds(None, 3) == [None, None, None]
+    first = request_seeds(42, 4)
+    assert first == request_seeds(42, 4) and len(set(first)) == 4
+    # vLLM seeds the samples of a prompt seed, seed + 1, ...: the next round must not reuse them
+    taken = {s + j for s in first for j in range(8)}
+    assert not taken & {s + j for s in request_seeds(43, 4) for j in range(8)}
+
+
+# ---- outputs -------------------------------------------------------------------------------------------
+
+
+def test_finish_reasons_tell_eos_from_stop_strings():
+    assert finish_reason(NS(finish_reason="length", stop_reason=None)) == "length"
+    assert finish_reason(NS(finish_reason="stop", stop_reason=None)) == "eos"  # the model's EOS
+    assert finish_reason(NS(finish_reason="stop", stop_reason=7)) == "eos"  # one of covey's stop_token_ids
+    assert finish_reason(NS(finish_reason="stop", stop_reason="</answer>")) == "stop"
+    with pytest.raises(ModelError, match="finish_reason='abort'"):
+        finish_reason(NS(finish_reason="abort", stop_reason=None))
+
+
+def test_outputs_become_a_padded_rollout_in_prompt_then_sample_order():
+    outputs = [
+        NS(outputs=[completion(1, [5, 3], [-0.5, -0.25], "stop"), completion(0, [8, 9, 10], [-1.0, -2.0, -3.0])]),
+        NS(outputs=[completion(0, [11], [-0.125], "stop", "x"), completion(1, [12, 13, 14, 15], [-1.5] * 4)]),
+    ]
+    rollout = rollout_from_outputs(outputs, 2, pad_token_id=0)
+    assert rollout.completion_ids_BT.tolist() == [[8, 9, 10, 0], [5, 3, 0, 0], [11, 0, 0, 0], [12, 13, 14, 15]]
+    assert rollout.completion_mask_BT.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert rollout.sampling_logp_BT.tolist() == [[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.25, 0.0, 0.0],
+                                                 [-0.125, 0.0, 0.0, 0.0], [-1.5] * 4]
+    assert rollout.completion_mask_BT.dtype == torch.long and rollout.sampling_logp_BT.dtype == torch.float32
+    assert rollout.finish_reasons == ["length", "eos", "stop", "length"]
+
+
+def test_malformed_outputs_are_errors():
+    with pytest.raises(ModelError, match="returned 1 completions for a prompt, expected num_generations=2"):
+        rollout_from_outputs([NS(outputs=[completion(0, [5], [-1.0])])], 2, 0)
+    no_logprobs = completion(0, [5], [-1.0])
+    no_logprobs.logprobs = None
+    with pytest.raises(ModelError, match="no log-prob"):
+        rollout_from_outputs([NS(outputs=[no_logprobs])], 1, 0)
+
+
+# ---- weights and names ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("model.layers.0.self_attn.q_proj.lora_A.default.weight", None),
+    ("model.embed_tokens.lora_embedding_B.default", None),
+    ("model.layers.1.mlp.up_proj.lora_magnitude_vector.default.weight", None),
+    ("lm_head.modules_to_save.default.weight", "lm_head.weight"),
+    ("lm_head.modules_to_save.other.weight", None),
+    ("lm_head.original_module.weight", None),
+    ("model.norm.weight", "model.norm.weight"),
+])
+def test_base_parameter_names(name, expected):
+    assert base_parameter_name(name, ["default"]) == expected
+
+
+def test_plain_policy_weights_are_its_parameters(tokenizer):
+    model = make_model(len(tokenizer))
+    weights = dict(policy_weights(model))
+    assert list(weights) == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+
+def _randomised(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("config", [
+    dict(target_modules=["lin", "emb"], modules_to_save=["head"]),  # embedding LoRA, a fully trained head
+    dict(target_modules=["lin"], lora_bias=True),  # LoRA's own bias is merged into the layer's bias
+])
+def test_lora_weights_are_merged_like_merge_and_unload_without_touching_the_model(config):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    policy = _randomised(get_peft_model(Tiny(), LoraConfig(r=2, lora_alpha=4, **config)))
+    snapshot = {n: p.clone() for n, p in policy.state_dict().items()}
+    weights = dict(policy_weights(policy))
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    assert weights.keys() == merged.keys() == {"emb.weight", "lin.weight", "lin.bias", "head.weight", "head.bias"}
+    for name in merged:
+        assert torch.allclose(weights[name], merged[name], atol=1e-6, rtol=0), name
+    changed = "emb.weight" if "emb" in config["target_modules"] else "lin.bias"  # the adapter reached it
+    assert not torch.allclose(weights[changed], policy.get_base_model().state_dict()[changed.replace(".", ".base_layer.")])
+    assert all(torch.equal(p, snapshot[n]) for n, p in policy.state_dict().items())
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+def test_lora_llama_weights_have_the_plain_model_names(tokenizer):
+    base = make_model(len(tokenizer))
+    policy = _randomised(add_lora(copy.deepcopy(base), 4, 8, 0.0, ["all-linear"]))
+    weights = dict(policy_weights(policy))
+    assert list(weights) == [n for n, _ in base.named_parameters()]
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    assert all(torch.allclose(weights[n], merged[n], atol=1e-6, rtol=0) for n in merged)
+
+
+def test_dora_is_refused(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["lin"], use_dora=True))
+    with pytest.raises(ModelError, match="LoRA variant"):
+        dict(policy_weights(policy))
+
+
+# ---- engine settings ----------------------------------------------------------------------------------------
+
+
+def test_llm_settings_follow_the_config(tmp_path):
+    args = GRPOConfig(max_prompt_length=100, max_completion_length=28, seed=7, vllm_gpu_memory_utilization=0.45)
+    kwargs = llm_kwargs(args, str(tmp_path))
+    assert kwargs == dict(model=str(tmp_path), dtype="float32", seed=7, gpu_memory_utilization=0.45, max_model_len=128,
+                          trust_remote_code=False, logprobs_mode="processed_logprobs",
+                          distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+    assert llm_kwargs(GRPOConfig(bf16=True), "m")["dtype"] == "bfloat16"
+
+
+def test_model_source_is_where_the_policy_came_from(tiny_model_dir, tokenizer):
+    loaded = load_policy(str(tiny_model_dir))
+    assert model_source(loaded) == str(tiny_model_dir)
+    assert model_source(add_lora(loaded, 2, 4, 0.0, ["all-linear"])) == str(tiny_model_dir)
+    with pytest.raises(ModelError, match="built in memory; save it with save_pretrained"):
+        model_source(make_model(len(tokenizer)))
+
+
+# ---- the engine's glue, over a stand-in for the vllm package ---------------------------------------------
+
+
+class FakeLLM:
+    def __init__(self, **kwargs):
+        self.kwargs, self.loaded, self.resets, self.requests = kwargs, {}, 0, []
+        self.model = NS(load_weights=lambda weights: self.loaded.update(dict(weights)))
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.requests.append((prompts, sampling_params))
+        return [NS(outputs=[completion(j, [4 + i, 3], [-0.5, -0.25], "stop") for j in range(p.kwargs["n"])])
+                for i, p in enumerate(sampling_params)]
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs):
+        if kwargs["temperature"] > 2:
+            raise ValueError(f"temperature must be in [0, 2], got {kwargs['temperature']}.")
+        self.kwargs = kwargs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "x")  # recorded, so the values the engine sets are undone after the test
+        monkeypatch.delenv(key)
+    return module
+
+
+def test_engine_glue_pushes_the_policy_first_and_after_each_sync(fake_vllm, tokenizer, tiny_model_dir):
+    policy = load_policy(str(tiny_model_dir))
+    args = GRPOConfig(vllm_gpu_memory_utilization=0.5)
+    engine = make_engine("vllm", policy, tokenizer, [tokenizer.eos_token_id], args=args)
+    assert isinstance(engine, VLLMEngine) and engine.exact_logprobs is False
+    assert engine.llm.kwargs["model"] == str(tiny_model_dir) and engine.llm.kwargs["gpu_memory_utilization"] == 0.5
+    assert engine.llm.loaded == {}
+    assert os.environ["WORLD_SIZE"] == "1" and os.environ["RANK"] == "0" and int(os.environ["MASTER_PORT"]) > 0
+
+    rollout = engine.generate([[5, 6], [7]], 3, SamplingParams(max_new_tokens=4), seed=1)
+    names = [n for n, _ in policy.named_parameters()]
+    assert list(engine.llm.loaded) == names and engine.llm.resets == 1  # pushed before the first generation
+    prompts, per_prompt = engine.llm.requests[0]
+    assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
+    assert [p.kwargs["seed"] for p in per_prompt] == request_seeds(1, 2) and per_prompt[0].kwargs["n"] == 3
+    assert rollout.completion_ids_BT.tolist() == [[4, 3]] * 3 + [[5, 3]] * 3 and rollout.finish_reasons == ["eos"] * 6
+
+    engine.generate([[5]], 2, SamplingParams(max_new_tokens=4))
+    assert engine.llm.resets == 1  # no push without a sync
+    with torch.no_grad():
+        policy.model.norm.weight.add_(1.0)
+    engine.sync_weights(policy)
+    assert engine.llm.resets == 2 and torch.equal(engine.llm.loaded["model.norm.weight"], policy.model.norm.weight)
+    assert engine.load_weights(iter([("a", torch.zeros(1)), ("b", torch.ones(1))])) == 2
+
+    with pytest.raises(ConfigError, match="vLLM rejects the sampling settings: temperature must be in"):
+        engine.generate([[5]], 2, SamplingParams(max_new_tokens=4, temperature=3.0))
+
+
+def test_vllm_needs_the_config_and_the_package(tokenizer, monkeypatch):
+    model = make_model(len(tokenizer))
+    with pytest.raises(ConfigError, match="needs the run's config"):
+        make_engine("vllm", model, tokenizer, [3])
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed; install it with pip install "
+                                          r"'covey\[vllm\]'"):
+        make_engine("vllm", model, tokenizer, [3], args=GRPOConfig(rollout_engine="vllm"))
+
+
+# ---- the real thing (CUDA GPU with vLLM installed) -----------------------------------------------------------
+
+
+def _vllm_ready_model(tokenizer, seed):
+    """A tiny Llama vLLM's kernels accept (head size 64) with peaked logits, so greedy choices are far
+    from ties and must agree between implementations."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, bos_token_id=2,
+                         eos_token_id=3, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.5)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_real_vllm_matches_hf_greedy_and_reports_processed_logprobs(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA GPU")
+    tokenizer = make_tokenizer()
+    _vllm_ready_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    policy = load_policy(str(tmp_path / "tiny")).cuda()  # vLLM loads the folder the policy came from
+    eos = [tokenizer.eos_token_id]
+    args = GRPOConfig(model=str(tmp_path / "tiny"), max_prompt_length=48, max_completion_length=16, seed=0)
+    engine = VLLMEngine(args, tokenizer.pad_token_id, eos, policy=policy)
+    hf = HFEngine(policy, tokenizer.pad_token_id, eos)
+    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=16, greedy=True)
+
+    def assert_greedy_agrees():
+        a, b = engine.generate(prompts, 2, greedy), hf.generate(prompts, 2, greedy)
+        for row in range(4):
+            n = int(b.lengths_B[row])
+            assert a.completion_ids_BT[row, :n].tolist() == b.completion_ids_BT[row, :n].tolist()
+            assert torch.allclose(a.sampling_logp_BT[row, :n], b.sampling_logp_BT[row, :n].cpu(), atol=1e-3)
+        assert a.finish_reasons == b.finish_reasons
+
+    assert_greedy_agrees()
+    sampled = engine.generate(prompts, 4, SamplingParams(max_new_tokens=12, temperature=0.7), seed=1)
+    for row in range(8):  # processed log-probs: those of the temperature-scaled distribution
+        n = int(sampled.lengths_B[row])
+        want = _full_forward_logprobs(policy.cpu(), prompts[row // 4], sampled.completion_ids_BT[row, :n].tolist(), 0.7)
+        assert torch.allclose(sampled.sampling_logp_BT[row, :n], want, atol=1e-3)
+    policy.cuda()
+
+    with torch.no_grad():  # the trainer's policy moves; vLLM follows after a sync
+        policy.load_state_dict(_vllm_ready_model(tokenizer, seed=1).state_dict())
+    engine.sync_weights(policy)
+    assert_greedy_agrees()
