@@ -193,3 +193,21 @@ def test_completions_are_recorded_every_log_completions_steps_and_shown_as_a_tab
     for step in (1, 2, 4, 5):
         assert f"step {step}: sample completions" in shown
     assert "step 3: sample completions" not in shown and "count_a" in shown and "advantage" in shown
+
+
+def test_models_load_without_remote_code_and_save_as_safetensors_only(tmp_path, tokenizer, tiny_model_dir, monkeypatch):
+    import transformers
+
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[count_a], args=small_args(tmp_path, max_steps=1),
+                train_dataset=ROWS).train()
+    assert seen and seen == [False] * len(seen)  # off unless the config turns it on
+    saved = {p.name for p in (tmp_path / "run" / "final_model").iterdir()}
+    assert "model.safetensors" in saved and not {n for n in saved if n.endswith((".bin", ".pt", ".pkl"))}

@@ -5,8 +5,10 @@ Telemetry receives numbers and texts; it never sees the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from covey.health import HealthMonitor
+from covey.trackers import Tracker
 
 LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
              ("tokens_per_second", "tok/s"))
@@ -27,10 +30,13 @@ def _clean(value: Any) -> Any:
 
 
 class RunLog:
-    """Appends metrics and completions as JSON lines and drives the console display."""
+    """Appends metrics and completions as JSON lines, forwards each metrics step to the trackers, and drives
+    the console display. Leaving the ``with`` block closes the trackers, also when training raised."""
 
-    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None, quiet: bool = False):
+    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None, quiet: bool = False,
+                 trackers: Sequence[Tracker] = ()):
         self.run_dir = run_dir
+        self.trackers = list(trackers)
         self.console = console or Console(stderr=True)
         self.quiet = quiet
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -48,12 +54,23 @@ class RunLog:
 
     def __exit__(self, *exc: Any) -> None:
         self.progress.stop()
+        for tracker in self.trackers:
+            tracker.close()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, metrics)
+            except Exception as e:  # a tracker's outage (a server down, a full disk) must not end the training
+                self.trackers.remove(tracker)
+                with contextlib.suppress(Exception):
+                    tracker.close()
+                self.info(f"[yellow]step {step}: {type(tracker).__name__} failed ({type(e).__name__}: {e}); it gets no "
+                          "more metrics in this run (metrics.jsonl has them all)[/]")
         live = "  ".join(f"{label} {metrics[key]:.3g}" for key, label in LIVE_KEYS if key in metrics)
         self.progress.update(self.task, completed=step, description=live)
         for message in self.health.check(self.history):

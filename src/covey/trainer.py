@@ -42,6 +42,7 @@ from covey.rewards import (RewardFunc, completion_text, load_reward_func, prefli
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.telemetry import RunLog, model_card, print_summary
+from covey.trackers import check_trackers, make_trackers
 from covey.text import decode_completions, encode_prompts
 
 
@@ -158,6 +159,7 @@ class GRPOTrainer:
         check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
         if self.eval_rows:
             check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
+        check_trackers(args.report_to)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         self.run_dir = make_run_dir(args, self.resume_from)
@@ -246,7 +248,9 @@ class GRPOTrainer:
         args = self.args
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config()
-        with self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet) as log, self._stop_on_signals(log):
+        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, args.to_dict())
+        with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers) as log,
+              self._stop_on_signals(log)):
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
