@@ -1,8 +1,14 @@
-"""The ``covey`` command: train and eval.
+"""The ``covey`` command.
 
     covey train                                   # the built-in demo
     covey train my.yaml --learning-rate 2e-5 --max-steps 50
+    covey train my.yaml --output-dir runs/a --resume-from-checkpoint auto
     covey eval runs/20261129-101500               # a run folder's final model on its held-out split
+    covey verify my.yaml                          # check every stage of the pipeline on one batch
+    covey generate my.yaml --num-prompts 3        # completions, rewards and advantages, no training
+    covey report runs/20261129-101500             # plots and an HTML page of a run
+    covey compare runs/a runs/b                   # reward curves of several runs in one plot
+    covey server my.yaml                          # a rollout server for vllm_mode: server
 
 Every GRPOConfig field is an option in dash-case; YAML values are overridden by the command line.
 """
