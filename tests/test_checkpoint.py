@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from covey import GRPOConfig, GRPOTrainer
@@ -26,7 +27,7 @@ TIMING_KEYS = ("step_time", "time/", "tokens_per_second")
 
 
 def run_args(out: Path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(out), max_steps=6, save_steps=2, num_generations=4, per_device_train_batch_size=8,
+    values = dict(output_dir=None if out is None else str(out), max_steps=6, save_steps=2, num_generations=4, per_device_train_batch_size=8,
                   max_completion_length=8, learning_rate=1e-2, eval_max_samples=0, log_completions_steps=1)
     values.update(overrides)
     return GRPOConfig(**values)
@@ -92,7 +93,9 @@ def test_save_total_limit_keeps_the_newest_and_none_keeps_all(tmp_path, tokenize
 
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   PermissionError(errno.EACCES, "Permission denied")], ids=["disk-full", "permission"])
+                                   PermissionError(errno.EACCES, "Permission denied"),
+                                   SafetensorError("I/O error: No space left on device (os error 28)")],
+                         ids=["disk-full", "permission", "disk-full-in-safetensors"])
 def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, tokenizer, monkeypatch, error):
     import covey.checkpoint as checkpoint
 
@@ -105,13 +108,41 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, tokenizer
         return real_save_file(tensors, path, *a, **k)
 
     monkeypatch.setattr(checkpoint, "save_file", failing_on_the_second_checkpoint)
-    with pytest.raises(CheckpointError, match=f"{error.strerror}.*checkpoint-2 is intact"):
+    with pytest.raises(CheckpointError, match="No space left on device|Permission denied"):
         trainer_for(run_args(tmp_path / "run"), tokenizer).train()
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["checkpoint-2"]
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(checkpoint, "save_file", real_save_file)
     resumed = trainer_for(run_args(tmp_path / "run", resume_from_checkpoint="auto"), tokenizer)
     assert resumed.global_step == 2
+
+
+def test_resuming_an_older_checkpoint_never_mixes_histories_or_prunes_the_new_one(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", save_total_limit=None), tokenizer).train()  # checkpoints 2, 4, 6
+    checkpoint_2 = str(tmp_path / "run" / "checkpoints" / "checkpoint-2")
+    with pytest.raises(ConfigError, match="holds checkpoints after checkpoint-2 .checkpoint-4, checkpoint-6.*new --output-dir"):
+        trainer_for(run_args(tmp_path / "run", resume_from_checkpoint=checkpoint_2), tokenizer)
+    with pytest.raises(ConfigError, match="already holds files"):  # another run's folder is not written into
+        trainer_for(run_args(tmp_path / "run", resume_from_checkpoint=checkpoint_2, output_dir=str(tmp_path / "run" / "checkpoints")), tokenizer)
+    branch = trainer_for(run_args(tmp_path / "branch", resume_from_checkpoint=checkpoint_2, max_steps=4,
+                                  save_total_limit=1), tokenizer)
+    branch.train()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "branch")] == ["checkpoint-4"]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not (tmp_path / "branch" / "config.resumed-at-2.yaml").exists()  # only how to continue differed
+
+
+def test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", max_steps=4), tokenizer).train()
+    completions = tmp_path / "run" / "completions.jsonl"
+    completions.write_text(completions.read_text() + '{"step": 5, "prompt": "cut of')  # a crash mid-line
+    last = tmp_path / "run" / "checkpoints" / "checkpoint-4"
+    resumed = trainer_for(run_args(None, output_dir=None, resume_from_checkpoint=str(last)), tokenizer)
+    assert resumed.run_dir == (tmp_path / "run").resolve()
+    resumed.train()
+    steps = [json.loads(line)["step"] for line in completions.read_text().splitlines()]
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "run" / "config.resumed-at-4.yaml").exists()  # max_steps changed from 4 to 6
 
 
 def test_resume_errors_are_clear_and_come_before_the_model_loads(tmp_path):

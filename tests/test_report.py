@@ -153,15 +153,13 @@ def test_folders_that_are_not_runs_are_named_with_what_is_missing(tmp_path):
     (run / "metrics.jsonl").unlink()
     with pytest.raises(DataError, match=r"run has no metrics.jsonl: the run logged no step yet"):
         write_report(run)
-    (run / "metrics.jsonl").write_text("\n")
-    with pytest.raises(DataError, match=r"metrics.jsonl is empty"):
-        write_report(run)
-    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{oops\n{"step": 3, "reward": 0.5}\n')
-    with pytest.raises(DataError, match=r"metrics.jsonl, line 2: not valid JSON"):
-        write_report(run)
-    (run / "metrics.jsonl").write_text('{"reward": 0.5}\n')
-    with pytest.raises(DataError, match=r"record 1 has no numeric 'step'"):
-        write_report(run)
+    for content, message in [("\n", r"metrics.jsonl is empty"),
+                             ('{"step": 1, "reward": 0.5}\n{oops\n{"step": 3, "reward": 0.5}\n',
+                              r"metrics.jsonl, line 2: not valid JSON"),
+                             ('{"reward": 0.5}\n', r"record 1 has no numeric 'step'")]:
+        (run / "metrics.jsonl").write_text(content)
+        with pytest.raises(DataError, match=message):
+            write_report(run)
     (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="a-file is a file"):
@@ -259,3 +257,13 @@ def test_every_image_loads_in_headless_chromium_and_the_page_renders(tmp_path):
     with Image.open(screenshot) as image:
         assert image.size == (1280, 2400)
         assert len(image.convert("RGB").getcolors(1 << 24)) > 100, "the screenshot is (nearly) blank"
+
+
+def test_a_folder_of_other_files_is_never_written_into(tmp_path):
+    run = make_run(tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "kl.png").write_bytes(b"my own picture")
+    with pytest.raises(ConfigError, match="holds files that are not a covey report"):
+        write_report(run, mine)
+    assert (mine / "kl.png").read_bytes() == b"my own picture" and not (mine / "report.html").exists()

@@ -79,6 +79,15 @@ def test_scores_equal_the_in_process_scores_and_each_worker_gets_a_contiguous_ch
     assert len(set(pids)) == 3 and os.getpid() not in pids
 
 
+def test_chunks_hold_whole_groups():
+    with RewardPool([worker_pid], 3, group_size=3) as pool:  # 7 rows are not groups of 3: single rows
+        assert len(set(score([worker_pid], pool)[:, 0].tolist())) == 3
+    completions = [f"c{i}" for i in range(6)]
+    with RewardPool([worker_pid], 4, group_size=3) as pool:  # 6 rows = 2 groups: 2 chunks, not 4
+        pids = score_completions([worker_pid], ["p"] * 6, completions, [[1]] * 6, {}, pool=pool)[:, 0].tolist()
+    assert pids[:3] == [pids[0]] * 3 and pids[3:] == [pids[3]] * 3 and pids[0] != pids[3]
+
+
 def test_async_functions_and_functions_of_another_pool_stay_in_this_process():
     async def doubled(completions, **kw):
         return [2.0 * len(c) for c in completions]
@@ -201,11 +210,18 @@ def test_a_trainer_with_two_workers_logs_the_same_metrics_as_without(tmp_path, t
         args = small_args(out, eval_max_samples=0, reward_num_workers=workers)
         trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a, "answer_format"], args=args,
                               train_dataset=ROWS, processing_class=tokenizer, quiet=True)
-        pooled_calls, run = [], trainer.reward_pool.run
-        trainer.reward_pool.run = lambda calls, timeout: pooled_calls.append(len(calls)) or run(calls, timeout)
+        pooled_calls, worker_pids, run = [], set(), trainer.reward_pool.run
+
+        def recording_run(calls, timeout):
+            pooled_calls.append(len(calls))
+            outcomes = run(calls, timeout)
+            worker_pids.update(w.process.pid for w in trainer.reward_pool._workers)
+            return outcomes
+
+        trainer.reward_pool.run = recording_run
         trainer.train()
         assert pooled_calls == ([4, 4] if workers else [])  # two functions in two chunks, once per generation round
-        assert not alive(w.process.pid for w in trainer.reward_pool._workers) and not trainer.reward_pool._workers
+        assert len(worker_pids) == workers and not alive(worker_pids) and not trainer.reward_pool._workers
         metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         runs.append([{k: v for k, v in m.items() if "time" not in k and k != "tokens_per_second"} for m in metrics])
     assert len(runs[0]) == 2 and runs[0] == runs[1]

@@ -115,22 +115,24 @@ def test_a_training_run_through_the_server_equals_the_in_process_run(tmp_path, t
         trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=5), reward_funcs=[distinct_chars], args=args,
                               train_dataset=ROWS, processing_class=tokenizer, quiet=True)
         trainer.train()
-        return dict(trainer.model.named_parameters())
+        return trainer
 
     # the server starts from other weights: the first generation must already use the trainer's policy
     server = serve(make_model(len(tokenizer), seed=6), tokenizer)
     try:
-        remote = run("server", "vllm", vllm_mode="server", vllm_server_port=server.server_address[1],
-                     vllm_server_timeout=5.0)
+        trainer = run("server", "vllm", vllm_mode="server", vllm_server_port=server.server_address[1],
+                      vllm_server_timeout=5.0)
+        remote = dict(trainer.model.named_parameters())
+        trainer.engine.generate([[5, 6, 7]], 2, SamplingParams(4, greedy=True))  # the last step's push is due here
         server_params = dict(server.backend.model.named_parameters())
     finally:
         server.close()
-    local = run("fast", "fast")
+    local = dict(run("fast", "fast").model.named_parameters())
     start = dict(make_model(len(tokenizer), seed=5).named_parameters())
     assert any(not torch.equal(local[n], start[n]) for n in local)
     for name in local:
         assert torch.equal(remote[name], local[name]), name
-        assert torch.equal(server_params[name], remote[name]), name  # synced after the last step too
+        assert torch.equal(server_params[name], remote[name]), name  # pushed before the next generation
 
 
 def test_no_server_is_a_clear_error_after_the_timeout(tokenizer):

@@ -38,7 +38,12 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
              and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=step_of)
+
+
+def step_of(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint folder was written at."""
+    return int(checkpoint.name[len(PREFIX):])
 
 
 def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
@@ -51,7 +56,7 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
             raise ConfigError(f"resume_from_checkpoint: auto found no checkpoint in {Path(output_dir) / CHECKPOINTS}; "
                               "was save_steps 0, or did the run stop before its first save?")
         return found[-1]
-    path = Path(spec)
+    path = Path(spec).resolve()
     if not (path / "state.json").is_file():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint folder (it has no state.json); "
                           f"give a {CHECKPOINTS}/{PREFIX}<step> folder of a run, or 'auto'")
@@ -69,10 +74,17 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}-{os.getpid()}"
+    old = folder / f".old-{PREFIX}{step}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in [*folder.glob(f".tmp-{PREFIX}*"), *folder.glob(f".old-{PREFIX}*")]:  # left by a killed run
+        for stale in folder.glob(f".tmp-{PREFIX}*"):  # left by a run killed while saving
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in folder.glob(f".old-{PREFIX}*"):  # killed while replacing: put the old one back if it is alone
+            whole = folder / stale.name[len(".old-"):].rsplit("-", 1)[0]
+            if whole.exists():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.rename(whole)
         tmp.mkdir()
         model.save_pretrained(tmp / "model", safe_serialization=True)
         tensors, rest = _split_optimizer_state(optimizer.state_dict())
@@ -85,23 +97,23 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (a resumed run): replace it only now that the new one is whole
-            old = folder / f".old-{PREFIX}{step}-{os.getpid()}"
             final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(folder)
-    except OSError as e:
+    except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)
         previous = [p.name for p in checkpoint_dirs(run_dir)]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write the checkpoint of step {step} to {final}: {e.strerror or e} "
-                              f"({type(e).__name__}); {kept}. Free disk space or fix the folder's permissions, "
-                              "then resume with --resume-from-checkpoint auto") from e
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {final}: "
+                              f"{getattr(e, 'strerror', None) or e} ({type(e).__name__}); {kept}. Free disk space or "
+                              "fix the folder's permissions, then resume with --resume-from-checkpoint auto") from e
     if total_limit is not None:
-        for old in checkpoint_dirs(run_dir)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+        others = [p for p in checkpoint_dirs(run_dir) if p != final]  # the one just written always stays
+        for older in others[: max(0, len(others) + 1 - total_limit)]:
+            shutil.rmtree(older, ignore_errors=True)
     return final
 
 

@@ -91,6 +91,8 @@ def check_reward_columns(rows: list[dict], reward_funcs: list, source: str) -> N
     """Every column a reward function requires by name exists and has a value in every row."""
     import inspect
 
+    from covey.rewards import reward_name
+
     passed_by_the_trainer = {"prompts", "completions", "completion_ids"}
     for func in reward_funcs:
         try:
@@ -99,7 +101,7 @@ def check_reward_columns(rows: list[dict], reward_funcs: list, source: str) -> N
             continue
         needed = [p.name for p in parameters if p.default is inspect.Parameter.empty
                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in passed_by_the_trainer]
-        name = getattr(func, "__name__", type(func).__name__)
+        name = reward_name(func)
         for column in needed:
             if column not in rows[0]:
                 raise DataError(f"{source}: reward function {name!r} needs a column {column!r}, which the data lacks "

@@ -32,7 +32,7 @@ from covey.errors import ConfigError, DataError
 
 SMOOTH_FROM = 20  # with at least this many points, raw values are drawn faintly under a moving average
 SAMPLES_PER_STEP = 8  # completions shown for each of the first and last recorded steps
-FIXED_PLOTS = ("reward", "reward_std", "kl", "completion_length", "entropy", "learning_rate")
+GENERATOR = '<meta name="generator" content="covey report">'  # marks a folder as covey's to rewrite
 FUNCTION_PLOT_PREFIX = "rewards-"
 COLORS = ("#1f6feb", "#d1495b", "#2a9d8f", "#e9a03b", "#7b5ea7", "#5c677d", "#8ab17d", "#c8553d")
 
@@ -172,7 +172,7 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
 # ---- plots ----------------------------------------------------------------------------------------
 
 def panels(run: Run) -> list[Panel]:
-    """The plots the issue asks for, in page order; those with no finite value are left out by ``draw``."""
+    """The report's plots, in page order; those with no finite value are left out by ``draw``."""
     functions = run.reward_functions
     return [
         Panel("reward", "reward (weighted total, batch mean)", "reward"),
@@ -239,9 +239,9 @@ def draw(run: Run, panel: Panel) -> Plot | None:
     return Plot(panel, _png(figure), float(finite[0]), float(finite[-1]))
 
 
-def _remove_stale_plots(out_dir: Path, written: set[str]) -> None:
+def _remove_stale_plots(out_dir: Path, run: Run, written: set[str]) -> None:
     """Delete plots an earlier report wrote for metrics this run no longer has; nothing else."""
-    candidates = [out_dir / f"{name}.png" for name in FIXED_PLOTS]
+    candidates = [out_dir / f"{panel.name}.png" for panel in panels(run)]
     candidates += out_dir.glob(f"{FUNCTION_PLOT_PREFIX}*.png")
     for path in candidates:
         if path.is_file() and path.name not in written:
@@ -255,11 +255,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out = Path(out_dir) if out_dir is not None else run.path / "report"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"report folder {out} is a file: pass --out with a folder")
+    page = out / "report.html"
+    if out.is_dir() and any(out.iterdir()) and not (page.is_file() and GENERATOR in page.read_text(errors="replace")):
+        raise ConfigError(f"report folder {out} holds files that are not a covey report; pass --out with a new "
+                          "folder (a folder with an earlier report is rewritten)")
     out.mkdir(parents=True, exist_ok=True)
     plots = [plot for panel in panels(run) if (plot := draw(run, panel)) is not None]
     for plot in plots:
         (out / f"{plot.panel.name}.png").write_bytes(plot.png)
-    _remove_stale_plots(out, {f"{plot.panel.name}.png" for plot in plots})
+    _remove_stale_plots(out, run, {f"{plot.panel.name}.png" for plot in plots})
     page = out / "report.html"
     page.write_text(render_page(run, plots), encoding="utf-8")
     return page
@@ -444,7 +448,7 @@ def render_page(run: Run, plots: list[Plot]) -> str:
     absent = ", ".join(panel.key for panel in panels(run) if panel.name not in drawn)
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">', GENERATOR,
         f"<title>covey report: {_esc(run.path.name or run.path)}</title><style>{STYLE}</style></head><body>",
         f"<h1>covey run report</h1><p class=\"sub\">{_esc(run.path)}</p>", _facts(run),
         f'<h2>Missing from this run</h2><ul class="notes">{notes}</ul>' if notes else "",

@@ -76,11 +76,12 @@ class RewardPool:
     ``num_workers=0`` the pool runs nothing and every function stays in the trainer's process.
     """
 
-    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int):
+    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1):
         if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError(f"reward_num_workers={num_workers} needs processes started by fork, which this "
                               "platform lacks; set reward_num_workers: 0")
         self.reward_funcs, self.num_workers = tuple(reward_funcs), num_workers  # fixed: the workers inherit them
+        self.group_size = group_size  # the batch is split between groups, so a call sees whole groups
         self._workers: list[_Worker] = []
         # a pool dropped, or left open at exit, still stops its workers (before exit waits for child processes)
         Finalize(self, _stop, (self._workers,), exitpriority=10)
@@ -155,7 +156,9 @@ class RewardPool:
         try:
             payload = ForkingPickler.dumps((index, kwargs))
         except Exception as e:  # pickling fails in many ways; all mean "this column cannot travel"
-            raise RewardError(f"the batch for reward function {getattr(func, '__name__', func)!r} cannot be sent to "
+            from covey.rewards import reward_name  # covey.rewards imports this module
+
+            raise RewardError(f"the batch for reward function {reward_name(func)!r} cannot be sent to "
                               f"a worker process ({type(e).__name__}: {e}); a dataset column holds values that do "
                               "not pickle: convert them, or set reward_num_workers: 0") from e
         try:

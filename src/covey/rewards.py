@@ -211,7 +211,7 @@ def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float |
             results[j] = result
     pooled = [j for j, f in enumerate(reward_funcs) if pool is not None and pool.runs(f)]
     if pooled:
-        chunks = _chunks(kwargs, pool.num_workers)
+        chunks = _chunks(kwargs, pool.num_workers, pool.group_size)
         outcomes = pool.run([(reward_funcs[j], chunk) for j in pooled for chunk in chunks], timeout)
         for n, j in enumerate(pooled):
             results[j] = _joined(outcomes[n * len(chunks):(n + 1) * len(chunks)])
@@ -221,10 +221,13 @@ def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float |
     return results
 
 
-def _chunks(batch: dict, n: int) -> list[dict]:
-    """The batch cut into at most ``n`` contiguous, non-empty, near-equal slices of every column."""
+def _chunks(batch: dict, n: int, group_size: int = 1) -> list[dict]:
+    """The batch cut into at most ``n`` contiguous, non-empty, near-equal slices of every column, each
+    made of whole groups of ``group_size`` rows (single rows when the batch is not made of groups)."""
     B = len(batch["completions"])
-    bounds = [B * k // min(n, B) for k in range(min(n, B) + 1)] if B else []
+    unit = group_size if group_size > 0 and B % group_size == 0 else 1
+    parts = min(n, B // unit)
+    bounds = [B // unit * k // parts * unit for k in range(parts + 1)] if B else []
     return [{key: column[a:b] for key, column in batch.items()} for a, b in zip(bounds, bounds[1:])]
 
 

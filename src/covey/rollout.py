@@ -46,20 +46,17 @@ class Rollout:
 
 
 class RolloutEngine(Protocol):
+    """Engines that keep their own copy of the weights (vLLM, a ``covey server``) also have
+    ``policy_changed(model)``, which the trainer calls after every optimizer step: the new weights are
+    pushed once, before the next ``generate``. Engines that sample with the policy module itself (fast,
+    hf) have no such method."""
+
     # False when the sampling log-probs may differ from the trainer's float32 forward (bf16, vLLM):
     # the trainer then applies the engine/trainer importance-sampling correction
     exact_logprobs: bool
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout: ...
-
-
-class WeightSyncedEngine(RolloutEngine, Protocol):
-    """An engine with its own copy of the weights (vLLM, a ``covey server``). The trainer calls
-    ``sync_weights(policy)`` after every optimizer step when the engine has it; engines that sample
-    with the policy module itself (fast, hf) have no such method."""
-
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],

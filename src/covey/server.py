@@ -37,6 +37,9 @@ from covey.rollout import Rollout, SamplingParams
 from covey.vllm_engine import policy_weights
 
 CHUNK_BYTES = 256 * 2**20  # weights per /weights request
+# one request may take a while (a long rollout, a large weight chunk), but never forever: a stalled
+# server is reported instead of hanging the trainer
+REQUEST_TIMEOUT = 1800.0
 
 
 class Backend(Protocol):
@@ -291,6 +294,7 @@ class ServerEngine:
         self.chunk_bytes = chunk_bytes
         # the server is reached directly, never through an HTTP proxy from the environment
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.request_timeout = REQUEST_TIMEOUT
         info = self._wait_for_health(timeout)
         self.exact_logprobs = bool(info["exact_logprobs"])
         self.weight_dtype = getattr(torch, info["weight_dtype"])
@@ -309,6 +313,11 @@ class ServerEngine:
         reply = self._post("/generate", json.dumps(request).encode(), "application/json")
         self.exact_logprobs = bool(reply["exact_logprobs"])
         return rollout_from_json(reply, self.pad_token_id)
+
+    def policy_changed(self, model: torch.nn.Module) -> None:
+        """The trainer took an optimizer step: push ``model``'s weights before the next generate (once,
+        however many steps come before it)."""
+        self.unsynced_policy = model
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push the policy's current weights (LoRA merged), checking each request's count and checksum."""
@@ -352,7 +361,7 @@ class ServerEngine:
         request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type},
                                          method="POST")
         try:
-            with self.opener.open(request) as response:
+            with self.opener.open(request, timeout=self.request_timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             try:

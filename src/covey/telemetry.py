@@ -55,7 +55,10 @@ class RunLog:
     def __exit__(self, *exc: Any) -> None:
         self.progress.stop()
         for tracker in self.trackers:
-            tracker.close()
+            try:
+                tracker.close()
+            except Exception as e:  # the trained model and summary come first; a tracker's goodbye is optional
+                self.info(f"[yellow]{type(tracker).__name__} failed to close ({type(e).__name__}: {e})[/]")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -82,9 +85,11 @@ class RunLog:
         self.history = list(history)
         _rewrite_jsonl(self.metrics_path, self.history)
         if self.completions_path.exists():
-            kept = [line for line in self.completions_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
-            _rewrite_jsonl(self.completions_path, [json.loads(line) for line in kept])
+            records = []
+            for line in self.completions_path.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line cut off by the crash is dropped
+                    records.append(json.loads(line))
+            _rewrite_jsonl(self.completions_path, [r for r in records if r.get("step", 0) <= step])
         self.progress.update(self.task, completed=step)
 
     def log_completions(self, step: int, records: list[dict], num_to_print: int = 0) -> None:

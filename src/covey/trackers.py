@@ -8,6 +8,8 @@ whatever ``report_to`` says (see ``covey.telemetry``).
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import netrc
 import os
@@ -178,4 +180,14 @@ def make_trackers(report_to: list[str], run_dir: Path, run_name: str, config: di
         "trackio": lambda: TrackioTracker(run_name, config),
         "mlflow": lambda: MLflowTracker(run_dir, run_name, config),
     }
-    return [makers[name]() for name in names]
+    opened: list[Tracker] = []
+    for name in names:
+        try:
+            opened.append(makers[name]())
+        except Exception as e:
+            for tracker in opened:
+                with contextlib.suppress(Exception):
+                    tracker.close()
+            raise ConfigError(f"report_to: {name!r} could not start ({type(e).__name__}: {e}); fix its settings "
+                              f"or drop {name!r} from report_to") from e
+    return opened

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from covey import core
-from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from covey.checkpoint import checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint, step_of
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational, load_rows
@@ -109,7 +109,15 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
     """The run folder; refuses to write into one that already holds files unless told to or resuming
     (a checkpoint given without output_dir continues in the run folder it belongs to)."""
     if resume_from is not None:
-        return Path(args.output_dir) if args.output_dir else resume_from.parent.parent
+        run_dir = Path(args.output_dir).resolve() if args.output_dir else resume_from.parent.parent
+        if run_dir != resume_from.parent.parent:  # a new branch of the run: the usual guard applies
+            _refuse_a_used_folder(run_dir, args)
+        later = [p.name for p in checkpoint_dirs(run_dir) if step_of(p) > step_of(resume_from)]
+        if later:
+            raise ConfigError(f"{run_dir} holds checkpoints after {resume_from.name} ({', '.join(later)}): continuing "
+                              f"from {resume_from.name} there would mix two histories. Give a new --output-dir for "
+                              "this branch, or move the later checkpoints away")
+        return run_dir
     if args.output_dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir, n = Path("runs") / stamp, 1
@@ -118,10 +126,14 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
             run_dir = Path("runs") / f"{stamp}-{n}"
     else:
         run_dir = Path(args.output_dir)
-        if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite_output_dir:
-            raise ConfigError(f"output_dir {run_dir} already holds files; choose a new output_dir "
-                              "(nothing is overwritten unless you pass --overwrite-output-dir true)")
+        _refuse_a_used_folder(run_dir, args)
     return run_dir
+
+
+def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite_output_dir:
+        raise ConfigError(f"output_dir {run_dir} already holds files; choose a new output_dir "
+                          "(nothing is overwritten unless you pass --overwrite-output-dir true)")
 
 
 class GRPOTrainer:
@@ -144,7 +156,7 @@ class GRPOTrainer:
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         self.reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
-        self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers)  # workers start on first use
+        self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
         self.reward_weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
@@ -283,8 +295,8 @@ class GRPOTrainer:
                 policy_unchanged = iteration == 0 and first == 0
                 stats = self.optimize(batch, slice(first, min(first + window, B)), policy_unchanged)
                 self.global_step += 1
-                if hasattr(self.engine, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
-                    self.engine.sync_weights(self.model)
+                if hasattr(self.engine, "policy_changed"):  # an engine with its own copy of the weights (vLLM)
+                    self.engine.policy_changed(self.model)
                 if self.reference is not None and args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
                     self.reference.sync(args.ref_model_mixup_alpha)
                 timings["time/train"] = time.perf_counter() - t_train
@@ -478,7 +490,9 @@ class GRPOTrainer:
         """config.yaml of the run; a resumed run with changed settings keeps the first one beside it."""
         path = self.run_dir / "config.yaml"
         if path.exists() and self.resume_from is not None:
-            if GRPOConfig.from_yaml(path).to_dict() != self.args.to_dict():
+            where = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")  # how to continue, not what
+            saved, now = GRPOConfig.from_yaml(path).to_dict(), self.args.to_dict()
+            if {k: v for k, v in saved.items() if k not in where} != {k: v for k, v in now.items() if k not in where}:
                 self.args.save(self.run_dir / f"config.resumed-at-{self.global_step}.yaml")
             return
         self.args.save(path)

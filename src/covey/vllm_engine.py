@@ -256,6 +256,11 @@ class VLLMEngine:
         """Cached prefixes were computed with the old weights: drop them."""
         self.llm.reset_prefix_cache()
 
+    def policy_changed(self, model: torch.nn.Module) -> None:
+        """The trainer took an optimizer step: push ``model``'s weights before the next generate (once,
+        however many steps come before it)."""
+        self.unsynced_policy = model
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push the policy's current weights (LoRA merged) into vLLM."""
         self.load_weights(policy_weights(model))
