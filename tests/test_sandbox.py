@@ -52,42 +52,33 @@ def namespaces():
     return level
 
 
-def live_descendants() -> list[int]:
-    """Processes below this test process that have not exited."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in "ZX":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
+RUN_ID = uuid.uuid4().hex
 
 
-def sandbox_uid_processes() -> list[int]:
-    """Live processes of any uid the sandbox hands out."""
-    uids = range(sandbox.FIRST_SANDBOX_UID, sandbox.FIRST_SANDBOX_UID + sandbox.SANDBOX_UIDS)
+@pytest.fixture(autouse=True)
+def mark_sandbox_processes(monkeypatch):
+    """Every process these tests start in a sandbox carries RUN_ID in its environment, so that a leftover
+    is found wherever it was reparented to, and no process of anyone else is taken for one."""
+    monkeypatch.setattr(sandbox, "PROGRAM_ENV", {**sandbox.PROGRAM_ENV, "COVEY_SANDBOX_RUN": RUN_ID})
+
+
+def sandbox_leftovers() -> list[int]:
+    """Live processes that a sandbox of these tests started: their environment has RUN_ID."""
+    mark = f"COVEY_SANDBOX_RUN={RUN_ID}".encode()
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            environment = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) in uids and fields["State"].split()[0] not in "ZX":
+        if state not in "ZX" and mark in environment:
             found.append(int(entry))
     return found
 
 
 def assert_nothing_left():
-    assert live_descendants() == []
-    assert sandbox_uid_processes() == []
+    assert sandbox_leftovers() == []
 
 
 # ---- the reward on ordinary programs -------------------------------------------------------------
@@ -112,6 +103,25 @@ def test_early_exits_and_printed_claims_do_not_pass(reward):
               "import sys\nprint('All tests passed')\nsys.stdout.flush()\nimport os\nos._exit(0)",
               "def add(a, b):\n    raise SystemExit(0)"]
     assert reward(cheats, [ADD_TESTS] * len(cheats)) == [0.0] * len(cheats)
+
+
+def test_replaced_builtins_do_not_fool_the_tests(reward):
+    equals_anything = ("class Anything(int):\n    def __eq__(self, other):\n        return True\n"
+                       "    __hash__ = int.__hash__\n")
+    wrong = "\ndef add(a, b):\n    return 0"
+    cheats = [
+        "import builtins\n_c = builtins.compile\nbuiltins.compile = lambda s, f, m: _c('pass', f, m)" + wrong,
+        "import builtins\nbuiltins.exec = lambda *args, **kwargs: None" + wrong,
+        equals_anything + "type = lambda x: int\ndef add(a, b):\n    return Anything(0)",
+        equals_anything + "import builtins\nbuiltins.type = lambda x: int\nbuiltins.isinstance = lambda x, t: True\n"
+                          "def add(a, b):\n    return Anything(0)",
+    ]
+    typed = "r = add(1, 2)\nassert type(r) is int and isinstance(r, int) and r == 3"
+    assert reward(cheats, [typed] * len(cheats)) == [0.0] * len(cheats)
+    honest = "list = tuple\ndef sum(values):\n    return 0\ndef add(a, b):\n    return a + b + sum(list([a]))"
+    python_own = "\nassert list('ab') == ['a', 'b'] and sum([1, 2]) == 3"  # the tests see Python's builtins
+    unusual = "import builtins\nbuiltins.compile = builtins.exec = None\ndef add(a, b):\n    return a + b"
+    assert reward([honest, unusual], [typed + python_own, typed]) == [1.0, 1.0]
 
 
 def test_program_is_the_last_python_block_or_the_whole_text():
@@ -250,6 +260,75 @@ def test_background_processes_die_with_the_program():
         assert result.stdout == "parent done\n", (level, result)
         assert result.seconds < TIMEOUT  # its output closed when the program ended, not at the timeout
         assert_nothing_left()
+
+
+def test_output_flood_after_starting_a_daemon_leaves_no_process():
+    """Stopped at the output limit, the program is killed from outside: its daemon, in a session of
+    its own, must go too."""
+    flood = ("import os, time\nchild = os.fork()\nif child == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+             "        time.sleep(30)\n    os._exit(0)\nos.waitpid(child, 0)\nwhile True:\n    print('x' * 10000)")
+    for level in {available_isolation(), Isolation.LIMITS_ONLY}:
+        result = run_python(flood, timeout=10.0, memory_limit_mb=256, output_limit_bytes=4096, isolation=level)
+        assert result.status == "output_limit" and result.seconds < 5.0, (level, result)
+        assert_nothing_left()
+
+
+def test_a_program_that_stops_the_sandbox_leaves_nothing_at_the_deadline():
+    """In limits-only mode the program runs as the user of the sandbox's first process, so it can stop
+    it; the caller then stops the run at its deadline and must kill the program's daemon itself."""
+    stopper = ("import os, signal, time\nos.kill(os.getppid(), signal.SIGSTOP)\nif os.fork() == 0:\n    os.setsid()\n"
+               "    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)\ntime.sleep(30)")
+    result = run_python(stopper, timeout=TIMEOUT, memory_limit_mb=256, isolation=Isolation.LIMITS_ONLY)
+    assert result.status == "timeout" and result.seconds < TIMEOUT + sandbox.GRACE_SECONDS + MARGIN, result
+    assert_nothing_left()
+
+
+def test_a_chain_of_processes_that_keep_handing_over_is_caught(tmp_path):
+    """Each process forks its successor and exits at once, in a session of its own: a look through
+    /proc rarely finds one still alive, so the cleanup must go on until nothing is left, not stop at
+    a look that found nothing. For the same reason each one touches a file where it can (not inside
+    namespaces, where the kernel ends them), and the file must stay untouched. (The chain ends by
+    itself after 20 s, should the cleanup fail.)"""
+    beat = tmp_path / "beat"
+    beat.touch()
+    chain = (f"import os, time\nend = time.time() + 20\nif os.fork() == 0:\n    os.setsid()\n"
+             f"    while time.time() < end:\n        if os.fork():\n            os._exit(0)\n"
+             f"        try:\n            os.utime({str(beat)!r})\n        except OSError:\n            pass\n"
+             f"    os._exit(0)\nprint('parent done')")
+    for level in {available_isolation(), Isolation.LIMITS_ONLY}:
+        result = run_python(chain, timeout=TIMEOUT, memory_limit_mb=256, isolation=level)
+        assert (result.status, result.stdout) == ("ok", "parent done\n"), (level, result)
+        assert result.seconds < TIMEOUT
+        assert_nothing_left()
+        last_beat = beat.stat().st_mtime_ns
+        time.sleep(0.2)
+        assert beat.stat().st_mtime_ns == last_beat, level
+
+
+def test_copies_of_the_pipes_elsewhere_do_not_hold_up_the_result(monkeypatch):
+    """A process that the caller forks while a sandbox starts (a reward worker, say) holds copies of
+    the sandbox's pipes, so they do not close when the program ends; the result still comes at once."""
+    holders = []
+    real_popen = subprocess.Popen
+
+    def popen_then_fork(*args, **kwargs):
+        boot = real_popen(*args, **kwargs)
+        holder = os.fork()
+        if holder == 0:
+            time.sleep(10)
+            os._exit(0)
+        holders.append(holder)
+        return boot
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", popen_then_fork)
+    try:
+        result = run_python("print('done')", timeout=5.0, memory_limit_mb=256)
+    finally:
+        for holder in holders:
+            os.kill(holder, 9)
+            os.waitpid(holder, 0)
+    assert holders and (result.status, result.stdout) == ("ok", "done\n")
+    assert result.seconds < 2.0
 
 
 # ---- isolation levels -----------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Passing is judged by the harness writing a secret token, read from stdin before 
 after the last test; the exit code or anything the program prints alone cannot fake it. So a program
 that exits early (``sys.exit(0)``, ``os._exit(0)``) or prints "all tests passed" scores 0. There is
 no partial credit per assert: the program shares the tests' process, so any count it could report
-could be forged.
+could be forged. The tests see the program's definitions but the builtins as they were before it ran;
+a program that alters the interpreter more deeply can still cheat (docs/sandbox.md, "Scoring"): the
+reward is a test of the program's behaviour, not a barrier against reward hacking.
 """
 
 from __future__ import annotations
@@ -26,20 +28,28 @@ from covey.sandbox import available_isolation, run_python
 
 FENCED_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-# Runs the program, then the tests, in one namespace; ``__name__`` is not "__main__", so a program's
-# own ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes).
+# Runs the program, then the tests. ``__name__`` is not "__main__", so a program's own
+# ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes). What the
+# harness uses after the program is bound before it; the tests run in a namespace of their own holding
+# the program's definitions, less those that shadow a builtin, with a copy of the builtins taken before
+# the program ran. So replacing ``compile``, ``exec``, ``type`` or ``isinstance``, by a global of the
+# program or in the ``builtins`` module, changes nothing for the tests.
 HARNESS = """\
-import os, sys
+import builtins, os, sys
 
 
 def _covey_harness(program, tests):
     token = sys.stdin.readline().strip()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    namespace = {{"__name__": "solution"}}
-    exec(compile(program, "solution.py", "exec"), namespace)
-    exec(compile(tests, "tests.py", "exec"), namespace)
-    sys.stdout.flush()
-    os.write(1, ("\\n" + token + "\\n").encode())
+    compile_, exec_, flush, write = compile, exec, sys.stdout.flush, os.write
+    pristine = dict(vars(builtins))
+    solution = {{"__name__": "solution"}}
+    exec_(compile_(program, "solution.py", "exec"), solution)
+    checked = {{name: value for name, value in solution.items() if name not in pristine}}
+    checked.update(__builtins__=pristine, __name__="solution")
+    exec_(compile_(tests, "tests.py", "exec"), checked)
+    flush()
+    write(1, ("\\n" + token + "\\n").encode())
 
 
 _covey_harness({program!r}, {tests!r})

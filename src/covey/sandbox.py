@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+from covey import sandbox_boot
 from covey.errors import RewardError
 
 BOOT = Path(__file__).with_name("sandbox_boot.py")
@@ -37,6 +38,8 @@ INTERPRETER = os.path.realpath(sys.executable)
 PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
 FIRST_SANDBOX_UID, SANDBOX_UIDS = 3_000_000_000, 64  # one unused uid per concurrent program
 GRACE_SECONDS = 2.0  # beyond the timeout, for starting and cleaning up, before the caller kills everything
+CLEANUP_SECONDS = 1.0  # for a boot that is stopped early to clean up after its program, before it is killed
+POLL_SECONDS = 0.05  # how often the caller checks whether the boot has ended while no output comes
 
 
 class Isolation(enum.Enum):
@@ -107,9 +110,8 @@ def run_python(source: str, *, timeout: float, memory_limit_mb: int, output_limi
         try:
             streams = _read_until_done(boot, report_read, start + timeout + GRACE_SECONDS, output_limit_bytes)
         finally:
+            _end(boot)
             os.close(report_read)
-            _kill_group(boot.pid)
-            boot.wait()
             if uid is not None:
                 _kill_processes_of(uid)
         seconds = time.monotonic() - start
@@ -143,9 +145,13 @@ def _classify(outcome: dict | None, stderr: bytes, overflow: bool, deadline: boo
 
 
 def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit: int) -> dict[str, bytes]:
-    """Read stdout, stderr and the boot's report until all three close. Adds the key "overflow" when
-    stdout or stderr exceeded ``limit`` bytes, "deadline" when ``deadline`` passed first; both stop
-    reading at once."""
+    """Read stdout, stderr and the boot's report until all three close or the boot has ended. Adds the
+    key "overflow" when stdout or stderr exceeded ``limit`` bytes, "deadline" when ``deadline`` passed
+    first; both stop reading at once.
+
+    The boot ends only when nothing of the program is left, so then all it wrote is in the pipes: read
+    what is there and stop. Waiting for end-of-file alone could last until the deadline, because a
+    process that this one forks meanwhile (a reward worker, say) holds copies of the pipes' ends."""
     selector = selectors.DefaultSelector()
     for name, fd in (("stdout", boot.stdout.fileno()), ("stderr", boot.stderr.fileno()), ("report", report)):
         selector.register(fd, selectors.EVENT_READ, name)
@@ -156,7 +162,11 @@ def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit
             if remaining <= 0:
                 streams["deadline"] = b""
                 break
-            for key, _ in selector.select(remaining):
+            ended = _has_ended(boot.pid)
+            events = selector.select(0 if ended else min(remaining, POLL_SECONDS))
+            if ended and not events:
+                break
+            for key, _ in events:
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
@@ -170,6 +180,33 @@ def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit
         boot.stdout.close()
         boot.stderr.close()
     return streams
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether the child ``pid`` has exited, without reaping it (so its pid stays reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped: this process ignores SIGCHLD
+        return True
+
+
+def _end(boot: subprocess.Popen) -> None:
+    """Leave nothing of the sandbox running, then reap the boot.
+
+    A boot still running (output over the limit, deadline passed) is not simply killed with its group:
+    a program that started a session of its own is not in that group, and with the boot gone nothing
+    would clean up after it. So the processes below the boot are killed; the boot sees its program
+    end, cleans up completely (as a child subreaper, or by ending its PID namespace) and exits. Only a
+    boot that has not ended ``CLEANUP_SECONDS`` later is killed itself, right after another kill of
+    what is below it."""
+    give_up = time.monotonic() + CLEANUP_SECONDS
+    while not _has_ended(boot.pid):
+        sandbox_boot.kill_below(boot.pid)
+        if time.monotonic() > give_up:
+            break
+        time.sleep(0.005)
+    _kill_group(boot.pid)
+    boot.wait()
 
 
 def _kill_group(pgid: int) -> None:

@@ -2,7 +2,8 @@
 
 It enters the isolation, starts the program with its limits, enforces the wall time, reports how the
 program ended, and leaves nothing of it running. It runs as its own script under ``python -I -S``, so it
-uses the standard library only and imports nothing from covey.
+uses the standard library only and imports nothing from covey. ``covey.sandbox`` imports it too, for
+``kill_below``; importing it starts nothing.
 
     python -I -S sandbox_boot.py SETTINGS_JSON
 
@@ -194,47 +195,57 @@ def wait_for(pid: int, timeout: float) -> dict:
     return {"exit": os.waitstatus_to_exitcode(status)}
 
 
-def live_descendants(root: int) -> list[int]:
-    """The processes below ``root`` that are not zombies, from /proc."""
+def kill_below(root: int) -> None:
+    """SIGKILL the live processes below ``root`` that one walk of /proc finds.
+
+    The walk reads the newest processes first and kills a child of ``root`` as soon as it reads it: in
+    a chain of processes that each fork a successor and exit at once, the link alive now is gone long
+    before a walk of a busy machine ends, and where ``root`` is a child subreaper the oldest live link
+    is its child."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if fields[0] not in "ZX":
-                children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [root]
+    for pid in sorted((int(entry) for entry in os.listdir("/proc") if entry.isdigit()), reverse=True):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # gone meanwhile
+            continue
+        if state not in "ZX":
+            children.setdefault(int(parent), []).append(pid)
+            if int(parent) == root:
+                kill(pid)
+    todo = children.get(root, [])
     while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
+        below = [child for pid in todo for child in children.get(pid, [])]
+        for pid in below:
+            kill(pid)
+        todo = below
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def kill_descendants() -> None:
     """Kill every process the program left, and reap them. This process is a child subreaper, so
-    orphans, even ones that started their own session, become its children instead of init's."""
-    while family := live_descendants(os.getpid()):
-        for pid in family:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        reap_children()
+    orphans, even ones that started their own session, become its children instead of init's: while
+    any process is left below it, it has a child. So it repeats until it has none, not until a walk
+    of /proc finds nothing (a walk misses a process forked by one that exits during it)."""
+    while reap_children():
+        kill_below(os.getpid())
         time.sleep(0.001)
-    reap_children()
 
 
-def reap_children() -> None:
-    """Collect the exit status of every child that has ended."""
+def reap_children() -> bool:
+    """Collect the exit status of every child that has ended; whether any child is left."""
     try:
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
-    except ChildProcessError:  # no children left
-        pass
+    except ChildProcessError:
+        return False
+    return True
 
 
 def write_report(report: int, outcome: dict) -> None:
