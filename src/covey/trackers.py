@@ -9,7 +9,6 @@ whatever ``report_to`` says (see ``covey.telemetry``).
 from __future__ import annotations
 
 import contextlib
-
 import importlib.util
 import netrc
 import os
