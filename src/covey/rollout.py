@@ -47,9 +47,8 @@ class Rollout:
 
 class RolloutEngine(Protocol):
     """Engines that keep their own copy of the weights (vLLM, a ``covey server``) also have
-    ``policy_changed(model)``, which the trainer calls after every optimizer step: the new weights are
-    pushed once, before the next ``generate``. Engines that sample with the policy module itself (fast,
-    hf) have no such method."""
+    ``policy_changed(model)`` (see ``OwnWeights``), which the trainer calls after every optimizer step.
+    Engines that sample with the policy module itself (fast, hf) have no such method."""
 
     # False when the sampling log-probs may differ from the trainer's float32 forward (bf16, vLLM):
     # the trainer then applies the engine/trainer importance-sampling correction
@@ -57,6 +56,29 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout: ...
+
+
+class OwnWeights:
+    """For engines that keep their own copy of the weights: after ``policy_changed(model)`` the weights
+    are pushed once, at the next ``generate`` (however many optimizer steps came before it).
+    Subclasses implement ``_push_weights(model)`` and call ``_push_if_stale()`` first in ``generate``."""
+
+    unsynced_policy: torch.nn.Module | None = None
+
+    def policy_changed(self, model: torch.nn.Module) -> None:
+        self.unsynced_policy = model
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s current weights (LoRA merged) now."""
+        self._push_weights(model)
+        self.unsynced_policy = None
+
+    def _push_if_stale(self) -> None:
+        if self.unsynced_policy is not None:
+            self.sync_weights(self.unsynced_policy)
+
+    def _push_weights(self, model: torch.nn.Module) -> None:
+        raise NotImplementedError
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],

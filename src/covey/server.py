@@ -33,7 +33,7 @@ import torch
 from covey import errors
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, ModelError
-from covey.rollout import Rollout, SamplingParams
+from covey.rollout import OwnWeights, Rollout, SamplingParams
 from covey.vllm_engine import policy_weights
 
 CHUNK_BYTES = 256 * 2**20  # weights per /weights request
@@ -281,7 +281,7 @@ def run_server(args: GRPOConfig, backend_name: str, host: str, port: int) -> int
 # ---- the client ---------------------------------------------------------------------------------------
 
 
-class ServerEngine:
+class ServerEngine(OwnWeights):
     """A rollout engine that forwards to a ``covey server``.
 
     ``policy``: the training model; its weights are pushed before the first ``generate`` so the
@@ -306,21 +306,15 @@ class ServerEngine:
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        if self.unsynced_policy is not None:
-            self.sync_weights(self.unsynced_policy)
+        self._push_if_stale()
         request = {"prompt_ids": [list(map(int, ids)) for ids in prompt_ids], "num_generations": num_generations,
                    "params": params_to_json(params), "seed": seed}
         reply = self._post("/generate", json.dumps(request).encode(), "application/json")
         self.exact_logprobs = bool(reply["exact_logprobs"])
         return rollout_from_json(reply, self.pad_token_id)
 
-    def policy_changed(self, model: torch.nn.Module) -> None:
-        """The trainer took an optimizer step: push ``model``'s weights before the next generate (once,
-        however many steps come before it)."""
-        self.unsynced_policy = model
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the policy's current weights (LoRA merged), checking each request's count and checksum."""
+    def _push_weights(self, model: torch.nn.Module) -> None:
+        """Send the weights in chunks, checking each request's tensor count and checksum."""
         from safetensors.torch import save
 
         sent = 0
@@ -335,7 +329,6 @@ class ServerEngine:
         if reply["tensors"] != sent:
             raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} tensors of the {sent} pushed; "
                              "is another trainer pushing to the same server?")
-        self.unsynced_policy = None
 
     def _wait_for_health(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -183,18 +183,7 @@ class GRPOTrainer:
         else:
             source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
             self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
-        overflowed: list[int] = []
-        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows], args.max_prompt_length,
-                                    "train_dataset", args.prompt_overflow, overflowed)
-        kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
-        if not kept:
-            raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
-        self.train_rows, self.prompt_ids = [self.train_rows[i] for i in kept], [prompt_ids[i] for i in kept]
-        self.prompt_overflow_count = len(overflowed)
-        if overflowed:
-            action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
-            warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
-                          f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=2)
+        self._encode_train_prompts()
 
         self.model = self._build_policy(model, peft_config)
         if model is None or isinstance(model, str):
@@ -228,6 +217,21 @@ class GRPOTrainer:
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
         if self.resume_from is not None:
             self._restore(self.resume_from)
+
+    def _encode_train_prompts(self) -> None:
+        """Token ids of every training prompt; rows over max_prompt_length follow prompt_overflow."""
+        args, overflowed = self.args, []
+        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows], args.max_prompt_length,
+                                    "train_dataset", args.prompt_overflow, overflowed)
+        kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
+        if not kept:
+            raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
+        self.train_rows, self.prompt_ids = [self.train_rows[i] for i in kept], [prompt_ids[i] for i in kept]
+        self.prompt_overflow_count = len(overflowed)
+        if overflowed:
+            action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
+            warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
+                          f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=3)
 
     def _build_policy(self, model: Any, peft_config: Any) -> torch.nn.Module:
         """The model to train: loaded if given by name, wrapped in LoRA when asked."""
@@ -305,18 +309,24 @@ class GRPOTrainer:
                     log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time))
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
-        if args.log_completions and (first_step == 0 or self.global_step == args.max_steps
-                                     or _crossed(first_step, self.global_step, args.log_completions_steps)):
-            log.log_completions(self.global_step, batch.records, args.num_completions_to_print)
-        # checkpoints are written between generation rounds, where the state is small and complete
-        if args.save_steps and _crossed(first_step, self.global_step, args.save_steps) or self.stop_signal:
-            path = self.save_checkpoint()
-            log.info(f"checkpoint saved: {path}")
+        self._end_round(log, first_step, batch.records)
+
+    def _end_round(self, log: RunLog, first_step: int, records: list[dict]) -> None:
+        """After a round's optimizer steps: record its completions when due, then checkpoint when due or
+        asked to stop. Checkpoints fall between rounds, where the state is small and complete."""
+        args, step = self.args, self.global_step
+        if args.log_completions and (first_step == 0 or step == args.max_steps
+                                     or _crossed(first_step, step, args.log_completions_steps)):
+            log.log_completions(step, records, args.num_completions_to_print)
+        if not (args.save_steps and _crossed(first_step, step, args.save_steps) or self.stop_signal):
+            return
+        path = self.save_checkpoint()
+        log.info(f"checkpoint saved: {path}")
         if self.stop_signal:
-            name = signal.Signals(self.stop_signal).name
             raise TrainingInterrupted(
-                f"stopped by {name} at step {self.global_step}; checkpoint saved in {path}. Continue with: "
-                f"covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto", self.stop_signal)
+                f"stopped by {signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {path}. "
+                f"Continue with: covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto",
+                self.stop_signal)
 
     def generate_and_score(self, indices: list[int] | None = None) -> tuple[GenerationBatch, dict[str, float]]:
         """Steps 1-4 of the loop for the next prompts (or the training rows at ``indices``)."""
@@ -469,22 +479,21 @@ class GRPOTrainer:
 
     def save_checkpoint(self) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path."""
-        state = {"global_step": self.global_step, "rounds_sampled": self.rounds_sampled, "bad_steps": self.bad_steps,
-                 "consecutive_bad_steps": self.consecutive_bad_steps, "reward_errors": self.reward_errors,
-                 "warned_reward_errors": self.warned_reward_errors, "sampler": self.sampler.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "history": self.history, "before": self.before}
-        moving_reference = self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
-        return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state, moving_reference,
-                               self.args.save_total_limit)
+        state = {key: getattr(self, key) for key in RESUMED_ATTRIBUTES}
+        state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict())
+        return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
+                               self._moving_reference(), self.args.save_total_limit)
 
     def _restore(self, path: Path) -> None:
-        moving_reference = self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
-        state = load_checkpoint(path, self.model, self.optimizer, moving_reference)
+        state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference())
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
-        for key in ("global_step", "rounds_sampled", "bad_steps", "consecutive_bad_steps", "reward_errors",
-                    "warned_reward_errors", "history", "before"):
+        for key in RESUMED_ATTRIBUTES:
             setattr(self, key, state[key])
+
+    def _moving_reference(self) -> torch.nn.Module | None:
+        """The reference model when sync_ref_model moves it (then a checkpoint must carry it), else None."""
+        return self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
 
     def _save_config(self) -> None:
         """config.yaml of the run; a resumed run with changed settings keeps the first one beside it."""
@@ -613,6 +622,10 @@ class GRPOTrainer:
             hyperparameters, self.global_step, before, after, adapter=is_peft_model(self.model)))
         return summary
 
+
+# the trainer's own state a checkpoint carries (besides model, optimizer, scheduler, data position, RNGs)
+RESUMED_ATTRIBUTES = ("global_step", "rounds_sampled", "bad_steps", "consecutive_bad_steps", "reward_errors",
+                      "warned_reward_errors", "history", "before")
 
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
                      "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")

@@ -24,7 +24,7 @@ import torch
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, ModelError
 from covey.models import is_peft_model, resolve_model_path
-from covey.rollout import Rollout, SamplingParams
+from covey.rollout import OwnWeights, Rollout, SamplingParams
 
 INSTALL_HINT = ("install it with pip install 'covey[vllm]' on a machine with a CUDA GPU, "
                 "or use rollout_engine: fast")
@@ -202,7 +202,7 @@ def import_vllm():
     return vllm
 
 
-class VLLMEngine:
+class VLLMEngine(OwnWeights):
     """Sampling with a ``vllm.LLM`` in this process; weights pushed with ``sync_weights``.
 
     ``policy``: the training model; its weights are pushed before the first ``generate``, so vLLM
@@ -226,8 +226,7 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        if self.unsynced_policy is not None:
-            self.sync_weights(self.unsynced_policy)
+        self._push_if_stale()
         from vllm import SamplingParams as VLLMSamplingParams
 
         kwargs = vllm_sampling_kwargs(params, num_generations, self.eos_token_ids)
@@ -256,13 +255,6 @@ class VLLMEngine:
         """Cached prefixes were computed with the old weights: drop them."""
         self.llm.reset_prefix_cache()
 
-    def policy_changed(self, model: torch.nn.Module) -> None:
-        """The trainer took an optimizer step: push ``model``'s weights before the next generate (once,
-        however many steps come before it)."""
-        self.unsynced_policy = model
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the policy's current weights (LoRA merged) into vLLM."""
+    def _push_weights(self, model: torch.nn.Module) -> None:
         self.load_weights(policy_weights(model))
         self.finish_weight_update()
-        self.unsynced_policy = None
