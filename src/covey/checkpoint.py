@@ -138,12 +138,8 @@ def _rng_states() -> tuple[dict[str, torch.Tensor], dict]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             torch_states[f"cuda.{i}"] = s
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return torch_states, {"python": _to_lists(random.getstate()),
+    return torch_states, {"python": random.getstate(),  # JSON writes its tuples as lists
                           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-
-
-def _to_lists(value: Any) -> Any:
-    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -214,6 +210,12 @@ def _load_model(folder: Path, model: torch.nn.Module) -> None:
                               f"{unexpected[:3]}); resume with the same model as the run that saved it")
 
 
+def python_random_state(saved: list) -> tuple:
+    """A ``random.getstate()`` value back from its JSON form (lists where it had tuples)."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
+
+
 def _restore_rng(torch_states: dict[str, torch.Tensor], other: dict) -> None:
     import numpy as np
 
@@ -221,7 +223,6 @@ def _restore_rng(torch_states: dict[str, torch.Tensor], other: dict) -> None:
     cuda = [torch_states[f"cuda.{i}"] for i in range(sum(k.startswith("cuda.") for k in torch_states))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-    version, internal, gauss = other["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(python_random_state(other["python"]))
     kind, keys, pos, has_gauss, cached = other["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

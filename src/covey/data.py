@@ -145,10 +145,10 @@ class PromptSampler:
 
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
-        version, internal, gauss = self.rng.getstate()
-        return {"rng": [version, list(internal), gauss], "order": list(self.order), "epoch": self.epoch}
+        return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
+        from covey.checkpoint import python_random_state
+
+        self.rng.setstate(python_random_state(state["rng"]))
         self.order, self.epoch = list(state["order"]), state["epoch"]
