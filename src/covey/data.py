@@ -89,27 +89,17 @@ def check_rows(rows: list[dict], source: str) -> None:
 
 def check_reward_columns(rows: list[dict], reward_funcs: list, source: str) -> None:
     """Every column a reward function requires by name exists and has a value in every row."""
-    import inspect
+    from covey.rewards import required_columns, reward_name
 
-    from covey.rewards import reward_name
-
-    passed_by_the_trainer = {"prompts", "completions", "completion_ids"}
     for func in reward_funcs:
-        try:
-            parameters = inspect.signature(func).parameters.values()
-        except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
-            continue
-        needed = [p.name for p in parameters if p.default is inspect.Parameter.empty
-                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in passed_by_the_trainer]
-        name = reward_name(func)
-        for column in needed:
+        for column in sorted(required_columns(func)):
             if column not in rows[0]:
-                raise DataError(f"{source}: reward function {name!r} needs a column {column!r}, which the data lacks "
-                                f"(columns: {', '.join(rows[0])}); add it or give the parameter a default")
+                raise DataError(f"{source}: reward function {reward_name(func)!r} needs a column {column!r}, which "
+                                f"the data lacks (columns: {', '.join(rows[0])}); add it or give the parameter a default")
             empty = next((i for i, row in enumerate(rows) if row[column] is None), None)
             if empty is not None:
-                raise DataError(f"{source}, row {empty}: column {column!r}, needed by reward function {name!r}, "
-                                "is empty; fill it in or drop the row")
+                raise DataError(f"{source}, row {empty}: column {column!r}, needed by reward function "
+                                f"{reward_name(func)!r}, is empty; fill it in or drop the row")
 
 
 def is_conversational(rows: list[dict]) -> bool:

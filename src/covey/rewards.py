@@ -132,7 +132,6 @@ class SoftOverlongPenalty:
 
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
-# Built-ins that take settings (from the config fields named in their help).
 def code_tests(**settings: Any) -> RewardFunc:
     """The sandboxed code-execution reward (``covey.code_reward``; Linux only, so imported on use)."""
     from covey.code_reward import CodeTests
@@ -140,6 +139,7 @@ def code_tests(**settings: Any) -> RewardFunc:
     return CodeTests(**settings)
 
 
+# Built-ins that take settings (from the config fields named in their help).
 BUILTIN_REWARD_FACTORIES: dict[str, Callable[..., RewardFunc]] = {"soft_overlong_penalty": SoftOverlongPenalty,
                                                                 "code_tests": code_tests}
 
@@ -183,6 +183,20 @@ def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] |
 
 def reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
+
+
+# what every reward function receives from the trainer; its other parameters name dataset columns
+TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids"})
+
+
+def required_columns(func: RewardFunc) -> set[str]:
+    """The dataset columns ``func`` needs: its parameters without a default, other than the trainer's."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return set()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - TRAINER_REWARD_ARGS
 
 
 def _call(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:

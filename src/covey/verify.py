@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -29,9 +28,9 @@ import torch
 from covey import core, text
 from covey.config import GRPOConfig
 from covey.errors import CoveyError, DataError, RewardError
+from covey.rewards import TRAINER_REWARD_ARGS, required_columns, reward_name
 
 STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
-STANDARD_REWARD_ARGS = {"prompts", "completions", "completion_ids"}
 
 
 @dataclass
@@ -108,11 +107,11 @@ def check_data(report: Report, trainer) -> None:
                f"longest {longest} <= {args.max_prompt_length} tokens", "raise max_prompt_length")
     columns = set(rows[0]) - {"prompt"}
     for func in trainer.reward_funcs:
-        needed = _required_arguments(func) - STANDARD_REWARD_ARGS
+        needed = required_columns(func)
         missing = needed - columns
-        report.add("data", f"columns for {_name(func)}", not missing,
+        report.add("data", f"columns for {reward_name(func)}", not missing,
                    ", ".join(sorted(needed)) or "none needed",
-                   f"reward {_name(func)} needs dataset column(s) {sorted(missing)}; add them to the data")
+                   f"reward {reward_name(func)} needs dataset column(s) {sorted(missing)}; add them to the data")
 
 
 def check_decode(report: Report, trainer) -> None:
@@ -143,7 +142,7 @@ def check_columns(report: Report, trainer, indices: list[int], calls: list[dict]
     G = trainer.args.num_generations
     if not calls:
         return
-    columns = {k: v for k, v in calls[0].items() if k not in STANDARD_REWARD_ARGS}
+    columns = {k: v for k, v in calls[0].items() if k not in TRAINER_REWARD_ARGS}
     bad = [(k, i) for k, values in columns.items() for i, v in enumerate(values)
            if v != trainer.train_rows[indices[i // G]][k]]
     report.add("data", "columns aligned with completions", not bad, f"{len(columns)} column(s) checked",
@@ -156,7 +155,7 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
     for j, func in enumerate(trainer.reward_funcs):
         column = rewards_BF[:, j]
         defined = column[~column.isnan()]
-        report.add("rewards", f"{_name(func)} varies over the batch", defined.numel() > 1 and bool(defined.std() > 0),
+        report.add("rewards", f"{reward_name(func)} varies over the batch", defined.numel() > 1 and bool(defined.std() > 0),
                    f"{defined.numel()} values, std {float(defined.std()) if defined.numel() > 1 else 0:.3g}",
                    "a constant reward gives no signal: make it incremental (partial credit)", warn_only=True)
         start = time.perf_counter()
@@ -165,11 +164,11 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
             kwargs = {k: [v[i]] for k, v in calls[0].items()}
             single.append(func(**kwargs)[0])
         per_call = (time.perf_counter() - start) / B
-        report.add("rewards", f"{_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
+        report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
                    "a slow reward dominates the step: cache or batch its work", warn_only=True)
         want = torch.tensor([math.nan if v is None else float(v) for v in single], dtype=torch.float64)
         same = torch.allclose(column.nan_to_num(1e9), want.nan_to_num(1e9), atol=1e-9)
-        report.add("rewards", f"{_name(func)} values belong to their completions", same,
+        report.add("rewards", f"{reward_name(func)} values belong to their completions", same,
                    "scored one by one = scored as a batch" if same else "mismatch",
                    "the reward table is shifted or reordered against the completions: see rewards.score_completions "
                    "(or the function depends on batch order or randomness)")
@@ -344,19 +343,6 @@ def check_engine(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def _name(func) -> str:
-    return getattr(func, "__name__", type(func).__name__)
-
-
-def _required_arguments(func) -> set[str]:
-    try:
-        parameters = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    return {p.name for p in parameters if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
 def _record_reward_calls(trainer) -> list[dict]:
     calls: list[dict] = []
 
@@ -366,8 +352,8 @@ def _record_reward_calls(trainer) -> list[dict]:
             try:
                 return func(**kwargs)
             except Exception as e:  # a user function's own bug: report it as the rewards stage
-                raise RewardError(f"reward function {_name(func)!r} raised {type(e).__name__}: {e}") from e
-        wrapper.__name__ = _name(func)
+                raise RewardError(f"reward function {reward_name(func)!r} raised {type(e).__name__}: {e}") from e
+        wrapper.__name__ = reward_name(func)
         return wrapper
 
     trainer.reward_funcs = [recording(f) for f in trainer.reward_funcs]
