@@ -104,18 +104,17 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.data import heldout_rows
     from covey.evaluation import evaluate
     from covey.models import eos_token_ids, load_policy, load_tokenizer
-    from covey.rewards import load_reward_func
     from covey.rollout import make_engine
-    from covey.trainer import builtin_reward_settings
+    from covey.trainer import load_rewards
 
     rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9)
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
-    reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in args.reward_funcs]
+    reward_funcs, reward_weights = load_rewards(args)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
     engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.bf16, args=args)
-    result = evaluate(engine, tokenizer, rows, reward_funcs, args.reward_weights or [1.0] * len(reward_funcs),
+    result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights,
                       args.max_completion_length, args.max_prompt_length, strip_reasoning=args.strip_reasoning)
     Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "
                     f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")

@@ -60,8 +60,13 @@ def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths
     end_B = torch.minimum(first_eos_B + 1, torch.full_like(first_eos_B, T))
     if lengths_B is not None:
         end_B = torch.minimum(end_B, lengths_B)
-    positions_BT = torch.arange(T, device=completion_ids_BT.device).expand(B, T)
-    return (positions_BT < end_B.unsqueeze(1)).long()
+    return length_mask(end_B, T)
+
+
+def length_mask(lengths_B: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T) long mask: 1 at the first ``lengths_B[b]`` positions of row b, 0 after."""
+    positions_BT = torch.arange(T, device=lengths_B.device).expand(len(lengths_B), T)
+    return (positions_BT < lengths_B.unsqueeze(1)).long()
 
 
 # ---- advantages ---------------------------------------------------------------------------------

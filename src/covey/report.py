@@ -264,7 +264,6 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     for plot in plots:
         (out / f"{plot.panel.name}.png").write_bytes(plot.png)
     _remove_stale_plots(out, run, {f"{plot.panel.name}.png" for plot in plots})
-    page = out / "report.html"
     page.write_text(render_page(run, plots), encoding="utf-8")
     return page
 

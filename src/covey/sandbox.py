@@ -224,8 +224,7 @@ def _kill_processes_of(uid: int) -> None:
         if not live and time.monotonic() > deadline:
             return
         for pid in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            sandbox_boot.kill(pid)
         time.sleep(0.001)
 
 

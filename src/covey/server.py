@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator, Protocol
 import torch
 
 from covey import errors
+from covey.core import length_mask
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.rollout import OwnWeights, Rollout, SamplingParams
@@ -119,8 +120,7 @@ def rollout_from_json(reply: dict[str, Any], pad_token_id: int) -> Rollout:
     """The ``Rollout`` the server's engine returned, padded with the client's pad id. float32 values
     survive JSON exactly (each is written as the shortest decimal that reads back to it)."""
     ids_BT = torch.tensor(reply["completion_ids"], dtype=torch.long)
-    B, T = ids_BT.shape
-    mask_BT = (torch.arange(T).expand(B, T) < torch.tensor(reply["lengths"]).unsqueeze(1)).long()
+    mask_BT = length_mask(torch.tensor(reply["lengths"], dtype=torch.long), ids_BT.shape[1])
     return Rollout(ids_BT.masked_fill(mask_BT == 0, pad_token_id), mask_BT,
                    torch.tensor(reply["sampling_logp"], dtype=torch.float32), list(reply["finish_reasons"]))
 
@@ -294,7 +294,6 @@ class ServerEngine(OwnWeights):
         self.chunk_bytes = chunk_bytes
         # the server is reached directly, never through an HTTP proxy from the environment
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        self.request_timeout = REQUEST_TIMEOUT
         info = self._wait_for_health(timeout)
         self.exact_logprobs = bool(info["exact_logprobs"])
         self.weight_dtype = getattr(torch, info["weight_dtype"])
@@ -354,7 +353,7 @@ class ServerEngine(OwnWeights):
         request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type},
                                          method="POST")
         try:
-            with self.opener.open(request, timeout=self.request_timeout) as response:
+            with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             try:

@@ -105,6 +105,17 @@ def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
             "code_tests": {"timeout": args.code_timeout, "memory_limit_mb": args.code_memory_limit_mb}}
 
 
+def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | None = None
+                 ) -> tuple[list[RewardFunc], list[float]]:
+    """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0)."""
+    funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+    weights = args.reward_weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions; "
+                          "give one weight per function")
+    return funcs, weights
+
+
 def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
     """The run folder; refuses to write into one that already holds files unless told to or resuming
     (a checkpoint given without output_dir continues in the run folder it belongs to)."""
@@ -155,12 +166,8 @@ class GRPOTrainer:
         self.args = args = args or GRPOConfig()
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
-        self.reward_funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+        self.reward_funcs, self.reward_weights = load_rewards(args, reward_funcs)
         self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
-        self.reward_weights = args.reward_weights or [1.0] * len(self.reward_funcs)
-        if len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} reward functions; give one weight per function")
         self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from covey.config import GRPOConfig
+from covey.core import length_mask
 from covey.errors import ConfigError, ModelError
 from covey.models import is_peft_model, resolve_model_path
 from covey.rollout import OwnWeights, Rollout, SamplingParams
@@ -88,7 +89,7 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
             raise ModelError("vLLM returned no log-prob for some sampled tokens; the engine must ask for logprobs=0")
         ids_BT[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logp_BT[row, : len(tokens)] = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-    mask_BT = (torch.arange(T).expand(B, T) < lengths_B.unsqueeze(1)).long()
+    mask_BT = length_mask(lengths_B, T)
     return Rollout(ids_BT, mask_BT, logp_BT, [finish_reason(c) for c in rows])
 
 
@@ -217,10 +218,11 @@ class VLLMEngine(OwnWeights):
         vllm = import_vllm()
         model_path = model_path or model_source(policy)
         _single_process_group_env()
-        self.llm = vllm.LLM(**llm_kwargs(args, model_path))
+        settings = llm_kwargs(args, model_path)
+        self.llm = vllm.LLM(**settings)
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
-        self.weight_dtype = "bfloat16" if args.bf16 else "float32"
+        self.weight_dtype = settings["dtype"]
         self.exact_logprobs = False  # other kernels than the trainer's forward: always corrected
         self.unsynced_policy = policy
 
