@@ -16,7 +16,6 @@ Every GRPOConfig field is an option in dash-case; YAML values are overridden by 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -144,12 +143,9 @@ def cmd_generate(argv: list[str]) -> int:
     from rich.console import Console
 
     from covey.telemetry import completions_table
-    from covey.trainer import GRPOTrainer
+    from covey.trainer import GRPOTrainer, one_batch_settings
 
-    # nothing is written: no run folder is created unless train() runs
-    args = dataclasses.replace(args, output_dir=None, eval_max_samples=0, per_device_train_batch_size=namespace.num_prompts * args.num_generations,
-                               gradient_accumulation_steps=1, steps_per_generation=None)
-    trainer = GRPOTrainer(args=args, quiet=True)
+    trainer = GRPOTrainer(args=one_batch_settings(args, namespace.num_prompts), quiet=True)
     indices = list(range(min(namespace.num_prompts, len(trainer.train_rows))))
     batch, _ = trainer.generate_and_score(indices)
     table = completions_table(batch.records, title=f"{len(batch.records)} completions of {len(indices)} prompts")

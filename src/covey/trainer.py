@@ -116,6 +116,14 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
     return funcs, weights
 
 
+def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
+    """``args`` for sampling and scoring one batch of ``num_prompts`` prompts without training: nothing
+    is written (no run folder unless train() runs, no evaluation)."""
+    return dataclasses.replace(args, output_dir=None, eval_max_samples=0, gradient_accumulation_steps=1,
+                               per_device_train_batch_size=num_prompts * args.num_generations,
+                               steps_per_generation=None, **changes)
+
+
 def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
     """The run folder; refuses to write into one that already holds files unless told to or resuming
     (a checkpoint given without output_dir continues in the run folder it belongs to)."""

@@ -18,7 +18,6 @@ FAIL names the broken stage:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -60,14 +59,11 @@ class Report:
 def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
            reward_funcs=None) -> Report:
     """Check the pipeline ``args`` describes (or the given objects) stage by stage."""
-    from covey.trainer import GRPOTrainer
+    from covey.trainer import GRPOTrainer, one_batch_settings
 
     report = Report()
-    G = args.num_generations
-    settings = dataclasses.replace(
-        args, output_dir=None, eval_max_samples=0,  # nothing is written: train() never runs here
-        max_steps=1, log_completions=False, per_device_train_batch_size=num_prompts * G, gradient_accumulation_steps=1,
-        steps_per_generation=None, num_iterations=1, dynamic_sampling=False)
+    settings = one_batch_settings(args, num_prompts, max_steps=1, log_completions=False, num_iterations=1,
+                                  dynamic_sampling=False)
     try:
         trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
                               args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True)
