@@ -69,7 +69,19 @@ def wandb_key_configured() -> bool:
         return False
 
 
-class WandbTracker:
+class _RunTracker:
+    """A tracker whose run object takes ``log(metrics, step=...)`` and ``finish()`` (W&B, Trackio)."""
+
+    run: Any
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbTracker(_RunTracker):
     """A W&B run saved under RUN_DIR/wandb/, in the project WANDB_PROJECT (default "covey").
 
     WANDB_MODE is respected. Without it and without an API key the run is logged offline (``wandb sync``
@@ -88,14 +100,8 @@ class WandbTracker:
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir),
                               config=config, mode=mode)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
-
-
-class TrackioTracker:
+class TrackioTracker(_RunTracker):
     """A run in Trackio's local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio; ``trackio show``
     opens it), in the project TRACKIO_PROJECT (default "covey"). Trackio needs no network unless
     TRACKIO_SPACE_ID names a Hugging Face Space to sync to."""
@@ -104,12 +110,6 @@ class TrackioTracker:
         import trackio
 
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=run_name, config=config)
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MLflowTracker:
