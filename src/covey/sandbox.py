@@ -108,7 +108,7 @@ def run_python(source: str, *, timeout: float, memory_limit_mb: int, output_limi
         finally:
             os.close(report_write)
         try:
-            streams = _read_until_done(boot, report_read, start + timeout + GRACE_SECONDS, output_limit_bytes)
+            streams, stopped = _read_until_done(boot, report_read, start + timeout + GRACE_SECONDS, output_limit_bytes)
         finally:
             _end(boot)
             os.close(report_read)
@@ -121,17 +121,17 @@ def run_python(source: str, *, timeout: float, memory_limit_mb: int, output_limi
     if errors:
         raise RewardError(f"the sandbox ({level.value}) could not start the program: {errors[0]}; "
                           "see docs/sandbox.md for what each isolation level needs")
-    status, returncode = _classify(outcomes[-1] if outcomes else None, stderr, "overflow" in streams,
-                                   "deadline" in streams)
+    status, returncode = _classify(outcomes[-1] if outcomes else None, stderr, stopped)
     stdout, stderr = (data[:output_limit_bytes].decode("utf-8", errors="replace") for data in (stdout, stderr))
     return SandboxResult(status, returncode, stdout, stderr, seconds, level)
 
 
-def _classify(outcome: dict | None, stderr: bytes, overflow: bool, deadline: bool) -> tuple[str, int | None]:
-    """The status and return code of a run from the boot's report (None: the boot did not report)."""
-    if overflow:
+def _classify(outcome: dict | None, stderr: bytes, stopped: str | None) -> tuple[str, int | None]:
+    """The status and return code of a run from the boot's report (None: the boot did not report) and
+    why reading stopped early, if it did ("overflow" or "deadline")."""
+    if stopped == "overflow":
         return "output_limit", None
-    if deadline or (outcome is not None and "timeout" in outcome):
+    if stopped == "deadline" or (outcome is not None and "timeout" in outcome):
         return "timeout", None
     if outcome is None:  # the boot itself was killed
         return "killed", None
@@ -144,10 +144,11 @@ def _classify(outcome: dict | None, stderr: bytes, overflow: bool, deadline: boo
     return ("memory" if last_line.startswith(b"MemoryError") else "error"), code
 
 
-def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit: int) -> dict[str, bytes]:
-    """Read stdout, stderr and the boot's report until all three close or the boot has ended. Adds the
-    key "overflow" when stdout or stderr exceeded ``limit`` bytes, "deadline" when ``deadline`` passed
-    first; both stop reading at once.
+def _read_until_done(boot: subprocess.Popen, report: int, deadline: float,
+                     limit: int) -> tuple[dict[str, bytes], str | None]:
+    """Read stdout, stderr and the boot's report until all three close or the boot has ended; the bytes
+    read, and why reading stopped early: "overflow" when stdout or stderr exceeded ``limit`` bytes,
+    "deadline" when ``deadline`` passed first (else None).
 
     The boot ends only when nothing of the program is left, so then all it wrote is in the pipes: read
     what is there and stop. Waiting for end-of-file alone could last until the deadline, because a
@@ -160,8 +161,7 @@ def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit
         while selector.get_map():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                streams["deadline"] = b""
-                break
+                return streams, "deadline"
             ended = _has_ended(boot.pid)
             events = selector.select(0 if ended else min(remaining, POLL_SECONDS))
             if ended and not events:
@@ -173,13 +173,12 @@ def _read_until_done(boot: subprocess.Popen, report: int, deadline: float, limit
                     continue
                 streams[key.data] = streams.get(key.data, b"") + chunk
                 if key.data != "report" and len(streams[key.data]) > limit:
-                    streams["overflow"] = b""
-                    return streams
+                    return streams, "overflow"
     finally:
         selector.close()
         boot.stdout.close()
         boot.stderr.close()
-    return streams
+    return streams, None
 
 
 def _has_ended(pid: int) -> bool:
