@@ -3,10 +3,19 @@
 import pytest
 import torch
 
+from covey.decoder import LeanDecoder
 from covey.fast_rollout import FastEngine, process_logits
 from covey.rollout import HFEngine, SamplingParams
 from tests.conftest import make_model
 from tests.test_rollout_and_logprobs import _always_emit, _full_forward_logprobs, _prompts
+
+
+@pytest.fixture(params=["lean", "model"])
+def decoder(request, monkeypatch):
+    """Run a test with each of the fast engine's decoders (the lean one where it applies)."""
+    if request.param == "model":
+        monkeypatch.setattr(LeanDecoder, "supports", staticmethod(lambda model, dtype: False))
+    return request.param
 
 
 def engines(model, tokenizer):
@@ -15,7 +24,7 @@ def engines(model, tokenizer):
 
 
 @pytest.mark.parametrize("G", [1, 3])
-def test_greedy_is_token_identical_to_transformers_generate(tokenizer, G):
+def test_greedy_is_token_identical_to_transformers_generate(tokenizer, G, decoder):
     model = make_model(len(tokenizer), seed=4)
     hf, fast = engines(model, tokenizer)
     prompts = _prompts(tokenizer) + [tokenizer("a longer third prompt", add_special_tokens=False)["input_ids"]]
@@ -26,7 +35,7 @@ def test_greedy_is_token_identical_to_transformers_generate(tokenizer, G):
     assert torch.allclose(a.sampling_logp_BT, b.sampling_logp_BT, atol=1e-5)
 
 
-def test_sampled_logprobs_match_a_full_forward(tokenizer):
+def test_sampled_logprobs_match_a_full_forward(tokenizer, decoder):
     model = make_model(len(tokenizer), seed=1)
     _, fast = engines(model, tokenizer)
     prompts = _prompts(tokenizer)
@@ -90,15 +99,14 @@ def test_processors_match_transformers(tokenizer):
     assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)], atol=1e-6)
 
 
-def test_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tokenizer):
+def test_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tokenizer, decoder):
     V = len(tokenizer)
     logits = torch.full((V,), -1e4)
     logits[tokenizer.eos_token_id] = 0.0
     logits[50] = 0.0  # EOS with probability 1/2 at every step
     model = known_distribution_model(tokenizer, logits)
     batch_sizes = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]),
-                                    with_kwargs=True)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: batch_sizes.append(out.shape[0]))
     _, fast = engines(model, tokenizer)
     rollout = fast.generate(_prompts(tokenizer), 8, SamplingParams(max_new_tokens=12), seed=0)
     assert batch_sizes[0] == 2  # two prompts, each prefilled once for its 8 samples
@@ -143,3 +151,89 @@ def test_fast_greedy_matches_transformers_on_the_default_model():
     b = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer).generate(prompts, 1, params)
     assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
     assert torch.allclose(a.sampling_logp_BT, b.sampling_logp_BT, atol=1e-4)
+
+
+def qwen2_with_biases(vocab_size: int):
+    """A tiny Qwen2: q/k/v projections with biases, untied head (the other supported layout)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def decode_with(decoder, prompts, steps_BS, repeats):
+    """Prefill ``prompts`` (left-padded), then feed the tokens of ``steps_BS`` one column at a time;
+    the logits after the prompt and after each fed token. (B, S + 1, V)"""
+    from covey.rollout import left_pad
+
+    ids, mask = left_pad(prompts, 0)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = [decoder.prefill(ids, mask, positions, repeats)]
+    next_position = positions[:, -1].repeat_interleave(repeats) + 1
+    for t in range(steps_BS.shape[1]):
+        out.append(decoder.step(steps_BS[:, t], next_position + t))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
+def test_lean_decoder_computes_the_models_logits(tokenizer, build):
+    from covey.decoder import ModelDecoder
+
+    model = build(len(tokenizer))
+    assert LeanDecoder.supports(model, torch.float32)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]  # the second is left-padded
+    steps = torch.randint(4, len(tokenizer), (4, 6))
+    lean = decode_with(LeanDecoder(model, torch.float32, max_length=16), prompts, steps, repeats=2)
+    reference = decode_with(ModelDecoder(model), prompts, steps, repeats=2)
+    assert torch.allclose(lean, reference, atol=1e-4)
+    # and the full forward of each row, without any cache
+    for row in range(4):
+        ids = torch.tensor([prompts[row // 2] + steps[row].tolist()])
+        with torch.no_grad():
+            full = model(input_ids=ids).logits[0, len(prompts[row // 2]) - 1:]
+        assert torch.allclose(lean[row], full, atol=1e-4)
+
+
+def test_lean_decoder_refuses_more_positions_than_its_cache(tokenizer, tiny_model):
+    decoder = LeanDecoder(tiny_model, torch.float32, max_length=4)
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        decode_with(decoder, [[5, 6, 7]], torch.tensor([[8, 9]]), repeats=1)
+
+
+def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenizer):
+    model = make_model(len(tokenizer), seed=2, layers=3)
+    prompts, steps = [[5, 6, 7, 8], [9, 10]], torch.randint(4, len(tokenizer), (2, 8))
+    exact = decode_with(LeanDecoder(model, torch.float32, max_length=16), prompts, steps, repeats=1)
+    bf16 = decode_with(LeanDecoder(model, torch.bfloat16, max_length=16), prompts, steps, repeats=1)
+    diff = (torch.log_softmax(bf16, -1) - torch.log_softmax(exact, -1)).abs()
+    assert 0 < diff.max() < 0.05  # bfloat16 products: close, not equal
+    assert FastEngine(model, 0, [3], bf16=True).exact_logprobs is False
+
+
+def test_lora_policy_samples_with_its_merged_weights_in_bf16(tokenizer):
+    from covey.models import add_lora
+
+    policy = add_lora(make_model(len(tokenizer), seed=6), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)  # a trained adapter: B != 0
+    assert not LeanDecoder.supports(policy, torch.float32)  # float32 LoRA samples through the model's forward
+    assert LeanDecoder.supports(policy, torch.bfloat16)
+    prompts, steps = [[5, 6, 7, 8]], torch.randint(4, len(tokenizer), (1, 5))
+    lean = decode_with(LeanDecoder(policy, torch.bfloat16, max_length=16), prompts, steps, repeats=1)
+    ids = torch.tensor([prompts[0] + steps[0].tolist()])
+    with torch.no_grad():
+        adapted = policy(input_ids=ids).logits[0, 3:]
+        with policy.disable_adapter():
+            base = policy(input_ids=ids).logits[0, 3:]
+    assert (lean[0] - adapted).abs().max() < 0.1 * (base - adapted).abs().max()
+    assert all(not p.dtype == torch.bfloat16 for p in policy.parameters())  # the policy itself is untouched

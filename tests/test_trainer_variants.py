@@ -107,19 +107,25 @@ class InexactEngine(HFEngine):
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tokenizer, mode):
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tokenizer, mode, num_iterations):
     model = make_model(len(tokenizer))
     args = small_args(tmp_path, eval_max_samples=0, max_steps=1, vllm_importance_sampling_mode=mode,
-                      vllm_importance_sampling_clip_max=1.5)
+                      vllm_importance_sampling_clip_max=1.5, num_iterations=num_iterations)
     engine = InexactEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer, rollout_engine=engine, quiet=True)
     batch, _ = trainer.generate_and_score([0, 1])
-    assert batch.old_logp_BT is not None
-    expected = core.engine_importance_weights(batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(),
+    sampler_logp_BT = trainer._logprobs_no_grad(trainer.model, batch.sequences)  # the policy that sampled
+    expected = core.engine_importance_weights(sampler_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(),
                                               mode, 1.5)
-    assert torch.equal(batch.engine_weights, expected)
-    token_w = torch.exp(batch.old_logp_BT - batch.sampling_logp_BT)[batch.loss_mask_BT == 1]
+    if num_iterations == 1:  # the policy does not move before it trains: the training forward gives the weights
+        assert batch.old_logp_BT is None and batch.engine_weights_pending
+        trainer.optimize(batch)
+    else:  # a separate pass before the policy moves
+        assert batch.old_logp_BT is not None and not batch.engine_weights_pending
+    assert torch.allclose(batch.engine_weights, expected, atol=1e-5)
+    token_w = torch.exp(sampler_logp_BT - batch.sampling_logp_BT)[batch.loss_mask_BT == 1]
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
 
 

@@ -12,10 +12,10 @@ from torch import nn
 
 from covey import GRPOConfig
 from covey.errors import ConfigError, ModelError
-from covey.models import add_lora, load_policy
+from covey.models import add_lora, base_parameter_name, load_policy, policy_weights
 from covey.rollout import HFEngine, SamplingParams, make_engine
-from covey.vllm_engine import (VLLMEngine, base_parameter_name, finish_reason, llm_kwargs, model_source,
-                               policy_weights, request_seeds, rollout_from_outputs, vllm_sampling_kwargs)
+from covey.vllm_engine import (VLLMEngine, finish_reason, llm_kwargs, model_source,
+                               request_seeds, rollout_from_outputs, vllm_sampling_kwargs)
 from tests.conftest import make_model, make_tokenizer
 from tests.test_rollout_and_logprobs import _full_forward_logprobs, _prompts
 

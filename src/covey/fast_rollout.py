@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from covey.core import completion_mask
-from covey.models import autocast, cache_keyword
+from covey.decoder import LeanDecoder, ModelDecoder
+from covey.models import autocast
 from covey.rollout import Rollout, SamplingParams, left_pad
 
 
@@ -58,26 +59,30 @@ def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> to
 
 
 class FastEngine:
-    """Batched KV-cache sampling with shared prompt prefill and early exit of finished rows."""
+    """Batched KV-cache sampling with shared prompt prefill and early exit of finished rows.
+
+    ``bf16``: matrix products in bfloat16 (a bfloat16 copy of the weights for Llama-family models,
+    autocast otherwise); the sampling log-probs then differ slightly from the trainer's float32
+    forward, and the trainer applies the engine/trainer importance-sampling correction."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], tokenizer=None,
-                 autocast_bf16: bool = False):
+                 bf16: bool = False):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer  # only needed for stop strings
-        self.autocast_bf16 = autocast_bf16
-        # bf16 kernels make the sampling log-probs drift from the trainer's float32 forward
-        self.exact_logprobs = not autocast_bf16
+        self.bf16 = bf16
+        self.exact_logprobs = not bf16
 
-    def _forward(self, cache, **inputs):
-        return self.model(**inputs, **{cache_keyword(self.model): cache}, use_cache=True).logits[:, -1]
+    def _decoder(self, max_length: int) -> LeanDecoder | ModelDecoder:
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        if LeanDecoder.supports(self.model, dtype):
+            return LeanDecoder(self.model, dtype, max_length)
+        return ModelDecoder(self.model)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        from transformers import DynamicCache
-
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -86,23 +91,20 @@ class FastEngine:
         generator.manual_seed(seed if seed is not None else torch.seed())
         G = num_generations
         try:
-            with autocast(device, self.autocast_bf16):
+            with autocast(device, self.bf16):
                 # prefill each distinct prompt once, then give every sample of its group a copy
                 ids_NP, mask_NP = left_pad(prompt_ids, self.pad_token_id)
                 ids_NP, mask_NP = ids_NP.to(device), mask_NP.to(device)
                 positions_NP = (mask_NP.cumsum(1) - 1).clamp(min=0)
-                cache = DynamicCache(config=getattr(model, "config", None))
-                logits_BV = self._forward(cache, input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions_NP,
-                                          logits_to_keep=1).repeat_interleave(G, dim=0)
-                if G > 1:
-                    cache.batch_repeat_interleave(G)
-                rollout = self._decode(cache, logits_BV, mask_NP.repeat_interleave(G, dim=0),
-                                       positions_NP[:, -1].repeat_interleave(G) + 1, params, generator, device)
+                decoder = self._decoder(ids_NP.shape[1] + params.max_new_tokens)
+                logits_BV = decoder.prefill(ids_NP, mask_NP, positions_NP, G)
+                rollout = self._decode(decoder, logits_BV, positions_NP[:, -1].repeat_interleave(G) + 1, params,
+                                       generator, device)
         finally:
             model.train(was_training)
         return rollout
 
-    def _decode(self, cache, logits_BV, attention_BL, next_position_B, params, generator, device) -> Rollout:
+    def _decode(self, decoder, logits_BV, next_position_B, params, generator, device) -> Rollout:
         B, T = logits_BV.shape[0], params.max_new_tokens
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long)
         logp_BT = torch.zeros(B, T)
@@ -131,13 +133,10 @@ class FastEngine:
             if t == T - 1 or not keep_B.any():
                 break
             if not keep_B.all():  # finished rows leave the batch and the cache
-                keep_idx = keep_B.nonzero().squeeze(1)
-                cache.batch_select_indices(keep_idx.to(device))
-                active, next_B = active[keep_idx], next_B[keep_idx.to(device)]
-                attention_BL, next_position_B = attention_BL[keep_idx.to(device)], next_position_B[keep_idx.to(device)]
-            attention_BL = torch.cat([attention_BL, torch.ones_like(attention_BL[:, :1])], dim=1)
-            logits_BV = self._forward(cache, input_ids=next_B[:, None], attention_mask=attention_BL,
-                                      position_ids=next_position_B[:, None])
+                keep_idx = keep_B.nonzero().squeeze(1).to(device)
+                decoder.keep(keep_idx)
+                active, next_B, next_position_B = active[keep_idx.cpu()], next_B[keep_idx], next_position_B[keep_idx]
+            logits_BV = decoder.step(next_B, next_position_B)
             next_position_B = next_position_B + 1
         mask_BT = completion_mask(tokens_BT, self.eos_token_ids, lengths_B)
         tokens_BT = tokens_BT.masked_fill(mask_BT == 0, self.pad_token_id)

@@ -82,15 +82,15 @@ class OwnWeights:
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],
-                autocast_bf16: bool = False, args: GRPOConfig | None = None) -> RolloutEngine:
+                bf16: bool = False, args: GRPOConfig | None = None) -> RolloutEngine:
     """The rollout engine called ``name`` ("fast", "hf" or "vllm") over ``model``; "vllm" needs the
     run's config ``args`` (``vllm_mode`` and the vLLM settings)."""
     if name == "hf":
-        return HFEngine(model, tokenizer.pad_token_id, eos_token_ids, autocast_bf16)
+        return HFEngine(model, tokenizer.pad_token_id, eos_token_ids, bf16)
     if name == "fast":
         from covey.fast_rollout import FastEngine
 
-        return FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, autocast_bf16)
+        return FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, bf16)
     if name == "vllm":
         if args is None:
             raise ConfigError("rollout_engine: vllm needs the run's config to build its engine")

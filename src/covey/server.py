@@ -35,7 +35,7 @@ from covey.core import length_mask
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.rollout import OwnWeights, Rollout, SamplingParams
-from covey.vllm_engine import policy_weights
+from covey.models import policy_weights
 
 CHUNK_BYTES = 256 * 2**20  # weights per /weights request
 # one request may take a while (a long rollout, a large weight chunk), but never forever: a stalled
@@ -63,11 +63,11 @@ class FastBackend:
 
     name = "fast"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int], autocast_bf16: bool = False):
+    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int], bf16: bool = False):
         from covey.fast_rollout import FastEngine
 
         self.model = model
-        self.engine = FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, autocast_bf16)
+        self.engine = FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, bf16)
         self.exact_logprobs = self.engine.exact_logprobs
         self.weight_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
 
@@ -259,7 +259,7 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
         model = load_policy(args.model, args.trust_remote_code)
         if is_peft_model(model):  # a saved adapter: the server holds plain weights, as the trainer pushes them
             model = model.merge_and_unload()
-        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer), args.bf16)
+        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer), args.sample_in_bf16)
     raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
 
 

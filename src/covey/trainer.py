@@ -61,6 +61,7 @@ class GenerationBatch:
     old_logp_BT: torch.Tensor | None = None  # None: the policy has not moved since generation (ratio is 1)
     ref_logp_BT: torch.Tensor | None = None  # None when beta == 0
     engine_weights: torch.Tensor | None = None  # engine/trainer importance weights, (B, T) or (B, 1)
+    engine_weights_pending: bool = False  # True: filled in by the training forward (see generate_and_score)
 
     def select(self, rows: list[int]) -> "GenerationBatch":
         """The given rows (before advantages and log-probs are attached)."""
@@ -208,7 +209,7 @@ class GRPOTrainer:
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids,
-                                                    args.bf16, args=args)
+                                                    args.sample_in_bf16, args=args)
         self.device = next(self.model.parameters()).device
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
@@ -362,12 +363,16 @@ class GRPOTrainer:
         #    compare with the engine) and of the reference (only when beta > 0)
         engine_mismatch = args.vllm_importance_sampling_correction and not getattr(self.engine, "exact_logprobs", True)
         policy_moves = args.num_iterations > 1 or args.micro_batches_per_generation > args.gradient_accumulation_steps
-        if policy_moves or engine_mismatch:
+        if policy_moves:
             batch.old_logp_BT = self._logprobs_no_grad(self.model, batch.sequences)
-        if engine_mismatch:
-            batch.engine_weights = core.engine_importance_weights(
-                batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(), args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min)
+        if engine_mismatch and policy_moves:
+            batch.engine_weights = self._engine_weights(batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT)
+        elif engine_mismatch:
+            # the policy that sampled is the one every micro-batch trains with: the training forward's
+            # own log-probs give the weights, without a separate pass
+            sequence_level = args.vllm_importance_sampling_mode.startswith("sequence")
+            batch.engine_weights = torch.ones(len(batch.records), 1 if sequence_level else batch.loss_mask_BT.shape[1])
+            batch.engine_weights_pending = True
         if self.reference is not None:
             with self.reference.model() as ref_model:
                 batch.ref_logp_BT = self._logprobs_no_grad(ref_model, batch.sequences)
@@ -459,6 +464,10 @@ class GRPOTrainer:
             reuse = batch.old_logp_BT is None or policy_unchanged
             old_BT = logp_BT.detach() if reuse else batch.old_logp_BT[rows, :T].to(self.device)
             ref_BT = None if batch.ref_logp_BT is None else batch.ref_logp_BT[rows, :T].to(self.device)
+            if batch.engine_weights_pending:
+                computed = self._engine_weights(old_BT, batch.sampling_logp_BT[rows, :T].to(self.device),
+                                                batch.loss_mask_BT[rows, :T].to(self.device))
+                batch.engine_weights[rows, :computed.shape[1]] = computed.cpu()
             weights = None if batch.engine_weights is None else batch.engine_weights[rows, :T].to(self.device)
             loss, stats = core.policy_loss(
                 logp_BT, old_BT, batch.advantages_B[rows].to(self.device), batch.loss_mask_BT[rows, :T].to(self.device),
@@ -469,6 +478,13 @@ class GRPOTrainer:
                 totals[key] = totals.get(key, 0.0) + float(value)
         totals["grad_norm"] = self.apply_gradients()
         return totals
+
+    def _engine_weights(self, trainer_logp_BT: torch.Tensor, sampling_logp_BT: torch.Tensor,
+                        mask_BT: torch.Tensor) -> torch.Tensor:
+        args = self.args
+        return core.engine_importance_weights(
+            trainer_logp_BT, sampling_logp_BT, mask_BT.float(), args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min)
 
     def apply_gradients(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule; the gradient norm.

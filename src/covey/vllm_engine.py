@@ -7,15 +7,14 @@ sampled token under the *processed* distribution (after repetition penalty, temp
 top-p and min-p): the distribution it actually sampled from, which is what the engine/trainer
 importance-sampling correction needs.
 
-Everything that does not need vLLM itself (sampling settings, output conversion, merged weights
-and their names) is a plain function here, so it is tested on any machine.
+Everything that does not need vLLM itself (sampling settings, output conversion; the merged
+weights are ``covey.models.policy_weights``) is a plain function here, so it is tested on any machine.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 from typing import Any, Iterable, Iterator
 
@@ -24,7 +23,7 @@ import torch
 from covey.config import GRPOConfig
 from covey.core import length_mask
 from covey.errors import ConfigError, ModelError
-from covey.models import is_peft_model, resolve_model_path
+from covey.models import is_peft_model, policy_weights, resolve_model_path
 from covey.rollout import OwnWeights, Rollout, SamplingParams
 
 INSTALL_HINT = ("install it with pip install 'covey[vllm]' on a machine with a CUDA GPU, "
@@ -97,65 +96,6 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
 
 # a LoRA layer's own tensors (lora_A, lora_B, lora_embedding_*, lora_magnitude_vector) and the frozen
 # copy a modules_to_save wrapper keeps: none of them exists in the plain model
-_ADAPTER_PART = re.compile(r"(^|\.)(lora_[A-Za-z_]+|original_module)\.")
-
-
-def base_parameter_name(name: str, adapters: list[str]) -> str | None:
-    """The plain model's name of a parameter of a PEFT base model, or None for adapter-only tensors.
-
-        model.layers.0.self_attn.q_proj.base_layer.weight -> model.layers.0.self_attn.q_proj.weight
-        lm_head.modules_to_save.default.weight            -> lm_head.weight
-    """
-    if _ADAPTER_PART.search(name):
-        return None
-    name = name.replace(".base_layer.", ".")
-    for adapter in adapters:
-        name = name.replace(f".modules_to_save.{adapter}.", ".")
-    return None if ".modules_to_save." in name else name  # an inactive adapter's copy
-
-
-@torch.no_grad()
-def _merged(layer: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:
-    """``param`` (the base layer's weight or bias) with the layer's active adapters added, as a new
-    tensor; the layer itself is not modified."""
-    if layer.merged or layer.disable_adapters:  # the base weight already is what the model computes with
-        return param.detach()
-    merged = param.detach()
-    for adapter in layer.active_adapters:
-        if adapter not in layer.scaling:
-            continue
-        if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
-            raise ModelError(f"adapter {adapter!r} is a LoRA variant (DoRA, ...) whose merged weights covey does not "
-                             "compute; train with plain LoRA (use_dora off) to sample with vLLM")
-        if leaf == "weight":
-            merged = merged + layer.get_delta_weight(adapter).to(merged.dtype)
-        elif leaf == "bias" and getattr(layer, "lora_bias", {}).get(adapter, False):
-            merged = merged + (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
-    return merged
-
-
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight of the policy under the plain model's names; a LoRA model
-    yields W + scale * B @ A for each adapted layer. One tensor at a time, and the training model is
-    never modified (merging in place and back would drift the base weights in floating point)."""
-    if not is_peft_model(model):
-        for name, param in model.named_parameters():
-            yield name, param.detach()
-        return
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    adapters = list(model.active_adapters)
-    lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    for name, param in base.named_parameters():
-        target = base_parameter_name(name, adapters)
-        if target is None:
-            continue
-        owner, _, leaf = name.rpartition(".base_layer.")
-        layer = lora_layers.get(owner) if owner else None
-        yield target, _merged(layer, leaf, param) if layer is not None else param.detach()
-
-
 # ---- the engine ------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,206 @@
+"""The fast engine's forward passes: a prompt prefill, then one token per row per step.
+
+Two implementations behind the same three calls (``prefill``, ``step``, ``keep``):
+
+- ``LeanDecoder``, for Llama-family models (``LeanDecoder.supports``): the same function as the
+  Hugging Face forward written out as plain tensor operations over a preallocated KV cache. It
+  skips what a general forward pays on every step (cache objects, mask building, module dispatch)
+  and, in bfloat16, runs on its own copy of the weights with q/k/v and gate/up fused into one
+  matrix each, built from the policy (LoRA merged) at the start of a rollout and dropped at its
+  end, so it never holds memory while the trainer does.
+- ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model (and
+  for a LoRA policy in float32, where a merged copy would cost a full-precision copy of the model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from covey.models import cache_keyword, is_peft_model, policy_weights
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+class LeanDecoder:
+    """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
+    products and KV cache; the residual stream, norms and rotary embedding stay in float32, as under
+    autocast."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+        config = getattr(_base(model), "config", None)
+        return (config is not None and config.model_type in ARCHITECTURES
+                and getattr(config, "hidden_act", None) == "silu"
+                and not getattr(config, "use_sliding_window", False)
+                and getattr(config, "pretraining_tp", 1) in (None, 1)
+                # float32 runs on the model's own tensors; merging LoRA would need a float32 copy
+                and not (dtype == torch.float32 and is_peft_model(model)))
+
+    @torch.no_grad()
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int):
+        base = _base(model)
+        config = base.config
+        self.dtype, self.max_length = dtype, max_length
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.embed, self.rotary = base.get_input_embeddings(), base.model.rotary_emb
+        self.scale = base.model.layers[0].self_attn.scaling
+        weights = dict(policy_weights(model))
+        # float32 uses the parameters themselves (no copy); a dtype change copies anyway, so fuse then
+        fuse = dtype != weights["model.norm.weight"].dtype
+
+        def cast(name):
+            return weights[name].to(dtype) if name in weights else None
+
+        def norm(name):
+            return weights[name].float()
+
+        def project(prefix, parts):
+            ws = [cast(f"{prefix}.{p}.weight") for p in parts]
+            bs = [cast(f"{prefix}.{p}.bias") for p in parts]
+            if any(b is not None for b in bs):
+                bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
+            if fuse:
+                return [(torch.cat(ws), torch.cat(bs) if bs[0] is not None else None)]
+            return list(zip(ws, bs))
+
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}"
+            self.layers.append(dict(
+                qkv=project(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
+                o=project(f"{p}.self_attn", ("o_proj",))[0],
+                gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
+                down=project(f"{p}.mlp", ("down_proj",))[0],
+                attn_norm=norm(f"{p}.input_layernorm.weight"),
+                mlp_norm=norm(f"{p}.post_attention_layernorm.weight")))
+        self.norm = norm("model.norm.weight")
+        tied = "lm_head.weight" not in weights
+        self.head = (cast("model.embed_tokens.weight" if tied else "lm_head.weight"), cast("lm_head.bias"))
+        self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = 0  # cache positions filled
+        self.valid_BL: torch.Tensor | None = None  # (B, max_length) which cache positions hold real tokens
+
+    # ---- the three calls ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, ids_NP: torch.Tensor, mask_NP: torch.Tensor, positions_NP: torch.Tensor,
+                repeats: int) -> torch.Tensor:
+        """Run the N prompts once, then give each ``repeats`` rows of cache. Logits (N * repeats, V)."""
+        N, P = ids_NP.shape
+        device = ids_NP.device
+        shape = (N, self.n_kv_heads, self.max_length, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+        self.valid_BL = torch.zeros(N, self.max_length, dtype=torch.bool, device=device)
+        self.valid_BL[:, :P] = mask_NP.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        # every query may see itself, so the padding positions never attend to nothing (NaN)
+        attend = (causal & self.valid_BL[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
+        logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]
+        self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
+        return logits.repeat_interleave(repeats, dim=0)
+
+    @torch.no_grad()
+    def step(self, ids_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+        """One new token per row. Logits (B, V)."""
+        self._check_room(1)
+        self.valid_BL[:, self.length] = True
+        attend = self.valid_BL[:, None, None, : self.length + 1]
+        return self._forward(ids_B[:, None], positions_B[:, None], attend)[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of the cache (in this order; an index may repeat)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.valid_BL = self.valid_BL[rows]
+
+    # ---- the model ----------------------------------------------------------------------------
+
+    def _forward(self, ids_BS: torch.Tensor, positions_BS: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        B, S = ids_BS.shape
+        self._check_room(S)
+        start, end = self.length, self.length + S
+        x = self.embed(ids_BS).float()
+        cos, sin = self.rotary(x, positions_BS)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["attn_norm"])
+            q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2)
+                       for t in self._linear(h, layer["qkv"], self.qkv_sizes))
+            q, k = _rotate(q, cos, sin).to(self.dtype), _rotate(k, cos, sin)
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v
+            attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
+                                                  attn_mask=attend, scale=self.scale, enable_gqa=True)
+            x = x + F.linear(attn.transpose(1, 2).reshape(B, S, -1), *layer["o"])
+            h = self._rms_norm(x, layer["mlp_norm"])
+            gate, up = self._linear(h, layer["gate_up"], None)
+            x = x + F.linear(F.silu(gate) * up, *layer["down"])
+        self.length = end
+        return F.linear(self._rms_norm(x, self.norm), *self.head).float()
+
+    def _check_room(self, new_positions: int) -> None:
+        if self.length + new_positions > self.max_length:
+            raise ValueError(f"the decoder's cache holds {self.max_length} positions; "
+                             f"{self.length + new_positions} were asked for")
+
+    @staticmethod
+    def _linear(x: torch.Tensor, parts: list, sizes: list[int] | None) -> list[torch.Tensor]:
+        """x times each (weight, bias) of ``parts``; a single fused part is split back."""
+        if len(parts) > 1:
+            return [F.linear(x, w, b) for w, b in parts]
+        out = F.linear(x, *parts[0])
+        return list(out.split(sizes, -1)) if sizes else list(out.chunk(2, -1))
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
+        return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(self.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (the rotate-half form)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class ModelDecoder:
+    """The same three calls over the model's own forward and a ``DynamicCache``."""
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=getattr(_base(model), "config", None))
+        self.cache_keyword = cache_keyword(model)
+        self.attention_BL: torch.Tensor | None = None
+
+    def _forward(self, **inputs) -> torch.Tensor:
+        out = self.model(**inputs, **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def prefill(self, ids_NP, mask_NP, positions_NP, repeats: int) -> torch.Tensor:
+        logits = self._forward(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions_NP)
+        if repeats > 1:
+            self.cache.batch_repeat_interleave(repeats)
+        self.attention_BL = mask_NP.repeat_interleave(repeats, dim=0)
+        return logits.repeat_interleave(repeats, dim=0)
+
+    @torch.no_grad()
+    def step(self, ids_B, positions_B) -> torch.Tensor:
+        self.attention_BL = torch.cat([self.attention_BL, torch.ones_like(self.attention_BL[:, :1])], dim=1)
+        return self._forward(input_ids=ids_B[:, None], attention_mask=self.attention_BL,
+                             position_ids=positions_B[:, None])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attention_BL = self.attention_BL[rows]
