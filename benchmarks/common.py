@@ -13,9 +13,9 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
-    """Measured float32 matmul rate (GFLOP/s), median of several timings."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 20) -> float:
+    """Measured matrix-product rate (GFLOP/s) in ``dtype``, median of several timings."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b
     times = []
     for _ in range(repeats):
@@ -38,15 +38,13 @@ def copy_gbps(mib: int = 256, repeats: int = 10) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def decode_roofline(model: torch.nn.Module, batch: int, gflops: float, gbps: float) -> float:
-    """Upper bound on generated tokens/s at this batch size: each decode step reads every weight
-    once (memory) and does 2 FLOPs per weight per row (compute); the slower of the two wins."""
-    params = sum(p.numel() for p in model.parameters())
-    if getattr(model.config, "tie_word_embeddings", False):
-        params += model.get_output_embeddings().weight.numel()  # the head is read and multiplied too
-    flops_per_token = 2 * params
-    step_seconds = max(batch * flops_per_token / (gflops * 1e9), params * 4 / (gbps * 1e9))
-    return batch / step_seconds
+def decode_step_seconds(model: torch.nn.Module, rows: int, gflops: float, gbps: float, bytes_per_weight: int) -> float:
+    """Least time of one decode step over ``rows`` rows: every weight is read once (memory) and does
+    2 FLOPs per row (compute); the slower of the two bounds the step."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    # the embedding table is only indexed (a few rows); the head is read and multiplied in full
+    params = sum(p.numel() for p in model.parameters() if p is not embedding) + (head.numel() if head is embedding else 0)
+    return max(rows * 2 * params / (gflops * 1e9), params * bytes_per_weight / (gbps * 1e9))
 
 
 def load_default():

@@ -1,11 +1,17 @@
-"""Rollout speed: covey's fast engine vs transformers generate vs the machine's roofline.
+"""Rollout speed: covey's fast engine (float32 and bfloat16) vs transformers generate vs the roofline.
 
 Realistic rollouts of the default task: the default model, arithmetic prompts, temperature 1,
-up to 128 new tokens; useful tokens are those up to and including EOS. Each row runs both engines
-alternately ``--repeats`` times on the same prompts and reports medians; the ratio is taken
-within the run.
+up to 128 new tokens; useful tokens are those up to and including EOS. Each row runs the engines
+alternately ``--repeats`` times on the same prompts and reports medians; ratios are taken within
+the run.
 
-    python benchmarks/rollout.py --repeats 3
+The roofline is computed in the same run from the machine's measured matrix-product rate and copy
+bandwidth, for the dtype the engine runs in: a decode step reads every weight once (memory) and
+does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
+runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
+the rollouts actually measured (the least work that yields these completions).
+
+    python -m benchmarks.rollout --repeats 3
 """
 
 from __future__ import annotations
@@ -16,18 +22,24 @@ import time
 
 import torch
 
-from benchmarks.common import copy_gbps, decode_roofline, load_default, machine, matmul_gflops
+from benchmarks.common import copy_gbps, decode_step_seconds, load_default, machine, matmul_gflops
 from covey.fast_rollout import FastEngine
 from covey.rollout import HFEngine, SamplingParams
 from covey.tasks import arithmetic
 from covey.text import encode_prompts
 
 
-def useful_tokens_per_second(engine, prompts, G, params, seed):
+def run(engine, prompts, G, params, seed):
     start = time.perf_counter()
     rollout = engine.generate(prompts, G, params, seed=seed)
-    seconds = time.perf_counter() - start
-    return int(rollout.lengths_B.sum()) / seconds, float(rollout.lengths_B.float().mean())
+    return time.perf_counter() - start, rollout.lengths_B
+
+
+def roofline(model, lengths_B: torch.Tensor, limits: tuple[float, float, int], as_sampled: bool) -> float:
+    """Useful tokens/s of an engine at the machine's limits producing completions of these lengths."""
+    steps = int(lengths_B.max())
+    rows = [int((lengths_B > t).sum()) if as_sampled else len(lengths_B) for t in range(steps)]
+    return float(lengths_B.sum()) / sum(decode_step_seconds(model, n, *limits) for n in rows)
 
 
 def main() -> None:
@@ -37,29 +49,48 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer, eos = load_default()
-    engines = {"hf": HFEngine(model, tokenizer.pad_token_id, eos),
-               "fast": FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)}
-    gflops, gbps = matmul_gflops(), copy_gbps()
-    print(f"machine: {machine()}; measured fp32 matmul {gflops:.0f} GFLOP/s, copy {gbps:.1f} GB/s\n")
+    pad = tokenizer.pad_token_id
+    engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
+               "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
+    limits = {"fast": (matmul_gflops(torch.float32), copy_gbps(), 4),
+              "fast bf16": (matmul_gflops(torch.bfloat16), copy_gbps(), 2)}
+    print(f"machine: {machine()}; measured matmul float32 {limits['fast'][0]:.0f} GFLOP/s, "
+          f"bfloat16 {limits['fast bf16'][0]:.0f} GFLOP/s, copy {limits['fast'][1]:.1f} GB/s\n")
     rows = arithmetic("train")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
-    print("| prompts x G | hf tok/s | fast tok/s | fast / hf | roofline tok/s | fast / roofline | mean length |")
-    print("|---|---|---|---|---|---|---|")
+    speed, roof = [], []
     for n_prompts, G in ((1, 8), (1, 16), (2, 8), (2, 16)):
         prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[:n_prompts]], 512)
-        engines["fast"].generate(prompts, G, SamplingParams(max_new_tokens=4), seed=0)  # warm-up
+        for engine in engines.values():  # warm-up
+            engine.generate(prompts, G, SamplingParams(max_new_tokens=4), seed=0)
         rates = {name: [] for name in engines}
-        lengths = []
+        lengths = {name: [] for name in engines}
         for rep in range(args.repeats):
             for name, engine in engines.items():
-                rate, mean_length = useful_tokens_per_second(engine, prompts, G, params, seed=rep)
-                rates[name].append(rate)
-                lengths.append(mean_length)
-        hf, fast = statistics.median(rates["hf"]), statistics.median(rates["fast"])
-        ratios = [f / h for f, h in zip(rates["fast"], rates["hf"])]
-        roof = decode_roofline(model, n_prompts * G, gflops, gbps)
-        print(f"| {n_prompts} x {G} | {hf:.0f} | {fast:.0f} | {statistics.median(ratios):.2f}x | {roof:.0f} | "
-              f"{fast / roof:.0%} | {statistics.mean(lengths):.0f} |", flush=True)
+                seconds, lengths_B = run(engine, prompts, G, params, seed=rep)
+                rates[name].append(float(lengths_B.sum()) / seconds)
+                lengths[name].append(lengths_B)
+        median = {name: statistics.median(r) for name, r in rates.items()}
+        vs_hf = {name: statistics.median(f / h for f, h in zip(rates[name], rates["hf"])) for name in ("fast", "fast bf16")}
+        mean_length = statistics.mean(float(length.float().mean()) for ls in lengths.values() for length in ls)
+        speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {vs_hf['fast']:.2f}x | "
+                     f"{median['fast bf16']:.0f} | {vs_hf['fast bf16']:.2f}x | {mean_length:.0f} |")
+        cells = []
+        for name in ("fast", "fast bf16"):
+            for as_sampled in (False, True):
+                bound = statistics.median(roofline(model, ls, limits[name], as_sampled) for ls in lengths[name])
+                fraction = statistics.median(r / roofline(model, ls, limits[name], as_sampled)
+                                             for r, ls in zip(rates[name], lengths[name]))
+                cells.append(f"{bound:.0f} | {fraction:.0%}")
+        roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
+        print(speed[-1], flush=True)
+    print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | fast bf16 tok/s | fast bf16 / hf | mean length |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(speed))
+    print("\n| prompts x G | fp32 roofline, full batch | fast | fp32 roofline, as sampled | fast | "
+          "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(roof))
 
 
 if __name__ == "__main__":

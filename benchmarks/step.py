@@ -3,11 +3,15 @@
 Same model (the default, SmolLM2-135M-Instruct), 2 prompts x 8 generations of the arithmetic
 task, up to 64 completion tokens, beta 0.04, the same two rewards; full fine-tuning and LoRA;
 TRL's defaults otherwise (covey is given the same learning rate, loss type and sampling). Each
-measurement runs in a fresh process (so peak memory is that run's own); covey and TRL alternate,
+measurement runs in a fresh process (so peak memory is that run's own); the variants alternate,
 ``--repeats`` times, and the first step of every run is left out as warm-up.
 
+Variants: ``covey`` (float32), ``covey-rollout-bf16`` (float32 training, bfloat16 sampling),
+``covey-bf16`` (bf16: true), ``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default,
+bf16 mixed precision). Each covey variant is compared with each TRL variant of the same run.
+
     pip install -e .[bench]          # trl
-    python benchmarks/step.py --repeats 2 --steps 4
+    python -m benchmarks.step --repeats 2 --steps 4 --variants covey covey-rollout-bf16 trl
 """
 
 from __future__ import annotations
@@ -26,18 +30,22 @@ COMMON = dict(num_generations=8, per_device_train_batch_size=16, max_completion_
               learning_rate=1e-6, seed=42)
 
 
-def run_covey(mode: str, steps: int, out_dir: str) -> list[dict]:
+VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf16": {"bf16": True},
+            "trl": {"bf16": False}, "trl-bf16": {"bf16": True}}
+
+
+def run_covey(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     from covey import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(**COMMON, max_steps=steps, eval_max_samples=0, output_dir=out_dir, log_completions=False,
-                      use_peft=mode == "lora")
+                      use_peft=mode == "lora", **settings)
     GRPOTrainer(args=args, quiet=True).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     return [{"seconds": m["step_time"], "tokens": m["completions/mean_length"] * 16} for m in metrics]
 
 
-def run_trl(mode: str, steps: int, out_dir: str) -> list[dict]:
+def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     import datasets
     from peft import LoraConfig
     from transformers import TrainerCallback
@@ -64,7 +72,7 @@ def run_trl(mode: str, steps: int, out_dir: str) -> list[dict]:
 
     rows = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic("train")])
     config = GRPOConfig(**COMMON, max_steps=steps, output_dir=out_dir, logging_steps=1, report_to="none",
-                        use_cpu=True, bf16=False, save_strategy="no")
+                        use_cpu=True, save_strategy="no", **settings)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if mode == "lora" else None
     timer = Timer()
     trainer = GRPOTrainer(model=str(embedded_model_folder(EMBEDDED_MODEL)), reward_funcs=[answer_format, answer_correct],
@@ -73,19 +81,21 @@ def run_trl(mode: str, steps: int, out_dir: str) -> list[dict]:
     return timer.records
 
 
-def worker(framework: str, mode: str, steps: int) -> None:
+def worker(variant: str, mode: str, steps: int) -> None:
+    run = run_covey if variant.startswith("covey") else run_trl
     with tempfile.TemporaryDirectory() as out_dir:
-        records = (run_covey if framework == "covey" else run_trl)(mode, steps, os.path.join(out_dir, "run"))
+        records = run(mode, steps, os.path.join(out_dir, "run"), VARIANTS[variant])
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps({"records": records, "peak_mib": peak_mib}))
 
 
-def measure(framework: str, mode: str, steps: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", framework, "--mode", mode, "--steps", str(steps)],
+def measure(variant: str, mode: str, steps: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.step", "--worker", variant, "--mode", mode,
+                          "--steps", str(steps)],
                          capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(f"{framework} {mode} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{variant} {mode} failed:\n{out.stderr[-3000:]}")
     result = json.loads(line[len("RESULT "):])
     timed = result["records"][1:]  # the first step warms caches up
     result["seconds"] = statistics.median(r["seconds"] for r in timed)
@@ -98,26 +108,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=["full", "lora"])
-    parser.add_argument("--worker", choices=["covey", "trl"])
+    parser.add_argument("--variants", nargs="+", default=["covey", "covey-rollout-bf16", "trl"], choices=list(VARIANTS))
+    parser.add_argument("--worker", choices=list(VARIANTS))
     parser.add_argument("--mode", default="full")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.mode, args.steps)
         return
-    print("| mode | framework | s / step | completion tok/s | peak RSS (MiB) |")
+    print("| mode | variant | s / step | completion tok/s | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
     for mode in args.modes:
-        runs = {"covey": [], "trl": []}
+        runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
         for _ in range(args.repeats):
-            for framework in ("covey", "trl"):
-                runs[framework].append(measure(framework, mode, args.steps))
-        for framework, results in runs.items():
-            print(f"| {mode} | {framework} | {statistics.median(r['seconds'] for r in results):.1f} | "
+            for variant in args.variants:
+                runs[variant].append(measure(variant, mode, args.steps))
+        for variant, results in runs.items():
+            print(f"| {mode} | {variant} | {statistics.median(r['seconds'] for r in results):.1f} | "
                   f"{statistics.median(r['tokens_per_second'] for r in results):.1f} | "
                   f"{max(r['peak_mib'] for r in results):.0f} |", flush=True)
-        ratios = [c["tokens_per_second"] / t["tokens_per_second"] for c, t in zip(runs["covey"], runs["trl"])]
-        print(f"| {mode} | covey / trl | | {statistics.median(ratios):.2f}x (per pair: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)}) | |", flush=True)
+        for ours in (v for v in args.variants if v.startswith("covey")):
+            for theirs in (v for v in args.variants if v.startswith("trl")):
+                ratios = [c["tokens_per_second"] / t["tokens_per_second"] for c, t in zip(runs[ours], runs[theirs])]
+                print(f"| {mode} | {ours} / {theirs} | | {statistics.median(ratios):.2f}x (per pair: "
+                      f"{', '.join(f'{r:.2f}' for r in ratios)}) | |", flush=True)
 
 
 if __name__ == "__main__":

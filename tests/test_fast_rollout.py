@@ -237,3 +237,15 @@ def test_lora_policy_samples_with_its_merged_weights_in_bf16(tokenizer):
             base = policy(input_ids=ids).logits[0, 3:]
     assert (lean[0] - adapted).abs().max() < 0.1 * (base - adapted).abs().max()
     assert all(not p.dtype == torch.bfloat16 for p in policy.parameters())  # the policy itself is untouched
+
+
+def test_inverse_cdf_sampling_never_picks_a_token_without_mass(monkeypatch):
+    from covey.fast_rollout import sample_categorical
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0, 0.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_categorical(probs, generator) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0, 2}
+    # u = 1 (the far edge of the CDF, which rounding can reach) falls back to the last token with mass
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64))
+    assert sample_categorical(probs, generator).tolist() == [3, 2]

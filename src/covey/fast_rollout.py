@@ -52,10 +52,13 @@ def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> to
     ``torch.multinomial``, without its per-call exponential noise over the whole vocabulary. (B,)"""
     cdf_BV = probs_BV.double().cumsum(-1)
     u_B1 = torch.rand(probs_BV.shape[0], 1, generator=generator, device=probs_BV.device, dtype=torch.float64)
+    # the first token whose CDF exceeds u * total: never one without mass, as the CDF is flat there
     index_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
-    # rounding can land u on the far edge of the CDF; fall back to the last token that has mass
-    last_nonzero_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(index_B, last_nonzero_B)
+    past_end_B = index_B >= probs_BV.shape[1]  # rounding put u * total on the far edge
+    if past_end_B.any():
+        last_with_mass_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).int().argmax(-1)
+        index_B = torch.where(past_end_B, last_with_mass_B, index_B)
+    return index_B
 
 
 class FastEngine:
@@ -90,13 +93,14 @@ class FastEngine:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else torch.seed())
         G = num_generations
+        ids_NP, mask_NP = left_pad(prompt_ids, self.pad_token_id)
+        ids_NP, mask_NP = ids_NP.to(device), mask_NP.to(device)
+        positions_NP = (mask_NP.cumsum(1) - 1).clamp(min=0)
         try:
-            with autocast(device, self.bf16):
+            decoder = self._decoder(ids_NP.shape[1] + params.max_new_tokens)
+            # the lean decoder has its own bfloat16 weights; the model's forward needs autocast
+            with autocast(device, self.bf16 and isinstance(decoder, ModelDecoder)):
                 # prefill each distinct prompt once, then give every sample of its group a copy
-                ids_NP, mask_NP = left_pad(prompt_ids, self.pad_token_id)
-                ids_NP, mask_NP = ids_NP.to(device), mask_NP.to(device)
-                positions_NP = (mask_NP.cumsum(1) - 1).clamp(min=0)
-                decoder = self._decoder(ids_NP.shape[1] + params.max_new_tokens)
                 logits_BV = decoder.prefill(ids_NP, mask_NP, positions_NP, G)
                 rollout = self._decode(decoder, logits_BV, positions_NP[:, -1].repeat_interleave(G) + 1, params,
                                        generator, device)
@@ -115,11 +119,9 @@ class FastEngine:
         for t in range(T):
             history = tokens_BT[active, :t].to(device) if params.repetition_penalty != 1.0 else None
             processed_BV = process_logits(logits_BV, params, history)
-            if params.greedy:
-                next_B = processed_BV.argmax(-1)
-            else:
-                next_B = sample_categorical(processed_BV.softmax(-1), generator)
-            logp_B = torch.log_softmax(processed_BV, -1).gather(1, next_B[:, None]).squeeze(1)
+            logp_BV = torch.log_softmax(processed_BV, -1)
+            next_B = processed_BV.argmax(-1) if params.greedy else sample_categorical(logp_BV.exp(), generator)
+            logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1)
             tokens_BT[active, t] = next_B.cpu()
             logp_BT[active, t] = logp_B.float().cpu()
             lengths_B[active] = t + 1
