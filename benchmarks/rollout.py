@@ -1,4 +1,4 @@
-"""Rollout speed: covey's fast engine (float32 and bfloat16) vs transformers generate vs the roofline.
+"""Rollout speed: covey's fast engine vs transformers generate (each in float32 and bfloat16) vs the roofline.
 
 Realistic rollouts of the default task: the default model, arithmetic prompts, temperature 1,
 up to 128 new tokens; useful tokens are those up to and including EOS. Each row runs the engines
@@ -51,7 +51,7 @@ def main() -> None:
     model, tokenizer, eos = load_default()
     pad = tokenizer.pad_token_id
     engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
-               "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
+               "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
     limits = {"fast": (matmul_gflops(torch.float32), copy_gbps(), 4),
               "fast bf16": (matmul_gflops(torch.bfloat16), copy_gbps(), 2)}
     print(f"machine: {machine()}; measured matmul float32 {limits['fast'][0]:.0f} GFLOP/s, "
@@ -71,10 +71,12 @@ def main() -> None:
                 rates[name].append(float(lengths_B.sum()) / seconds)
                 lengths[name].append(lengths_B)
         median = {name: statistics.median(r) for name, r in rates.items()}
-        vs_hf = {name: statistics.median(f / h for f, h in zip(rates[name], rates["hf"])) for name in ("fast", "fast bf16")}
+        ratio = {pair: statistics.median(f / h for f, h in zip(rates[pair[0]], rates[pair[1]]))
+                 for pair in (("fast", "hf"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"))}
         mean_length = statistics.mean(float(length.float().mean()) for ls in lengths.values() for length in ls)
-        speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {vs_hf['fast']:.2f}x | "
-                     f"{median['fast bf16']:.0f} | {vs_hf['fast bf16']:.2f}x | {mean_length:.0f} |")
+        speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {ratio['fast', 'hf']:.2f}x | "
+                     f"{median['hf bf16']:.0f} | {median['fast bf16']:.0f} | {ratio['fast bf16', 'hf bf16']:.2f}x | "
+                     f"{ratio['fast bf16', 'hf']:.2f}x | {mean_length:.0f} |")
         cells = []
         for name in ("fast", "fast bf16"):
             for as_sampled in (False, True):
@@ -84,8 +86,9 @@ def main() -> None:
                 cells.append(f"{bound:.0f} | {fraction:.0%}")
         roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
         print(speed[-1], flush=True)
-    print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | fast bf16 tok/s | fast bf16 / hf | mean length |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | hf bf16 tok/s | fast bf16 tok/s | fast bf16 / hf bf16 "
+          "| fast bf16 / hf | mean length |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(speed))
     print("\n| prompts x G | fp32 roofline, full batch | fast | fp32 roofline, as sampled | fast | "
           "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")

@@ -131,12 +131,14 @@ class LeanDecoder:
         start, end = self.length, self.length + S
         x = self.embed(ids_BS).float()
         cos, sin = self.rotary(x, positions_BS)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, head_dim): broadcast over heads
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["attn_norm"])
-            q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2)
-                       for t in self._linear(h, layer["qkv"], self.qkv_sizes))
-            q, k = _rotate(q, cos, sin).to(self.dtype), _rotate(k, cos, sin)
+            q, k, v = (t.view(B, S, -1, self.head_dim) for t in self._linear(h, layer["qkv"], self.qkv_sizes))
+            # one rotation for the query and key heads together, then (B, heads, S, head_dim)
+            q, k = _rotate(torch.cat([q, k], 2), cos, sin).to(self.dtype).transpose(1, 2).split(
+                [self.n_heads, self.n_kv_heads], 1)
+            v = v.transpose(1, 2)
             self.keys[i][:, :, start:end] = k
             self.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
@@ -163,7 +165,7 @@ class LeanDecoder:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
-        return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(self.dtype)
+        return F.rms_norm(x, weight.shape, weight, self.eps).to(self.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

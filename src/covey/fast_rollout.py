@@ -31,7 +31,8 @@ def process_logits(logits_BV: torch.Tensor, params: SamplingParams, history_BL: 
         logits_BV = logits_BV.scatter(1, history_BL, seen)
     if params.greedy:
         return logits_BV
-    logits_BV = logits_BV / params.temperature
+    if params.temperature != 1.0:
+        logits_BV = logits_BV / params.temperature
     if params.top_k and params.top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, params.top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, -torch.inf)

@@ -119,12 +119,12 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 class HFEngine:
     """Sampling with ``transformers`` ``generate`` on the policy itself."""
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], autocast_bf16: bool = False):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], bf16: bool = False):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
-        self.autocast_bf16 = autocast_bf16
-        self.exact_logprobs = not autocast_bf16
+        self.bf16 = bf16
+        self.exact_logprobs = not bf16
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
@@ -152,7 +152,7 @@ class HFEngine:
         self.model.eval()
         holder.generation_config = GenerationConfig()
         try:
-            with autocast(device, self.autocast_bf16):
+            with autocast(device, self.bf16):
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                           generation_config=generation_config)
         finally:
