@@ -47,6 +47,31 @@ def decode_step_seconds(model: torch.nn.Module, rows: int, gflops: float, gbps: 
     return max(rows * 2 * params / (gflops * 1e9), params * bytes_per_weight / (gbps * 1e9))
 
 
+def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Time of one decode step's matrix products alone (the lean decoder's own weights, read from
+    memory as in a real step): what the machine's matrix library allows, before any other work."""
+    from covey.decoder import LeanDecoder
+
+    decoder = LeanDecoder(model, dtype, max_length=1)
+    inputs = {size: torch.randn(rows, size).to(dtype) for size in
+              (model.config.hidden_size, decoder.n_heads * decoder.head_dim, model.config.intermediate_size)}
+
+    def products():
+        for layer in decoder.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                for weight, bias in (layer[name] if isinstance(layer[name], list) else [layer[name]]):
+                    torch.nn.functional.linear(inputs[weight.shape[1]], weight, bias)
+        torch.nn.functional.linear(inputs[model.config.hidden_size], *decoder.head)
+
+    products()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        products()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def load_default():
     from covey.config import EMBEDDED_MODEL
     from covey.models import eos_token_ids, load_policy, load_tokenizer

@@ -9,7 +9,9 @@ The roofline is computed in the same run from the machine's measured matrix-prod
 bandwidth, for the dtype the engine runs in: a decode step reads every weight once (memory) and
 does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
-the rollouts actually measured (the least work that yields these completions).
+the rollouts actually measured (the least work that yields these completions). A last table
+times a decode step's matrix products alone, with the real weights, at 1, 8 and 16 rows: the
+floor the machine's matrix library sets before any other work.
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -22,7 +24,8 @@ import time
 
 import torch
 
-from benchmarks.common import copy_gbps, decode_step_seconds, load_default, machine, matmul_gflops
+from benchmarks.common import (copy_gbps, decode_step_seconds, load_default, machine, matmul_gflops,
+                               matrix_products_seconds)
 from covey.fast_rollout import FastEngine
 from covey.rollout import HFEngine, SamplingParams
 from covey.tasks import arithmetic
@@ -94,6 +97,11 @@ def main() -> None:
           "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
+    print("\n| rows | float32 matrix products, ms / step | bfloat16 matrix products, ms / step |")
+    print("|---|---|---|")
+    for n in (1, 8, 16):
+        print(f"| {n} | {matrix_products_seconds(model, n, torch.float32) * 1e3:.1f} | "
+              f"{matrix_products_seconds(model, n, torch.bfloat16) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

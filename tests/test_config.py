@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from covey.cli import main
 from covey.config import GRPOConfig
@@ -103,3 +104,11 @@ def test_out_of_range_values_are_rejected_naming_the_field(values):
 def test_use_vllm_given_as_text_is_read_as_a_bool():
     assert GRPOConfig(use_vllm="false").rollout_engine == "fast"
     assert GRPOConfig(use_vllm="true").rollout_engine == "vllm"
+
+
+def test_sampling_dtype_follows_rollout_bf16_then_bf16_then_the_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not GRPOConfig().sample_in_bf16(cpu) and GRPOConfig().sample_in_bf16(cuda)
+    assert GRPOConfig(bf16=True).sample_in_bf16(cpu)
+    assert GRPOConfig(rollout_bf16=True).sample_in_bf16(cpu)
+    assert not GRPOConfig(rollout_bf16=False, bf16=True).sample_in_bf16(cuda)

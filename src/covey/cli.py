@@ -112,8 +112,7 @@ def cmd_eval(argv: list[str]) -> int:
     reward_funcs, reward_weights = load_rewards(args)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
-    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args.sample_in_bf16,
-                         args=args)
+    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args=args)
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights,
                       args.max_completion_length, args.max_prompt_length, strip_reasoning=args.strip_reasoning)
     Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "

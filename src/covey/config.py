@@ -131,7 +131,7 @@ class GRPOConfig:
     warmup_ratio: float = _f(0.0, "fraction of max_steps spent warming the learning rate up from 0")
     lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
-    rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines; None = same as bf16): much faster on GPUs and AMX CPUs, log-probs then corrected")
+    rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     # --- output ------------------------------------------------------------------------------
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
@@ -236,9 +236,11 @@ class GRPOConfig:
                           f"{', '.join(sorted(trackers))}")
         need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
 
-    @property
-    def sample_in_bf16(self) -> bool:
-        return self.bf16 if self.rollout_bf16 is None else self.rollout_bf16
+    def sample_in_bf16(self, device: Any) -> bool:
+        """Whether the local engines sample in bfloat16 on ``device`` (see rollout_bf16)."""
+        if self.rollout_bf16 is not None:
+            return self.rollout_bf16
+        return self.bf16 or getattr(device, "type", str(device)) == "cuda"
 
     @property
     def micro_batches_per_generation(self) -> int:

@@ -28,8 +28,7 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
-    products and KV cache; the residual stream, norms and rotary embedding stay in float32, as under
-    autocast."""
+    products, rotary embedding and KV cache; the residual stream and the norms stay in float32."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -51,15 +50,16 @@ class LeanDecoder:
         self.eps = config.rms_norm_eps
         self.embed, self.rotary = base.get_input_embeddings(), base.model.rotary_emb
         self.scale = base.model.layers[0].self_attn.scaling
-        weights = dict(policy_weights(model))
+        # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32)
+        weights = {name: t.to(dtype) if t.dim() > 1 else t for name, t in policy_weights(model)}
         # float32 uses the parameters themselves (no copy); a dtype change copies anyway, so fuse then
         fuse = dtype != weights["model.norm.weight"].dtype
 
-        def cast(name):
-            return weights[name].to(dtype) if name in weights else None
+        def cast(name):  # each tensor is taken once, so the unfused copies are freed as we go
+            return weights.pop(name).to(dtype) if name in weights else None
 
         def norm(name):
-            return weights[name].float()
+            return weights.pop(name).float()
 
         def project(prefix, parts):
             ws = [cast(f"{prefix}.{p}.weight") for p in parts]
@@ -83,7 +83,6 @@ class LeanDecoder:
         self.norm = norm("model.norm.weight")
         tied = "lm_head.weight" not in weights
         self.head = (cast("model.embed_tokens.weight" if tied else "lm_head.weight"), cast("lm_head.bias"))
-        self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
@@ -130,22 +129,23 @@ class LeanDecoder:
         self._check_room(S)
         start, end = self.length, self.length + S
         x = self.embed(ids_BS).float()
-        cos, sin = self.rotary(x, positions_BS)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, head_dim): broadcast over heads
+        cos, sin = (t[:, :, None].to(self.dtype) for t in self.rotary(x, positions_BS))  # (B, S, 1, head_dim)
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # so that rotate_half(t) * sin = t.roll(half) * sin
+        n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["attn_norm"])
-            q, k, v = (t.view(B, S, -1, self.head_dim) for t in self._linear(h, layer["qkv"], self.qkv_sizes))
-            # one rotation for the query and key heads together, then (B, heads, S, head_dim)
-            q, k = _rotate(torch.cat([q, k], 2), cos, sin).to(self.dtype).transpose(1, 2).split(
-                [self.n_heads, self.n_kv_heads], 1)
-            v = v.transpose(1, 2)
+            qkv = self._project(self._rms_norm(x, layer["attn_norm"]), layer["qkv"])
+            # rotary embedding of the query and key heads at once, straight from the projection
+            qk = qkv[..., :n_qk].view(B, S, -1, self.head_dim)
+            qk = (qk * cos + qk.roll(half, -1) * sin).transpose(1, 2)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], 1)
+            v = qkv[..., n_qk:].view(B, S, -1, self.head_dim).transpose(1, 2)
             self.keys[i][:, :, start:end] = k
             self.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
                                                   attn_mask=attend, scale=self.scale, enable_gqa=True)
             x = x + F.linear(attn.transpose(1, 2).reshape(B, S, -1), *layer["o"])
-            h = self._rms_norm(x, layer["mlp_norm"])
-            gate, up = self._linear(h, layer["gate_up"], None)
+            gate, up = self._project(self._rms_norm(x, layer["mlp_norm"]), layer["gate_up"]).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, *layer["down"])
         self.length = end
         return F.linear(self._rms_norm(x, self.norm), *self.head).float()
@@ -156,22 +156,15 @@ class LeanDecoder:
                              f"{self.length + new_positions} were asked for")
 
     @staticmethod
-    def _linear(x: torch.Tensor, parts: list, sizes: list[int] | None) -> list[torch.Tensor]:
-        """x times each (weight, bias) of ``parts``; a single fused part is split back."""
-        if len(parts) > 1:
-            return [F.linear(x, w, b) for w, b in parts]
-        out = F.linear(x, *parts[0])
-        return list(out.split(sizes, -1)) if sizes else list(out.chunk(2, -1))
+    def _project(x: torch.Tensor, parts: list) -> torch.Tensor:
+        """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
+        if len(parts) == 1:
+            return F.linear(x, *parts[0])
+        return torch.cat([F.linear(x, w, b) for w, b in parts], -1)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
         return F.rms_norm(x, weight.shape, weight, self.eps).to(self.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (the rotate-half form)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
 class ModelDecoder:

@@ -82,9 +82,10 @@ class OwnWeights:
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer, eos_token_ids: list[int],
-                bf16: bool = False, args: GRPOConfig | None = None) -> RolloutEngine:
-    """The rollout engine called ``name`` ("fast", "hf" or "vllm") over ``model``; "vllm" needs the
-    run's config ``args`` (``vllm_mode`` and the vLLM settings)."""
+                args: GRPOConfig | None = None) -> RolloutEngine:
+    """The rollout engine called ``name`` ("fast", "hf" or "vllm") over ``model``, set up from the
+    run's config ``args`` (which "vllm" needs; the local engines sample in float32 without it)."""
+    bf16 = args is not None and args.sample_in_bf16(next(model.parameters()).device)
     if name == "hf":
         return HFEngine(model, tokenizer.pad_token_id, eos_token_ids, bf16)
     if name == "fast":

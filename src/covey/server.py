@@ -259,7 +259,8 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
         model = load_policy(args.model, args.trust_remote_code)
         if is_peft_model(model):  # a saved adapter: the server holds plain weights, as the trainer pushes them
             model = model.merge_and_unload()
-        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer), args.sample_in_bf16)
+        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
+                           args.sample_in_bf16(next(model.parameters()).device))
     raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
 
 

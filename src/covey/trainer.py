@@ -209,7 +209,7 @@ class GRPOTrainer:
         self.reference = Reference(self.model) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids,
-                                                    args.sample_in_bf16, args=args)
+                                                    args=args)
         self.device = next(self.model.parameters()).device
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
