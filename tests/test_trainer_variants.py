@@ -129,6 +129,19 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
 
 
+def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, tokenizer):
+    trainer = trainer_for(tmp_path, tokenizer, rollout_bf16=True, max_steps=2)
+    assert trainer.engine.exact_logprobs is False
+    passes = []
+    trainer._logprobs_no_grad = lambda *a, **k: passes.append(1)  # the separate scoring pass
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and not passes
+    for m in metrics:  # bfloat16 sampling of a float32 policy: weights near 1 but not 1 (computed, not the fill)
+        assert 0.5 < m["engine_is/mean_weight"] < 1.5 and m["engine_is/mean_weight"] != 1.0
+        assert m["engine_is/masked_fraction"] < 0.5
+
+
 def test_exact_engine_needs_no_correction(tmp_path, tokenizer):
     batch, _ = trainer_for(tmp_path, tokenizer).generate_and_score([0, 1])
     assert batch.engine_weights is None and batch.old_logp_BT is None

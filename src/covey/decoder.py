@@ -38,7 +38,8 @@ class LeanDecoder:
                 and not getattr(config, "use_sliding_window", False)
                 and getattr(config, "pretraining_tp", 1) in (None, 1)
                 # float32 runs on the model's own tensors; merging LoRA would need a float32 copy
-                and not (dtype == torch.float32 and is_peft_model(model)))
+                and not (dtype == torch.float32 and is_peft_model(model))
+                and not any(getattr(c, "use_dora", False) for c in getattr(model, "peft_config", {}).values()))
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int):

@@ -171,7 +171,7 @@ def _merged(layer: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:
             continue
         if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
             raise ModelError(f"adapter {adapter!r} is a LoRA variant (DoRA, ...) whose merged weights covey does not "
-                             "compute; train with plain LoRA (use_dora off) to sample with vLLM")
+                             "compute; train with plain LoRA (use_dora off) to sample with vLLM or a covey server")
         if leaf == "weight":
             merged = merged + layer.get_delta_weight(adapter).to(merged.dtype)
         elif leaf == "bias" and getattr(layer, "lora_bias", {}).get(adapter, False):

@@ -359,14 +359,15 @@ class GRPOTrainer:
         batch.advantages_B = advantages_B.float()
         for record, advantage in zip(batch.records, batch.advantages_B.tolist()):
             record["advantage"] = advantage
-        # 4. log-probs of the policy that generated (only when it moves before its last use, or to
-        #    compare with the engine) and of the reference (only when beta > 0)
+        # 4. log-probs of the policy that generated (only when it moves before its last use; else the
+        #    training forward gives them) and of the reference (only when beta > 0)
         engine_mismatch = args.vllm_importance_sampling_correction and not getattr(self.engine, "exact_logprobs", True)
         policy_moves = args.num_iterations > 1 or args.micro_batches_per_generation > args.gradient_accumulation_steps
         if policy_moves:
             batch.old_logp_BT = self._logprobs_no_grad(self.model, batch.sequences)
-        if engine_mismatch and policy_moves:
-            batch.engine_weights = self._engine_weights(batch.old_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT)
+            if engine_mismatch:
+                batch.engine_weights = self._engine_weights(batch.old_logp_BT, batch.sampling_logp_BT,
+                                                            batch.loss_mask_BT)
         elif engine_mismatch:
             # the policy that sampled is the one every micro-batch trains with: the training forward's
             # own log-probs give the weights, without a separate pass
