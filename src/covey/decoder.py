@@ -5,11 +5,11 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
 - ``LeanDecoder``, for Llama-family models (``LeanDecoder.supports``): the same function as the
   Hugging Face forward written out as plain tensor operations over a preallocated KV cache. It
   skips what a general forward pays on every step (cache objects, mask building, module dispatch)
-  and, in bfloat16, runs on its own copy of the weights with q/k/v and gate/up fused into one
-  matrix each, built from the policy (LoRA merged) at the start of a rollout and dropped at its
-  end, so it never holds memory while the trainer does.
-- ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model (and
-  for a LoRA policy in float32, where a merged copy would cost a full-precision copy of the model).
+  and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
+  bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
+  dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
+  run on its own parameters, without a copy.
+- ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ class LeanDecoder:
                 and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "use_sliding_window", False)
                 and getattr(config, "pretraining_tp", 1) in (None, 1)
-                # float32 runs on the model's own tensors; merging LoRA would need a float32 copy
-                and not (dtype == torch.float32 and is_peft_model(model))
                 and not any(getattr(c, "use_dora", False) for c in getattr(model, "peft_config", {}).values()))
 
     @torch.no_grad()
