@@ -145,6 +145,7 @@ def test_fast_greedy_matches_transformers_on_the_default_model():
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     model = load_policy(EMBEDDED_MODEL).eval()
     eos = eos_token_ids(model, tokenizer)
+    assert LeanDecoder.supports(model, torch.float32)  # the fast engine's own forward is what is compared
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("test")[:6]], 512)
     params = SamplingParams(max_new_tokens=24, greedy=True)
     a = HFEngine(model, tokenizer.pad_token_id, eos).generate(prompts, 1, params)
