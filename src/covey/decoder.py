@@ -51,7 +51,8 @@ class LeanDecoder:
         self.scale = base.model.layers[0].self_attn.scaling
         # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32)
         weights = {name: t.to(dtype) if t.dim() > 1 else t for name, t in policy_weights(model)}
-        # float32 uses the parameters themselves (no copy); a dtype change copies anyway, so fuse then
+        # fuse only when the matrices are copied to a new dtype anyway: a float32 model runs on its own
+        # parameters (or, for LoRA, on the merged copies of its adapted layers)
         fuse = dtype != weights["model.norm.weight"].dtype
 
         def cast(name):  # each tensor is taken once, so the unfused copies are freed as we go
