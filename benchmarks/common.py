@@ -38,13 +38,17 @@ def copy_gbps(mib: int = 256, repeats: int = 10) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def decode_step_seconds(model: torch.nn.Module, rows: int, gflops: float, gbps: float, bytes_per_weight: int) -> float:
+def weights_per_step(model: torch.nn.Module) -> int:
+    """Weights a decode step reads and multiplies: all but the embedding table, which is only
+    indexed (a few rows); the head in full, even when it shares the embedding's tensor."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embedding) + (head.numel() if head is embedding else 0)
+
+
+def decode_step_seconds(weights: int, rows: int, gflops: float, gbps: float, bytes_per_weight: int) -> float:
     """Least time of one decode step over ``rows`` rows: every weight is read once (memory) and does
     2 FLOPs per row (compute); the slower of the two bounds the step."""
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    # the embedding table is only indexed (a few rows); the head is read and multiplied in full
-    params = sum(p.numel() for p in model.parameters() if p is not embedding) + (head.numel() if head is embedding else 0)
-    return max(rows * 2 * params / (gflops * 1e9), params * bytes_per_weight / (gbps * 1e9))
+    return max(rows * 2 * weights / (gflops * 1e9), weights * bytes_per_weight / (gbps * 1e9))
 
 
 def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:

@@ -25,7 +25,7 @@ import time
 import torch
 
 from benchmarks.common import (copy_gbps, decode_step_seconds, load_default, machine, matmul_gflops,
-                               matrix_products_seconds)
+                               matrix_products_seconds, weights_per_step)
 from covey.fast_rollout import FastEngine
 from covey.rollout import HFEngine, SamplingParams
 from covey.tasks import arithmetic
@@ -38,11 +38,11 @@ def run(engine, prompts, G, params, seed):
     return time.perf_counter() - start, rollout.lengths_B
 
 
-def roofline(model, lengths_B: torch.Tensor, limits: tuple[float, float, int], as_sampled: bool) -> float:
+def roofline(weights: int, lengths_B: torch.Tensor, limits: tuple[float, float, int], as_sampled: bool) -> float:
     """Useful tokens/s of an engine at the machine's limits producing completions of these lengths."""
     steps = int(lengths_B.max())
     rows = [int((lengths_B > t).sum()) if as_sampled else len(lengths_B) for t in range(steps)]
-    return float(lengths_B.sum()) / sum(decode_step_seconds(model, n, *limits) for n in rows)
+    return float(lengths_B.sum()) / sum(decode_step_seconds(weights, n, *limits) for n in rows)
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     pad = tokenizer.pad_token_id
     engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
                "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
-    gbps = copy_gbps()
+    weights, gbps = weights_per_step(model), copy_gbps()
     limits = {"fast": (matmul_gflops(torch.float32), gbps, 4), "fast bf16": (matmul_gflops(torch.bfloat16), gbps, 2)}
     print(f"machine: {machine()}; measured matmul float32 {limits['fast'][0]:.0f} GFLOP/s, "
           f"bfloat16 {limits['fast bf16'][0]:.0f} GFLOP/s, copy {gbps:.1f} GB/s\n")
@@ -83,9 +83,9 @@ def main() -> None:
         cells = []
         for name in ("fast", "fast bf16"):
             for as_sampled in (False, True):
-                bound = statistics.median(roofline(model, ls, limits[name], as_sampled) for ls in lengths[name])
-                fraction = statistics.median(r / roofline(model, ls, limits[name], as_sampled)
-                                             for r, ls in zip(rates[name], lengths[name]))
+                bounds = [roofline(weights, ls, limits[name], as_sampled) for ls in lengths[name]]
+                bound = statistics.median(bounds)
+                fraction = statistics.median(r / b for r, b in zip(rates[name], bounds))
                 cells.append(f"{bound:.0f} | {fraction:.0%}")
         roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
         print(speed[-1], flush=True)

@@ -105,7 +105,8 @@ class LeanDecoder:
         # every query may see itself, so the padding positions never attend to nothing (NaN)
         attend = (causal & self.valid_BL[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
         logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]
-        self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
+        if repeats > 1:
+            self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
         return logits.repeat_interleave(repeats, dim=0)
 
     @torch.no_grad()
