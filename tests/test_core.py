@@ -11,27 +11,28 @@ from covey.core import BatchCounts, LossSettings, completion_mask, group_advanta
 kl_k3 = core.KL_ESTIMATORS["k3"]
 
 
-def test_selective_log_softmax_equals_log_softmax_gather_and_is_nonpositive():
+def test_token_logprobs_equal_log_softmax_gather_and_are_nonpositive():
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11) * 4
     ids = torch.randint(0, 11, (3, 5))
-    got = core.selective_log_softmax(logits, ids)
-    want = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(got, want, atol=1e-6)
-    assert (got <= 0).all()
+    got, entropy = core.token_logprobs(logits, ids, with_entropy=True, chunk=4)  # chunks cross rows
+    logp_all = torch.log_softmax(logits, -1)
+    assert torch.allclose(got, logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-6)
+    assert torch.allclose(entropy, -(logp_all.exp() * logp_all).sum(-1), atol=1e-5)
+    assert (got <= 0).all() and got.shape == entropy.shape == (3, 5)
 
 
-def test_selective_log_softmax_operand_order_matters():
+def test_token_logprobs_operand_order_matters():
     # a reversed subtraction (logsumexp - selected) would be >= 0 everywhere
     logits = torch.tensor([[[2.0, 0.0, -1.0]]])
-    value = core.selective_log_softmax(logits, torch.tensor([[0]])).item()
+    value = core.token_logprobs(logits, torch.tensor([[0]]))[0].item()
     assert value == pytest.approx(2.0 - math.log(math.exp(2) + 1 + math.exp(-1)))
 
 
 def test_token_entropy_uniform_and_peaked():
-    uniform = core.token_entropy(torch.zeros(1, 2, 8))
+    uniform = core.token_logprobs(torch.zeros(1, 2, 8), torch.zeros(1, 2, dtype=torch.long), with_entropy=True)[1]
     assert torch.allclose(uniform, torch.full((1, 2), math.log(8)))
-    peaked = core.token_entropy(torch.tensor([[[100.0, 0.0, 0.0]]]))
+    peaked = core.token_logprobs(torch.tensor([[[100.0, 0.0, 0.0]]]), torch.tensor([[0]]), with_entropy=True)[1]
     assert peaked.item() < 1e-6
 
 

@@ -128,34 +128,73 @@ def test_a_generation_config_saved_with_the_model_is_ignored(tokenizer, tiny_mod
     assert torch.equal(plain.completion_ids_BT, again.completion_ids_BT)
 
 
-@pytest.mark.parametrize("T", [1, 5])
-def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, T):
-    """Running each group's prompt once and sharing its keys/values is exact, gradients included."""
+@pytest.mark.parametrize("T, attention, packed", [(1, "sdpa", True), (6, "sdpa", True), (6, "eager", True),
+                                                   (6, "sdpa", False)])
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, monkeypatch, T, attention, packed):
+    """Running each group's prompt once and sharing its keys/values, with the group's completions
+    packed end to end (or padded, where the attention takes no custom mask), is exact, gradients
+    included."""
+    from covey import logprobs
     from tests.conftest import make_model
 
     model = make_model(len(tokenizer), seed=2)
+    model.config._attn_implementation = attention
+    monkeypatch.setattr(logprobs, "_packable", lambda m: packed)
+    rows_fed = []
+    model.register_forward_pre_hook(lambda m, a, kw: rows_fed.append(kw["input_ids"].shape[0]), with_kwargs=True)
     prompts = _prompts(tokenizer)
     repeated = [prompts[0]] * 3 + [prompts[1]] * 2 + [prompts[0]]  # groups of 3, 2 and 1 rows
     prompt_ids, prompt_mask = left_pad(repeated, tokenizer.pad_token_id)
     g = torch.Generator().manual_seed(0)
     completion_ids = torch.randint(10, 90, (6, T), generator=g)
-    mask = torch.ones(6, T, dtype=torch.long)
-    if T > 1:
-        mask[1, 3:] = 0
-        mask[4, 1:] = 0
-        completion_ids[mask == 0] = tokenizer.pad_token_id
+    lengths = torch.tensor([6, 3, 2, 1, 4, 5]).clamp(max=T)
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    completion_ids[mask == 0] = tokenizer.pad_token_id
     batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, mask)
     assert batch.prompt_groups().tolist() == [0, 0, 0, 1, 1, 2]
     results = []
     for share in (False, True):
         model.zero_grad()
-        logp, _ = completion_logprobs(model, batch, temperature=0.8, share_prompt=share)
+        rows_fed.clear()
+        logp, entropy = completion_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompt=share)
         (logp * mask).sum().backward()
-        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
-    (plain, plain_grads), (shared, shared_grads) = results
+        results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+    (plain, plain_entropy, plain_grads), (shared, shared_entropy, shared_grads) = results
+    # the prompts once (3 groups), then 4 packed rows (5 | 2+1 | 3 | 4 tokens fed) or 6 padded ones
+    assert rows_fed == ([3] if T == 1 else [3, 4 if packed else 6])
     assert torch.allclose(plain[mask == 1], shared[mask == 1], atol=1e-5)
+    assert torch.allclose(plain_entropy[mask == 1], shared_entropy[mask == 1], atol=1e-5)
+    assert (shared[mask == 0] == 0).all()
     for a, b in zip(plain_grads, shared_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_packing_keeps_groups_apart_and_fills_rows_longest_first():
+    from covey.logprobs import _first_fit
+
+    rows, offsets, row_groups = _first_fit([5, 2, 1, 0, 3, 4, 2], [0, 0, 0, 0, 1, 1, 1], capacity=5)
+    assert row_groups == [0, 0, 1, 1]
+    assert rows[:3] == [0, 1, 1] and offsets[:3] == [0, 0, 2]  # the empty sequence takes no slot
+    assert rows[4:] == [3, 2, 3] and offsets[4:] == [0, 0, 3]
+    for row in range(len(row_groups)):
+        assert sum(n for n, r in zip([5, 2, 1, 0, 3, 4, 2], rows) if r == row) <= 5
+
+
+def test_packing_is_used_only_where_a_custom_mask_is_applied_as_given(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from covey.logprobs import _packable
+    from tests.conftest import make_model
+
+    llama = make_model(len(tokenizer))
+    assert _packable(llama)
+    llama.config._attn_implementation = "flex_attention"
+    assert not _packable(llama)
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    assert _packable(Qwen2ForCausalLM(Qwen2Config(**small)))
+    windowed = Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert not _packable(Qwen2ForCausalLM(windowed))
 
 
 def test_shared_prompt_forward_stays_exact_under_gradient_checkpointing(tokenizer):

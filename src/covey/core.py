@@ -30,23 +30,29 @@ ADVANTAGE_EPS = 1e-4
 # ---- log-probs ----------------------------------------------------------------------------------
 
 
-def selective_log_softmax(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[ids] per position, one row at a time so (B, T, V) float32 is never copied."""
-    rows = []
-    for logits_TV, ids_T in zip(logits_BTV, ids_BT):
-        logits_TV = logits_TV.float()
-        picked_T = logits_TV.gather(-1, ids_T.unsqueeze(-1)).squeeze(-1)
-        rows.append(picked_T - torch.logsumexp(logits_TV, dim=-1))
-    return torch.stack(rows)
+def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False,
+                   chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(logits)[ids], entropy or None) per position, in float32, ``chunk`` positions at a
+    time so a float32 copy of all the logits is never held. Works on any leading shape (..., V).
 
-
-def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position, one row at a time. (B, T)"""
-    rows = []
-    for logits_TV in logits_BTV:
-        logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
-        rows.append(-(logp_TV.exp() * logp_TV).sum(-1))
-    return torch.stack(rows)
+    The entropy (no gradient) reuses the log-softmax's normaliser: H = logsumexp(x) - sum softmax(x) x.
+    """
+    shape = ids_N.shape
+    logits_NV, ids_N = logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1)
+    logps, entropies = [], []
+    for logits, ids in zip(logits_NV.split(chunk), ids_N.split(chunk)):
+        logits = logits.float()
+        normaliser = torch.logsumexp(logits, dim=-1)
+        logps.append(logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - normaliser)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.exp(logits - normaliser.unsqueeze(-1))
+                entropies.append((normaliser - (probs * logits).sum(-1)).clamp(min=0))
+    if not logps:  # no positions at all
+        empty = logits_NV.new_zeros(0, dtype=torch.float32)
+        logps, entropies = [empty], [empty] if with_entropy else []
+    logp = torch.cat(logps).reshape(shape)
+    return logp, torch.cat(entropies).reshape(shape) if with_entropy else None
 
 
 def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """The trainer's forward passes: per-token log-probs of completions under a model.
 
 The completion tokens of each row follow its (left-padded) prompt. Only the logits that predict
-completion tokens are computed, then divided by the sampling temperature so the log-probs are
-those of the distribution the completions were drawn from.
+real completion tokens are turned into log-probs, after division by the sampling temperature, so
+they are those of the distribution the completions were drawn from.
 
 The G completions of a group share one prompt, so by default the prompt is run once per group
 and its keys and values are handed to each completion (gradients flow back through them into the
-shared prefix): the same numbers as running every row in full, for a fraction of the work.
+shared prefix). The completions of a group are then packed end to end into as few rows as fit the
+longest one, each attending only to the prompt and to itself, so padding costs almost nothing:
+the same numbers as running every row in full, for a fraction of the work.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from covey.core import selective_log_softmax, token_entropy
+from covey.core import token_logprobs
 from covey.models import cache_keyword
 
 
@@ -44,23 +46,37 @@ class SequenceBatch:
         return torch.cat([torch.zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
 
 
-def completion_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt: bool = True) -> torch.Tensor:
-    """Logits at the positions that predict each completion token. (B, T, V)"""
+def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
+                        with_entropy: bool = False, share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions."""
+    device = next(model.parameters()).device
+    logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt)
+    ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
+    logp_N, entropy_N = token_logprobs(logits_NV / temperature, ids_N, with_entropy)
+    at = (rows_N.to(device), cols_N.to(device))
+    zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
+    return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N)
+
+
+def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch,
+                            share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits_NV, rows_N, cols_N): the logits that predict each real completion token (row, column)."""
     device = next(model.parameters()).device
     group_B = batch.prompt_groups()
     n_groups = int(group_B[-1]) + 1
-    T = batch.completion_ids_BT.shape[1]
     # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
     checkpointing = torch.is_grad_enabled() and model.training and any(
         getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     if not share_prompt or checkpointing or n_groups == len(group_B):
+        T = batch.completion_ids_BT.shape[1]
         input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
         attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
         # positions count real tokens only, exactly as generation numbers them under left padding
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                        position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False).logits
-        return logits[:, :-1]
+        rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
+        return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N
     from transformers import DynamicCache
 
     first_row = torch.cat([torch.zeros(1, dtype=torch.long), (group_B[1:] != group_B[:-1]).nonzero().squeeze(1) + 1])
@@ -71,28 +87,94 @@ def completion_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt
     # 1. each distinct prompt once; its last position predicts the first completion token
     first_logits = model(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
                          position_ids=prompt_positions.to(device), logits_to_keep=1, use_cache=True,
-                         **{key: cache}).logits
-    # 2. every completion attends to its group's prompt keys and values
-    cache.batch_select_indices(group_B.to(device))
-    attention_mask = torch.cat([prompt_mask[group_B], batch.completion_mask_BT], dim=1)
-    positions = (prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T).unsqueeze(0))
-    first_logits = first_logits[group_B.to(device)]
-    if T == 1:
-        return first_logits
-    rest = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask[:, :-1].to(device),
-                 position_ids=positions[:, :-1].to(device), use_cache=True, **{key: cache}).logits
-    return torch.cat([first_logits, rest], dim=1)
+                         **{key: cache}).logits[:, 0]
+    lengths_B = batch.completion_mask_BT.sum(1)
+    started_B = (lengths_B > 0).nonzero().squeeze(1)
+    logits, rows, cols = [first_logits[group_B[started_B].to(device)]], [started_B], [torch.zeros_like(started_B)]
+    # 2. every completion token but the last attends to its group's prompt keys and values
+    if int(lengths_B.max()) > 1:
+        if _packable(model):
+            rest, rest_rows, rest_cols = _packed_completions(model, batch, group_B, prompt_mask, cache, key)
+        else:
+            rest, rest_rows, rest_cols = _padded_completions(model, batch, group_B, prompt_mask, cache, key)
+        logits.append(rest)
+        rows.append(rest_rows)
+        cols.append(rest_cols)
+    return torch.cat(logits), torch.cat(rows), torch.cat(cols)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                        with_entropy: bool = False, share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp_BT, entropy_BT or None) of the completion tokens; padding positions hold garbage
-    and must be masked by the caller with ``batch.completion_mask_BT``."""
+def _padded_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache, key):
+    """One row per completion, padded to the longest (attention implementations without custom masks)."""
     device = next(model.parameters()).device
-    logits_BTV = completion_logits(model, batch, share_prompt) / temperature
-    logp_BT = selective_log_softmax(logits_BTV, batch.completion_ids_BT.to(device))
-    entropy_BT = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy_BT = token_entropy(logits_BTV.detach())
-    return logp_BT, entropy_BT
+    T = batch.completion_ids_BT.shape[1]
+    cache.batch_select_indices(group_B.to(device))
+    attention_mask = torch.cat([prompt_mask[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
+    positions = prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
+    logits = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
+                   position_ids=positions.to(device), use_cache=True, **{key: cache}).logits
+    rows_N, cols_N = batch.completion_mask_BT[:, 1:].nonzero(as_tuple=True)
+    return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N + 1
+
+
+def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache, key):
+    """The completions of each group packed end to end into rows as long as the longest one.
+
+    Token t of completion b sits at (row_b, offset_b + t - 1) of its packed row and predicts token
+    t; a block-diagonal causal mask keeps each completion to its group's prompt and itself.
+    """
+    device = next(model.parameters()).device
+    inputs_B = (batch.completion_mask_BT.sum(1) - 1).clamp(min=0)  # tokens fed: all but the last
+    capacity = int(inputs_B.max())
+    row_B, offset_B, row_group_R = _first_fit(inputs_B.tolist(), group_B.tolist(), capacity)
+    R, P = len(row_group_R), prompt_mask.shape[1]
+    b_N, t_N = (torch.arange(capacity).unsqueeze(0) < inputs_B.unsqueeze(1)).nonzero(as_tuple=True)
+    r_N, c_N = torch.tensor(row_B)[b_N], torch.tensor(offset_B)[b_N] + t_N
+    row_group_R = torch.tensor(row_group_R)
+    input_ids = torch.zeros(R, capacity, dtype=torch.long)
+    input_ids[r_N, c_N] = batch.completion_ids_BT[b_N, t_N]
+    positions = torch.zeros(R, capacity, dtype=torch.long)
+    positions[r_N, c_N] = prompt_mask.sum(1)[group_B[b_N]] + t_N
+    owner = torch.full((R, capacity), -1)  # the completion each packed slot belongs to; -1 is padding
+    owner[r_N, c_N] = b_N
+    same_completion = (owner.unsqueeze(2) == owner.unsqueeze(1)) & torch.ones(capacity, capacity, dtype=torch.bool).tril()
+    sees_prompt = prompt_mask[row_group_R].bool().unsqueeze(1) & (owner >= 0).unsqueeze(2)
+    allowed = torch.cat([sees_prompt, same_completion], dim=2).unsqueeze(1)  # (R, 1, capacity, P + capacity)
+    if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+        dtype = next(model.parameters()).dtype
+        allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    cache.batch_select_indices(row_group_R.to(device))
+    logits = model(input_ids=input_ids.to(device), attention_mask=allowed.to(device), position_ids=positions.to(device),
+                   use_cache=True, **{key: cache}).logits
+    return logits[r_N.to(device), c_N.to(device)], b_N, t_N + 1
+
+
+def _first_fit(lengths: list[int], groups: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
+    """Pack sequences into rows of ``capacity`` slots, only sequences of the same group sharing a row
+    (first fit, longest first). Returns each sequence's row and offset, and each row's group."""
+    row_of, offset_of = [0] * len(lengths), [0] * len(lengths)
+    row_group: list[int] = []
+    row_used: list[int] = []
+    for b in sorted(range(len(lengths)), key=lambda b: (groups[b], -lengths[b])):
+        if lengths[b] == 0:
+            continue
+        row = next((r for r in range(len(row_group))
+                    if row_group[r] == groups[b] and row_used[r] + lengths[b] <= capacity), None)
+        if row is None:
+            row_group.append(groups[b])
+            row_used.append(0)
+            row = len(row_group) - 1
+        row_of[b], offset_of[b] = row, row_used[row]
+        row_used[row] += lengths[b]
+    return row_of, offset_of, row_group
+
+
+def _packable(model: torch.nn.Module) -> bool:
+    """Whether the model takes a custom (block-diagonal) attention mask that it applies as given:
+    SDPA or eager attention, and no sliding-window layers (whose window a custom mask would drop)."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False

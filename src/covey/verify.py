@@ -221,7 +221,7 @@ def check_logprobs(report: Report, trainer, batch) -> torch.Tensor:
     on = expected_mask == 1
     got = got.float().cpu()
     report.add("logprobs", "all <= 0", bool((got[on] <= 1e-6).all()), f"max {float(got[on].max()):.3g}",
-               "log-probs must be <= 0: the log-softmax operands are reversed (see core.selective_log_softmax)")
+               "log-probs must be <= 0: the log-softmax operands are reversed (see core.token_logprobs)")
     diff = float((got[on] - want[on]).abs().max())
     report.add("logprobs", "equal to log_softmax gathered at the token", diff < 1e-3, f"max diff {diff:.2g}",
                "the trainer's log-probs differ from a plain forward: see logprobs.completion_logprobs")

@@ -1,0 +1,81 @@
+"""The trainer's log-prob passes: every row in full vs the shared prompt (padded) vs shared and packed.
+
+Realistic batches of the default task: the default model samples 2 prompts x 8 completions (up to
+64 tokens, temperature 1, as in `benchmarks/step.py`); then one micro-batch of all 16 rows is
+timed, the ways alternating ``--repeats`` times, as the training forward + backward and as a
+no-grad (reference) forward, in float32 and under bfloat16 autocast. All three give the same
+log-probs (tested in tests/test_rollout_and_logprobs.py); the table says what each saves.
+
+    python -m benchmarks.training_pass --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import load_default, machine
+from covey import logprobs
+from covey.fast_rollout import FastEngine
+from covey.logprobs import SequenceBatch, completion_logprobs
+from covey.models import autocast
+from covey.rollout import SamplingParams, left_pad
+from covey.tasks import arithmetic
+from covey.text import encode_prompts
+
+WAYS = {"every row in full": dict(share_prompt=False), "shared prompt, padded": dict(packed=False),
+        "shared prompt, packed": dict(packed=True)}
+
+
+def timed_pass(model, batch: SequenceBatch, way: dict, bf16: bool, train: bool) -> float:
+    packable = logprobs._packable
+    logprobs._packable = (lambda m: way["packed"]) if "packed" in way else packable
+    try:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(train), autocast(torch.device("cpu"), bf16):
+            logp, _ = completion_logprobs(model, batch, with_entropy=train, share_prompt=way.get("share_prompt", True))
+        if train:
+            (logp * batch.completion_mask_BT).sum().backward()
+        return time.perf_counter() - start
+    finally:
+        logprobs._packable = packable
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer, eos = load_default()
+    engine = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("train")[:2]], 512)
+    print(f"machine: {machine()}\n")
+    print("| pass | precision | " + " | ".join(WAYS) + " | packed / every row | completion tokens (max) |")
+    print("|---|---|---|---|---|---|---|")
+    for train in (True, False):
+        for bf16 in (False, True):
+            seconds = {name: [] for name in WAYS}
+            tokens = []
+            for rep in range(args.repeats):
+                with torch.no_grad():
+                    rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)
+                prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(8)], tokenizer.pad_token_id)
+                batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
+                tokens.append((int(rollout.lengths_B.sum()), int(rollout.lengths_B.max())))
+                model.train(train)
+                for name, way in WAYS.items():
+                    seconds[name].append(timed_pass(model, batch, way, bf16, train))
+            median = {name: statistics.median(s) for name, s in seconds.items()}
+            ratio = statistics.median(f / p for f, p in zip(seconds["every row in full"], seconds["shared prompt, packed"]))
+            n, longest = statistics.median(t[0] for t in tokens), statistics.median(t[1] for t in tokens)
+            print(f"| {'forward + backward' if train else 'no-grad forward'} | {'bf16 autocast' if bf16 else 'float32'} | "
+                  + " | ".join(f"{median[name]:.2f} s" for name in WAYS) + f" | {ratio:.2f}x faster | {n:.0f} ({longest:.0f}) |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
