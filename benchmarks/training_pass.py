@@ -1,10 +1,11 @@
 """The trainer's log-prob passes: every row in full vs the shared prompt (padded) vs shared and packed.
 
 Realistic batches of the default task: the default model samples 2 prompts x 8 completions (up to
-64 tokens, temperature 1, as in `benchmarks/step.py`); then one micro-batch of all 16 rows is
-timed, the ways alternating ``--repeats`` times, as the training forward + backward and as a
-no-grad (reference) forward, in float32 and under bfloat16 autocast. All three give the same
-log-probs (tested in tests/test_rollout_and_logprobs.py); the table says what each saves.
+64 tokens, temperature 1, as in `benchmarks/step.py`), a new batch each repeat; one micro-batch of
+all 16 rows is then timed each way, the ways alternating, as the training forward + backward and
+as a no-grad (reference) forward, in float32 and under bfloat16 autocast. All three ways give the
+same log-probs and gradients (tested in tests/test_rollout_and_logprobs.py); the table says what
+each saves. Ratios are medians of the per-batch ratios.
 
     python -m benchmarks.training_pass --repeats 5
 """
@@ -54,8 +55,8 @@ def main() -> None:
     engine = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("train")[:2]], 512)
     print(f"machine: {machine()}\n")
-    print("| pass | precision | " + " | ".join(WAYS) + " | packed / every row | completion tokens (max) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| pass | precision | " + " | ".join(WAYS) + " | every row / packed | padded / packed | completion tokens (max) |")
+    print("|---|---|---|---|---|---|---|---|")
     for train in (True, False):
         for bf16 in (False, True):
             seconds = {name: [] for name in WAYS}
@@ -70,10 +71,11 @@ def main() -> None:
                 for name, way in WAYS.items():
                     seconds[name].append(timed_pass(model, batch, way, bf16, train))
             median = {name: statistics.median(s) for name, s in seconds.items()}
-            ratio = statistics.median(f / p for f, p in zip(seconds["every row in full"], seconds["shared prompt, packed"]))
+            ratios = [statistics.median(a / p for a, p in zip(seconds[name], seconds["shared prompt, packed"]))
+                      for name in ("every row in full", "shared prompt, padded")]
             n, longest = statistics.median(t[0] for t in tokens), statistics.median(t[1] for t in tokens)
             print(f"| {'forward + backward' if train else 'no-grad forward'} | {'bf16 autocast' if bf16 else 'float32'} | "
-                  + " | ".join(f"{median[name]:.2f} s" for name in WAYS) + f" | {ratio:.2f}x faster | {n:.0f} ({longest:.0f}) |",
+                  + " | ".join(f"{median[name]:.2f} s" for name in WAYS) + "".join(f" | {r:.2f}x" for r in ratios) + f" | {n:.0f} ({longest:.0f}) |",
                   flush=True)
 
 

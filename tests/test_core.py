@@ -20,6 +20,9 @@ def test_token_logprobs_equal_log_softmax_gather_and_are_nonpositive():
     assert torch.allclose(got, logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-6)
     assert torch.allclose(entropy, -(logp_all.exp() * logp_all).sum(-1), atol=1e-5)
     assert (got <= 0).all() and got.shape == entropy.shape == (3, 5)
+    cooled, _ = core.token_logprobs(logits.bfloat16(), ids, temperature=0.7)  # divided after the float32 cast
+    want = torch.log_softmax(logits.bfloat16().float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(cooled, want, atol=1e-6)
 
 
 def test_token_logprobs_operand_order_matters():

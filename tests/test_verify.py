@@ -78,7 +78,7 @@ def _no_gradient_step(self):
 MUTATIONS = {
     "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
         logprobs, "token_logprobs",
-        lambda logits, ids, entropy=False: (lambda lp, h: (-lp, h))(*core.token_logprobs(logits, ids, entropy)))),
+        lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))),
     "advantage eps 1e4": ("advantages", lambda mp: mp.setattr(
         core, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),
     "advantage sign flipped": ("advantages", lambda mp: mp.setattr(

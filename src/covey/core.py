@@ -30,10 +30,11 @@ ADVANTAGE_EPS = 1e-4
 # ---- log-probs ----------------------------------------------------------------------------------
 
 
-def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False,
+def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0,
                    chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log softmax(logits)[ids], entropy or None) per position, in float32, ``chunk`` positions at a
-    time so a float32 copy of all the logits is never held. Works on any leading shape (..., V).
+    """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
+    ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any
+    leading shape (..., V).
 
     The entropy (no gradient) reuses the log-softmax's normaliser: H = logsumexp(x) - sum softmax(x) x.
     """
@@ -41,7 +42,7 @@ def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: b
     logits_NV, ids_N = logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1)
     logps, entropies = [], []
     for logits, ids in zip(logits_NV.split(chunk), ids_N.split(chunk)):
-        logits = logits.float()
+        logits = logits.float() if temperature == 1 else logits.float() / temperature
         normaliser = torch.logsumexp(logits, dim=-1)
         logps.append(logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - normaliser)
         if with_entropy:
@@ -49,10 +50,8 @@ def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: b
                 probs = torch.exp(logits - normaliser.unsqueeze(-1))
                 entropies.append((normaliser - (probs * logits).sum(-1)).clamp(min=0))
     if not logps:  # no positions at all
-        empty = logits_NV.new_zeros(0, dtype=torch.float32)
-        logps, entropies = [empty], [empty] if with_entropy else []
-    logp = torch.cat(logps).reshape(shape)
-    return logp, torch.cat(entropies).reshape(shape) if with_entropy else None
+        logps = entropies = [logits_NV.new_zeros(0, dtype=torch.float32)]
+    return torch.cat(logps).reshape(shape), torch.cat(entropies).reshape(shape) if with_entropy else None
 
 
 def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,3 +36,14 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
             samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok})
     return {"accuracy": sum(correct) / max(len(correct), 1), "mean_reward": float(torch.cat(rewards).nanmean()),
             "n": len(rows), "samples": samples}
+
+
+def before_after_rows(before: dict | None, after: dict | None) -> list[list[str]]:
+    """[label, accuracy, mean reward, n] of the held-out evaluation before and after training (those
+    present), then their change when both are: the one table the terminal, model card and report show."""
+    rows = [[label, f"{100 * r['accuracy']:.1f}%", f"{r['mean_reward']:.3f}", str(r["n"])]
+            for label, r in (("before", before), ("after", after)) if r]
+    if before and after:
+        rows.append(["change", f"{100 * (after['accuracy'] - before['accuracy']):+.1f} pts",
+                     f"{after['mean_reward'] - before['mean_reward']:+.3f}", ""])
+    return rows

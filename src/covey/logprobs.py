@@ -52,7 +52,7 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     device = next(model.parameters()).device
     logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
-    logp_N, entropy_N = token_logprobs(logits_NV / temperature, ids_N, with_entropy)
+    logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature)
     at = (rows_N.to(device), cols_N.to(device))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
     return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N)

@@ -29,6 +29,8 @@ from matplotlib.ticker import MaxNLocator
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError
+from covey.evaluation import before_after_rows
+from covey.text import prompt_text
 
 SMOOTH_FROM = 20  # with at least this many points, raw values are drawn faintly under a moving average
 SAMPLES_PER_STEP = 8  # completions shown for each of the first and last recorded steps
@@ -346,13 +348,6 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _prompt_text(prompt: Any) -> str:
-    """The last message of a conversational prompt (the system prompt repeats), or the prompt itself."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        return str(prompt[-1].get("content", ""))
-    return str(prompt)
-
-
 def _facts(run: Run) -> str:
     summary, config = run.summary or {}, run.config or {}
     facts = [("model", summary.get("model") or config.get("model")),
@@ -369,10 +364,7 @@ def _evaluation(run: Run) -> str:
     before, after = summary.get("before"), summary.get("after")
     if not (before and after):
         return "<p>No before/after evaluation in this run.</p>"
-    rows = [[name, f"#{100 * r['accuracy']:.1f}%", f"#{r['mean_reward']:.3f}", f"#{r['n']}"]
-            for name, r in (("before", before), ("after", after))]
-    rows.append(["change", f"#{100 * (after['accuracy'] - before['accuracy']):+.1f} pts",
-                 f"#{after['mean_reward'] - before['mean_reward']:+.3f}", "#"])
+    rows = [[label, *("#" + cell for cell in cells)] for label, *cells in before_after_rows(before, after)]
     return _table(["held-out (greedy)", "accuracy", "mean reward", "n"], rows)
 
 
@@ -385,7 +377,7 @@ def _evaluation_samples(run: Run) -> str:
     def mark(sample: dict) -> str:
         return '<span class="good">correct</span>' if sample.get("correct") else '<span class="bad">wrong</span>'
 
-    rows = [[_pre(_prompt_text(b.get("prompt", ""))), mark(b) + _pre(b.get("completion", "")),
+    rows = [[_pre(prompt_text(b.get("prompt", ""))), mark(b) + _pre(b.get("completion", "")),
              mark(a) + _pre(a.get("completion", ""))] for b, a in pairs]
     return "<h2>Held-out samples, before and after training</h2>" + _table(["prompt", "before", "after"], rows)
 
@@ -396,7 +388,7 @@ def _completions_at(run: Run, step: Any, label: str) -> str:
     names = list(shown[0].get("rewards") or {})
     rows, previous = [], None
     for record in shown:
-        prompt = _prompt_text(record.get("prompt", ""))
+        prompt = prompt_text(record.get("prompt", ""))
         scores = [f"#{_number((record.get('rewards') or {}).get(n))}" for n in names]
         advantage = record.get("advantage")
         rows.append(["" if prompt == previous else _pre(prompt), _pre(record.get("completion", "")), *scores,

@@ -16,7 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from covey.evaluation import before_after_rows
 from covey.health import HealthMonitor
+from covey.text import prompt_text
 from covey.trackers import Tracker
 
 LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
@@ -121,7 +123,7 @@ def completions_table(records: list[dict], title: str) -> Table:
         table.add_column(column, overflow="fold")
     previous = None
     for record in records:
-        prompt = record["prompt"][-1]["content"] if isinstance(record["prompt"], list) else record["prompt"]
+        prompt = prompt_text(record["prompt"])
         scores = ["None" if record["rewards"][n] is None else f"{record['rewards'][n]:.3g}" for n in names]
         total = "None" if record["reward"] is None else f"{record['reward']:.3g}"
         table.add_row("" if prompt == previous else prompt, record["completion"], *scores, total,
@@ -133,14 +135,10 @@ def completions_table(records: list[dict], title: str) -> Table:
 def print_summary(console: Console, before: dict | None, after: dict | None, run_dir: Path) -> None:
     table = Table(title="held-out evaluation (greedy)")
     table.add_column("")
-    table.add_column("accuracy", justify="right")
-    table.add_column("mean reward", justify="right")
-    for name, result in (("before", before), ("after", after)):
-        if result:
-            table.add_row(name, f"{100 * result['accuracy']:.1f}%", f"{result['mean_reward']:.3f}")
-    if before and after:
-        table.add_row("change", f"{100 * (after['accuracy'] - before['accuracy']):+.1f} pts",
-                      f"{after['mean_reward'] - before['mean_reward']:+.3f}")
+    for column in ("accuracy", "mean reward", "n"):
+        table.add_column(column, justify="right")
+    for row in before_after_rows(before, after):
+        table.add_row(*row)
     console.print(table)
     console.print(f"run folder: {run_dir}")
 
@@ -159,7 +157,6 @@ def model_card(base_model: str, dataset: str, reward_names: list[str], reward_we
     lines += ["", "## Hyperparameters", "", "| field | value |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in hyperparameters.items()]
     if before and after:
-        lines += ["", "## Held-out evaluation (greedy)", "", "| | accuracy | mean reward | n |", "|---|---|---|---|",
-                  f"| before | {100 * before['accuracy']:.1f}% | {before['mean_reward']:.3f} | {before['n']} |",
-                  f"| after | {100 * after['accuracy']:.1f}% | {after['mean_reward']:.3f} | {after['n']} |"]
+        lines += ["", "## Held-out evaluation (greedy)", "", "| | accuracy | mean reward | n |", "|---|---|---|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in before_after_rows(before, after)]
     return "\n".join(lines) + "\n"

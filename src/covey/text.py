@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from covey.errors import DataError
@@ -33,6 +35,14 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def prompt_text(prompt: Any) -> str:
+    """What to show of a prompt: the last message of a conversation (the system prompt repeats),
+    or the prompt itself."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return str(prompt)
 
 
 def answer_after_reasoning(text: str) -> str:
