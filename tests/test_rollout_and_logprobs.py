@@ -128,17 +128,34 @@ def test_a_generation_config_saved_with_the_model_is_ignored(tokenizer, tiny_mod
     assert torch.equal(plain.completion_ids_BT, again.completion_ids_BT)
 
 
-@pytest.mark.parametrize("T, attention, packed", [(1, "sdpa", True), (6, "sdpa", True), (6, "eager", True),
-                                                   (6, "sdpa", False)])
-def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, monkeypatch, T, attention, packed):
-    """Running each group's prompt once and sharing its keys/values, with the group's completions
-    packed end to end (or padded, where the attention takes no custom mask), is exact, gradients
-    included."""
-    from covey import logprobs
+def _tiny(architecture: str, vocab_size: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
     from tests.conftest import make_model
 
-    model = make_model(len(tokenizer), seed=2)
+    small = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(2)
+    if architecture == "qwen2":  # q/k/v biases
+        return Qwen2ForCausalLM(Qwen2Config(**small)).eval()
+    if architecture == "qwen3":  # q/k norms, explicit head_dim
+        return Qwen3ForCausalLM(Qwen3Config(**small, head_dim=16)).eval()
+    return make_model(vocab_size, seed=2)
+
+
+@pytest.mark.parametrize("T, attention, packed, architecture", [
+    (1, "sdpa", True, "llama"), (6, "sdpa", True, "llama"), (6, "eager", True, "llama"), (6, "sdpa", False, "llama"),
+    (6, "sdpa", True, "qwen2"), (6, "sdpa", True, "qwen3")])
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, monkeypatch, T, attention, packed,
+                                                                     architecture):
+    """Running each group's prompt once and sharing its keys/values, with the group's completions
+    packed end to end (or padded, for models that take no packing mask), is exact, gradients
+    included."""
+    from covey import logprobs
+
+    model = _tiny(architecture, len(tokenizer))
     model.config._attn_implementation = attention
+    assert logprobs._packable(model) == (attention in ("sdpa", "eager"))
     monkeypatch.setattr(logprobs, "_packable", lambda m: packed)
     rows_fed = []
     model.register_forward_pre_hook(lambda m, a, kw: rows_fed.append(kw["input_ids"].shape[0]), with_kwargs=True)
@@ -195,6 +212,9 @@ def test_packing_is_used_only_where_a_custom_mask_is_applied_as_given(tokenizer)
     assert _packable(Qwen2ForCausalLM(Qwen2Config(**small)))
     windowed = Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert not _packable(Qwen2ForCausalLM(windowed))
+    from transformers import BloomConfig, BloomForCausalLM  # ALiBi: builds its bias from the 2D mask
+
+    assert not _packable(BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)))
 
 
 def test_shared_prompt_forward_stays_exact_under_gradient_checkpointing(tokenizer):

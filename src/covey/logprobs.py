@@ -20,6 +20,8 @@ import torch
 from covey.core import token_logprobs
 from covey.models import cache_keyword
 
+PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
+
 
 @dataclass
 class SequenceBatch:
@@ -104,7 +106,7 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch,
 
 
 def _padded_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache, key):
-    """One row per completion, padded to the longest (attention implementations without custom masks)."""
+    """One row per completion, padded to the longest (for models that cannot take a packing mask)."""
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
     cache.batch_select_indices(group_B.to(device))
@@ -169,10 +171,12 @@ def _first_fit(lengths: list[int], groups: list[int], capacity: int) -> tuple[li
 
 
 def _packable(model: torch.nn.Module) -> bool:
-    """Whether the model takes a custom (block-diagonal) attention mask that it applies as given:
-    SDPA or eager attention, and no sliding-window layers (whose window a custom mask would drop)."""
+    """Whether the model applies a custom (block-diagonal) attention mask as given: one of the
+    architectures tested so, with SDPA or eager attention and no sliding-window layers (whose window
+    a custom mask would drop). Others (ALiBi models build their bias from a 2D mask) run padded."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if config.model_type not in PACKED_ARCHITECTURES or \
+            getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
