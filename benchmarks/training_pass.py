@@ -19,7 +19,6 @@ import time
 import torch
 
 from benchmarks.common import load_default, machine
-from covey import logprobs
 from covey.fast_rollout import FastEngine
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import autocast
@@ -27,23 +26,18 @@ from covey.rollout import SamplingParams, left_pad
 from covey.tasks import arithmetic
 from covey.text import encode_prompts
 
-WAYS = {"every row in full": dict(share_prompt=False), "shared prompt, padded": dict(packed=False),
-        "shared prompt, packed": dict(packed=True)}
+WAYS = {"every row in full": dict(share_prompt=False), "shared prompt, padded": dict(pack=False),
+        "shared prompt, packed": dict(pack=True)}
 
 
 def timed_pass(model, batch: SequenceBatch, way: dict, bf16: bool, train: bool) -> float:
-    packable = logprobs._packable
-    logprobs._packable = (lambda m: way["packed"]) if "packed" in way else packable
-    try:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        with torch.set_grad_enabled(train), autocast(torch.device("cpu"), bf16):
-            logp, _ = completion_logprobs(model, batch, with_entropy=train, share_prompt=way.get("share_prompt", True))
-        if train:
-            (logp * batch.completion_mask_BT).sum().backward()
-        return time.perf_counter() - start
-    finally:
-        logprobs._packable = packable
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(train), autocast(torch.device("cpu"), bf16):
+        logp, _ = completion_logprobs(model, batch, with_entropy=train, **way)
+    if train:
+        (logp * batch.completion_mask_BT).sum().backward()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -55,7 +49,8 @@ def main() -> None:
     engine = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("train")[:2]], 512)
     print(f"machine: {machine()}\n")
-    print("| pass | precision | " + " | ".join(WAYS) + " | every row / packed | padded / packed | completion tokens (max) |")
+    print("| pass | precision | " + " | ".join(WAYS)
+          + " | every row / packed | padded / packed | completion tokens (max) |")
     print("|---|---|---|---|---|---|---|---|")
     for train in (True, False):
         for bf16 in (False, True):
@@ -74,9 +69,9 @@ def main() -> None:
             ratios = [statistics.median(a / p for a, p in zip(seconds[name], seconds["shared prompt, packed"]))
                       for name in ("every row in full", "shared prompt, padded")]
             n, longest = statistics.median(t[0] for t in tokens), statistics.median(t[1] for t in tokens)
-            print(f"| {'forward + backward' if train else 'no-grad forward'} | {'bf16 autocast' if bf16 else 'float32'} | "
-                  + " | ".join(f"{median[name]:.2f} s" for name in WAYS) + "".join(f" | {r:.2f}x" for r in ratios) + f" | {n:.0f} ({longest:.0f}) |",
-                  flush=True)
+            cells = [f"{median[name]:.2f} s" for name in WAYS] + [f"{r:.2f}x" for r in ratios]
+            kind = f"{'forward + backward' if train else 'no-grad forward'} | {'bf16 autocast' if bf16 else 'float32'}"
+            print(f"| {kind} | " + " | ".join(cells) + f" | {n:.0f} ({longest:.0f}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,7 @@ def _tiny(architecture: str, vocab_size: int):
 @pytest.mark.parametrize("T, attention, packed, architecture", [
     (1, "sdpa", True, "llama"), (6, "sdpa", True, "llama"), (6, "eager", True, "llama"), (6, "sdpa", False, "llama"),
     (6, "sdpa", True, "qwen2"), (6, "sdpa", True, "qwen3")])
-def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, monkeypatch, T, attention, packed,
-                                                                     architecture):
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, T, attention, packed, architecture):
     """Running each group's prompt once and sharing its keys/values, with the group's completions
     packed end to end (or padded, for models that take no packing mask), is exact, gradients
     included."""
@@ -156,7 +155,6 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     model = _tiny(architecture, len(tokenizer))
     model.config._attn_implementation = attention
     assert logprobs._packable(model) == (attention in ("sdpa", "eager"))
-    monkeypatch.setattr(logprobs, "_packable", lambda m: packed)
     rows_fed = []
     model.register_forward_pre_hook(lambda m, a, kw: rows_fed.append(kw["input_ids"].shape[0]), with_kwargs=True)
     prompts = _prompts(tokenizer)
@@ -173,7 +171,8 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     for share in (False, True):
         model.zero_grad()
         rows_fed.clear()
-        logp, entropy = completion_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompt=share)
+        logp, entropy = completion_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompt=share,
+                                            pack=packed)
         (logp * mask).sum().backward()
         results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     (plain, plain_entropy, plain_grads), (shared, shared_entropy, shared_grads) = results

@@ -49,10 +49,12 @@ class SequenceBatch:
 
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                        with_entropy: bool = False, share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions."""
+                        with_entropy: bool = False, share_prompt: bool = True,
+                        pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions. ``share_prompt``
+    and ``pack`` (where the model allows it) only change the work done, not the numbers."""
     device = next(model.parameters()).device
-    logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt)
+    logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
     logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature)
     at = (rows_N.to(device), cols_N.to(device))
@@ -60,8 +62,8 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N)
 
 
-def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch,
-                            share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt: bool = True,
+                            pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits_NV, rows_N, cols_N): the logits that predict each real completion token (row, column)."""
     device = next(model.parameters()).device
     group_B = batch.prompt_groups()
@@ -95,7 +97,7 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch,
     logits, rows, cols = [first_logits[group_B[started_B].to(device)]], [started_B], [torch.zeros_like(started_B)]
     # 2. every completion token but the last attends to its group's prompt keys and values
     if int(lengths_B.max()) > 1:
-        if _packable(model):
+        if pack and _packable(model):
             rest, rest_rows, rest_cols = _packed_completions(model, batch, group_B, prompt_mask, cache, key)
         else:
             rest, rest_rows, rest_cols = _padded_completions(model, batch, group_B, prompt_mask, cache, key)
@@ -138,7 +140,8 @@ def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache
     positions[r_N, c_N] = prompt_mask.sum(1)[group_B[b_N]] + t_N
     owner = torch.full((R, capacity), -1)  # the completion each packed slot belongs to; -1 is padding
     owner[r_N, c_N] = b_N
-    same_completion = (owner.unsqueeze(2) == owner.unsqueeze(1)) & torch.ones(capacity, capacity, dtype=torch.bool).tril()
+    causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
+    same_completion = (owner.unsqueeze(2) == owner.unsqueeze(1)) & causal
     sees_prompt = prompt_mask[row_group_R].bool().unsqueeze(1) & (owner >= 0).unsqueeze(2)
     allowed = torch.cat([sees_prompt, same_completion], dim=2).unsqueeze(1)  # (R, 1, capacity, P + capacity)
     if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
