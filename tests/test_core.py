@@ -25,6 +25,23 @@ def test_token_logprobs_equal_log_softmax_gather_and_are_nonpositive():
     assert torch.allclose(cooled, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
+def test_token_logprobs_gradient_equals_autograd_of_log_softmax(dtype, temperature):
+    # the hand-written backward (onehot - softmax) / temperature, chunked, against autograd's
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 11) * 4).to(dtype)
+    ids = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5)
+    mine = logits.clone().requires_grad_()
+    (core.token_logprobs(mine, ids, with_entropy=True, temperature=temperature, chunk=4)[0] * weights).sum().backward()
+    reference = logits.clone().requires_grad_()
+    logp = torch.log_softmax(reference.float() / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (logp * weights).sum().backward()
+    assert mine.grad.dtype == dtype
+    assert torch.allclose(mine.grad.float(), reference.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert mine.grad.float().abs().sum() > 0
+
+
 def test_token_logprobs_operand_order_matters():
     # a reversed subtraction (logsumexp - selected) would be >= 0 everywhere
     logits = torch.tensor([[[2.0, 0.0, -1.0]]])

@@ -140,12 +140,21 @@ def _tiny(architecture: str, vocab_size: int):
         return Qwen2ForCausalLM(Qwen2Config(**small)).eval()
     if architecture == "qwen3":  # q/k norms, explicit head_dim
         return Qwen3ForCausalLM(Qwen3Config(**small, head_dim=16)).eval()
+    if architecture == "llama-lora":  # adapters on every linear layer, made non-zero so they count
+        from covey.models import add_lora
+
+        model = add_lora(make_model(vocab_size, seed=2), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+        return model.eval()
     return make_model(vocab_size, seed=2)
 
 
 @pytest.mark.parametrize("T, attention, packed, architecture", [
     (1, "sdpa", True, "llama"), (6, "sdpa", True, "llama"), (6, "eager", True, "llama"), (6, "sdpa", False, "llama"),
-    (6, "sdpa", True, "qwen2"), (6, "sdpa", True, "qwen3")])
+    (6, "sdpa", True, "qwen2"), (6, "sdpa", True, "qwen3"), (6, "sdpa", True, "llama-lora")])
 def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, T, attention, packed, architecture):
     """Running each group's prompt once and sharing its keys/values, with the group's completions
     packed end to end (or padded, for models that take no packing mask), is exact, gradients
@@ -156,7 +165,8 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     model.config._attn_implementation = attention
     assert logprobs._packable(model) == (attention in ("sdpa", "eager"))
     rows_fed = []
-    model.register_forward_pre_hook(lambda m, a, kw: rows_fed.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    model.get_decoder().register_forward_pre_hook(lambda m, a, kw: rows_fed.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)
     prompts = _prompts(tokenizer)
     repeated = [prompts[0]] * 3 + [prompts[1]] * 2 + [prompts[0]]  # groups of 3, 2 and 1 rows
     prompt_ids, prompt_mask = left_pad(repeated, tokenizer.pad_token_id)
@@ -174,7 +184,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
         logp, entropy = completion_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompt=share,
                                             pack=packed)
         (logp * mask).sum().backward()
-        results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+        results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
     (plain, plain_entropy, plain_grads), (shared, shared_entropy, shared_grads) = results
     # the prompts once (3 groups), then 4 packed rows (5 | 2+1 | 3 | 4 tokens fed) or 6 padded ones
     assert rows_fed == ([3] if T == 1 else [3, 4 if packed else 6])

@@ -34,24 +34,51 @@ def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: b
                    chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
     ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any
-    leading shape (..., V).
-
-    The entropy (no gradient) reuses the log-softmax's normaliser: H = logsumexp(x) - sum softmax(x) x.
+    leading shape (..., V). The entropy carries no gradient.
     """
     shape = ids_N.shape
-    logits_NV, ids_N = logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1)
-    logps, entropies = [], []
-    for logits, ids in zip(logits_NV.split(chunk), ids_N.split(chunk)):
-        logits = logits.float() if temperature == 1 else logits.float() / temperature
-        normaliser = torch.logsumexp(logits, dim=-1)
-        logps.append(logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - normaliser)
-        if with_entropy:
-            with torch.no_grad():
-                probs = torch.exp(logits - normaliser.unsqueeze(-1))
-                entropies.append((normaliser - (probs * logits).sum(-1)).clamp(min=0))
-    if not logps:  # no positions at all
-        logps = entropies = [logits_NV.new_zeros(0, dtype=torch.float32)]
-    return torch.cat(logps).reshape(shape), torch.cat(entropies).reshape(shape) if with_entropy else None
+    logp_N, entropy_N = _TokenLogprobs.apply(logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1),
+                                             temperature, with_entropy, chunk)
+    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy else None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """The log-softmax at the chosen ids with a hand-written backward: d logp / d x = onehot(id) - softmax(x),
+    divided by the temperature. Autograd through logsumexp + gather would keep float32 copies of every
+    chunk for the backward and make several passes over them; this keeps only the logits as given
+    and recomputes the softmax chunk by chunk (one fused kernel) when the gradient is asked for."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, ids_N, temperature, with_entropy, chunk):
+        logp_N = torch.empty(ids_N.shape, dtype=torch.float32, device=logits_NV.device)
+        entropy_N = torch.empty(ids_N.shape if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
+        for first in range(0, len(ids_N), chunk):
+            rows = slice(first, first + chunk)
+            log_softmax = _scaled(logits_NV[rows], temperature).log_softmax(-1)
+            logp_N[rows] = log_softmax.gather(-1, ids_N[rows, None]).squeeze(-1)
+            if with_entropy:  # H = -sum p log p, clamped against rounding below 0
+                entropy_N[rows] = (-(log_softmax.exp() * log_softmax).sum(-1)).clamp(min=0)
+        ctx.save_for_backward(logits_NV, ids_N)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy_N)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_N, _):
+        logits_NV, ids_N = ctx.saved_tensors
+        grad_NV = torch.empty_like(logits_NV)
+        for first in range(0, len(ids_N), ctx.chunk):
+            rows = slice(first, first + ctx.chunk)
+            grad = grad_N[rows, None]
+            chunk_grad = _scaled(logits_NV[rows], ctx.temperature).softmax(-1).mul_(-grad)
+            chunk_grad.scatter_add_(-1, ids_N[rows, None], grad)
+            grad_NV[rows] = chunk_grad / ctx.temperature if ctx.temperature != 1 else chunk_grad
+        return grad_NV, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()  # the temperature is applied after the cast, not in the logits' own dtype
+    return logits if temperature == 1 else logits / temperature
 
 
 def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -148,9 +148,11 @@ def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache
         dtype = next(model.parameters()).dtype
         allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     cache.batch_select_indices(row_group_R.to(device))
-    logits = model(input_ids=input_ids.to(device), attention_mask=allowed.to(device), position_ids=positions.to(device),
-                   use_cache=True, **{key: cache}).logits
-    return logits[r_N.to(device), c_N.to(device)], b_N, t_N + 1
+    # the output head runs on the real slots only (these architectures' head is a plain linear layer)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(input_ids=input_ids.to(device), attention_mask=allowed.to(device),
+                                position_ids=positions.to(device), use_cache=True, **{key: cache}).last_hidden_state
+    return base.get_output_embeddings()(hidden[r_N.to(device), c_N.to(device)]), b_N, t_N + 1
 
 
 def _first_fit(lengths: list[int], groups: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
