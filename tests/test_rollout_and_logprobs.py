@@ -226,6 +226,35 @@ def test_packing_is_used_only_where_a_custom_mask_is_applied_as_given(tokenizer)
     assert not _packable(BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)))
 
 
+def test_log_prob_passes_attend_in_float32_under_bf16_autocast(tokenizer, monkeypatch):
+    """On CPU the trainer's passes run SDPA in float32 (its bfloat16 backward is the slower one), with
+    autocast or without, and the model's own attention setting is back as it was afterwards."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    from tests.conftest import make_model
+
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_module.torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = make_model(len(tokenizer), seed=2)
+    prompt_ids, prompt_mask = left_pad([_prompts(tokenizer)[0]] * 2, tokenizer.pad_token_id)
+    completion_ids = torch.randint(10, 90, (2, 4), generator=torch.Generator().manual_seed(0))
+    batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, torch.ones(2, 4, dtype=torch.long))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = completion_logprobs(model, batch)
+        logp.sum().backward()
+        assert model.config._attn_implementation == "sdpa"
+        model(input_ids=prompt_ids, attention_mask=prompt_mask)  # the model's own forward: autocast decides again
+    assert len(seen) == 2 * 2 + 2  # two layers, prompt pass + packed pass; then the plain forward
+    assert set(seen[:4]) == {(torch.float32, torch.float32, torch.float32, False)}
+    assert seen[-1][2:] == (torch.bfloat16, True)  # bfloat16 values, autocast on: SDPA runs in bfloat16 there
+
+
 def test_shared_prompt_forward_stays_exact_under_gradient_checkpointing(tokenizer):
     """Checkpointed layers drop the cache while gradients are on: the forward must not share then."""
     from tests.conftest import make_model
