@@ -219,6 +219,23 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
     assert FastEngine(model, 0, [3], bf16=True).exact_logprobs is False
 
 
+@pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
+def test_bf16_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build, monkeypatch):
+    from covey import decoder as decoder_module
+
+    if decoder_module.onednn_linear() is None:
+        pytest.skip("this torch build has no oneDNN bfloat16 linear")
+    model = build(len(tokenizer))
+    prompts, steps = [[5, 6, 7, 8], [9, 10]], torch.randint(4, len(tokenizer), (4, 8))
+    prepacked = LeanDecoder(model, torch.bfloat16, max_length=16)
+    assert prepacked.linear is not torch.nn.functional.linear
+    packed_logits = decode_with(prepacked, prompts, steps, repeats=2)
+    monkeypatch.setattr(decoder_module, "onednn_linear", lambda: None)
+    plain = LeanDecoder(model, torch.bfloat16, max_length=16)
+    assert plain.linear is torch.nn.functional.linear
+    assert torch.allclose(packed_logits, decode_with(plain, prompts, steps, repeats=2), atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 def test_lora_policy_samples_with_its_merged_weights(tokenizer, dtype, tolerance):
     from covey.models import add_lora

@@ -8,11 +8,16 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters, without a copy.
+  run on its own parameters, without a copy. On CPU the bfloat16 copies are laid out once for
+  oneDNN's prepacked linear (``onednn_linear``), whose products at decode's few rows take about
+  half the time of ``F.linear``'s (measured in BENCHMARKS.md).
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,29 @@ ARCHITECTURES = ("llama", "qwen2")
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
+
+
+@functools.cache
+def onednn_linear() -> tuple[Callable, Callable] | None:
+    """(pack, linear): oneDNN's bfloat16 linear on weights reordered once into its own layout (what
+    torch.compile emits for CPU linears), or None where this torch build lacks it or it disagrees
+    with ``F.linear`` on a small product. ``pack(weight)`` gives the weight ``linear(x, packed, bias)`` takes."""
+    def pack(weight):
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def linear(x, weight, bias=None):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return None
+        generator = torch.Generator().manual_seed(0)
+        x, weight, bias = (torch.randn(shape, generator=generator).bfloat16() for shape in ((3, 2, 64), (48, 64), 48))
+        if not torch.allclose(linear(x, pack(weight), bias).float(), F.linear(x, weight, bias).float(), atol=1e-2):
+            return None
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    return pack, linear
 
 
 class LeanDecoder:
@@ -83,6 +111,15 @@ class LeanDecoder:
         self.norm = norm("model.norm.weight")
         tied = "lm_head.weight" not in weights
         self.head = (cast("model.embed_tokens.weight" if tied else "lm_head.weight"), cast("lm_head.bias"))
+        self.linear: Callable = F.linear
+        onednn = onednn_linear() if fuse and dtype == torch.bfloat16 and self.norm.device.type == "cpu" else None
+        if onednn is not None:  # the copies just made are laid out for oneDNN in their place
+            pack, self.linear = onednn
+            for layer in self.layers:
+                for key in ("qkv", "gate_up"):
+                    layer[key] = [(pack(w), b) for w, b in layer[key]]
+                layer["o"], layer["down"] = ((pack(w), b) for w, b in (layer["o"], layer["down"]))
+            self.head = (pack(self.head[0]), self.head[1])
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
@@ -145,23 +182,22 @@ class LeanDecoder:
             self.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
                                                   attn_mask=attend, scale=self.scale, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).reshape(B, S, -1), *layer["o"])
+            x = x + self.linear(attn.transpose(1, 2).reshape(B, S, -1), *layer["o"])
             gate, up = self._project(self._rms_norm(x, layer["mlp_norm"]), layer["gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, *layer["down"])
+            x = x + self.linear(F.silu(gate) * up, *layer["down"])
         self.length = end
-        return F.linear(self._rms_norm(x, self.norm), *self.head).float()
+        return self.linear(self._rms_norm(x, self.norm), *self.head).float()
 
     def _check_room(self, new_positions: int) -> None:
         if self.length + new_positions > self.max_length:
             raise ValueError(f"the decoder's cache holds {self.max_length} positions; "
                              f"{self.length + new_positions} were asked for")
 
-    @staticmethod
-    def _project(x: torch.Tensor, parts: list) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, parts: list) -> torch.Tensor:
         """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
         if len(parts) == 1:
-            return F.linear(x, *parts[0])
-        return torch.cat([F.linear(x, w, b) for w, b in parts], -1)
+            return self.linear(x, *parts[0])
+        return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
