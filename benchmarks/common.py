@@ -51,12 +51,17 @@ def decode_step_seconds(weights: int, rows: int, gflops: float, gbps: float, byt
     return max(rows * 2 * weights / (gflops * 1e9), weights * bytes_per_weight / (gbps * 1e9))
 
 
-def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
+def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5,
+                            prepacked: bool = True) -> float:
     """Time of one decode step's matrix products alone (the lean decoder's own weights, read from
-    memory as in a real step): what the machine's matrix library allows, before any other work."""
-    from covey.decoder import LeanDecoder
+    memory as in a real step): what the machine's matrix library allows, before any other work.
+    ``prepacked=False``: bfloat16 products through ``F.linear`` instead of oneDNN's prepacked linear."""
+    from unittest import mock
 
-    decoder = LeanDecoder(model, dtype, max_length=1)
+    from covey import decoder as decoder_module
+
+    with mock.patch.object(decoder_module, "onednn_linear", decoder_module.onednn_linear if prepacked else lambda: None):
+        decoder = decoder_module.LeanDecoder(model, dtype, max_length=1)
     inputs = {size: torch.randn(rows, size).to(dtype) for size in
               (model.config.hidden_size, decoder.n_heads * decoder.head_dim, model.config.intermediate_size)}
 
@@ -64,8 +69,8 @@ def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtyp
         for layer in decoder.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 for weight, bias in (layer[name] if isinstance(layer[name], list) else [layer[name]]):
-                    torch.nn.functional.linear(inputs[weight.shape[1]], weight, bias)
-        torch.nn.functional.linear(inputs[model.config.hidden_size], *decoder.head)
+                    decoder.linear(inputs[weight.shape[1]], weight, bias)
+        decoder.linear(inputs[model.config.hidden_size], *decoder.head)
 
     products()
     times = []

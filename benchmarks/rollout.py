@@ -11,7 +11,8 @@ does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" ass
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
 the rollouts actually measured (the least work that yields these completions). A last table
 times a decode step's matrix products alone, with the real weights, at 1, 8 and 16 rows: the
-floor the machine's matrix library sets before any other work.
+floor the machine's matrix library sets before any other work (bfloat16 both through ``F.linear``
+and through the oneDNN prepacked linear the lean decoder uses where available).
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -97,11 +98,17 @@ def main() -> None:
           "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
-    print("\n| rows | float32 matrix products, ms / step | bfloat16 matrix products, ms / step |")
-    print("|---|---|---|")
+    print("\n| rows | float32, F.linear | bfloat16, F.linear | bfloat16, oneDNN prepacked (fast bf16) | "
+          "F.linear / prepacked |")
+    print("|---|---|---|---|---|")
     for n in (1, 8, 16):
-        print(f"| {n} | {matrix_products_seconds(model, n, torch.float32) * 1e3:.1f} | "
-              f"{matrix_products_seconds(model, n, torch.bfloat16) * 1e3:.1f} |")
+        plain, prepacked = [], []
+        for _ in range(3):  # alternating, so the ratio is taken side by side
+            plain.append(matrix_products_seconds(model, n, torch.bfloat16, prepacked=False))
+            prepacked.append(matrix_products_seconds(model, n, torch.bfloat16))
+        ratio = statistics.median(a / b for a, b in zip(plain, prepacked))
+        print(f"| {n} | {matrix_products_seconds(model, n, torch.float32) * 1e3:.1f} ms | "
+              f"{statistics.median(plain) * 1e3:.1f} ms | {statistics.median(prepacked) * 1e3:.1f} ms | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":
