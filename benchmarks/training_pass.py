@@ -5,7 +5,8 @@ Realistic batches of the default task: the default model samples 2 prompts x 8 c
 all 16 rows is then timed each way, the ways alternating, as the training forward + backward and
 as a no-grad (reference) forward, in float32 and under bfloat16 autocast. All three ways give the
 same log-probs and gradients (tested in tests/test_rollout_and_logprobs.py); the table says what
-each saves. Ratios are medians of the per-batch ratios.
+each saves. Ratios are medians of the per-batch ratios. A last table times the packed bf16
+training pass with its attention in float32 (the default on CPU) and in bfloat16, side by side.
 
     python -m benchmarks.training_pass --repeats 5
 """
@@ -13,12 +14,15 @@ each saves. Ratios are medians of the per-batch ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from unittest import mock
 
 import torch
 
 from benchmarks.common import load_default, machine
+from covey import logprobs
 from covey.fast_rollout import FastEngine
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import autocast
@@ -48,6 +52,7 @@ def main() -> None:
     model, tokenizer, eos = load_default()
     engine = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("train")[:2]], 512)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(8)], tokenizer.pad_token_id)
     print(f"machine: {machine()}\n")
     print("| pass | precision | " + " | ".join(WAYS)
           + " | every row / packed | padded / packed | completion tokens (max) |")
@@ -59,7 +64,6 @@ def main() -> None:
             for rep in range(args.repeats):
                 with torch.no_grad():
                     rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)
-                prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(8)], tokenizer.pad_token_id)
                 batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
                 tokens.append((int(rollout.lengths_B.sum()), int(rollout.lengths_B.max())))
                 model.train(train)
@@ -72,6 +76,22 @@ def main() -> None:
             cells = [f"{median[name]:.2f} s" for name in WAYS] + [f"{r:.2f}x" for r in ratios]
             kind = f"{'forward + backward' if train else 'no-grad forward'} | {'bf16 autocast' if bf16 else 'float32'}"
             print(f"| {kind} | " + " | ".join(cells) + f" | {n:.0f} ({longest:.0f}) |", flush=True)
+    print("\n| bf16 autocast, packed | attention in float32 (default) | attention in bfloat16 | bfloat16 / float32 |")
+    print("|---|---|---|---|")
+    for train in (True, False):
+        model.train(train)
+        seconds = {True: [], False: []}
+        for rep in range(args.repeats):
+            with torch.no_grad():
+                rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=100 + rep)
+            batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
+            for float32 in (True, False):
+                attention = logprobs._float32_attention if float32 else lambda model: contextlib.nullcontext()
+                with mock.patch.object(logprobs, "_float32_attention", attention):
+                    seconds[float32].append(timed_pass(model, batch, WAYS["shared prompt, packed"], True, train))
+        ratio = statistics.median(b / f for f, b in zip(seconds[True], seconds[False]))
+        print(f"| {'forward + backward' if train else 'no-grad forward'} | {statistics.median(seconds[True]):.2f} s | "
+              f"{statistics.median(seconds[False]):.2f} s | {ratio:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

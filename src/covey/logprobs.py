@@ -137,7 +137,7 @@ def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache
     inputs_B = (batch.completion_mask_BT.sum(1) - 1).clamp(min=0)  # tokens fed: all but the last
     capacity = int(inputs_B.max())
     row_B, offset_B, row_group_R = _first_fit(inputs_B.tolist(), group_B.tolist(), capacity)
-    R, P = len(row_group_R), prompt_mask.shape[1]
+    R = len(row_group_R)
     b_N, t_N = (torch.arange(capacity).unsqueeze(0) < inputs_B.unsqueeze(1)).nonzero(as_tuple=True)
     r_N, c_N = torch.tensor(row_B)[b_N], torch.tensor(offset_B)[b_N] + t_N
     row_group_R = torch.tensor(row_group_R)
