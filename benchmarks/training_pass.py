@@ -6,7 +6,8 @@ all 16 rows is then timed each way, the ways alternating, as the training forwar
 as a no-grad (reference) forward, in float32 and under bfloat16 autocast. All three ways give the
 same log-probs and gradients (tested in tests/test_rollout_and_logprobs.py); the table says what
 each saves. Ratios are medians of the per-batch ratios. A last table times the packed bf16
-training pass with its attention in float32 (the default on CPU) and in bfloat16, side by side.
+passes on the same batches with their attention in float32 (the default on CPU) and in bfloat16,
+side by side.
 
     python -m benchmarks.training_pass --repeats 5
 """
@@ -83,7 +84,7 @@ def main() -> None:
         seconds = {True: [], False: []}
         for rep in range(args.repeats):
             with torch.no_grad():
-                rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=100 + rep)
+                rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)  # the same batches
             batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
             for float32 in (True, False):
                 attention = logprobs._float32_attention if float32 else lambda model: contextlib.nullcontext()
