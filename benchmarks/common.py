@@ -60,7 +60,8 @@ def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtyp
 
     from covey import decoder as decoder_module
 
-    with mock.patch.object(decoder_module, "onednn_linear", decoder_module.onednn_linear if prepacked else lambda: None):
+    onednn = decoder_module.onednn_linear if prepacked else lambda: None
+    with mock.patch.object(decoder_module, "onednn_linear", onednn):
         decoder = decoder_module.LeanDecoder(model, dtype, max_length=1)
     inputs = {size: torch.randn(rows, size).to(dtype) for size in
               (model.config.hidden_size, decoder.n_heads * decoder.head_dim, model.config.intermediate_size)}
