@@ -22,13 +22,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from covey.models import cache_keyword, is_peft_model, policy_weights
+from covey.models import cache_keyword, plain_model, policy_weights
 
 ARCHITECTURES = ("llama", "qwen2")
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if is_peft_model(model) else model
 
 
 @functools.cache
@@ -60,7 +56,7 @@ class LeanDecoder:
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-        config = getattr(_base(model), "config", None)
+        config = getattr(plain_model(model), "config", None)
         return (config is not None and config.model_type in ARCHITECTURES
                 and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "use_sliding_window", False)
@@ -69,7 +65,7 @@ class LeanDecoder:
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int):
-        base = _base(model)
+        base = plain_model(model)
         config = base.config
         self.dtype, self.max_length = dtype, max_length
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -211,7 +207,7 @@ class ModelDecoder:
         from transformers import DynamicCache
 
         self.model = model
-        self.cache = DynamicCache(config=getattr(_base(model), "config", None))
+        self.cache = DynamicCache(config=getattr(plain_model(model), "config", None))
         self.cache_keyword = cache_keyword(model)
         self.attention_BL: torch.Tensor | None = None
 

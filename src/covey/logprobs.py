@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from covey.core import token_logprobs
-from covey.models import cache_keyword
+from covey.models import cache_keyword, plain_model
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 
@@ -156,7 +156,7 @@ def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache
         allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     cache.batch_select_indices(row_group_R.to(device))
     # the output head runs on the real slots only (these architectures' head is a plain linear layer)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = plain_model(model)
     hidden = base.get_decoder()(input_ids=input_ids.to(device), attention_mask=allowed.to(device),
                                 position_ids=positions.to(device), use_cache=True, **{key: cache}).last_hidden_state
     return base.get_output_embeddings()(hidden[r_N.to(device), c_N.to(device)]), b_N, t_N + 1

@@ -142,6 +142,11 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def plain_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: a LoRA policy's wrapped model (its adapters still in place), or the model."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 _ADAPTER_PART = re.compile(r"(^|\.)(lora_[A-Za-z_]+|original_module)\.")
 
 
@@ -227,8 +232,7 @@ class Reference:
 
 def cache_keyword(model) -> str:
     """The forward() keyword of the KV cache: 'cache' in recent transformers, 'past_key_values' before."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(plain_model(model).forward).parameters else "past_key_values"
 
 
 def autocast(device: torch.device, enabled: bool):

@@ -13,7 +13,7 @@ import torch
 
 from covey.core import completion_mask
 from covey.errors import ConfigError
-from covey.models import autocast
+from covey.models import autocast, plain_model
 
 if TYPE_CHECKING:
     from covey.config import GRPOConfig
@@ -148,7 +148,7 @@ class HFEngine:
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
             repetition_penalty=params.repetition_penalty, output_scores=True, return_dict_in_generate=True)
         # generate() fills unset values from the model's own config, so swap in an empty one
-        holder = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        holder = plain_model(self.model)
         was_training, saved_config = self.model.training, holder.generation_config
         self.model.eval()
         holder.generation_config = GenerationConfig()

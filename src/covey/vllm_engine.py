@@ -23,7 +23,7 @@ import torch
 from covey.config import GRPOConfig
 from covey.core import length_mask
 from covey.errors import ConfigError, ModelError
-from covey.models import is_peft_model, policy_weights, resolve_model_path
+from covey.models import plain_model, policy_weights, resolve_model_path
 from covey.rollout import OwnWeights, Rollout, SamplingParams
 
 INSTALL_HINT = ("install it with pip install 'covey[vllm]' on a machine with a CUDA GPU, "
@@ -102,7 +102,7 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
 def model_source(model: torch.nn.Module) -> str:
     """The folder or hub id vLLM loads: where the policy (or a LoRA policy's base) came from. Its
     weights are replaced by the policy's before the first generation; the architecture must match."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = plain_model(model)
     source = getattr(getattr(base, "config", None), "_name_or_path", "")
     if not source:
         raise ModelError("rollout_engine: vllm loads the model from a folder or hub id, and this model was built in "
