@@ -56,13 +56,9 @@ def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtyp
     """Time of one decode step's matrix products alone (the lean decoder's own weights, read from
     memory as in a real step): what the machine's matrix library allows, before any other work.
     ``prepacked=False``: bfloat16 products through ``F.linear`` instead of oneDNN's prepacked linear."""
-    from unittest import mock
+    from covey.decoder import LeanDecoder
 
-    from covey import decoder as decoder_module
-
-    onednn = decoder_module.onednn_linear if prepacked else lambda: None
-    with mock.patch.object(decoder_module, "onednn_linear", onednn):
-        decoder = decoder_module.LeanDecoder(model, dtype, max_length=1)
+    decoder = LeanDecoder(model, dtype, max_length=1, prepack=prepacked)
     inputs = {size: torch.randn(rows, size).to(dtype) for size in
               (model.config.hidden_size, decoder.n_heads * decoder.head_dim, model.config.intermediate_size)}
 

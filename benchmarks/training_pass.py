@@ -15,15 +15,12 @@ side by side.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
-from unittest import mock
 
 import torch
 
 from benchmarks.common import load_default, machine
-from covey import logprobs
 from covey.fast_rollout import FastEngine
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import autocast
@@ -87,9 +84,8 @@ def main() -> None:
                 rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)  # the same batches
             batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
             for float32 in (True, False):
-                attention = logprobs._float32_attention if float32 else lambda model: contextlib.nullcontext()
-                with mock.patch.object(logprobs, "_float32_attention", attention):
-                    seconds[float32].append(timed_pass(model, batch, WAYS["shared prompt, packed"], True, train))
+                way = dict(WAYS["shared prompt, packed"], float32_attention=float32)
+                seconds[float32].append(timed_pass(model, batch, way, True, train))
         ratio = statistics.median(b / f for f, b in zip(seconds[True], seconds[False]))
         print(f"| {'forward + backward' if train else 'no-grad forward'} | {statistics.median(seconds[True]):.2f} s | "
               f"{statistics.median(seconds[False]):.2f} s | {ratio:.2f}x |", flush=True)

@@ -220,7 +220,7 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
 
 
 @pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
-def test_bf16_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build, monkeypatch):
+def test_bf16_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build):
     from covey import decoder as decoder_module
 
     if decoder_module.onednn_linear() is None:
@@ -230,8 +230,7 @@ def test_bf16_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(to
     prepacked = LeanDecoder(model, torch.bfloat16, max_length=16)
     assert prepacked.linear is not torch.nn.functional.linear
     packed_logits = decode_with(prepacked, prompts, steps, repeats=2)
-    monkeypatch.setattr(decoder_module, "onednn_linear", lambda: None)
-    plain = LeanDecoder(model, torch.bfloat16, max_length=16)
+    plain = LeanDecoder(model, torch.bfloat16, max_length=16, prepack=False)
     assert plain.linear is torch.nn.functional.linear
     assert torch.allclose(packed_logits, decode_with(plain, prompts, steps, repeats=2), atol=1e-3)
 

@@ -52,7 +52,8 @@ def onednn_linear() -> tuple[Callable, Callable] | None:
 
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
-    products, rotary embedding and KV cache; the residual stream and the norms stay in float32."""
+    products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
+    ``prepack``: bfloat16 copies on CPU go through ``onednn_linear`` where it is available."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -64,7 +65,7 @@ class LeanDecoder:
                 and not any(getattr(c, "use_dora", False) for c in getattr(model, "peft_config", {}).values()))
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, prepack: bool = True):
         base = plain_model(model)
         config = base.config
         self.dtype, self.max_length = dtype, max_length
@@ -108,7 +109,8 @@ class LeanDecoder:
         tied = "lm_head.weight" not in weights
         self.head = (cast("model.embed_tokens.weight" if tied else "lm_head.weight"), cast("lm_head.bias"))
         self.linear: Callable = F.linear
-        onednn = onednn_linear() if fuse and dtype == torch.bfloat16 and self.norm.device.type == "cpu" else None
+        on_cpu_in_bf16 = fuse and dtype == torch.bfloat16 and self.norm.device.type == "cpu"
+        onednn = onednn_linear() if prepack and on_cpu_in_bf16 else None
         if onednn is not None:  # the copies just made are laid out for oneDNN in their place
             pack, self.linear = onednn
             for layer in self.layers:

@@ -13,7 +13,7 @@ the same numbers as running every row in full, for a fraction of the work.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +53,14 @@ class SequenceBatch:
 
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                        with_entropy: bool = False, share_prompt: bool = True,
-                        pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
+                        float32_attention: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions. ``share_prompt``
-    and ``pack`` (where the model allows it) only change the work done, not the numbers."""
+    and ``pack`` (where the model allows it) only change the work done, not the numbers;
+    ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
-    with _float32_attention(model):
+    with _float32_attention(model) if float32_attention else contextlib.nullcontext():
         logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
     logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature)
@@ -187,7 +188,7 @@ AttentionInterface.register(_FLOAT32_SDPA, _sdpa_float32_on_cpu)
 AttentionMaskInterface.register(_FLOAT32_SDPA, sdpa_mask)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _float32_attention(model: torch.nn.Module):
     """An SDPA model attends through ``_sdpa_float32_on_cpu`` (same masks) for the duration."""
     config = model.config
