@@ -53,27 +53,27 @@ def decode_step_seconds(weights: int, rows: int, gflops: float, gbps: float, byt
 
 def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5,
                             prepacked: bool = True) -> float:
-    """Time of one decode step's matrix products alone (the lean decoder's own weights, read from
-    memory as in a real step): what the machine's matrix library allows, before any other work.
-    ``prepacked=False``: bfloat16 products through ``F.linear`` instead of oneDNN's prepacked linear."""
+    """Time of one decode step's matrix products alone (the lean decoder's own weights for a step of
+    ``rows`` rows, read from memory as in a real step): what the machine's matrix library allows,
+    before any other work. ``prepacked=False``: through ``F.linear`` instead of oneDNN's prepacked linear."""
     from covey.decoder import LeanDecoder
 
-    decoder = LeanDecoder(model, dtype, max_length=1, prepack=prepacked)
-    inputs = {size: torch.randn(rows, size).to(dtype) for size in
-              (model.config.hidden_size, decoder.n_heads * decoder.head_dim, model.config.intermediate_size)}
+    products = LeanDecoder(model, dtype, max_length=1, prepack=prepacked).products_for(rows)
+    sizes = {weight.shape[1] for layer in products.layers for parts in layer.values() for weight, _ in parts}
+    inputs = {size: torch.randn(rows, size).to(dtype) for size in sizes}
 
-    def products():
-        for layer in decoder.layers:
+    def run():
+        for layer in products.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                for weight, bias in (layer[name] if isinstance(layer[name], list) else [layer[name]]):
-                    decoder.linear(inputs[weight.shape[1]], weight, bias)
-        decoder.linear(inputs[model.config.hidden_size], *decoder.head)
+                for weight, bias in layer[name]:
+                    products.linear(inputs[weight.shape[1]], weight, bias)
+        products.linear(inputs[model.config.hidden_size], *products.head)
 
-    products()
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        products()
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -10,9 +10,10 @@ bandwidth, for the dtype the engine runs in: a decode step reads every weight on
 does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
 the rollouts actually measured (the least work that yields these completions). A last table
-times a decode step's matrix products alone, with the real weights, at 1, 8 and 16 rows: the
-floor the machine's matrix library sets before any other work (bfloat16 both through ``F.linear``
-and through the oneDNN prepacked linear the lean decoder uses where available).
+times a decode step's matrix products alone, with the real weights, at 1, 4, 8 and 16 rows: the
+floor the machine's matrix library sets before any other work, both through ``F.linear`` and as
+the lean decoder runs them (oneDNN's prepacked linear in bfloat16, and in float32 from
+``PREPACKED_FLOAT32_FROM_ROWS`` rows on).
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -98,17 +99,20 @@ def main() -> None:
           "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
-    print("\n| rows | float32, F.linear | bfloat16, F.linear | bfloat16, oneDNN prepacked (fast bf16) | "
-          "F.linear / prepacked |")
-    print("|---|---|---|---|---|")
-    for n in (1, 8, 16):
-        plain, prepacked = [], []
-        for _ in range(3):  # alternating, so the ratio is taken side by side
-            plain.append(matrix_products_seconds(model, n, torch.bfloat16, prepacked=False))
-            prepacked.append(matrix_products_seconds(model, n, torch.bfloat16))
-        ratio = statistics.median(a / b for a, b in zip(plain, prepacked))
-        print(f"| {n} | {matrix_products_seconds(model, n, torch.float32) * 1e3:.1f} ms | "
-              f"{statistics.median(plain) * 1e3:.1f} ms | {statistics.median(prepacked) * 1e3:.1f} ms | {ratio:.2f}x |")
+    print("\n| rows | float32, F.linear | float32, as the fast engine runs it | ratio | bfloat16, F.linear | "
+          "bfloat16, oneDNN prepacked (fast bf16) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (1, 4, 8, 16):
+        cells = []
+        for dtype in (torch.float32, torch.bfloat16):
+            plain, prepacked = [], []
+            for _ in range(3):  # alternating, so the ratio is taken side by side
+                plain.append(matrix_products_seconds(model, n, dtype, prepacked=False))
+                prepacked.append(matrix_products_seconds(model, n, dtype))
+            ratio = statistics.median(a / b for a, b in zip(plain, prepacked))
+            cells.append(f"{statistics.median(plain) * 1e3:.1f} ms | {statistics.median(prepacked) * 1e3:.1f} ms | "
+                         f"{ratio:.2f}x")
+        print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

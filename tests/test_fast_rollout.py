@@ -219,20 +219,27 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
     assert FastEngine(model, 0, [3], bf16=True).exact_logprobs is False
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
-def test_bf16_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build):
-    from covey import decoder as decoder_module
+def test_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build, dtype, tolerance):
+    from covey.decoder import PREPACKED_FLOAT32_FROM_ROWS, onednn_linear
 
-    if decoder_module.onednn_linear() is None:
-        pytest.skip("this torch build has no oneDNN bfloat16 linear")
+    if onednn_linear(dtype) is None:
+        pytest.skip(f"this torch build has no oneDNN {dtype} linear")
     model = build(len(tokenizer))
-    prompts, steps = [[5, 6, 7, 8], [9, 10]], torch.randint(4, len(tokenizer), (4, 8))
-    prepacked = LeanDecoder(model, torch.bfloat16, max_length=16)
-    assert prepacked.linear is not torch.nn.functional.linear
-    packed_logits = decode_with(prepacked, prompts, steps, repeats=2)
-    plain = LeanDecoder(model, torch.bfloat16, max_length=16, prepack=False)
-    assert plain.linear is torch.nn.functional.linear
-    assert torch.allclose(packed_logits, decode_with(plain, prompts, steps, repeats=2), atol=1e-3)
+    prepacked = LeanDecoder(model, dtype, max_length=16)
+    plain = LeanDecoder(model, dtype, max_length=16, prepack=False)
+    few = PREPACKED_FLOAT32_FROM_ROWS - 1 if dtype == torch.float32 else 1  # plain products in float32
+    assert plain.products_for(few).linear is plain.products_for(64).linear is torch.nn.functional.linear
+    assert prepacked.products_for(64).linear is not torch.nn.functional.linear
+    assert (prepacked.products_for(few).linear is torch.nn.functional.linear) == (dtype == torch.float32)
+    # 2 prompts x 2 rows step in the prepacked layout; 1 prompt x 1 row steps, in float32, in the plain
+    # one after a prefill in the prepacked one (both write the same cache)
+    for prompts, repeats in (([[5, 6, 7, 8], [9, 10]], 2), ([[5, 6, 7, 8]], 1)):
+        steps = torch.randint(4, len(tokenizer), (len(prompts) * repeats, 8))
+        packed_logits = decode_with(LeanDecoder(model, dtype, max_length=16), prompts, steps, repeats)
+        plain_logits = decode_with(LeanDecoder(model, dtype, max_length=16, prepack=False), prompts, steps, repeats)
+        assert torch.allclose(packed_logits, plain_logits, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])

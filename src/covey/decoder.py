@@ -8,15 +8,18 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters, without a copy. On CPU the bfloat16 copies are laid out once for
-  oneDNN's prepacked linear (``onednn_linear``), whose products at decode's few rows take about
-  half the time of ``F.linear``'s (measured in BENCHMARKS.md).
+  run on its own parameters. On CPU, matrices are laid out once per rollout for oneDNN's prepacked
+  linear (``onednn_linear``), which at decode's few rows beats ``F.linear``: the bfloat16 copies in
+  their place, and in float32 a fused prepacked copy beside the model's own matrices, used by steps
+  of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more (fewer run faster on the plain ones). Measured in
+  BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,11 +30,17 @@ from covey.models import cache_keyword, plain_model, policy_weights
 ARCHITECTURES = ("llama", "qwen2")
 
 
+# Float32 products with fewer rows than this run faster through ``F.linear`` on the weights as they
+# are; from it on, through oneDNN's prepacked layout (measured in BENCHMARKS.md). bfloat16 ones are
+# faster prepacked at every row count.
+PREPACKED_FLOAT32_FROM_ROWS = 4
+
+
 @functools.cache
-def onednn_linear() -> tuple[Callable, Callable] | None:
-    """(pack, linear): oneDNN's bfloat16 linear on weights reordered once into its own layout (what
-    torch.compile emits for CPU linears), or None where this torch build lacks it or it disagrees
-    with ``F.linear`` on a small product. ``pack(weight)`` gives the weight ``linear(x, packed, bias)`` takes."""
+def onednn_linear(dtype: torch.dtype = torch.bfloat16) -> tuple[Callable, Callable] | None:
+    """(pack, linear): oneDNN's linear on weights reordered once into its own layout (what
+    torch.compile emits for CPU linears), or None where this torch build lacks it for ``dtype`` or
+    it disagrees with ``F.linear`` on a small product. ``pack(weight)`` gives the weight ``linear(x, packed, bias)`` takes."""
     def pack(weight):
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
@@ -39,21 +48,66 @@ def onednn_linear() -> tuple[Callable, Callable] | None:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     try:
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if not torch.backends.mkldnn.is_available():
+            return None
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return None
         generator = torch.Generator().manual_seed(0)
-        x, weight, bias = (torch.randn(shape, generator=generator).bfloat16() for shape in ((3, 2, 64), (48, 64), 48))
-        if not torch.allclose(linear(x, pack(weight), bias).float(), F.linear(x, weight, bias).float(), atol=1e-2):
+        x, weight, bias = (torch.randn(shape, generator=generator).to(dtype) for shape in ((3, 2, 64), (48, 64), 48))
+        tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+        if not torch.allclose(linear(x, pack(weight), bias).float(), F.linear(x, weight, bias).float(), atol=tolerance):
             return None
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
     return pack, linear
 
 
+@dataclass
+class Products:
+    """The matrices of a forward in one layout: per layer ``qkv``, ``o``, ``gate_up`` and ``down``, each
+    a list of (weight, bias) whose outputs sit side by side (one entry when fused); the output head;
+    and the function that multiplies by them."""
+
+    layers: list[dict[str, list]]
+    head: tuple
+    linear: Callable = F.linear
+
+    @staticmethod
+    def build(take: Callable, n_layers: int, head: str, fuse: bool, onednn: tuple | None) -> Products:
+        """``take(name)`` gives a weight or bias (None if absent); ``fuse`` concatenates q/k/v and gate/up;
+        ``onednn`` (from ``onednn_linear``) lays every matrix out for its linear."""
+        pack = onednn[0] if onednn else (lambda weight: weight)
+
+        def project(prefix, parts):
+            ws = [take(f"{prefix}.{p}.weight") for p in parts]
+            bs = [take(f"{prefix}.{p}.bias") for p in parts]
+            if any(b is not None for b in bs):
+                bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
+            if fuse and len(parts) > 1:
+                ws, bs = [torch.cat(ws)], [torch.cat(bs) if bs[0] is not None else None]
+            return [(pack(w), b) for w, b in zip(ws, bs)]
+
+        layers = []
+        for i in range(n_layers):
+            p = f"model.layers.{i}"
+            layers.append(dict(qkv=project(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
+                               o=project(f"{p}.self_attn", ("o_proj",)),
+                               gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
+                               down=project(f"{p}.mlp", ("down_proj",))))
+        return Products(layers, (pack(take(head)), take("lm_head.bias")), onednn[1] if onednn else F.linear)
+
+    def project(self, x: torch.Tensor, parts: list) -> torch.Tensor:
+        """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
+        if len(parts) == 1:
+            return self.linear(x, *parts[0])
+        return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
+
+
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
     products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
-    ``prepack``: bfloat16 copies on CPU go through ``onednn_linear`` where it is available."""
+    ``prepack``: on CPU, bfloat16 copies go through ``onednn_linear``, and float32 steps of at least
+    ``PREPACKED_FLOAT32_FROM_ROWS`` rows through a prepacked copy made for the rollout."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -76,52 +130,34 @@ class LeanDecoder:
         self.scale = base.model.layers[0].self_attn.scaling
         # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32)
         weights = {name: t.to(dtype) if t.dim() > 1 else t for name, t in policy_weights(model)}
-        # fuse only when the matrices are copied to a new dtype anyway: a float32 model runs on its own
-        # parameters (or, for LoRA, on the merged copies of its adapted layers)
-        fuse = dtype != weights["model.norm.weight"].dtype
-
-        def cast(name):  # each tensor is taken once, so the unfused copies are freed as we go
-            return weights.pop(name).to(dtype) if name in weights else None
-
-        def norm(name):
-            return weights.pop(name).float()
-
-        def project(prefix, parts):
-            ws = [cast(f"{prefix}.{p}.weight") for p in parts]
-            bs = [cast(f"{prefix}.{p}.bias") for p in parts]
-            if any(b is not None for b in bs):
-                bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
-            if fuse:
-                return [(torch.cat(ws), torch.cat(bs) if bs[0] is not None else None)]
-            return list(zip(ws, bs))
-
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}"
-            self.layers.append(dict(
-                qkv=project(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
-                o=project(f"{p}.self_attn", ("o_proj",))[0],
-                gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
-                down=project(f"{p}.mlp", ("down_proj",))[0],
-                attn_norm=norm(f"{p}.input_layernorm.weight"),
-                mlp_norm=norm(f"{p}.post_attention_layernorm.weight")))
-        self.norm = norm("model.norm.weight")
-        tied = "lm_head.weight" not in weights
-        self.head = (cast("model.embed_tokens.weight" if tied else "lm_head.weight"), cast("lm_head.bias"))
-        self.linear: Callable = F.linear
-        on_cpu_in_bf16 = fuse and dtype == torch.bfloat16 and self.norm.device.type == "cpu"
-        onednn = onednn_linear() if prepack and on_cpu_in_bf16 else None
-        if onednn is not None:  # the copies just made are laid out for oneDNN in their place
-            pack, self.linear = onednn
-            for layer in self.layers:
-                for key in ("qkv", "gate_up"):
-                    layer[key] = [(pack(w), b) for w, b in layer[key]]
-                layer["o"], layer["down"] = ((pack(w), b) for w, b in (layer["o"], layer["down"]))
-            self.head = (pack(self.head[0]), self.head[1])
+        n_layers, model_dtype = config.num_hidden_layers, weights["model.norm.weight"].dtype
+        self.norms = [tuple(weights.pop(f"model.layers.{i}.{n}.weight").float()
+                            for n in ("input_layernorm", "post_attention_layernorm")) for i in range(n_layers)]
+        self.norm = weights.pop("model.norm.weight").float()
+        head = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
+        on_cpu = self.norm.device.type == "cpu"
+        onednn = onednn_linear(dtype) if prepack and on_cpu else None
+        # (fewest rows, products) from the most rows down: the first that fits a forward runs it
+        self.products: list[tuple[int, Products]]
+        if dtype != model_dtype:
+            # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
+            # so that the unfused copies are freed as we go
+            def take(name):
+                return weights.pop(name).to(dtype) if name in weights else None
+            self.products = [(1, Products.build(take, n_layers, head, fuse=True, onednn=onednn))]
+        else:  # the model's own matrices (or a LoRA policy's merged ones), as they are
+            self.products = [(1, Products.build(weights.get, n_layers, head, fuse=False, onednn=None))]
+            if onednn is not None:  # and, for steps with many rows, a fused prepacked copy
+                packed = Products.build(weights.get, n_layers, head, fuse=True, onednn=onednn)
+                self.products.insert(0, (PREPACKED_FLOAT32_FROM_ROWS if dtype == torch.float32 else 1, packed))
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
         self.valid_BL: torch.Tensor | None = None  # (B, max_length) which cache positions hold real tokens
+
+    def products_for(self, rows: int) -> Products:
+        """The matrices a forward over ``rows`` positions multiplies by."""
+        return next(products for fewest, products in self.products if rows >= fewest)
 
     # ---- the three calls ----------------------------------------------------------------------
 
@@ -132,8 +168,8 @@ class LeanDecoder:
         N, P = ids_NP.shape
         device = ids_NP.device
         shape = (N, self.n_kv_heads, self.max_length, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.norms]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.norms]
         self.valid_BL = torch.zeros(N, self.max_length, dtype=torch.bool, device=device)
         self.valid_BL[:, :P] = mask_NP.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
@@ -169,8 +205,9 @@ class LeanDecoder:
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # so that rotate_half(t) * sin = t.roll(half) * sin
         n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
-        for i, layer in enumerate(self.layers):
-            qkv = self._project(self._rms_norm(x, layer["attn_norm"]), layer["qkv"])
+        products = self.products_for(B * S)
+        for i, (layer, (attn_norm, mlp_norm)) in enumerate(zip(products.layers, self.norms)):
+            qkv = products.project(self._rms_norm(x, attn_norm), layer["qkv"])
             # rotary embedding of the query and key heads at once, straight from the projection
             qk = qkv[..., :n_qk].view(B, S, -1, self.head_dim)
             qk = (qk * cos + qk.roll(half, -1) * sin).transpose(1, 2)
@@ -180,22 +217,16 @@ class LeanDecoder:
             self.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
                                                   attn_mask=attend, scale=self.scale, enable_gqa=True)
-            x = x + self.linear(attn.transpose(1, 2).reshape(B, S, -1), *layer["o"])
-            gate, up = self._project(self._rms_norm(x, layer["mlp_norm"]), layer["gate_up"]).chunk(2, -1)
-            x = x + self.linear(F.silu(gate) * up, *layer["down"])
+            x = x + products.project(attn.transpose(1, 2).reshape(B, S, -1), layer["o"])
+            gate, up = products.project(self._rms_norm(x, mlp_norm), layer["gate_up"]).chunk(2, -1)
+            x = x + products.project(F.silu(gate) * up, layer["down"])
         self.length = end
-        return self.linear(self._rms_norm(x, self.norm), *self.head).float()
+        return products.linear(self._rms_norm(x, self.norm), *products.head).float()
 
     def _check_room(self, new_positions: int) -> None:
         if self.length + new_positions > self.max_length:
             raise ValueError(f"the decoder's cache holds {self.max_length} positions; "
                              f"{self.length + new_positions} were asked for")
-
-    def _project(self, x: torch.Tensor, parts: list) -> torch.Tensor:
-        """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
-        if len(parts) == 1:
-            return self.linear(x, *parts[0])
-        return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
