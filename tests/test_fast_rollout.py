@@ -264,6 +264,15 @@ def test_lora_policy_samples_with_its_merged_weights(tokenizer, dtype, tolerance
     assert all(torch.equal(p, before[name]) for name, p in policy.named_parameters())  # the policy is untouched
 
 
+def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokenizer):
+    from covey.models import add_lora
+
+    policy = add_lora(make_model(len(tokenizer), seed=6), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+    decoder = LeanDecoder(policy, torch.float32, max_length=16)
+    # only the merged copies, multiplied as they are, whatever the rows (a full model adds a prepacked copy)
+    assert len(decoder.products) == 1 and decoder.products_for(64).linear is torch.nn.functional.linear
+
+
 def test_inverse_cdf_sampling_never_picks_a_token_without_mass(monkeypatch):
     from covey.fast_rollout import sample_categorical
 

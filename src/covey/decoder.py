@@ -10,9 +10,9 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
   run on its own parameters. On CPU, matrices are laid out once per rollout for oneDNN's prepacked
   linear (``onednn_linear``), which at decode's few rows beats ``F.linear``: the bfloat16 copies in
-  their place, and in float32 a fused prepacked copy beside the model's own matrices, used by steps
-  of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more (fewer run faster on the plain ones). Measured in
-  BENCHMARKS.md.
+  their place, and in float32 a fused prepacked copy beside the model's own matrices (not beside a
+  LoRA policy's merged copies), used by steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more (fewer
+  run faster on the plain ones). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -106,8 +106,8 @@ class Products:
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
     products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
-    ``prepack``: on CPU, bfloat16 copies go through ``onednn_linear``, and float32 steps of at least
-    ``PREPACKED_FLOAT32_FROM_ROWS`` rows through a prepacked copy made for the rollout."""
+    ``prepack``: on CPU, bfloat16 copies go through ``onednn_linear``, and a full float32 model's steps of
+    at least ``PREPACKED_FLOAT32_FROM_ROWS`` rows through a prepacked copy made for the rollout."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -147,7 +147,9 @@ class LeanDecoder:
             self.products = [(1, Products.build(take, n_layers, head, fuse=True, onednn=onednn))]
         else:  # the model's own matrices (or a LoRA policy's merged ones), as they are
             self.products = [(1, Products.build(weights.get, n_layers, head, fuse=False, onednn=None))]
-            if onednn is not None:  # and, for steps with many rows, a fused prepacked copy
+            # and, for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged
+            # copies, where it would be a second copy (a full model's optimizer state outweighs one)
+            if onednn is not None and plain_model(model) is model:
                 packed = Products.build(weights.get, n_layers, head, fuse=True, onednn=onednn)
                 self.products.insert(0, (PREPACKED_FLOAT32_FROM_ROWS if dtype == torch.float32 else 1, packed))
         self.keys: list[torch.Tensor] = []
