@@ -70,7 +70,7 @@ class Products:
 
     layers: list[dict[str, list]]
     head: tuple
-    linear: Callable = F.linear
+    linear: Callable
 
     @staticmethod
     def build(take: Callable, n_layers: int, head: str, fuse: bool, onednn: tuple | None) -> Products:
