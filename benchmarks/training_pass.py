@@ -51,6 +51,11 @@ def main() -> None:
     engine = FastEngine(model, tokenizer.pad_token_id, eos, tokenizer)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in arithmetic("train")[:2]], 512)
     prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(8)], tokenizer.pad_token_id)
+    batches = []  # one sampled batch per repeat, timed every way
+    for rep in range(args.repeats):
+        with torch.no_grad():
+            rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)
+        batches.append(SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT))
     print(f"machine: {machine()}\n")
     print("| pass | precision | " + " | ".join(WAYS)
           + " | every row / packed | padded / packed | completion tokens (max) |")
@@ -59,12 +64,10 @@ def main() -> None:
         for bf16 in (False, True):
             seconds = {name: [] for name in WAYS}
             tokens = []
-            for rep in range(args.repeats):
-                with torch.no_grad():
-                    rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)
-                batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
-                tokens.append((int(rollout.lengths_B.sum()), int(rollout.lengths_B.max())))
-                model.train(train)
+            model.train(train)
+            for batch in batches:
+                lengths_B = batch.completion_mask_BT.sum(1)
+                tokens.append((int(lengths_B.sum()), int(lengths_B.max())))
                 for name, way in WAYS.items():
                     seconds[name].append(timed_pass(model, batch, way, bf16, train))
             median = {name: statistics.median(s) for name, s in seconds.items()}
@@ -79,10 +82,7 @@ def main() -> None:
     for train in (True, False):
         model.train(train)
         seconds = {True: [], False: []}
-        for rep in range(args.repeats):
-            with torch.no_grad():
-                rollout = engine.generate(prompts, 8, SamplingParams(max_new_tokens=64), seed=rep)  # the same batches
-            batch = SequenceBatch(prompt_ids, prompt_mask, rollout.completion_ids_BT, rollout.completion_mask_BT)
+        for batch in batches:
             for float32 in (True, False):
                 way = dict(WAYS["shared prompt, packed"], float32_attention=float32)
                 seconds[float32].append(timed_pass(model, batch, way, True, train))
