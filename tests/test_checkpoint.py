@@ -79,6 +79,24 @@ def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tok
     assert [p.name for p in checkpoint_dirs(tmp_path / "whole")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
+def test_the_update_kernel_is_the_resuming_runs_choice_not_the_checkpoints(tmp_path, tokenizer):
+    first = trainer_for(run_args(tmp_path / "first", max_steps=2), tokenizer)
+    assert first.optimizer.param_groups[0]["fused"] is True  # AdamW's fused kernel on CPU
+    first.train()
+    # a checkpoint written by the per-tensor kernel (as on a device without the fused one)
+    saved = tmp_path / "first" / "checkpoints" / "checkpoint-2" / "optimizer.json"
+    state = json.loads(saved.read_text())
+    for group in state["param_groups"]:
+        group["fused"], group["foreach"] = None, False
+    saved.write_text(json.dumps(state))
+    resumed = trainer_for(run_args(tmp_path / "resumed", max_steps=4, resume_from_checkpoint=str(saved.parent)),
+                          tokenizer)
+    group = resumed.optimizer.param_groups[0]
+    assert (group["fused"], group["foreach"]) == (True, None) and resumed.global_step == 2
+    assert resumed.optimizer.state[group["params"][0]]["exp_avg"].abs().sum() > 0  # the saved moments came back
+    resumed.train()
+
+
 def test_save_total_limit_keeps_the_newest_and_none_keeps_all(tmp_path, tokenizer):
     trainer_for(run_args(tmp_path / "a", save_total_limit=1), tokenizer).train()
     assert [p.name for p in checkpoint_dirs(tmp_path / "a")] == ["checkpoint-6"]
