@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -73,68 +74,94 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
                             pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits_NV, rows_N, cols_N): the logits that predict each real completion token (row, column).
     ``pack``: pack the completions (only for a model ``_packable`` accepts)."""
-    device = next(model.parameters()).device
     group_B = batch.prompt_groups()
-    n_groups = int(group_B[-1]) + 1
     # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
     checkpointing = torch.is_grad_enabled() and model.training and any(
         getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-    if not share_prompt or checkpointing or n_groups == len(group_B):
-        T = batch.completion_ids_BT.shape[1]
-        input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
-        attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
-        # positions count real tokens only, exactly as generation numbers them under left padding
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                       position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False).logits
-        rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
-        return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N
-    from transformers import DynamicCache
-
-    first_row = torch.cat([torch.zeros(1, dtype=torch.long), (group_B[1:] != group_B[:-1]).nonzero().squeeze(1) + 1])
-    prompt_ids, prompt_mask = batch.prompt_ids_BP[first_row], batch.prompt_mask_BP[first_row]
-    prompt_positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    key = cache_keyword(model)
-    # 1. each distinct prompt once; its last position predicts the first completion token
-    first_logits = model(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
-                         position_ids=prompt_positions.to(device), logits_to_keep=1, use_cache=True,
-                         **{key: cache}).logits[:, 0]
+    if not share_prompt or checkpointing or int(group_B[-1]) + 1 == len(group_B):
+        return _every_row_in_full(model, batch)
+    # packed, the decoder runs without its output head, which then runs once, on the real slots only
+    # (these architectures' head is a plain linear layer)
+    prompts = _SharedPrompts.run(model, batch, group_B, with_head=not pack)
     lengths_B = batch.completion_mask_BT.sum(1)
     started_B = (lengths_B > 0).nonzero().squeeze(1)
-    logits, rows, cols = [first_logits[group_B[started_B].to(device)]], [started_B], [torch.zeros_like(started_B)]
-    # 2. every completion token but the last attends to its group's prompt keys and values
+    # each prompt's last position predicts its completions' first token
+    outputs, rows, cols = [prompts.last_output[group_B[started_B]]], [started_B], [torch.zeros_like(started_B)]
+    # every completion token but the last attends to its group's prompt keys and values
     if int(lengths_B.max()) > 1:
-        if pack:
-            rest, rest_rows, rest_cols = _packed_completions(model, batch, group_B, prompt_mask, cache, key)
-        else:
-            rest, rest_rows, rest_cols = _padded_completions(model, batch, group_B, prompt_mask, cache, key)
-        logits.append(rest)
+        rest, rest_rows, rest_cols = (_packed_completions if pack else _padded_completions)(model, batch, prompts)
+        outputs.append(rest)
         rows.append(rest_rows)
         cols.append(rest_cols)
-    return torch.cat(logits), torch.cat(rows), torch.cat(cols)
+    outputs_N = torch.cat(outputs)
+    logits_NV = plain_model(model).get_output_embeddings()(outputs_N) if pack else outputs_N
+    return logits_NV, torch.cat(rows), torch.cat(cols)
 
 
-def _padded_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache, key):
-    """One row per completion, padded to the longest (for models that cannot take a packing mask)."""
+def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch):
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
-    cache.batch_select_indices(group_B.to(device))
-    attention_mask = torch.cat([prompt_mask[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
-    positions = prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
+    input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
+    # positions count real tokens only, exactly as generation numbers them under left padding
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                   position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False).logits
+    rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
+    return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N
+
+
+@dataclass
+class _SharedPrompts:
+    """Each distinct prompt of a batch run once: the keys and values its completions attend to."""
+
+    group_B: torch.Tensor  # (B,) each row's prompt
+    mask_GP: torch.Tensor  # (G, P) the prompts' attention masks
+    cache: Any  # transformers' DynamicCache over the G prompts
+    cache_keyword: str
+    last_output: torch.Tensor  # (G, V) logits at each prompt's last position; (G, H) hidden states if no head
+
+    @classmethod
+    def run(cls, model: torch.nn.Module, batch: SequenceBatch, group_B: torch.Tensor, with_head: bool):
+        from transformers import DynamicCache
+
+        device = next(model.parameters()).device
+        first_row = torch.cat([torch.zeros(1, dtype=torch.long),
+                               (group_B[1:] != group_B[:-1]).nonzero().squeeze(1) + 1])
+        ids, mask = batch.prompt_ids_BP[first_row], batch.prompt_mask_BP[first_row]
+        cache, key = DynamicCache(config=model.config), cache_keyword(model)
+        inputs = dict(input_ids=ids.to(device), attention_mask=mask.to(device),
+                      position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(device), use_cache=True, **{key: cache})
+        if with_head:
+            last = model(**inputs, logits_to_keep=1).logits[:, -1]
+        else:
+            last = plain_model(model).get_decoder()(**inputs).last_hidden_state[:, -1]
+        return cls(group_B, mask, cache, key, last)
+
+
+def _padded_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
+    """One row per completion, padded to the longest (for models that cannot take a packing mask). Logits."""
+    device = next(model.parameters()).device
+    T = batch.completion_ids_BT.shape[1]
+    group_B = prompts.group_B
+    prompts.cache.batch_select_indices(group_B.to(device))
+    attention_mask = torch.cat([prompts.mask_GP[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
+    positions = prompts.mask_GP.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
     logits = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
-                   position_ids=positions.to(device), use_cache=True, **{key: cache}).logits
+                   position_ids=positions.to(device), use_cache=True, **{prompts.cache_keyword: prompts.cache}).logits
     rows_N, cols_N = batch.completion_mask_BT[:, 1:].nonzero(as_tuple=True)
     return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N + 1
 
 
-def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache, key):
-    """The completions of each group packed end to end into rows as long as the longest one.
+def _packed_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
+    """The completions of each group packed end to end into rows as long as the longest one. The
+    decoder's hidden states at the real slots (the output head is left to the caller).
 
     Token t of completion b sits at (row_b, offset_b + t - 1) of its packed row and predicts token
     t; a block-diagonal causal mask keeps each completion to its group's prompt and itself.
     """
     device = next(model.parameters()).device
+    group_B, prompt_mask = prompts.group_B, prompts.mask_GP
     inputs_B = (batch.completion_mask_BT.sum(1) - 1).clamp(min=0)  # tokens fed: all but the last
     capacity = int(inputs_B.max())
     row_B, offset_B, row_group_R = _first_fit(inputs_B.tolist(), group_B.tolist(), capacity)
@@ -155,12 +182,11 @@ def _packed_completions(model, batch: SequenceBatch, group_B, prompt_mask, cache
     if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
         dtype = next(model.parameters()).dtype
         allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    cache.batch_select_indices(row_group_R.to(device))
-    # the output head runs on the real slots only (these architectures' head is a plain linear layer)
-    base = plain_model(model)
-    hidden = base.get_decoder()(input_ids=input_ids.to(device), attention_mask=allowed.to(device),
-                                position_ids=positions.to(device), use_cache=True, **{key: cache}).last_hidden_state
-    return base.get_output_embeddings()(hidden[r_N.to(device), c_N.to(device)]), b_N, t_N + 1
+    prompts.cache.batch_select_indices(row_group_R.to(device))
+    hidden = plain_model(model).get_decoder()(
+        input_ids=input_ids.to(device), attention_mask=allowed.to(device), position_ids=positions.to(device),
+        use_cache=True, **{prompts.cache_keyword: prompts.cache}).last_hidden_state
+    return hidden[r_N.to(device), c_N.to(device)], b_N, t_N + 1
 
 
 # PyTorch's CPU backward of bfloat16 SDPA takes about twice as long as the float32 one at the shapes of
