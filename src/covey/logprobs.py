@@ -74,6 +74,7 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
                             pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits_NV, rows_N, cols_N): the logits that predict each real completion token (row, column).
     ``pack``: pack the completions (only for a model ``_packable`` accepts)."""
+    device = next(model.parameters()).device
     group_B = batch.prompt_groups()
     # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
     checkpointing = torch.is_grad_enabled() and model.training and any(
@@ -86,7 +87,8 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
     lengths_B = batch.completion_mask_BT.sum(1)
     started_B = (lengths_B > 0).nonzero().squeeze(1)
     # each prompt's last position predicts its completions' first token
-    outputs, rows, cols = [prompts.last_output[group_B[started_B]]], [started_B], [torch.zeros_like(started_B)]
+    outputs = [prompts.last_output[group_B[started_B].to(device)]]
+    rows, cols = [started_B], [torch.zeros_like(started_B)]
     # every completion token but the last attends to its group's prompt keys and values
     if int(lengths_B.max()) > 1:
         rest, rest_rows, rest_cols = (_packed_completions if pack else _padded_completions)(model, batch, prompts)
@@ -116,10 +118,10 @@ class _SharedPrompts:
     """Each distinct prompt of a batch run once: the keys and values its completions attend to."""
 
     group_B: torch.Tensor  # (B,) each row's prompt
-    mask_GP: torch.Tensor  # (G, P) the prompts' attention masks
-    cache: Any  # transformers' DynamicCache over the G prompts
+    prompt_mask: torch.Tensor  # (prompts, P) their attention masks
+    cache: Any  # transformers' DynamicCache over the prompts
     cache_keyword: str
-    last_output: torch.Tensor  # (G, V) logits at each prompt's last position; (G, H) hidden states if no head
+    last_output: torch.Tensor  # (prompts, V) logits at each one's last position; (prompts, H) hidden states if no head
 
     @classmethod
     def run(cls, model: torch.nn.Module, batch: SequenceBatch, group_B: torch.Tensor, with_head: bool):
@@ -145,8 +147,8 @@ def _padded_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
     T = batch.completion_ids_BT.shape[1]
     group_B = prompts.group_B
     prompts.cache.batch_select_indices(group_B.to(device))
-    attention_mask = torch.cat([prompts.mask_GP[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
-    positions = prompts.mask_GP.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
+    attention_mask = torch.cat([prompts.prompt_mask[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
+    positions = prompts.prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
     logits = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
                    position_ids=positions.to(device), use_cache=True, **{prompts.cache_keyword: prompts.cache}).logits
     rows_N, cols_N = batch.completion_mask_BT[:, 1:].nonzero(as_tuple=True)
@@ -161,7 +163,7 @@ def _packed_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
     t; a block-diagonal causal mask keeps each completion to its group's prompt and itself.
     """
     device = next(model.parameters()).device
-    group_B, prompt_mask = prompts.group_B, prompts.mask_GP
+    group_B, prompt_mask = prompts.group_B, prompts.prompt_mask
     inputs_B = (batch.completion_mask_BT.sum(1) - 1).clamp(min=0)  # tokens fed: all but the last
     capacity = int(inputs_B.max())
     row_B, offset_B, row_group_R = _first_fit(inputs_B.tolist(), group_B.tolist(), capacity)
