@@ -179,11 +179,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     for key, value in tensors.items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
-    # which kernel runs the update is this run's choice (by device), not part of the saved state
-    kernels = [{key: group.get(key) for key in ("fused", "foreach")} for group in optimizer.param_groups]
-    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
-    for group, kernel in zip(optimizer.param_groups, kernels):
-        group.update(kernel)
+    # which kernel runs the update is this run's choice (by device), not part of the saved state; given
+    # before loading, so that the state is placed for it (the fused kernel keeps its step counts on the device)
+    groups = [{**saved, **{key: group.get(key) for key in ("fused", "foreach")}}
+              for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())
