@@ -177,14 +177,22 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     completion_ids[mask == 0] = tokenizer.pad_token_id
     batch = SequenceBatch(prompt_ids, prompt_mask, completion_ids, mask)
     assert batch.prompt_groups().tolist() == [0, 0, 0, 1, 1, 2]
+    # a tied, trainable embedding looks up with sparse gradients in the packed pass (added into the head's)
+    embedding = model.get_input_embeddings()
+    lookups_sparse = []
+    embedding.register_forward_pre_hook(lambda m, a: lookups_sparse.append(m.sparse))
+    tied = embedding.weight is model.get_output_embeddings().weight and embedding.weight.requires_grad
     results = []
     for share in (False, True):
         model.zero_grad()
         rows_fed.clear()
+        lookups_sparse.clear()
         logp, entropy = completion_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompt=share,
                                             pack=packed)
         (logp * mask).sum().backward()
         results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+        assert set(lookups_sparse) == {share and packed and tied} and not embedding.sparse
+        assert all(p.grad.layout == torch.strided for p in model.parameters() if p.requires_grad)
     (plain, plain_entropy, plain_grads), (shared, shared_entropy, shared_grads) = results
     # the prompts once (3 groups), then 4 packed rows (5 | 2+1 | 3 | 4 tokens fed) or 6 padded ones
     assert rows_fed == ([3] if T == 1 else [3, 4 if packed else 6])

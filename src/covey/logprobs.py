@@ -83,21 +83,41 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
         return _every_row_in_full(model, batch)
     # packed, the decoder runs without its output head, which then runs once, on the real slots only
     # (these architectures' head is a plain linear layer)
-    prompts = _SharedPrompts.run(model, batch, group_B, with_head=not pack)
-    lengths_B = batch.completion_mask_BT.sum(1)
-    started_B = (lengths_B > 0).nonzero().squeeze(1)
-    # each prompt's last position predicts its completions' first token
-    outputs = [prompts.last_output[group_B[started_B].to(device)]]
-    rows, cols = [started_B], [torch.zeros_like(started_B)]
-    # every completion token but the last attends to its group's prompt keys and values
-    if int(lengths_B.max()) > 1:
-        rest, rest_rows, rest_cols = (_packed_completions if pack else _padded_completions)(model, batch, prompts)
-        outputs.append(rest)
-        rows.append(rest_rows)
-        cols.append(rest_cols)
+    with _sparse_tied_embedding_gradient(model) if pack else contextlib.nullcontext():
+        prompts = _SharedPrompts.run(model, batch, group_B, with_head=not pack)
+        lengths_B = batch.completion_mask_BT.sum(1)
+        started_B = (lengths_B > 0).nonzero().squeeze(1)
+        # each prompt's last position predicts its completions' first token
+        outputs = [prompts.last_output[group_B[started_B].to(device)]]
+        rows, cols = [started_B], [torch.zeros_like(started_B)]
+        # every completion token but the last attends to its group's prompt keys and values
+        if int(lengths_B.max()) > 1:
+            rest, rest_rows, rest_cols = (_packed_completions if pack else _padded_completions)(model, batch, prompts)
+            outputs.append(rest)
+            rows.append(rest_rows)
+            cols.append(rest_cols)
     outputs_N = torch.cat(outputs)
     logits_NV = plain_model(model).get_output_embeddings()(outputs_N) if pack else outputs_N
     return logits_NV, torch.cat(rows), torch.cat(cols)
+
+
+@contextlib.contextmanager
+def _sparse_tied_embedding_gradient(model: torch.nn.Module):
+    """For a pass whose output head then runs on the same (trainable) matrix as the input embedding:
+    the embedding lookups hand back sparse gradients (the rows looked up), which autograd adds into
+    the head's dense one, instead of a dense zero-filled copy of the whole table per lookup. The
+    same gradient (tested), and about 0.1 s less per lookup for the default model on CPU."""
+    base = plain_model(model)
+    embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = isinstance(embedding, torch.nn.Embedding) and head is not None and embedding.weight is head.weight
+    if not (torch.is_grad_enabled() and tied and embedding.weight.requires_grad) or embedding.sparse:
+        yield
+        return
+    embedding.sparse = True  # read when the lookup runs; its backward keeps the choice
+    try:
+        yield
+    finally:
+        embedding.sparse = False
 
 
 def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch):
