@@ -109,7 +109,7 @@ def _sparse_tied_embedding_gradient(model: torch.nn.Module):
     same gradient (tested), and about 0.1 s less per lookup for the default model on CPU."""
     base = plain_model(model)
     embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
-    tied = isinstance(embedding, torch.nn.Embedding) and head is not None and embedding.weight is head.weight
+    tied = isinstance(embedding, torch.nn.Embedding) and getattr(head, "weight", None) is embedding.weight
     if not (torch.is_grad_enabled() and tied and embedding.weight.requires_grad) or embedding.sparse:
         yield
         return
