@@ -40,7 +40,8 @@ PREPACKED_FLOAT32_FROM_ROWS = 4
 def onednn_linear(dtype: torch.dtype = torch.bfloat16) -> tuple[Callable, Callable] | None:
     """(pack, linear): oneDNN's linear on weights reordered once into its own layout (what
     torch.compile emits for CPU linears), or None where this torch build lacks it for ``dtype`` or
-    it disagrees with ``F.linear`` on a small product. ``pack(weight)`` gives the weight ``linear(x, packed, bias)`` takes."""
+    it disagrees with ``F.linear`` on a small product. ``pack(weight)`` gives the weight
+    ``linear(x, packed, bias)`` takes."""
     def pack(weight):
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
@@ -73,8 +74,9 @@ class Products:
     linear: Callable
 
     @staticmethod
-    def build(take: Callable, n_layers: int, head: str, fuse: bool, onednn: tuple | None) -> Products:
-        """``take(name)`` gives a weight or bias (None if absent); ``fuse`` concatenates q/k/v and gate/up;
+    def build(take: Callable, n_layers: int, head_name: str, fuse: bool, onednn: tuple | None) -> Products:
+        """``take(name)`` gives a weight or bias (None if absent); ``head_name`` names the output head's
+        matrix (the embedding's when tied); ``fuse`` concatenates q/k/v and gate/up;
         ``onednn`` (from ``onednn_linear``) lays every matrix out for its linear."""
         pack = onednn[0] if onednn else (lambda weight: weight)
 
@@ -94,7 +96,7 @@ class Products:
                                o=project(f"{p}.self_attn", ("o_proj",)),
                                gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
                                down=project(f"{p}.mlp", ("down_proj",))))
-        return Products(layers, (pack(take(head)), take("lm_head.bias")), onednn[1] if onednn else F.linear)
+        return Products(layers, (pack(take(head_name)), take("lm_head.bias")), onednn[1] if onednn else F.linear)
 
     def project(self, x: torch.Tensor, parts: list) -> torch.Tensor:
         """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
@@ -134,7 +136,7 @@ class LeanDecoder:
         self.norms = [tuple(weights.pop(f"model.layers.{i}.{n}.weight").float()
                             for n in ("input_layernorm", "post_attention_layernorm")) for i in range(n_layers)]
         self.norm = weights.pop("model.norm.weight").float()
-        head = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
+        head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
         on_cpu = self.norm.device.type == "cpu"
         onednn = onednn_linear(dtype) if prepack and on_cpu else None
         # (fewest rows, products) from the most rows down: the first that fits a forward runs it
@@ -144,13 +146,13 @@ class LeanDecoder:
             # so that the unfused copies are freed as we go
             def take(name):
                 return weights.pop(name).to(dtype) if name in weights else None
-            self.products = [(1, Products.build(take, n_layers, head, fuse=True, onednn=onednn))]
+            self.products = [(1, Products.build(take, n_layers, head_name, fuse=True, onednn=onednn))]
         else:  # the model's own matrices (or a LoRA policy's merged ones), as they are
-            self.products = [(1, Products.build(weights.get, n_layers, head, fuse=False, onednn=None))]
+            self.products = [(1, Products.build(weights.get, n_layers, head_name, fuse=False, onednn=None))]
             # and, for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged
             # copies, where it would be a second copy (a full model's optimizer state outweighs one)
             if onednn is not None and plain_model(model) is model:
-                packed = Products.build(weights.get, n_layers, head, fuse=True, onednn=onednn)
+                packed = Products.build(weights.get, n_layers, head_name, fuse=True, onednn=onednn)
                 self.products.insert(0, (PREPACKED_FLOAT32_FROM_ROWS if dtype == torch.float32 else 1, packed))
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []

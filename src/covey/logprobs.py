@@ -121,6 +121,7 @@ def _sparse_tied_embedding_gradient(model: torch.nn.Module):
 
 
 def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch):
+    """Prompt and completion of every row in one forward (no sharing); logits as ``completion_token_logits``."""
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
     input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
