@@ -2,10 +2,14 @@
 
 import copy
 import importlib.util
+import json
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import pytest
+import safetensors.torch
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
@@ -25,10 +29,10 @@ def distinct_chars(completions, **kwargs):
     return [len(set(c[0]["content"])) / 8 for c in completions]
 
 
-def serve(model, tokenizer) -> RolloutServer:
+def serve(model, tokenizer, token=None) -> RolloutServer:
     """A server on a free port over its own copy of ``model``."""
     backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
-    return RolloutServer(backend, "127.0.0.1", 0).start()
+    return RolloutServer(backend, "127.0.0.1", 0, token).start()
 
 
 def connect(server: RolloutServer, tokenizer, **options) -> ServerEngine:
@@ -156,6 +160,51 @@ def test_server_errors_come_back_as_covey_errors(server, model, tokenizer):
     prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
     local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
     assert_same_rollout(client.generate(prompts, 1, greedy), local.generate(prompts, 1, greedy))
+
+
+def test_a_server_with_a_token_serves_only_trainers_that_carry_it(model, tokenizer, monkeypatch):
+    server = serve(model, tokenizer, token="s3cret")
+    try:
+        prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
+        monkeypatch.delenv("COVEY_SERVER_TOKEN", raising=False)
+        for token in (None, "wrong"):  # refused at the health check, before any weights or prompts are sent
+            with pytest.raises(ConfigError, match=r"refused this trainer \(HTTP 401\): set the same COVEY_SERVER_TOKEN"):
+                connect(server, tokenizer, token=token)
+        # a request without it changes nothing: its weights are not even read
+        host, port = server.server_address[:2]
+        other = make_model(len(tokenizer), seed=5)
+        request = urllib.request.Request(f"http://{host}:{port}/weights", method="POST",
+                                         data=safetensors.torch.save({k: v.clone() for k, v in other.state_dict().items()}))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10)
+        assert refused.value.code == 401 and "COVEY_SERVER_TOKEN" in json.loads(refused.value.read())["error"]
+        # the token from the environment, as `covey server` and the trainer read it
+        monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret")
+        client = connect(server, tokenizer)
+        local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+        assert_same_rollout(client.generate(prompts, 2, greedy), local.generate(prompts, 2, greedy))
+        client.sync_weights(other)  # pushes carry it too
+        moved = FastEngine(other, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+        assert_same_rollout(client.generate(prompts, 2, greedy), moved.generate(prompts, 2, greedy))
+    finally:
+        server.close()
+
+
+def test_cli_server_warns_when_it_listens_beyond_this_machine_without_a_token(tiny_model_dir, capsys, monkeypatch):
+    served = []
+
+    def serve_once(self):
+        served.append(self)
+        raise KeyboardInterrupt  # Ctrl-C right away
+
+    monkeypatch.setattr(RolloutServer, "serve_forever", serve_once)
+    monkeypatch.delenv("COVEY_SERVER_TOKEN", raising=False)
+    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0"]) == 0
+    assert "listening on 0.0.0.0 without COVEY_SERVER_TOKEN: anyone who can reach this port" in capsys.readouterr().err
+    monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret")
+    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "token required" in err and served[-1].token == "s3cret"
 
 
 def test_cli_server_help(capsys):

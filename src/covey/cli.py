@@ -199,7 +199,8 @@ def cmd_server(argv: list[str]) -> int:
         prog="covey server", allow_abbrev=False,
         description="Serve rollouts to trainers run with rollout_engine: vllm and vllm_mode: server, from vLLM on "
                     "this machine's GPU (or covey's fast engine). Give it the run's config; the trainer pushes "
-                    "its weights after every optimizer step.")
+                    "its weights after every optimizer step. With COVEY_SERVER_TOKEN set in the environment, "
+                    "only trainers with the same value are served.")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm",
                         help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
     parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")

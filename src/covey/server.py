@@ -4,6 +4,9 @@ The server hosts one backend: vLLM (on the GPU it was started on) or covey's ``f
 a model it loaded (any machine; what the tests use). The trainer talks to it through
 ``ServerEngine``, a rollout engine like any other, and pushes the policy's weights after every
 optimizer step. Plain HTTP and JSON from the standard library; weights travel as safetensors bytes.
+When ``COVEY_SERVER_TOKEN`` is set in the server's environment, every request must carry the same
+value (``Authorization: Bearer <token>``; the client sends its own environment's), or is refused
+with HTTP 401 before its body is read.
 
     GET  /health        -> {"backend", "exact_logprobs", "weight_dtype"}
     POST /generate      {"prompt_ids", "num_generations", "params", "seed"}
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
+import ipaddress
 import json
+import os
 import sys
 import threading
 import time
@@ -41,6 +47,22 @@ CHUNK_BYTES = 256 * 2**20  # weights per /weights request
 # one request may take a while (a long rollout, a large weight chunk), but never forever: a stalled
 # server is reported instead of hanging the trainer
 REQUEST_TIMEOUT = 1800.0
+TOKEN_VARIABLE = "COVEY_SERVER_TOKEN"  # the shared secret of a server and its trainers, from the environment
+
+
+def server_token() -> str | None:
+    """This process's ``COVEY_SERVER_TOKEN`` (None when unset or empty)."""
+    return os.environ.get(TOKEN_VARIABLE) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Backend(Protocol):
@@ -148,12 +170,13 @@ def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
 
 class RolloutServer(ThreadingHTTPServer):
     """HTTP front of one backend. Requests are served one at a time (a lock), so weights never
-    change in the middle of a generation."""
+    change in the middle of a generation. ``token``: when given, requests without it are refused."""
 
     daemon_threads = True
 
-    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.backend = backend
+        self.token = token
         self.lock = threading.Lock()
         self.weights_loaded = 0  # since the last /weights/done
         super().__init__((host, port), _Handler)
@@ -198,12 +221,16 @@ class _Handler(BaseHTTPRequestHandler):
     server: RolloutServer
 
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path == "/health":
             self._reply(200, self.server.health())
         else:
             self._reply(404, {"error": f"no endpoint GET {self.path}", "kind": "ConfigError"})
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         routes = {"/generate": lambda: self.server.generate(json.loads(body)),
                   "/weights": lambda: self.server.load_weights(body),
@@ -221,6 +248,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(500, {"error": f"{type(e).__name__}: {e}", "kind": "ModelError"})
         else:
             self._reply(200, reply)
+
+    def _authorized(self) -> bool:
+        """Whether the request carries the server's token (always, when it has none); if not, it is
+        answered 401 and the connection closed, its body unread."""
+        token = self.server.token
+        if token is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(),
+                                                f"Bearer {token}".encode()):
+            return True
+        self.close_connection = True
+        self._reply(401, {"error": f"the request does not carry this server's {TOKEN_VARIABLE}; set the same "
+                                   f"{TOKEN_VARIABLE} in the trainer's environment as in the server's",
+                          "kind": "ConfigError"})
+        return False
 
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -266,10 +306,16 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
 
 def run_server(args: GRPOConfig, backend_name: str, host: str, port: int) -> int:
     """``covey server``: serve until interrupted."""
+    token = server_token()
+    if token is None and not is_loopback(host):
+        print(f"covey server: warning: listening on {host} without {TOKEN_VARIABLE}: anyone who can reach this "
+              f"port can replace the model's weights. Set {TOKEN_VARIABLE} to a secret in the environments of the "
+              "server and of its trainers", file=sys.stderr, flush=True)
     backend = build_backend(args, backend_name)
-    server = RolloutServer(backend, host, port)
+    server = RolloutServer(backend, host, port, token)
     print(f"covey server: {backend_name} backend for {args.model} at {server.url} "
-          "(vllm_mode: server trainers connect here; Ctrl-C stops it)", file=sys.stderr, flush=True)
+          f"(vllm_mode: server trainers connect here{'; token required' if token else ''}; Ctrl-C stops it)",
+          file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -286,11 +332,14 @@ class ServerEngine(OwnWeights):
     """A rollout engine that forwards to a ``covey server``.
 
     ``policy``: the training model; its weights are pushed before the first ``generate`` so the
-    server samples from exactly the trainer's policy, whatever it loaded at start."""
+    server samples from exactly the trainer's policy, whatever it loaded at start. ``token``: the
+    server's (default: ``COVEY_SERVER_TOKEN`` from the environment)."""
 
     def __init__(self, host: str, port: int, pad_token_id: int, timeout: float = 240.0,
-                 policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES):
+                 policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES, token: str | None = None):
         self.url = f"http://{host}:{port}"
+        token = token or server_token()
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pad_token_id = pad_token_id
         self.chunk_bytes = chunk_bytes
         # the server is reached directly, never through an HTTP proxy from the environment
@@ -334,9 +383,13 @@ class ServerEngine(OwnWeights):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with self.opener.open(self.url + "/health", timeout=max(1.0, min(10.0, timeout))) as response:
+                request = urllib.request.Request(self.url + "/health", headers=self.auth)
+                with self.opener.open(request, timeout=max(1.0, min(10.0, timeout))) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
+                if e.code == 401:
+                    raise ConfigError(f"the covey server at {self.url} refused this trainer (HTTP 401): set the same "
+                                      f"{TOKEN_VARIABLE} in the trainer's environment as in the server's") from None
                 raise ConfigError(f"{self.url} answered /health with HTTP {e.code}: it is not a covey server; "
                                   "check vllm_server_host and vllm_server_port") from None
             except (urllib.error.URLError, OSError):
@@ -351,8 +404,8 @@ class ServerEngine(OwnWeights):
             time.sleep(min(1.0, remaining))
 
     def _post(self, path: str, data: bytes, content_type: str) -> dict[str, Any]:
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type},
-                                         method="POST")
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"Content-Type": content_type, **self.auth})
         try:
             with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
                 return json.loads(response.read())
