@@ -74,6 +74,21 @@ def test_constant_group_gets_zero_advantage_and_is_reported():
     assert zero_std.tolist() == [True, False]
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_constant_group_of_any_size_and_value_is_exactly_zero(scale):
+    # the mean of six 0.1s is not 0.1 in floating point: the std comes out near 1e-17, not 0
+    for G in (3, 5, 6, 7, 12):
+        for value in (0.1, 0.7, 1.1, 2.3):
+            rewards = torch.tensor([value] * G + [float(i) for i in range(G)], dtype=torch.float64)
+            adv, zero_std = group_advantages(rewards, G, scale)
+            assert zero_std.tolist() == [True, False], (G, value)
+            assert adv[:G].tolist() == [0.0] * G
+    # NaN (no reward) left out: equal among the rest is constant; one reward or none is constant too
+    nan = float("nan")
+    _, zero_std = group_advantages(torch.tensor([0.1, nan, 0.1, nan, nan, 0.3, nan, nan, nan, 1.0, nan, 2.0]), 3)
+    assert zero_std.tolist() == [True, True, True, False]
+
+
 def test_advantage_eps_is_small_relative_to_std():
     # a reward spread of 0.01 must still give advantages near +-0.7, not be flattened by eps
     adv, _ = group_advantages(torch.tensor([0.0, 0.01]), group_size=2)

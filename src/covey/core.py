@@ -129,7 +129,9 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: str = "gro
 
     Completions of one prompt are contiguous: rows [g*G, (g+1)*G) form group g. A NaN reward
     (no reward function applied) is left out of its group's mean and std and gets advantage 0.
-    A constant group always gets zero advantages (its centred rewards are exactly 0).
+    A constant group (its rewards all equal, or fewer than two of them) gets advantages of exactly
+    0: its mean is computed in floating point, so centring alone could leave a rounding residue
+    that the eps-sized denominator would blow up.
 
         >>> adv, zero_std = group_advantages(torch.tensor([0., 1., 2., 2.]), group_size=2)
         >>> adv.round(decimals=3).tolist(), zero_std.tolist()
@@ -143,8 +145,11 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: str = "gro
     if scale != "none":
         denominator_N1 = denominator_N1.nan_to_num(0.0) + eps
     advantages_NG = (centred_NG / denominator_N1).nan_to_num(0.0)
-    group_std_N = nanstd(rewards_NG, dim=1).nan_to_num(0.0)
-    return advantages_NG.reshape(-1), group_std_N == 0
+    # compared exactly, not through the std: equal rewards of a group of 6 can give a std of 1e-17
+    highest_N = rewards_NG.nan_to_num(-math.inf).amax(dim=1)
+    lowest_N = rewards_NG.nan_to_num(math.inf).amin(dim=1)
+    constant_N = ~(highest_N > lowest_N)
+    return advantages_NG.masked_fill(constant_N[:, None], 0.0).reshape(-1), constant_N
 
 
 def _sum_then_normalize(rewards_BF, weights_F, group_size, scale, eps):
