@@ -264,6 +264,25 @@ def test_lora_policy_samples_with_its_merged_weights(tokenizer, dtype, tolerance
     assert all(torch.equal(p, before[name]) for name, p in policy.named_parameters())  # the policy is untouched
 
 
+@pytest.mark.parametrize("options", [dict(target_modules=["q_proj", "lm_head"]),  # the tied head's own adapter
+                                     dict(target_modules=["q_proj", "v_proj"], lora_bias=True)])
+def test_adapters_beyond_plain_weights_sample_from_what_the_policy_computes(tokenizer, options):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(make_model(len(tokenizer), seed=6), LoraConfig(r=4, lora_alpha=8, **options))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    assert LeanDecoder.supports(policy, torch.float32) == ("lora_bias" not in options)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    fast = FastEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 2, greedy)
+    hf = HFEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 2, greedy)
+    assert torch.equal(fast.completion_ids_BT, hf.completion_ids_BT)
+    assert torch.allclose(fast.sampling_logp_BT, hf.sampling_logp_BT, atol=1e-5)
+
+
 def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokenizer):
     from covey.models import add_lora
 

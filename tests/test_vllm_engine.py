@@ -152,6 +152,32 @@ def test_lora_llama_weights_have_the_plain_model_names(tokenizer):
     assert all(torch.allclose(weights[n], merged[n], atol=1e-6, rtol=0) for n in merged)
 
 
+def test_a_tied_head_with_its_own_adapter_comes_apart_and_cannot_go_to_a_tied_copy(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    base = make_model(len(tokenizer))  # ties its head to the embedding
+    policy = _randomised(get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj", "lm_head"])))
+    weights = dict(policy_weights(policy))
+    assert list(weights) == [n for n, _ in base.named_parameters()] + ["lm_head.weight"]
+    with torch.no_grad():  # the head the adapted model computes with, the embedding left as it is
+        hidden = torch.randn(3, base.config.hidden_size)
+        assert torch.allclose(hidden @ weights["lm_head.weight"].T, policy.get_base_model().lm_head(hidden), atol=1e-5)
+    assert torch.equal(weights["model.embed_tokens.weight"], base.model.embed_tokens.weight)
+    with pytest.raises(ModelError, match="changes an output head tied to the input embedding"):
+        dict(policy_weights(policy, tied_copy=True))
+    # without an adapter on the head, the tied head is the embedding: nothing apart
+    plain = _randomised(add_lora(copy.deepcopy(base), 4, 8, 0.0, ["all-linear"]))
+    assert "lm_head.weight" not in dict(policy_weights(plain, tied_copy=True))
+
+
+def test_a_lora_bias_on_a_layer_without_one_is_refused(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(make_model(len(tokenizer)), LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True))
+    with pytest.raises(ModelError, match="adds a bias .lora_bias. to a layer that has none of its own"):
+        dict(policy_weights(policy))
+
+
 def test_dora_is_refused(tokenizer):
     from peft import LoraConfig, get_peft_model
 

@@ -118,7 +118,8 @@ class LeanDecoder:
                 and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "use_sliding_window", False)
                 and getattr(config, "pretraining_tp", 1) in (None, 1)
-                and not any(getattr(c, "use_dora", False) for c in getattr(model, "peft_config", {}).values()))
+                and not any(getattr(c, "use_dora", False) or getattr(c, "lora_bias", False)
+                            for c in getattr(model, "peft_config", {}).values()))
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, prepack: bool = True):

@@ -164,11 +164,16 @@ def base_parameter_name(name: str, adapters: list[str]) -> str | None:
     return None if ".modules_to_save." in name else name  # an inactive adapter's copy
 
 
+def _adds_delta(layer: Any) -> bool:
+    """Whether a LoRA layer's active adapters change what it computes beyond its base weights."""
+    return not (layer.merged or layer.disable_adapters) and any(a in layer.scaling for a in layer.active_adapters)
+
+
 @torch.no_grad()
 def _merged(layer: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:
     """``param`` (the base layer's weight or bias) with the layer's active adapters added, as a new
     tensor; the layer itself is not modified."""
-    if layer.merged or layer.disable_adapters:  # the base weight already is what the model computes with
+    if not _adds_delta(layer):  # the base weight already is what the model computes with
         return param.detach()
     merged = param.detach()
     for adapter in layer.active_adapters:
@@ -177,17 +182,27 @@ def _merged(layer: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:
         if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
             raise ModelError(f"adapter {adapter!r} is a LoRA variant (DoRA, ...) whose merged weights covey does not "
                              "compute; train with plain LoRA (use_dora off) to sample with vLLM or a covey server")
+        adds_bias = getattr(layer, "lora_bias", {}).get(adapter, False)
         if leaf == "weight":
+            if adds_bias and getattr(layer.get_base_layer(), "bias", None) is None:
+                raise ModelError(f"adapter {adapter!r} adds a bias (lora_bias) to a layer that has none of its own, "
+                                 "so its merged weights have no place in the plain model; train without lora_bias "
+                                 "to sample with vLLM or a covey server")
             merged = merged + layer.get_delta_weight(adapter).to(merged.dtype)
-        elif leaf == "bias" and getattr(layer, "lora_bias", {}).get(adapter, False):
+        elif leaf == "bias" and adds_bias:
             merged = merged + (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
     return merged
 
 
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the policy under the plain model's names; a LoRA model
     yields W + scale * B @ A for each adapted layer. One tensor at a time, and the training model is
-    never modified (merging in place and back would drift the base weights in floating point)."""
+    never modified (merging in place and back would drift the base weights in floating point).
+
+    A tied output head with a LoRA adapter of its own computes with a matrix the embedding does not
+    hold: it comes as ``lm_head.weight`` beside the embedding. ``tied_copy``: the weights go to a
+    plain copy of the model that ties its head (vLLM, a covey server), where such a head has no
+    place: an error."""
     if not is_peft_model(model):
         for name, param in model.named_parameters():
             yield name, param.detach()
@@ -197,12 +212,21 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     base = model.get_base_model()
     adapters = list(model.active_adapters)
     lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    for name, param in base.named_parameters():
+    seen: set[int] = set()
+    for name, param in base.named_parameters(remove_duplicate=False):
         target = base_parameter_name(name, adapters)
         if target is None:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = lora_layers.get(owner) if owner else None
+        if id(param) in seen:  # a tensor met before under another name: a tied head
+            if layer is None or not _adds_delta(layer):
+                continue
+            if tied_copy:
+                raise ModelError(f"the LoRA adapter on {owner} changes an output head tied to the input embedding, "
+                                 "which a plain copy of the model (vLLM, a covey server) cannot hold apart; leave "
+                                 "lm_head out of lora_target_modules, or sample with rollout_engine: fast")
+        seen.add(id(param))
         yield target, _merged(layer, leaf, param) if layer is not None else param.detach()
 
 

@@ -367,7 +367,7 @@ class ServerEngine(OwnWeights):
         from safetensors.torch import save
 
         sent = 0
-        for chunk in weight_chunks(policy_weights(model), self.weight_dtype, self.chunk_bytes):
+        for chunk in weight_chunks(policy_weights(model, tied_copy=True), self.weight_dtype, self.chunk_bytes):
             data = save(chunk)
             reply = self._post("/weights", data, "application/octet-stream")
             if reply["tensors"] != len(chunk) or reply["sha256"] != hashlib.sha256(data).hexdigest():

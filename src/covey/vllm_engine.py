@@ -198,5 +198,5 @@ class VLLMEngine(OwnWeights):
         self.llm.reset_prefix_cache()
 
     def _push_weights(self, model: torch.nn.Module) -> None:
-        self.load_weights(policy_weights(model))
+        self.load_weights(policy_weights(model, tied_copy=True))
         self.finish_weight_update()
