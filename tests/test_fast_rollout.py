@@ -99,6 +99,42 @@ def test_processors_match_transformers(tokenizer):
     assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)], atol=1e-6)
 
 
+@torch.no_grad()
+def _penalised_logprobs(model, prompts, G, rollout, params):
+    """Log-probs of a rollout's tokens after transformers' own repetition penalty over prompt and
+    completion so far (then top-k), from full forward passes."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
+
+    logp_BT = torch.zeros_like(rollout.sampling_logp_BT)
+    for row, n in enumerate(rollout.lengths_B.tolist()):
+        prompt, completion = prompts[row // G], rollout.completion_ids_BT[row, :n].tolist()
+        sequence = torch.tensor([prompt + completion])
+        logits_TV = model(input_ids=sequence).logits[0, len(prompt) - 1: len(prompt) - 1 + n]
+        for t in range(n):
+            history = sequence[:, : len(prompt) + t]
+            scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(history, logits_TV[t:t + 1].clone())
+            if params.top_k and not params.greedy:
+                scores = TopKLogitsWarper(params.top_k)(history, scores)
+            logp_BT[row, t] = torch.log_softmax(scores, -1)[0, completion[t]]
+    return logp_BT
+
+
+def test_repetition_penalty_covers_the_prompt_as_in_transformers_and_vllm(tokenizer, tiny_model):
+    # prompts of one length (no padding, which transformers would penalise too): the same tokens and log-probs
+    prompts = [[40, 41, 42, 41, 43], [44, 44, 45, 46, 47]]
+    hf, fast = engines(tiny_model, tokenizer)
+    for params, seed in ((SamplingParams(max_new_tokens=8, greedy=True, repetition_penalty=8.0), None),
+                         (SamplingParams(max_new_tokens=8, repetition_penalty=1.5, top_k=5), 3)):
+        ours, theirs = fast.generate(prompts, 2, params, seed), hf.generate(prompts, 2, params, seed)
+        assert torch.allclose(ours.sampling_logp_BT, _penalised_logprobs(tiny_model, prompts, 2, ours, params), atol=1e-5)
+        if params.greedy:
+            assert torch.equal(ours.completion_ids_BT, theirs.completion_ids_BT)
+    # left padding is never penalised: a short prompt samples as it does alone
+    short, padded = [[44, 45]], [[44, 45], [40, 41, 42, 41, 43]]
+    params = SamplingParams(max_new_tokens=6, greedy=True, repetition_penalty=8.0)
+    assert torch.equal(fast.generate(short, 1, params).completion_ids_BT, fast.generate(padded, 1, params).completion_ids_BT[:1])
+
+
 def test_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tokenizer, decoder):
     V = len(tokenizer)
     logits = torch.full((V,), -1e4)

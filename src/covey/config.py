@@ -85,7 +85,7 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest token set with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
     min_p: float | None = _f(None, "drop tokens less likely than min_p times the most likely one (None = off)")
-    repetition_penalty: float = _f(1.0, "divide the logits of tokens already in the completion by this (1 = off)")
+    repetition_penalty: float = _f(1.0, "penalise tokens already in the prompt or the completion by this factor (1 = off)")
     stop_strings: list | None = _f(None, "strings that end a completion (kept in it; fast and vllm engines)")
     rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, transformers generate, or vLLM", choices=("fast", "hf", "vllm"))
     use_vllm: bool = _f(False, "TRL's switch for rollout_engine: vllm")

@@ -103,13 +103,15 @@ class FastEngine:
             with autocast(device, self.bf16 and isinstance(decoder, ModelDecoder)):
                 # prefill each distinct prompt once, then give every sample of its group a copy
                 logits_BV = decoder.prefill(ids_NP, mask_NP, positions_NP, G)
+                # the repetition penalty's tokens: the prompt's (its padding made a repeat of its last token)
+                prompt_BP = ids_NP.where(mask_NP.bool(), ids_NP[:, -1:]).repeat_interleave(G, dim=0).cpu()
                 rollout = self._decode(decoder, logits_BV, positions_NP[:, -1].repeat_interleave(G) + 1, params,
-                                       generator, device)
+                                       generator, device, prompt_BP)
         finally:
             model.train(was_training)
         return rollout
 
-    def _decode(self, decoder, logits_BV, next_position_B, params, generator, device) -> Rollout:
+    def _decode(self, decoder, logits_BV, next_position_B, params, generator, device, prompt_BP) -> Rollout:
         B, T = logits_BV.shape[0], params.max_new_tokens
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long)
         logp_BT = torch.zeros(B, T)
@@ -118,7 +120,9 @@ class FastEngine:
         active = torch.arange(B)  # original row of each row still in the batch
         eos = torch.tensor(self.eos_token_ids, device=device)
         for t in range(T):
-            history = tokens_BT[active, :t].to(device) if params.repetition_penalty != 1.0 else None
+            history = None
+            if params.repetition_penalty != 1.0:  # penalised: every token of the prompt and of the completion so far
+                history = torch.cat([prompt_BP[active], tokens_BT[active, :t]], 1).to(device)
             processed_BV = process_logits(logits_BV, params, history)
             logp_BV = torch.log_softmax(processed_BV, -1)
             next_B = processed_BV.argmax(-1) if params.greedy else sample_categorical(logp_BV.exp(), generator)
