@@ -84,6 +84,15 @@ def test_lora_trains_only_the_adapter_and_saves_it(tmp_path, tokenizer, tiny_mod
     weights = dict(loaded.named_parameters())
     assert any(torch.equal(weights[n], p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
 
+    # training goes on from the saved adapter: it is the policy, its adapter trainable
+    args = small_args(tmp_path / "more", model=str(adapter), beta=0.1, max_steps=1)
+    more = GRPOTrainer(reward_funcs=[count_a], args=args, train_dataset=ROWS, quiet=True)
+    start = _snapshot(more.model)
+    assert all(torch.equal(start[n], p) for n, p in trainer.model.named_parameters() if "lora_" in n)
+    more.train()
+    moved = {n for n, p in more.model.named_parameters() if not torch.equal(start[n], p)}
+    assert moved and all("lora_" in n for n in moved)
+
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, tokenizer):
     """Same samples, same step: 2 micro-batches of 4 give the gradient of 1 batch of 8 (dapo)."""

@@ -121,7 +121,9 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            # trainable, as a policy is: training goes on from the saved adapter
+            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                             is_trainable=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return model.to(default_device())
