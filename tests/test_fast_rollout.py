@@ -170,6 +170,12 @@ def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):
     c = fast.generate(_prompts(tokenizer), 4, params, seed=8)
     assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
     assert not torch.equal(a.completion_ids_BT, c.completion_ids_BT)
+    # sampling never touches torch's global random stream, seeded or not (dropout and user code draw from it)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    fast.generate(_prompts(tokenizer), 2, params)
+    fast.generate(_prompts(tokenizer), 2, params, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_fast_greedy_matches_transformers_on_the_default_model():

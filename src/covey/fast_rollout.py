@@ -92,7 +92,8 @@ class FastEngine:
         was_training = model.training
         model.eval()
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        # unseeded: a fresh seed of its own, leaving torch's global random stream as it was
+        generator.manual_seed(seed) if seed is not None else generator.seed()
         G = num_generations
         ids_NP, mask_NP = left_pad(prompt_ids, self.pad_token_id)
         ids_NP, mask_NP = ids_NP.to(device), mask_NP.to(device)
