@@ -94,10 +94,12 @@ def test_gspo_sequence_level_matches_trl(loss_type):
             dict(loss_type=loss_type, eps_low=3e-4, eps_high=4e-4, level="sequence"))
 
 
-def test_bias_corrected_kl_matches_trl():
-    """TRL multiplies the KL term by the importance ratio by default; covey does so only when asked."""
-    compare(LossSettings(loss_type="grpo", beta=0.1, use_bias_correction_kl=True),
-            dict(loss_type="grpo", eps_low=0.2, eps_high=0.2, beta=0.1, bias_correction_kl=True))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bias_corrected_kl_matches_trl(level):
+    """TRL multiplies the KL term by the importance ratio by default; covey does so only when asked.
+    At sequence level the weight is the sequence's ratio, its gradient reaching every token."""
+    compare(LossSettings(loss_type="grpo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level=level),
+            dict(loss_type="grpo", eps_low=0.2, eps_high=0.2, beta=0.1, bias_correction_kl=True, level=level))
 
 
 def test_two_sided_delta_matches_trl():

@@ -214,17 +214,19 @@ class BatchCounts:
 
 
 def _token_ratio(logp_BT, old_logp_BT, mask_BT):
-    return logp_BT - old_logp_BT
+    log_ratio_BT = logp_BT - old_logp_BT
+    return log_ratio_BT, log_ratio_BT
 
 
 def _gspo_token_ratio(logp_BT, old_logp_BT, mask_BT):
-    """GSPO-token: the value is the length-normalised sequence log-ratio, the gradient flows through
-    each token's own log-prob: log s_it = sg[log s_i] + logp_t - sg[logp_t]."""
+    """GSPO-token: the value is the length-normalised sequence log-ratio log s_i, the gradient flows
+    through each token's own log-prob: log s_it = sg[log s_i] + logp_t - sg[logp_t]. The KL term's
+    bias correction weighs by s_i itself, its gradient spread over the sequence's tokens (as TRL)."""
     sequence_B1 = ((logp_BT - old_logp_BT) * mask_BT).sum(1, keepdim=True) / mask_BT.sum(1, keepdim=True).clamp(min=1)
-    return sequence_B1.detach() + logp_BT - logp_BT.detach()
+    return sequence_B1.detach() + logp_BT - logp_BT.detach(), sequence_B1
 
 
-# log importance weight per token, (B, T)
+# (log importance weight of the policy term, (B, T); log weight of the KL term's bias correction, (B, T) or (B, 1))
 IMPORTANCE_LEVELS = {"token": _token_ratio, "sequence": _gspo_token_ratio}
 
 
@@ -323,7 +325,8 @@ def policy_loss(
     objective, aggregation = LOSS_TYPES[s.loss_type]
     mask_BT = mask_BT.to(logp_BT.dtype)
     advantages_B1 = advantages_B.to(logp_BT.dtype).unsqueeze(1)
-    ratio_BT = torch.exp(IMPORTANCE_LEVELS[s.importance_sampling_level](logp_BT, old_logp_BT, mask_BT))
+    log_ratio_BT, log_kl_weight = IMPORTANCE_LEVELS[s.importance_sampling_level](logp_BT, old_logp_BT, mask_BT)
+    ratio_BT = torch.exp(log_ratio_BT)
     loss_BT = POLICY_OBJECTIVES[objective](ratio_BT, logp_BT, advantages_B1, s)
     train_mask_BT = mask_BT
     if s.top_entropy_quantile < 1.0:
@@ -339,7 +342,7 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logp_BT")
         kl_BT = KL_ESTIMATORS[s.kl_estimator](logp_BT, ref_logp_BT)
         stats["kl_sum"] = (kl_BT * mask_BT).sum().detach()
-        loss_BT = loss_BT + s.beta * (kl_BT * ratio_BT if s.use_bias_correction_kl else kl_BT)
+        loss_BT = loss_BT + s.beta * (kl_BT * torch.exp(log_kl_weight) if s.use_bias_correction_kl else kl_BT)
     loss = LOSS_NORMALISERS[aggregation](loss_BT, mask_BT, counts)
     with torch.no_grad():
         if objective == "clipped":
