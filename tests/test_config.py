@@ -52,6 +52,8 @@ def test_invalid_yaml_reports_line_and_column(tmp_path):
     ({"num_generations": 1, "per_device_train_batch_size": 1}, "at least 2"),
     ({"top_p": 1.5}, "top_p"),
     ({"use_peft": "maybe"}, "use_peft='maybe' is not a valid bool"),
+    ({"loss_type": "cispo", "delta": 2.0}, "delta clips the PPO ratio, which loss_type: cispo does not use"),
+    ({"loss_type": "cispo", "clip_ratio_c": 3.0}, "clip_ratio_c clips the PPO ratio"),
 ])
 def test_bad_values_are_rejected_with_the_field_name(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -181,6 +181,10 @@ class GRPOConfig:
                  f"delta={self.delta} must exceed 1 + epsilon_high, or it clips every ratio")
         if self.clip_ratio_c is not None:
             need(self.clip_ratio_c > 1, f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip uses about 3)")
+        for name in ("delta", "clip_ratio_c"):
+            need(self.loss_type != "cispo" or getattr(self, name) is None,
+                 f"{name} clips the PPO ratio, which loss_type: cispo does not use (it caps its own weight at "
+                 f"1 + epsilon_high); unset {name} or choose another loss_type")
         need(0 < self.top_entropy_quantile <= 1, f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]")
         need(0 <= self.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
         need(not self.sync_ref_model or self.beta > 0,
