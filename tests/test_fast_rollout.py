@@ -83,6 +83,16 @@ def test_sampling_frequencies_match_the_softmax(tokenizer, params, expected):
     assert set(first.tolist()) <= set(tokens)
 
 
+@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_p=0.0), dict(top_k=-1), dict(min_p=1.0),
+                                 dict(repetition_penalty=0.0), dict(max_new_tokens=0)])
+def test_sampling_settings_out_of_bounds_are_refused(bad):
+    from covey.errors import ConfigError
+
+    (name, _), = bad.items()
+    with pytest.raises(ConfigError, match=f"{name} must be"):
+        SamplingParams(**{"max_new_tokens": 4, **bad})
+
+
 def test_processors_match_transformers(tokenizer):
     from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)

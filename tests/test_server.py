@@ -156,6 +156,9 @@ def test_server_errors_come_back_as_covey_errors(server, model, tokenizer):
     with pytest.raises(ModelError, match=r"covey server at .*/weights: the server's model has no weight "
                                          r"'model\.layers\.2\."):
         client.sync_weights(other)
+    request = {"prompt_ids": [[5, 6]], "num_generations": 1, "params": {"max_new_tokens": 4, "temperature": 0}}
+    with pytest.raises(ConfigError, match=r"covey server at .*/generate: sampling settings .* temperature must be positive"):
+        client._post("/generate", json.dumps(request).encode(), "application/json")
     # nothing was loaded: the server still samples with its own weights
     prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
     local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)

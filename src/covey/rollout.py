@@ -30,6 +30,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end a completion (kept in it)
     greedy: bool = False
 
+    def __post_init__(self):
+        """The same bounds as the config's, for callers (and a server's clients) that bypass it."""
+        for ok, what in ((self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+                         (self.temperature > 0, "temperature must be positive (greedy: true samples greedily)"),
+                         (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (self.top_k >= 0, "top_k must be >= 0"),
+                         (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+                         (self.repetition_penalty > 0, "repetition_penalty must be positive")):
+            if not ok:
+                raise ConfigError(f"sampling settings {self}: {what}")
+
 
 @dataclass
 class Rollout:
