@@ -170,6 +170,10 @@ def test_stop_strings_end_a_completion(tokenizer, tiny_model):
     rollout = fast.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=10, stop=("xxx",)))
     assert rollout.finish_reasons == ["stop"] * 4 and rollout.lengths_B.tolist() == [3] * 4
     assert rollout.completion_mask_BT.sum(1).tolist() == [3] * 4
+    assert rollout.completion_ids_BT.shape[1] == 3  # as wide as the longest completion, not max_new_tokens
+    # a stop string longer than any fixed window of tokens
+    rollout = fast.generate(_prompts(tokenizer), 1, SamplingParams(max_new_tokens=40, stop=("x" * 25,)))
+    assert rollout.finish_reasons == ["stop"] * 2 and rollout.lengths_B.tolist() == [25] * 2
 
 
 def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):

@@ -146,10 +146,14 @@ class FastEngine:
                 active, next_B, next_position_B = active[keep_idx.cpu()], next_B[keep_idx], next_position_B[keep_idx]
             logits_BV = decoder.step(next_B, next_position_B)
             next_position_B = next_position_B + 1
+        width = int(lengths_B.max())  # as wide as the longest completion, like generate's output
+        tokens_BT, logp_BT = tokens_BT[:, :width], logp_BT[:, :width]
         mask_BT = completion_mask(tokens_BT, self.eos_token_ids, lengths_B)
         tokens_BT = tokens_BT.masked_fill(mask_BT == 0, self.pad_token_id)
         return Rollout(tokens_BT, mask_BT, logp_BT.masked_fill(mask_BT == 0, 0.0), reasons)
 
     def _hits_stop(self, tokens_T: torch.Tensor, stop: tuple[str, ...]) -> bool:
-        tail = self.tokenizer.decode(tokens_T[-16:].tolist(), skip_special_tokens=True)
+        # a stop string spans at most one token per byte of it, plus the token it may begin inside
+        window = max(len(s.encode()) for s in stop) + 1
+        tail = self.tokenizer.decode(tokens_T[-window:].tolist(), skip_special_tokens=True)
         return any(s in tail for s in stop)
