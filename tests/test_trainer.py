@@ -220,3 +220,31 @@ def test_models_load_without_remote_code_and_save_as_safetensors_only(tmp_path, 
     assert seen and seen == [False] * len(seen)  # off unless the config turns it on
     saved = {p.name for p in (tmp_path / "run" / "final_model").iterdir()}
     assert "model.safetensors" in saved and not {n for n in saved if n.endswith((".bin", ".pt", ".pkl"))}
+
+
+def _model_with_dropout(tokenizer):
+    model = make_model(len(tokenizer), seed=2)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5  # what attention modules read while training
+    return model
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_old_and_reference_logprobs_never_see_dropout_and_disable_dropout_turns_it_off(tmp_path, tokenizer, disable):
+    args = small_args(tmp_path, use_peft=True, lora_r=4, lora_dropout=0.5, beta=0.1, disable_dropout=disable)
+    trainer = GRPOTrainer(model=_model_with_dropout(tokenizer), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer, quiet=True)
+    batch, _ = trainer.generate_and_score([0, 1])
+    trainer.model.train()  # as after an optimizer step
+    old = [trainer._logprobs_no_grad(trainer.model, batch.sequences) for _ in range(2)]
+    assert torch.equal(old[0], old[1]) and trainer.model.training
+    from covey.logprobs import completion_logprobs
+
+    micro = batch.sequences.rows(slice(0, 4))
+    with torch.no_grad():
+        train_mode = [completion_logprobs(trainer.model, micro, 1.0)[0] for _ in range(2)]
+    assert torch.equal(train_mode[0], train_mode[1]) == disable
+    rates = [m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates += [m.attention_dropout for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
+    assert rates and all((rate == 0) == disable for rate in rates)

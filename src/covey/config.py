@@ -133,6 +133,7 @@ class GRPOConfig:
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     # --- output ------------------------------------------------------------------------------
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")

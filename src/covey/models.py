@@ -140,6 +140,16 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
     return get_peft_model(model, config)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn off every dropout of ``model``: its dropout layers (LoRA's among them) and the attention
+    dropout rate that attention modules read when training."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def is_peft_model(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

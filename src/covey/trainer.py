@@ -35,8 +35,8 @@ from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrup
 from covey.data import PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational, load_rows
 from covey.evaluation import evaluate
 from covey.logprobs import SequenceBatch, completion_logprobs
-from covey.models import (Reference, add_lora, autocast, eos_token_ids, is_peft_model, load_policy, load_tokenizer,
-                          prepare_tokenizer)
+from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, load_policy,
+                          load_tokenizer, prepare_tokenizer)
 from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
                            score_completions)
@@ -262,6 +262,8 @@ class GRPOTrainer:
                 policy = get_peft_model(policy, peft_config)
             else:
                 policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        if args.disable_dropout:
+            disable_dropout(policy)
         if args.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         return policy
@@ -570,15 +572,21 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model: torch.nn.Module, sequences: SequenceBatch) -> torch.Tensor:
-        """Full-batch log-probs (B, T) padded to the batch width, in micro-batches."""
+        """Full-batch log-probs (B, T) padded to the batch width, in micro-batches; in eval mode
+        (no dropout), whatever mode the model was left in."""
         B, T = sequences.completion_ids_BT.shape
         out = torch.zeros(B, T)
-        for start in range(0, B, self.args.per_device_train_batch_size):
-            rows = slice(start, start + self.args.per_device_train_batch_size)
-            micro = sequences.rows(rows)
-            with autocast(self.device, self.args.bf16):
-                logp, _ = completion_logprobs(model, micro, self.args.temperature)
-            out[rows, : logp.shape[1]] = logp.float().cpu()
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, B, self.args.per_device_train_batch_size):
+                rows = slice(start, start + self.args.per_device_train_batch_size)
+                micro = sequences.rows(rows)
+                with autocast(self.device, self.args.bf16):
+                    logp, _ = completion_logprobs(model, micro, self.args.temperature)
+                out[rows, : logp.shape[1]] = logp.float().cpu()
+        finally:
+            model.train(was_training)
         return out
 
     def _metrics(self, batch: GenerationBatch, stats: dict[str, float], timings: dict[str, float],
