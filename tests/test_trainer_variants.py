@@ -121,12 +121,20 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
                                               mode, 1.5)
     if num_iterations == 1:  # the policy does not move before it trains: the training forward gives the weights
         assert batch.old_logp_BT is None and batch.engine_weights_pending
-        trainer.optimize(batch)
+        stats = trainer.optimize(batch)
     else:  # a separate pass before the policy moves
         assert batch.old_logp_BT is not None and not batch.engine_weights_pending
+        assert torch.allclose(batch.engine_weights, expected, atol=1e-5)
+        stats = trainer.optimize(batch)
     assert torch.allclose(batch.engine_weights, expected, atol=1e-5)
     token_w = torch.exp(sampler_logp_BT - batch.sampling_logp_BT)[batch.loss_mask_BT == 1]
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
+    if mode == "token_truncate":  # logged over the trained tokens only, each weighing exp(0.05)
+        batch.loss_mask_BT[:, -2:] = 0  # as padding: whatever weights stand there are not counted
+        batch.engine_weights[:, -2:] = 0.0
+        metrics = trainer._metrics(batch, stats, {"time/generate": 0.0, "time/score": 0.0}, 1.0)
+        assert metrics["engine_is/mean_weight"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), abs=1e-4)
+        assert metrics["engine_is/masked_fraction"] == 0.0
 
 
 def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, tokenizer):

@@ -606,9 +606,12 @@ class GRPOTrainer:
             metrics[f"rewards/{reward_name(func)}/std"] = float(core.nanstd(column).nan_to_num(0.0))
         if self.args.beta > 0:
             metrics["kl"] = stats["kl_sum"] / tokens
-        if batch.engine_weights is not None:
-            metrics["engine_is/mean_weight"] = float(batch.engine_weights.mean())
-            metrics["engine_is/masked_fraction"] = float((batch.engine_weights == 0).float().mean())
+        if batch.engine_weights is not None:  # over the trained tokens (token level) or the sequences
+            weights = batch.engine_weights
+            counted = batch.loss_mask_BT.float() if weights.shape[1] > 1 else torch.ones_like(weights)
+            n = counted.sum().clamp(min=1)
+            metrics["engine_is/mean_weight"] = float((weights * counted).sum() / n)
+            metrics["engine_is/masked_fraction"] = float(((weights == 0) * counted).sum() / n)
         metrics.update({
             "loss": stats["loss"],
             "policy_loss": stats["policy_loss"],
