@@ -248,3 +248,56 @@ def test_old_and_reference_logprobs_never_see_dropout_and_disable_dropout_turns_
     rates = [m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
     rates += [m.attention_dropout for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
     assert rates and all((rate == 0) == disable for rate in rates)
+
+
+def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenizer, tiny_model):
+    long_prompt = [{"role": "user", "content": "say " + "a" * 400}]
+    held_out = [*ROWS[:3], {"prompt": long_prompt, "answer": "0"}]
+    calls = []
+
+    def fails_on_held_out_rows(completions, answer, **kwargs):
+        calls.append(len(completions))
+        if any(a == "held-out" for a in answer):
+            raise ValueError("no score for this one")
+        return [1.0] * len(completions)
+
+    args = small_args(tmp_path, prompt_overflow="drop", reward_errors="skip", max_prompt_length=64)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[fails_on_held_out_rows], args=args, train_dataset=ROWS,
+                          eval_dataset=[*held_out[:2], {**held_out[2], "answer": "held-out"}, held_out[3]],
+                          processing_class=tokenizer, quiet=True)
+    result = trainer.evaluate()
+    # the over-long prompt is dropped as in training; the failing row is scored None, not an error
+    assert result["n"] == 3 and len(result["samples"]) == 3
+    assert result["mean_reward"] == 1.0 and result["accuracy"] is not None
+
+    no_answers = [{"prompt": r["prompt"]} for r in ROWS[:2]]
+    result = trainer.evaluate(no_answers)
+    assert result["accuracy"] is None  # nothing to check against: not 0%
+    from covey.evaluation import before_after_rows
+
+    assert before_after_rows(result, result)[0][1] == "n/a" and before_after_rows(result, result)[2][1] == "n/a"
+
+
+def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path, tokenizer, tiny_model):
+    trained = tmp_path / "trained"  # a file: reward workers may run in processes of their own
+
+    def breaks_after_training(completions, **kwargs):
+        if trained.exists():
+            raise RuntimeError("the scoring service went away")
+        return [float(len(c[0]["content"]) % 3) for c in completions]
+
+    args = small_args(tmp_path, max_steps=1)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[breaks_after_training], args=args, train_dataset=ROWS,
+                          eval_dataset=ROWS[:2], processing_class=tokenizer, quiet=True)
+    optimize = trainer.optimize
+
+    def optimize_then_break(*a, **k):
+        stats = optimize(*a, **k)
+        trained.touch()
+        return stats
+
+    trainer.optimize = optimize_then_break
+    with pytest.raises(RewardError, match="breaks_after_training"):
+        trainer.train()
+    saved = tmp_path / "run" / "final_model"
+    assert (saved / "model.safetensors").is_file() and (saved / "config.json").is_file()

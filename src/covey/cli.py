@@ -101,7 +101,7 @@ def cmd_eval(argv: list[str]) -> int:
     from rich.console import Console
 
     from covey.data import heldout_rows
-    from covey.evaluation import evaluate
+    from covey.evaluation import evaluate, percent
     from covey.models import eos_token_ids, load_policy, load_tokenizer
     from covey.rollout import make_engine
     from covey.trainer import load_rewards
@@ -113,9 +113,8 @@ def cmd_eval(argv: list[str]) -> int:
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
     engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args=args)
-    result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights,
-                      args.max_completion_length, args.max_prompt_length, strip_reasoning=args.strip_reasoning)
-    Console().print(f"{args.model}: accuracy {100 * result['accuracy']:.1f}% "
+    result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
+    Console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
                     f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
     return 0
 

@@ -6,44 +6,67 @@ from typing import Sequence
 
 import torch
 
-from covey.data import extra_columns, is_conversational
+from covey.config import GRPOConfig
 from covey.core import weighted_reward_sum
+from covey.data import extra_columns, is_conversational
+from covey.reward_pool import RewardPool
 from covey.rewards import RewardFunc, completion_text, is_correct, score_completions
 from covey.rollout import RolloutEngine, SamplingParams
 from covey.text import decode_completions, encode_prompts
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
-             reward_weights: Sequence[float], max_new_tokens: int, max_prompt_length: int,
-             batch_size: int = 32, strip_reasoning: bool = False) -> dict:
-    """Accuracy (the tagged answer equals the `answer` column) and mean weighted reward, greedy.
+             reward_weights: Sequence[float], args: GRPOConfig, reward_pool: RewardPool | None = None,
+             batch_size: int = 32) -> dict:
+    """Greedy completions of held-out rows under the run's own settings (prompt length and
+    overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
+    accuracy (the tagged answer equals the `answer` column; None without that column) and mean
+    weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops are left out of both.
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "samples": [{prompt, completion, correct}, ...]}
     """
-    correct, rewards, samples = [], [], []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk], max_prompt_length, "eval_dataset")
-        rollout = engine.generate(prompt_ids, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_length, "eval_dataset",
+                                args.prompt_overflow)
+    kept = [(row, ids) for row, ids in zip(rows, prompt_ids) if ids is not None]
+    params = SamplingParams(max_new_tokens=args.max_completion_length, stop=tuple(args.stop_strings or ()), greedy=True)
+    weights_F = torch.tensor(reward_weights, dtype=torch.float64)
+    correct, rewards, samples = [], [torch.empty(0, dtype=torch.float64)], []
+    for start in range(0, len(kept), batch_size):
+        chunk = [row for row, _ in kept[start:start + batch_size]]
+        rollout = engine.generate([ids for _, ids in kept[start:start + batch_size]], 1, params)
         completions, ids = decode_completions(tokenizer, rollout.completion_ids_BT, rollout.completion_mask_BT,
-                                              is_conversational(chunk), strip_reasoning)
-        columns = extra_columns(chunk)
-        per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, columns)
-        rewards.append(weighted_reward_sum(per_func, torch.tensor(reward_weights, dtype=torch.float64)))
+                                              is_conversational(chunk), args.strip_reasoning)
+        per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, extra_columns(chunk),
+                                     args.reward_errors, args.reward_timeout, pool=reward_pool)
+        rewards.append(weighted_reward_sum(per_func, weights_F))
         for row, completion in zip(chunk, completions):
             ok = "answer" in row and is_correct(completion, row["answer"])
             correct.append(ok)
             samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok})
-    return {"accuracy": sum(correct) / max(len(correct), 1), "mean_reward": float(torch.cat(rewards).nanmean()),
-            "n": len(rows), "samples": samples}
+    answered = bool(kept) and "answer" in kept[0][0]
+    return {"accuracy": sum(correct) / len(correct) if answered else None,
+            "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "samples": samples}
+
+
+def percent(fraction: float | None) -> str:
+    """An accuracy as shown: a percentage, or n/a where there was nothing to check against."""
+    return "n/a" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def accuracy_change(before: dict, after: dict) -> float | None:
+    """after - before, or None where either has no accuracy."""
+    if before["accuracy"] is None or after["accuracy"] is None:
+        return None
+    return after["accuracy"] - before["accuracy"]
 
 
 def before_after_rows(before: dict | None, after: dict | None) -> list[list[str]]:
     """[label, accuracy, mean reward, n] of the held-out evaluation before and after training (those
     present), then their change when both are: the one table the terminal, model card and report show."""
-    rows = [[label, f"{100 * r['accuracy']:.1f}%", f"{r['mean_reward']:.3f}", str(r["n"])]
+    rows = [[label, percent(r["accuracy"]), f"{r['mean_reward']:.3f}", str(r["n"])]
             for label, r in (("before", before), ("after", after)) if r]
     if before and after:
-        rows.append(["change", f"{100 * (after['accuracy'] - before['accuracy']):+.1f} pts",
+        change = accuracy_change(before, after)
+        rows.append(["change", "n/a" if change is None else f"{100 * change:+.1f} pts",
                      f"{after['mean_reward'] - before['mean_reward']:+.3f}", ""])
     return rows

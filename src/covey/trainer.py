@@ -33,7 +33,7 @@ from covey.checkpoint import checkpoint_dirs, load_checkpoint, resolve_checkpoin
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational, load_rows
-from covey.evaluation import evaluate
+from covey.evaluation import accuracy_change, evaluate, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, load_policy,
                           load_tokenizer, prepare_tokenizer)
@@ -292,12 +292,14 @@ class GRPOTrainer:
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
             elif self.eval_rows:
                 self.before = self.evaluate()
-                log.info(f"held-out accuracy before training: {100 * self.before['accuracy']:.1f}% "
+                log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             while self.global_step < args.max_steps:
                 self._generation_round(log)
+            # the trained model is saved before anything else can fail
+            final = self._save_final_model()
             after = self.evaluate() if self.eval_rows else None
-        summary = self._write_outputs(self.before, after, log.history)
+        summary = self._write_outputs(final, self.before, after, log.history)
         if not self.quiet:
             print_summary(log.console, self.before, after, self.run_dir)
         return summary
@@ -639,14 +641,16 @@ class GRPOTrainer:
         rows = rows if rows is not None else self.eval_rows
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
-        return evaluate(self.engine, self.tokenizer, rows, self.reward_funcs, self.reward_weights,
-                        self.args.max_completion_length, self.args.max_prompt_length,
-                        strip_reasoning=self.args.strip_reasoning)
+        return evaluate(self.engine, self.tokenizer, rows, self.reward_funcs, self.reward_weights, self.args,
+                        self.reward_pool)
 
-    def _write_outputs(self, before: dict | None, after: dict | None, history: list[dict]) -> dict:
+    def _save_final_model(self) -> Path:
         final = self.run_dir / "final_model"
         self.model.save_pretrained(final, safe_serialization=True)
         self.tokenizer.save_pretrained(final)
+        return final
+
+    def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
         summary = {
             "steps": self.global_step,
             "model": self.model_name,
@@ -658,7 +662,7 @@ class GRPOTrainer:
             "final_metrics": history[-1] if history else None,
         }
         if before and after:
-            summary["accuracy_change"] = after["accuracy"] - before["accuracy"]
+            summary["accuracy_change"] = accuracy_change(before, after)
             summary["eval_samples"] = {"before": before["samples"][:8], "after": after["samples"][:8]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         hyperparameters = {k: getattr(self.args, k) for k in MODEL_CARD_FIELDS}
