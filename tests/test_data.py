@@ -73,6 +73,12 @@ def test_missing_file_is_reported(tmp_path):
 
 def test_heldout_rows():
     assert len(heldout_rows("arithmetic", None, 10)) == 10
+    # a built-in task named as eval_dataset gives its held-out split, not its training rows
+    train = {repr(r["prompt"]) for r in load_rows("arithmetic")}
+    for dataset, eval_dataset in (("arithmetic", None), ("my_data.jsonl", "arithmetic")):
+        rows = heldout_rows(dataset, eval_dataset, 1000)
+        assert rows and not any(repr(r["prompt"]) in train for r in rows)
+    assert heldout_rows([{"prompt": "x"}], "arithmetic", 1000, "train") == load_rows("arithmetic")
     assert heldout_rows("arithmetic", None, 0) is None
     assert heldout_rows([{"prompt": "x"}], None, 10) is None
 

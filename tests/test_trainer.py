@@ -301,3 +301,9 @@ def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path
         trainer.train()
     saved = tmp_path / "run" / "final_model"
     assert (saved / "model.safetensors").is_file() and (saved / "config.json").is_file()
+
+
+def test_held_out_prompts_that_are_training_prompts_are_warned_about(tmp_path, tokenizer, tiny_model):
+    with pytest.warns(UserWarning, match="2 of the 3 held-out prompts are training prompts too"):
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=ROWS[:6],
+                    eval_dataset=[ROWS[0], ROWS[7], ROWS[3]], processing_class=tokenizer, quiet=True)

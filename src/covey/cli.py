@@ -106,7 +106,7 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.rollout import make_engine
     from covey.trainer import load_rewards
 
-    rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9)
+    rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9, args.eval_split)
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)

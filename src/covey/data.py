@@ -50,18 +50,25 @@ def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
                         "a local .jsonl/.csv/.parquet file, or a Hugging Face dataset id") from e
 
 
-def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int) -> list[dict] | None:
-    """Rows for the before/after evaluation: ``eval_dataset`` if given, else the held-out split of a
-    built-in task, else None (no evaluation). At most ``max_samples`` rows."""
+def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test") -> list[dict] | None:
+    """Rows for the before/after evaluation: ``eval_dataset`` if given (its ``eval_split`` when it
+    is a built-in task or a Hugging Face id), else the held-out split of a built-in task, else None
+    (no evaluation). At most ``max_samples`` rows."""
     if max_samples == 0:
         return None
     if eval_dataset is not None:
-        rows = load_rows(eval_dataset)
+        rows = load_rows(eval_dataset, split=eval_split)
     elif isinstance(dataset, str) and dataset in tasks.TASKS:
         rows = load_rows(dataset, split="test")
     else:
         return None
     return rows[:max_samples]
+
+
+def shared_prompts(train_rows: list[dict], eval_rows: list[dict]) -> int:
+    """How many held-out rows have a prompt that is also a training prompt."""
+    seen = {repr(row["prompt"]) for row in train_rows}
+    return sum(repr(row["prompt"]) in seen for row in eval_rows)
 
 
 def check_rows(rows: list[dict], source: str) -> None:

@@ -32,7 +32,8 @@ from covey import core
 from covey.checkpoint import checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint, step_of
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
-from covey.data import PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational, load_rows
+from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
+                        load_rows, shared_prompts)
 from covey.evaluation import accuracy_change, evaluate, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, load_policy,
@@ -183,7 +184,11 @@ class GRPOTrainer:
         self.train_rows = load_rows(dataset, split=args.dataset_split)
         preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]))
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
-                                      args.eval_max_samples)
+                                      args.eval_max_samples, args.eval_split)
+        if self.eval_rows and (shared := shared_prompts(self.train_rows, self.eval_rows)):
+            warnings.warn(f"{shared} of the {len(self.eval_rows)} held-out prompts are training prompts too, so the "
+                          "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
+                          "not train on", stacklevel=2)
         check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
         if self.eval_rows:
             check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
