@@ -163,6 +163,58 @@ def test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log(tmp
     assert (tmp_path / "run" / "config.resumed-at-4.yaml").exists()  # max_steps changed from 4 to 6
 
 
+def test_auto_resume_finds_a_relative_output_dir(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer_for(run_args(Path("runs/long"), max_steps=2), tokenizer).train()
+    resumed = trainer_for(run_args(Path("runs/long"), max_steps=4, resume_from_checkpoint="auto"), tokenizer)
+    assert resumed.resume_from == (tmp_path / "runs/long/checkpoints/checkpoint-2")
+    resumed.train()
+    assert [m["step"] for m in learned_metrics(tmp_path / "runs/long")] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_outside_a_run_folder_needs_an_output_dir(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", max_steps=2), tokenizer).train()
+    loose = tmp_path / "home" / "my-checkpoint"
+    loose.parent.mkdir()
+    (tmp_path / "run" / "checkpoints" / "checkpoint-2").rename(loose)
+    (tmp_path / "home" / "summary.json").write_text("the user's own")
+    with pytest.raises(ConfigError, match="does not lie in the checkpoints/ folder of a run.*give --output-dir"):
+        GRPOTrainer(args=run_args(None, resume_from_checkpoint=str(loose)), reward_funcs=[count_a],
+                    train_dataset=ROWS, model="no/such-model-is-loaded")
+    assert (tmp_path / "home" / "summary.json").read_text() == "the user's own"
+    branch = trainer_for(run_args(tmp_path / "branch", max_steps=3, resume_from_checkpoint=str(loose)), tokenizer)
+    branch.train()
+    assert [m["step"] for m in learned_metrics(tmp_path / "branch")] == [1, 2, 3]  # the history comes along
+
+
+def test_overwrite_output_dir_clears_the_previous_runs_outputs_and_nothing_else(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", max_steps=4), tokenizer).train()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    trainer_for(run_args(tmp_path / "run", max_steps=2, overwrite_output_dir=True), tokenizer).train()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["checkpoint-2"]
+    assert [m["step"] for m in learned_metrics(tmp_path / "run")] == [1, 2]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_two_runs_set_up_at_once_never_share_a_folder(tmp_path, tokenizer, monkeypatch):
+    import covey.trainer
+
+    monkeypatch.chdir(tmp_path)
+    moment = covey.trainer.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(covey.trainer, "datetime", type("Frozen", (), {"now": staticmethod(lambda: moment)}))
+    first, second = (trainer_for(run_args(None, max_steps=1, save_steps=0), tokenizer) for _ in range(2))
+    assert first.run_dir == second.run_dir  # set up in the same second: the same name so far
+    first.train()
+    second.train()
+    assert first.run_dir != second.run_dir and second.run_dir.name == "20260102-030405-2"
+    assert all((run / "final_model").is_dir() for run in (first.run_dir, second.run_dir))
+    # an output_dir another run began writing in after this one was set up
+    a, b = (trainer_for(run_args(tmp_path / "shared", max_steps=1, save_steps=0), tokenizer) for _ in range(2))
+    a.train()
+    with pytest.raises(ConfigError, match="was taken by another run after this one was set up"):
+        b.train()
+
+
 def test_resume_errors_are_clear_and_come_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="found no checkpoint"):
         GRPOTrainer(args=run_args(tmp_path / "empty", resume_from_checkpoint="auto"), reward_funcs=[count_a],

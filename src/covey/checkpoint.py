@@ -55,7 +55,7 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
         if not found:
             raise ConfigError(f"resume_from_checkpoint: auto found no checkpoint in {Path(output_dir) / CHECKPOINTS}; "
                               "was save_steps 0, or did the run stop before its first save?")
-        return found[-1]
+        return found[-1].resolve()
     path = Path(spec).resolve()
     if not (path / "state.json").is_file():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint folder (it has no state.json); "

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import threading
 import time
@@ -29,7 +30,8 @@ from typing import Any, Sequence
 import torch
 
 from covey import core
-from covey.checkpoint import checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint, step_of
+from covey.checkpoint import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint,
+                              step_of)
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
@@ -130,8 +132,12 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
     """The run folder; refuses to write into one that already holds files unless told to or resuming
     (a checkpoint given without output_dir continues in the run folder it belongs to)."""
     if resume_from is not None:
-        run_dir = Path(args.output_dir).resolve() if args.output_dir else resume_from.parent.parent
-        if run_dir != resume_from.parent.parent:  # a new branch of the run: the usual guard applies
+        own_run = resume_from.parent.parent
+        if args.output_dir is None and not (resume_from.parent.name == CHECKPOINTS and (own_run / "config.yaml").is_file()):
+            raise ConfigError(f"{resume_from} does not lie in the {CHECKPOINTS}/ folder of a run, so there is no run "
+                              "folder to continue in; give --output-dir, the folder to continue in")
+        run_dir = Path(args.output_dir).resolve() if args.output_dir else own_run
+        if run_dir != own_run:  # a new branch of the run: the usual guard applies
             _refuse_a_used_folder(run_dir, args)
         later = [p.name for p in checkpoint_dirs(run_dir) if step_of(p) > step_of(resume_from)]
         if later:
@@ -140,14 +146,9 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
                               "this branch, or move the later checkpoints away")
         return run_dir
     if args.output_dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir, n = Path("runs") / stamp, 1
-        while run_dir.exists():
-            n += 1
-            run_dir = Path("runs") / f"{stamp}-{n}"
-    else:
-        run_dir = Path(args.output_dir)
-        _refuse_a_used_folder(run_dir, args)
+        return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")  # made unique when claimed
+    run_dir = Path(args.output_dir)
+    _refuse_a_used_folder(run_dir, args)
     return run_dir
 
 
@@ -155,6 +156,38 @@ def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite_output_dir:
         raise ConfigError(f"output_dir {run_dir} already holds files; choose a new output_dir "
                           "(nothing is overwritten unless you pass --overwrite-output-dir true)")
+
+
+# what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
+RUN_OUTPUTS = ("config.yaml", "config.resumed-at-*.yaml", "metrics.jsonl", "completions.jsonl", "summary.json",
+               "final_model", CHECKPOINTS, "tensorboard", "mlartifacts")
+
+
+def claim_run_dir(run_dir: Path, args: GRPOConfig) -> Path:
+    """Take the run folder for this run alone, just before anything is written: a timestamped
+    default gets a suffix if another run took it meanwhile; an output_dir another run has begun
+    writing in since this one was set up is refused; with overwrite_output_dir, a previous run's
+    outputs are cleared (other files are left)."""
+    if args.output_dir is None:
+        stamp, n = run_dir, 1
+        while True:
+            try:
+                run_dir.mkdir(parents=True)
+                return run_dir
+            except FileExistsError:
+                n += 1
+                run_dir = stamp.with_name(f"{stamp.name}-{n}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.overwrite_output_dir:
+        for pattern in RUN_OUTPUTS:
+            for path in run_dir.glob(pattern):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:
+        (run_dir / "config.yaml").open("x").close()  # atomically: one run only gets past here
+    except FileExistsError:
+        raise ConfigError(f"output_dir {run_dir} was taken by another run after this one was set up; "
+                          "choose a new output_dir") from None
+    return run_dir
 
 
 class GRPOTrainer:
@@ -287,7 +320,10 @@ class GRPOTrainer:
     def train(self) -> dict:
         """Run max_steps optimizer steps; returns the summary that is also written to summary.json."""
         args = self.args
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume_from is None:
+            self.run_dir = claim_run_dir(self.run_dir, args)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config()
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, args.to_dict())
         with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers) as log,
