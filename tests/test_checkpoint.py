@@ -97,6 +97,47 @@ def test_the_update_kernel_is_the_resuming_runs_choice_not_the_checkpoints(tmp_p
     resumed.train()
 
 
+def test_a_resumed_run_updates_with_its_own_optimizer_settings(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "first", max_steps=2), tokenizer).train()
+    checkpoint = str(tmp_path / "first" / "checkpoints" / "checkpoint-2")
+    changed = dict(learning_rate=5e-4, weight_decay=0.3, adam_beta1=0.5, adam_epsilon=1e-6)
+    resumed = trainer_for(run_args(tmp_path / "resumed", max_steps=4, resume_from_checkpoint=checkpoint, **changed),
+                          tokenizer)
+    group = resumed.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"][0], group["eps"]) == (5e-4, 0.3, 0.5, 1e-6)
+    resumed.train()
+    assert [m["learning_rate"] for m in learned_metrics(tmp_path / "resumed")][2:] == [5e-4, 5e-4]
+    assert (tmp_path / "resumed" / "config.yaml").read_text().count("learning_rate: 0.0005") == 1
+
+
+def test_a_damaged_checkpoint_or_another_dataset_is_a_clear_error(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", max_steps=2), tokenizer).train()
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    (checkpoint / "optimizer.json").write_text('{"state": {"0": ')  # cut off
+    with pytest.raises(CheckpointError, match="could not resume from .*checkpoint-2: JSONDecodeError.*earlier checkpoint"):
+        trainer_for(run_args(tmp_path / "a", resume_from_checkpoint=str(checkpoint)), tokenizer)
+    trainer_for(run_args(tmp_path / "run2", max_steps=2), tokenizer).train()
+    with pytest.raises(CheckpointError, match="larger dataset than this run's 3 rows"):
+        GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], train_dataset=ROWS[:3],
+                    args=run_args(tmp_path / "b", resume_from_checkpoint=str(tmp_path / "run2" / "checkpoints" /
+                                                                         "checkpoint-2")),
+                    processing_class=tokenizer, quiet=True)
+
+
+def test_a_stop_signal_in_the_last_step_lets_the_run_finish(tmp_path, tokenizer):
+    trainer = trainer_for(run_args(tmp_path / "run", max_steps=2, save_steps=0), tokenizer)
+    optimize = trainer.optimize
+
+    def signalled_in_the_last_step(*a, **k):
+        if trainer.global_step == 1:
+            trainer.stop_signal = signal.SIGINT
+        return optimize(*a, **k)
+
+    trainer.optimize = signalled_in_the_last_step
+    trainer.train()
+    assert (tmp_path / "run" / "final_model").is_dir() and (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_save_total_limit_keeps_the_newest_and_none_keeps_all(tmp_path, tokenizer):
     trainer_for(run_args(tmp_path / "a", save_total_limit=1), tokenizer).train()
     assert [p.name for p in checkpoint_dirs(tmp_path / "a")] == ["checkpoint-6"]

@@ -167,6 +167,10 @@ def _fsync_dir(path: Path) -> None:
 # ---- reading ---------------------------------------------------------------------------------
 
 
+# optimizer settings a resumed run takes from its own config rather than from the checkpoint
+RUN_OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay", "fused", "foreach")
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     reference: torch.nn.Module | None = None) -> dict[str, Any]:
     """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state."""
@@ -179,9 +183,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     for key, value in tensors.items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
-    # which kernel runs the update is this run's choice (by device), not part of the saved state; given
-    # before loading, so that the state is placed for it (the fused kernel keeps its step counts on the device)
-    groups = [{**saved, **{key: group.get(key) for key in ("fused", "foreach")}}
+    # the update's settings (betas, eps, weight decay) are this run's config, as is which kernel runs it
+    # (by device): given before loading, so that the state is placed for that kernel (the fused one keeps
+    # its step counts on the device)
+    groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
               for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     if reference is not None and (path / "reference.safetensors").is_file():

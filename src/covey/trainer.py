@@ -33,7 +33,7 @@ from covey import core
 from covey.checkpoint import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint,
                               step_of)
 from covey.config import GRPOConfig
-from covey.errors import ConfigError, DataError, NumericsError, TrainingInterrupted
+from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
                         load_rows, shared_prompts)
 from covey.evaluation import accuracy_change, evaluate, percent
@@ -381,11 +381,12 @@ class GRPOTrainer:
         if args.log_completions and (first_step == 0 or step == args.max_steps
                                      or _crossed(first_step, step, args.log_completions_steps)):
             log.log_completions(step, records, args.num_completions_to_print)
-        if not (args.save_steps and _crossed(first_step, step, args.save_steps) or self.stop_signal):
+        stopping = self.stop_signal is not None and step < args.max_steps  # a signal in the last step: just finish
+        if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
             return
         path = self.save_checkpoint()
         log.info(f"checkpoint saved: {path}")
-        if self.stop_signal:
+        if stopping:
             raise TrainingInterrupted(
                 f"stopped by {signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {path}. "
                 f"Continue with: covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto",
@@ -564,11 +565,26 @@ class GRPOTrainer:
                                self._moving_reference(), self.args.save_total_limit)
 
     def _restore(self, path: Path) -> None:
-        state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference())
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        for key in RESUMED_ATTRIBUTES:
-            setattr(self, key, state[key])
+        try:
+            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference())
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.sampler.load_state_dict(state["sampler"])
+            for key in RESUMED_ATTRIBUTES:
+                setattr(self, key, state[key])
+        except CheckpointError:
+            raise
+        except Exception as e:  # a damaged checkpoint, or one a different setup wrote
+            raise CheckpointError(f"could not resume from {path}: {type(e).__name__}: {e}. It is damaged or was "
+                                  "written by a different setup (model, LoRA settings); resume from an earlier "
+                                  "checkpoint or start a new run") from None
+        if any(i >= len(self.train_rows) for i in self.sampler.order):
+            raise CheckpointError(f"{path} was written while training on a larger dataset than this run's "
+                                  f"{len(self.train_rows)} rows; resume with the same dataset")
+        # the learning rate is this run's config too (max_steps and the schedule already are)
+        self.scheduler.base_lrs = [self.args.learning_rate for _ in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.args.learning_rate
+            group["lr"] = self.args.learning_rate * self._lr_factor(self.scheduler.last_epoch)
 
     def _moving_reference(self) -> torch.nn.Module | None:
         """The reference model when sync_ref_model moves it (then a checkpoint must carry it), else None."""
