@@ -123,3 +123,17 @@ def test_a_column_a_reward_needs_is_checked_by_name_and_row(tmp_path):
 
     with pytest.raises(DataError, match=r"row 1: column 'answer', needed by reward function 'answer_correct', is empty"):
         check_reward_columns(load_rows(str(path)), [answer_correct], str(path))
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("<think>2+2 is 4</think> 4", "4"),
+    ("2+2 is 4</think> 4", "4"),  # the chat template opened <think> in the prompt (R1-distill style)
+    ("2+2 is 4</think>", ""),
+    ("a</think> <think>b</think> 4", "4"),
+    ("<think>2+2 is", ""),
+    ("4", "4"),
+])
+def test_the_answer_after_reasoning_is_what_follows_the_last_closing_tag(completion, answer):
+    from covey.text import answer_after_reasoning
+
+    assert answer_after_reasoning(completion) == answer

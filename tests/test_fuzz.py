@@ -288,7 +288,7 @@ def test_an_untagged_right_number_at_the_end_gets_half_credit(number, before):
 
 @FUZZ
 @given(free_text.filter(lambda t: "<answer>" not in t), free_text.filter(lambda t: "</answer>" not in t), free_text)
-def test_tagged_answer_is_the_stripped_content_of_the_first_block(before, inside, after):
+def test_tagged_answer_is_the_stripped_content_of_its_block(before, inside, after):
     assert tagged_answer(f"{before}<answer>{inside}</answer>{after}") == inside.strip()
 
 

@@ -1,12 +1,14 @@
 import math
 import textwrap
 
+import numpy
 import pytest
 import torch
 
+from covey.code_reward import program_of
 from covey.errors import RewardError
 from covey.core import weighted_reward_sum
-from covey.rewards import (answer_correct, answer_format, is_correct, load_reward_func,
+from covey.rewards import (answer_correct, answer_format, is_correct, last_number, load_reward_func,
                            parse_number, score_completions)
 
 
@@ -36,6 +38,54 @@ def test_is_correct_requires_tags():
                                          ("x", None), ("", None), (5, 5.0)])
 def test_parse_number(text, value):
     assert parse_number(text) == value
+
+
+def test_the_last_tagged_answer_is_graded_by_format_and_correctness_alike():
+    text = "<answer>70</answer> wait, I forgot two: <answer>72</answer>"
+    assert answer_correct(completions=[text], answer=["72"]) == [1.0]
+    assert is_correct(chat(text), "72") and not is_correct(chat(text), "70")
+    assert answer_format(completions=[text, "<answer>72</answer> then <answer>none</answer>"]) == [1.0, 0.75]
+
+
+def test_a_raw_gsm8k_solution_as_the_answer_is_read_after_its_last_marker():
+    solution = "She had 70 and found 2 more.\n70 + 2 = 72\n#### 72"
+    assert answer_correct(completions=["<answer>72</answer>", "<answer>70</answer>"], answer=[solution] * 2) == [1.0, 0.0]
+    assert is_correct(chat("<answer>1,234</answer>"), "#### 1,234")
+
+
+@pytest.mark.parametrize("text, value", [
+    ("\\boxed{72}", 72.0), ("$72$", 72.0), ("**72**", 72.0), ("$\\boxed{1,234}$.", 1234.0), ("x = 72", 72.0),
+    ("72 dollars", 72.0), ("50%", 50.0), ("50\\%", 50.0), ("**72 dollars**", 72.0), ("+5", 5.0),
+    ("\u22125", -5.0), (".5", 0.5), ("-.5", -0.5), ("$12", 12.0), ("1,234,567.5", 1234567.5),
+    ("3,4,5", None), ("1,2345", None), ("12,34", None), ("3 million", None), ("2 pi", None), ("7 and a half", None),
+    ("10-2", None), ("3/4", None),
+])
+def test_parse_number_reads_a_number_in_the_usual_markup(text, value):
+    assert parse_number(text) == value
+
+
+def test_tagged_answers_in_markup_are_correct():
+    for inside in ("\\boxed{72}", "$72$", "**72**", "72 dollars", "x = 72", "+72"):
+        assert is_correct(chat(f"<answer>{inside}</answer>"), "72"), inside
+    assert is_correct(chat("<answer>50%</answer>"), 50) and is_correct(chat("<answer>\u22125</answer>"), "-5")
+    assert not is_correct(chat("<answer>3,4,5</answer>"), "345")
+
+
+@pytest.mark.parametrize("text, value", [("so 10-2 = 8", 8.0), ("the range 10-2", 2.0), ("COVID-19", 19.0),
+                                         ("it is -2", -2.0), ("pick 3,4,5", 5.0), ("about .5", 0.5),
+                                         ("costs $1,234.", 1234.0)])
+def test_last_number_reads_hyphens_and_commas_as_written(text, value):
+    assert last_number(text) == value
+
+
+def test_program_pairs_each_opening_fence_with_its_closing_fence():
+    assert program_of("Run:\n```bash\npython a.py\n```\nwith a.py:\n```python\nx = 1\n```\n") == "x = 1\n"
+    assert program_of("```python\nprint(3)\n```\nExample output:\n```\n3\n```") == "print(3)\n"
+    assert program_of("```py\nx = 1\n```\n```python3\nx = 2\n```\n```text\n2\n```") == "x = 2\n"
+    assert program_of("```text\nhi\n```\n```\ny = 3\n```\n```\ny = 4\n```") == "y = 4\n"
+    assert program_of("````python\ns = '''\n```\n'''\n````") == "s = '''\n```\n'''\n"
+    assert program_of("```python\nx = 1```") == "x = 1"
+    assert program_of("```python\ndef f():\n    return 1\n") == "def f():\n    return 1\n"  # cut off: to the end
 
 
 def test_user_reward_from_file_and_from_module(tmp_path, monkeypatch):
@@ -80,13 +130,23 @@ def test_wrong_number_of_values_names_the_function():
         score_completions([short], ["a", "b"], ["x", "y"], [[1], [2]], {})
 
 
-@pytest.mark.parametrize("bad", ["1.0", float("nan"), [1.0], True])
+@pytest.mark.parametrize("bad", ["1.0", float("nan"), [1.0], float("inf"), -float("inf"), numpy.float32("inf"),
+                                 torch.tensor([1.0, 2.0]), 1j, 10**400, 10**5000],
+                         ids=["str", "nan", "list", "inf", "-inf", "numpy inf", "tensor", "complex", "10**400", "10**5000"])
 def test_non_numbers_are_rejected(bad):
     def f(completions, **kw):
         return [0.0, bad]
 
-    with pytest.raises(RewardError, match="'f' returned .* for completion 1"):
+    with pytest.raises(RewardError, match="'f' returned .* for completion 1; expected a finite real number"):
         score_completions([f], ["a", "b"], ["x", "y"], [[1], [2]], {})
+
+
+def test_real_numbers_of_any_type_are_accepted():
+    def f(completions, **kw):
+        return [numpy.float32(1.5), numpy.int64(2), True, torch.tensor(0.25), None, 3]
+
+    table = score_completions([f], ["p"] * 6, ["c"] * 6, [[1]] * 6, {})
+    assert table[:4, 0].tolist() == [1.5, 2.0, 1.0, 0.25] and math.isnan(table[4, 0]) and table[5, 0] == 3.0
 
 
 def test_none_rewards_are_skipped_in_the_weighted_sum():

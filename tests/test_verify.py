@@ -134,6 +134,18 @@ def test_a_reward_function_that_raises_fails_the_rewards_stage(tokenizer):
     assert any("'broken' raised KeyError" in c.hint for c in report.checks)
 
 
+def test_an_async_reward_function_is_checked_like_a_sync_one(tokenizer):
+    async def mentions_answer_async(completions, answer, **kwargs):
+        return mentions_answer(completions, answer)
+
+    report = verify(GRPOConfig(num_generations=4, max_completion_length=10, seed=3), model=make_model(len(tokenizer)),
+                    processing_class=tokenizer, train_dataset=ROWS, reward_funcs=[variety, mentions_answer_async])
+    failures = [(c.stage, c.name, c.hint) for c in report.checks if c.status == "FAIL"]
+    assert not failures, failures
+    assert any(c.name == "mentions_answer_async values belong to their completions" and c.status == "PASS"
+               for c in report.checks)
+
+
 def test_settings_outside_the_formula_check_are_reported_as_unchecked(tokenizer):
     args = GRPOConfig(num_generations=4, max_completion_length=10, top_entropy_quantile=0.5)
     report = verify(args, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer, train_dataset=ROWS,

@@ -1,9 +1,9 @@
 """The ``code_tests`` reward: run the completion's Python against the dataset's tests in a sandbox.
 
 A dataset row carries ``tests``: Python test code, or a list of statements (usually asserts). The
-completion's program is its last fenced Python block (or, without one, its whole text). The score is 1.0
-when the program and then the tests run to their end in one sandboxed process, 0.0 otherwise; rows
-without tests score None.
+completion's program is its last fenced Python block (without one, its last untagged block; without
+either, its whole text). The score is 1.0 when the program and then the tests run to their end in one
+sandboxed process, 0.0 otherwise; rows without tests score None.
 
 Passing is judged by the harness writing a secret token, read from stdin before the program starts,
 after the last test; the exit code or anything the program prints alone cannot fake it. So a program
@@ -26,7 +26,9 @@ from covey.errors import RewardError
 from covey.rewards import completion_text
 from covey.sandbox import available_isolation, run_python
 
-FENCED_BLOCK = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# a line opening a fenced block: three or more backticks and an optional language tag ("```python")
+OPENING_FENCE = re.compile(r"(`{3,})[ \t]*([^`\s]*)[^`]*")
+PYTHON_TAGS = frozenset({"python", "python3", "py"})
 
 # Runs the program, then the tests. ``__name__`` is not "__main__", so a program's own
 # ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes). What the
@@ -56,11 +58,38 @@ _covey_harness({program!r}, {tests!r})
 """
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language tag, lowercased, or "" for none; code) of each fenced block, read line by line so that
+    each opening fence pairs with its own closing fence. A block closes at a line of at least as many
+    backticks, or at a line of code ending in them ("x = 1```"); one left open runs to the end."""
+    blocks: list[tuple[str, str]] = []
+    fence, tag, code = None, "", []
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if fence is None:
+            opening = OPENING_FENCE.fullmatch(stripped)
+            if opening is not None:
+                fence, tag, code = opening.group(1), opening.group(2).lower(), []
+        elif stripped.startswith(fence) and not stripped.strip("`"):
+            blocks.append((tag, "".join(code)))
+            fence = None
+        elif stripped.endswith(fence):
+            blocks.append((tag, "".join(code) + line.rstrip()[:-len(fence)]))
+            fence = None
+        else:
+            code.append(line)
+    if fence is not None:
+        blocks.append((tag, "".join(code)))
+    return blocks
+
+
 def program_of(completion: Any) -> str:
-    """The last fenced block tagged python/py (or untagged) in the completion, else its whole text."""
+    """The code of the completion's last fenced block tagged python (py, python3); without one, of its
+    last untagged block; without either, its whole text."""
     text = completion_text(completion)
-    blocks = FENCED_BLOCK.findall(text)
-    return blocks[-1][1] if blocks else text
+    blocks = fenced_blocks(text)
+    python = [code for tag, code in blocks if tag in PYTHON_TAGS] or [code for tag, code in blocks if not tag]
+    return python[-1] if python else text
 
 
 def code_of_tests(tests: Any) -> str | None:

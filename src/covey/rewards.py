@@ -30,7 +30,20 @@ from covey.reward_pool import RewardPool, WorkerFault
 RewardFunc = Callable[..., list]
 
 TAGGED_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+# A number as written: a sign (a hyphen after a letter or digit, as in "10-2", is not one), a dollar sign,
+# digits with commas only before groups of exactly three ("1,234"; "3,4,5" is three numbers), and a
+# decimal part, also on its own (".5").
+NUMBER = re.compile(r"(?:(?<!\w)[-+\u2212])?\$?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+# what may wrap a number: \boxed{72}, $72$, **72**, \(72\), x = 72
+WRAPPED = tuple(re.compile(pattern, re.DOTALL) for pattern in (
+    r"\\boxed\{(.*)\}", r"\$(.*)\$", r"\*\*(.*)\*\*", r"\\\((.*)\\\)", r"[^\W\d]\w*\s*=\s*(.*)"))
+# a number followed by a percent sign or one unit word: "50%", "72 dollars"
+WITH_UNIT = re.compile(r"(.*?)\s*(?:\\?%|([^\W\d_]+))", re.DOTALL)
+# words after a number that change its value, so are not units ("3 million" is not 3, "2 pi" is not 2)
+NOT_UNITS = frozenset({"k", "hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions",
+                       "trillion", "trillions", "dozen", "dozens", "half", "halves", "third", "thirds", "quarter",
+                       "quarters", "squared", "cubed", "pi", "\u03c0"})
+GSM8K_MARKER = "####"
 
 
 def completion_text(completion: Any) -> str:
@@ -40,20 +53,42 @@ def completion_text(completion: Any) -> str:
     return "".join(message.get("content", "") for message in completion if message.get("role") == "assistant")
 
 
+def unwrapped(text: str) -> str:
+    """``text`` without the markup around a number: \\boxed{}, $...$, **...**, \\(...\\), 'x = ', a
+    trailing full stop."""
+    text = text.strip().rstrip(".").strip()
+    while match := next((m for m in (w.fullmatch(text) for w in WRAPPED) if m), None):
+        text = match.group(1).strip().rstrip(".").strip()
+    return text
+
+
 def parse_number(text: Any) -> float | None:
-    """A finite number written as text ('1,234', '-3.5', '$12', ' 42 ') or given as a number; None
-    if it is not one (NaN, or too large for a float, is not)."""
+    """A finite number written as text or given as a number; None if it is not one (NaN, or too large
+    for a float, is not). The text may be '1,234', '-3.5', '.5', '+2', '\u22125', '$12', ' 42 ', and may be
+    wrapped ('\\boxed{72}', '$72$', '**72**', 'x = 72') or followed by '%' or a unit word ('72 dollars')."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         try:
             value = float(text)
         except OverflowError:
             return None
     else:
-        match = NUMBER.fullmatch(str(text).strip().rstrip("."))
+        written = unwrapped(str(text))
+        unit = WITH_UNIT.fullmatch(written)
+        if unit is not None and (unit.group(2) or "").lower() not in NOT_UNITS:
+            written = unwrapped(unit.group(1))
+        match = NUMBER.fullmatch(written)
         if match is None:
             return None
-        value = float(match.group().replace(",", "").replace("$", ""))
+        value = float(match.group().replace(",", "").replace("$", "").replace("\u2212", "-"))
     return value if math.isfinite(value) else None
+
+
+def reference_number(answer: Any) -> float | None:
+    """The number a dataset's answer holds: the answer itself, or what follows the last '####' of a
+    raw GSM8K solution ('... so she has 72 #### 72')."""
+    if isinstance(answer, str) and GSM8K_MARKER in answer:
+        answer = answer.rsplit(GSM8K_MARKER, 1)[1]
+    return parse_number(answer)
 
 
 def same_number(given: float | None, expected: float | None) -> bool:
@@ -63,9 +98,10 @@ def same_number(given: float | None, expected: float | None) -> bool:
 
 
 def tagged_answer(text: str) -> str | None:
-    """The content of the first <answer>...</answer> block, or None."""
-    match = TAGGED_ANSWER.search(text)
-    return match.group(1) if match else None
+    """The content of the last <answer>...</answer> block (the final answer of a model that wrote
+    several), or None."""
+    blocks = TAGGED_ANSWER.findall(text)
+    return blocks[-1] if blocks else None
 
 
 def last_number(text: str) -> float | None:
@@ -75,7 +111,7 @@ def last_number(text: str) -> float | None:
 
 def is_correct(completion: Any, answer: Any) -> bool:
     """Strict check used for evaluation: the answer is in <answer> tags and equals ``answer``."""
-    return same_number(parse_number(tagged_answer(completion_text(completion)) or ""), parse_number(answer))
+    return same_number(parse_number(tagged_answer(completion_text(completion)) or ""), reference_number(answer))
 
 
 # ---- built-in rewards ---------------------------------------------------------------------------
@@ -83,7 +119,7 @@ def is_correct(completion: Any, answer: Any) -> bool:
 
 def answer_format(completions: list, **_: Any) -> list[float]:
     """Partial credit for '<answer>N</answer>': a quarter each for the opening tag, the closing tag,
-    a bare number inside, and nothing written after the closing tag."""
+    a number inside the last block (as answer_correct reads it), and nothing written after the closing tag."""
     scores = []
     for completion in completions:
         text = completion_text(completion)
@@ -97,11 +133,12 @@ def answer_format(completions: list, **_: Any) -> list[float]:
 
 
 def answer_correct(completions: list, answer: list, **_: Any) -> list[float | None]:
-    """1 if the tagged answer equals the `answer` column; 0.5 if there is no tagged answer but the
-    last number in the text is right; 0 otherwise. None where the row has no usable answer."""
+    """1 if the (last) tagged answer equals the `answer` column (a number, or a GSM8K solution ending
+    '#### N'); 0.5 if there is no tagged answer but the last number in the text is right; 0 otherwise.
+    None where the row has no usable answer."""
     scores: list[float | None] = []
     for completion, expected in zip(completions, answer):
-        target = parse_number(expected)
+        target = reference_number(expected)
         if target is None:
             scores.append(None)
             continue
@@ -199,7 +236,7 @@ def required_columns(func: RewardFunc) -> set[str]:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - TRAINER_REWARD_ARGS
 
 
-def _call(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
+def call_reward(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
     """One call, within ``timeout`` seconds when set (a timed-out thread is abandoned, not killed)."""
     if inspect.iscoroutinefunction(func):
         return asyncio.run(asyncio.wait_for(func(**kwargs), timeout))
@@ -263,7 +300,7 @@ def _outcomes(func: RewardFunc, calls: list[dict], timeout: float | None, pool: 
         return
     for kwargs in calls:
         try:
-            yield _call(func, kwargs, timeout)
+            yield call_reward(func, kwargs, timeout)
         except Exception as e:  # the user's code: any exception is a reward fault
             yield e
 
@@ -307,13 +344,27 @@ def score_completions(
             raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
                               "it must return one float (or None) per completion")
         for i, value in enumerate(values):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-                raise RewardError(f"reward function {name!r} returned {value!r} for completion {i}; "
-                                  "expected a finite float or None")
-            table[i, j] = float(value)
+            if value is not None:
+                table[i, j] = reward_value(value, name, i)
     return table
+
+
+def reward_value(value: Any, name: str, i: int) -> float:
+    """``value``, returned by reward function ``name`` for completion ``i``, as a finite float: any real
+    number float() takes (bool, int, float, a numpy scalar, a one-element tensor), but not text."""
+    try:
+        number = None if isinstance(value, (str, bytes)) else float(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # not a number, or an int beyond a float
+        number = None
+    if number is None or not math.isfinite(number):
+        try:
+            shown = repr(value)
+        except ValueError:  # an int too long to print
+            shown = f"an int of {value.bit_length()} bits"
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise RewardError(f"reward function {name!r} returned {shown} ({type(value).__name__}) for completion {i}; "
+                          "expected a finite real number (float, int, bool, numpy scalar, one-element tensor) or None")
+    return number
 
 
 def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,

@@ -48,15 +48,14 @@ def prompt_text(prompt: Any) -> str:
 def answer_after_reasoning(text: str) -> str:
     """The part of a completion after its reasoning block.
 
-        "<think>2+2 is 4</think> 4"  -> "4"     (complete block: what follows it)
+        "<think>2+2 is 4</think> 4"  -> "4"     (complete block: what follows its last </think>)
+        "2+2 is 4</think> 4"         -> "4"     (the chat template opened the block in the prompt)
         "<think>2+2 is"              -> ""      (unterminated: the model never answered)
         "4"                          -> "4"     (no block: the whole text)
     """
-    if THINK_OPEN not in text:
-        return text
-    if THINK_CLOSE not in text.split(THINK_OPEN, 1)[1]:
-        return ""
-    return text.rsplit(THINK_CLOSE, 1)[1].strip()
+    if THINK_CLOSE in text:
+        return text.rsplit(THINK_CLOSE, 1)[1].strip()
+    return "" if THINK_OPEN in text else text
 
 
 def decode_completions(tokenizer, completion_ids_BT: torch.Tensor, mask_BT: torch.Tensor,

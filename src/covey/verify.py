@@ -18,6 +18,7 @@ FAIL names the broken stage:
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from covey import core, text
 from covey.config import GRPOConfig
 from covey.errors import CoveyError, DataError, RewardError
-from covey.rewards import TRAINER_REWARD_ARGS, required_columns, reward_name
+from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, reward_name
 
 STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
 
@@ -158,7 +159,7 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
         single = []
         for i in range(B):
             kwargs = {k: [v[i]] for k, v in calls[0].items()}
-            single.append(func(**kwargs)[0])
+            single.append(call_reward(func, kwargs, None)[0])
         per_call = (time.perf_counter() - start) / B
         report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
                    "a slow reward dominates the step: cache or batch its work", warn_only=True)
@@ -340,15 +341,28 @@ def check_engine(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
 
 
 def _record_reward_calls(trainer) -> list[dict]:
+    """Wrap each reward function so its calls' arguments are recorded; an async function stays async,
+    so that score_completions awaits it as it would the function itself."""
     calls: list[dict] = []
 
+    def failed(func, e: Exception) -> RewardError:  # a user function's own bug: report it as the rewards stage
+        return RewardError(f"reward function {reward_name(func)!r} raised {type(e).__name__}: {e}")
+
     def recording(func):
-        def wrapper(**kwargs):
-            calls.append(kwargs)
-            try:
-                return func(**kwargs)
-            except Exception as e:  # a user function's own bug: report it as the rewards stage
-                raise RewardError(f"reward function {reward_name(func)!r} raised {type(e).__name__}: {e}") from e
+        if inspect.iscoroutinefunction(func):
+            async def wrapper(**kwargs):
+                calls.append(kwargs)
+                try:
+                    return await func(**kwargs)
+                except Exception as e:
+                    raise failed(func, e) from e
+        else:
+            def wrapper(**kwargs):
+                calls.append(kwargs)
+                try:
+                    return func(**kwargs)
+                except Exception as e:
+                    raise failed(func, e) from e
         wrapper.__name__ = reward_name(func)
         return wrapper
 
