@@ -51,7 +51,10 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
     assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first step
     completions = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(completions) == 2 * 8 and {"prompt", "completion", "rewards", "advantage"} <= set(completions[0])
-    assert GRPOConfig.from_yaml(run / "config.yaml") == args
+    given = ("model", "dataset", "eval_dataset", "reward_funcs")  # handed to the trainer: see the test below
+    saved_config = GRPOConfig.from_yaml(run / "config.yaml").to_dict()
+    assert {k: v for k, v in saved_config.items() if k not in given} == {
+        k: v for k, v in args.to_dict().items() if k not in given}
     saved = json.loads((run / "summary.json").read_text())
     assert saved["steps"] == 3 and saved["before"]["n"] == 4 and "accuracy" in saved["after"]
     assert summary["final_model"] == str(run / "final_model")
@@ -307,3 +310,26 @@ def test_held_out_prompts_that_are_training_prompts_are_warned_about(tmp_path, t
     with pytest.warns(UserWarning, match="2 of the 3 held-out prompts are training prompts too"):
         GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=ROWS[:6],
                     eval_dataset=[ROWS[0], ROWS[7], ROWS[3]], processing_class=tokenizer, quiet=True)
+
+
+def test_the_saved_config_names_what_the_run_was_given(tmp_path, tokenizer, tiny_model):
+    from peft import LoraConfig
+
+    def local_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a, "answer_format", local_reward],
+                          args=small_args(tmp_path, max_steps=1, reward_weights=[1.0, 1.0, 1.0]), train_dataset=ROWS,
+                          eval_dataset=ROWS[:2], processing_class=tokenizer, quiet=True,
+                          peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "q_proj"]))
+    trainer.train()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["model"] == "<in-memory LlamaForCausalLM>"  # not the default model, which the run did not use
+    assert saved["dataset"] == saved["eval_dataset"] == "<in-memory dataset>"
+    assert saved["reward_funcs"] == ["tests.test_trainer:count_a", "answer_format", "<in-memory function local_reward>"]
+    assert (saved["use_peft"], saved["lora_r"], saved["lora_alpha"], saved["lora_target_modules"]) == (
+        True, 2, 4, ["q_proj", "v_proj"])
+    from covey.rewards import load_reward_func
+
+    assert load_reward_func(saved["reward_funcs"][0]) is count_a
+    assert GRPOConfig.from_yaml(tmp_path / "run" / "config.yaml").model == "<in-memory LlamaForCausalLM>"

@@ -222,6 +222,26 @@ def reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def reward_reference(spec: str | RewardFunc) -> str:
+    """How ``load_reward_func`` finds this reward again: its name or reference as given, a built-in's
+    name, 'package.module:function' for a function of an importable module; else a marker that
+    names it and loads nothing (a function defined in a script or notebook)."""
+    if isinstance(spec, str):
+        return spec
+    builtin = next((name for name, func in BUILTIN_REWARDS.items() if func is spec), None)
+    module, qualname = getattr(spec, "__module__", None), getattr(spec, "__qualname__", "")
+    if builtin is None and module and module != "__main__" and "<" not in qualname:
+        try:
+            found = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is spec:
+            return f"{module}:{qualname}"
+    return builtin or f"<in-memory function {reward_name(spec)}>"
+
+
 # what every reward function receives from the trainer; its other parameters name dataset columns
 TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids"})
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import yaml
 
 from covey import core
 from covey.checkpoint import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, resolve_checkpoint, save_checkpoint,
@@ -42,7 +43,7 @@ from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_to
                           load_tokenizer, prepare_tokenizer)
 from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
-                           score_completions)
+                           reward_reference, score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.telemetry import RunLog, model_card, print_summary
 from covey.trackers import check_trackers, make_trackers
@@ -128,6 +129,29 @@ def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GR
                                steps_per_generation=None, **changes)
 
 
+def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any,
+                   reward_funcs: Sequence | None, peft_config: Any) -> dict:
+    """The config a run saves: ``args`` with what the trainer was handed in their place (model,
+    datasets, reward functions, a LoRA config). What a file cannot name (a model object, in-memory
+    rows, a function defined in a script) becomes a marker that says so and loads nothing, rather than
+    the default the run did not use."""
+    values = args.to_dict()
+    if model is not None:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        values["model"] = model if isinstance(model, str) else f"<in-memory {type(model).__name__}{f' from {name}' if name else ''}>"
+    for key, given in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if given is not None:
+            values[key] = given if isinstance(given, str) else "<in-memory dataset>"
+    if reward_funcs is not None:
+        values["reward_funcs"] = [reward_reference(f) for f in reward_funcs]
+    if peft_config is not None:
+        targets = peft_config.target_modules
+        values.update(use_peft=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
+                      lora_dropout=peft_config.lora_dropout,
+                      lora_target_modules=[targets] if isinstance(targets, str) else sorted(targets or []))
+    return values
+
+
 def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
     """The run folder; refuses to write into one that already holds files unless told to or resuming
     (a checkpoint given without output_dir continues in the run folder it belongs to)."""
@@ -210,6 +234,7 @@ class GRPOTrainer:
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         self.reward_funcs, self.reward_weights = load_rewards(args, reward_funcs)
+        self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config)
         self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
         self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         dataset = train_dataset if train_dataset is not None else args.dataset
@@ -591,15 +616,17 @@ class GRPOTrainer:
         return self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
 
     def _save_config(self) -> None:
-        """config.yaml of the run; a resumed run with changed settings keeps the first one beside it."""
-        path = self.run_dir / "config.yaml"
+        """config.yaml of the run (``config_as_used``); a resumed run with changed settings keeps the
+        first one beside it."""
+        path, now = self.run_dir / "config.yaml", self.config_as_used
         if path.exists() and self.resume_from is not None:
             where = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")  # how to continue, not what
-            saved, now = GRPOConfig.from_yaml(path).to_dict(), self.args.to_dict()
+            saved = yaml.safe_load(path.read_text())
             if {k: v for k, v in saved.items() if k not in where} != {k: v for k, v in now.items() if k not in where}:
-                self.args.save(self.run_dir / f"config.resumed-at-{self.global_step}.yaml")
-            return
-        self.args.save(path)
+                path = self.run_dir / f"config.resumed-at-{self.global_step}.yaml"
+            else:
+                return
+        path.write_text(yaml.safe_dump(now, sort_keys=False))
 
     @contextlib.contextmanager
     def _stop_on_signals(self, log: RunLog):
