@@ -83,6 +83,31 @@ def test_cli_unknown_option_suggests_and_exits_before_loading(capsys):
     assert main(["train", "--learning-rat", "1e-5"]) == 2
     err = capsys.readouterr().err
     assert "unknown option --learning-rat" in err and "learning_rate" in err
+    assert main(["train", "--lr", "1e-5"]) == 2
+    assert "(did you mean 'learning_rate'?)" in capsys.readouterr().err
+
+
+def test_cli_options_read_like_their_yaml():
+    from covey.cli import _load_config, _parse_command
+
+    def config(*argv):
+        return _load_config(None, _parse_command("covey train", "", list(argv))[1])
+
+    assert config("--stop-strings", "none").stop_strings is None  # an optional list can be unset
+    assert config("--stop-strings", "</answer>", "none!").stop_strings == ["</answer>", "none!"]
+    assert config("--report-to", "none").report_to == ["none"]  # a list that cannot be None keeps the word
+    assert config("--rollout-bf16").rollout_bf16 is True  # an optional bool is a flag like the others
+    assert config("--rollout-bf16", "false").rollout_bf16 is False
+    assert config("--scale-rewards", "false").scale_rewards == "none"  # TRL's booleans, as in YAML
+    assert config("--scale-rewards", "true").scale_rewards == "group"
+
+
+def test_a_yaml_key_given_twice_is_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 1.0e-5\nmax_steps: 3\nlearning_rate: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML at line 3, column 1: 'learning_rate' is given twice "
+                                          r"\(first at line 1\)"):
+        GRPOConfig.from_yaml(path)
 
 
 def test_cli_bad_divisibility_is_one_line_error(capsys):

@@ -267,3 +267,16 @@ def test_a_folder_of_other_files_is_never_written_into(tmp_path):
     with pytest.raises(ConfigError, match="holds files that are not a covey report"):
         write_report(run, mine)
     assert (mine / "kl.png").read_bytes() == b"my own picture" and not (mine / "report.html").exists()
+
+
+def test_the_model_card_names_a_hub_model_but_never_a_local_folder(tmp_path, monkeypatch):
+    from covey.telemetry import model_card
+
+    def front(base):
+        return model_card(base, "arithmetic", ["r"], [1.0], {}, 1, None, None, adapter=False).split("---")[1]
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    assert "\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in front("HuggingFaceTB/SmolLM2-135M-Instruct")
+    for local in ("models/tiny", "./models/tiny", "/abs/models/tiny", "a/b/c"):
+        assert "\nbase_model:" not in front(local) and f"# base model: {local}" in front(local)

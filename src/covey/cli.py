@@ -33,7 +33,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         options: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"]}
         if kind.startswith("list"):
             options.update(nargs="+", metavar="VALUE")
-        elif kind == "bool":
+        elif kind.startswith("bool"):
             options.update(nargs="?", const="true", metavar="BOOL")
         else:
             options["metavar"] = kind.split(" ")[0].upper()
@@ -50,8 +50,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
             raise ConfigError(f"unknown option {token.split('=', 1)[0]}{suggest_field(name)}; "
                               "see covey train --help")
         raise ConfigError(f"unexpected argument {token!r}; give at most one config file")
-    known = {f.name for f in config_fields()}
-    overrides = {k: v for k, v in vars(namespace).items() if k in known}
+    unsettable = {f.name for f in config_fields() if "None" in str(f.type)}
+    overrides = {k: v for k, v in vars(namespace).items() if k in {f.name for f in config_fields()}}
+    for name, value in overrides.items():  # an optional list given as the single word none: unset
+        if name in unsettable and isinstance(value, list) and len(value) == 1 and str(value[0]).lower() in ("none", "null"):
+            overrides[name] = None
     return namespace, overrides
 
 

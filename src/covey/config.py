@@ -151,8 +151,9 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
-        if isinstance(self.scale_rewards, bool):  # older TRL configs use true/false
-            self.scale_rewards = "group" if self.scale_rewards else "none"
+        # older TRL configs use true/false (a YAML bool, or text from the command line)
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             setattr(self, f.name, _coerce(f.name, value, _field_type(f)))
@@ -320,6 +321,18 @@ class _YAMLLoader(yaml.SafeLoader):
         except (ValueError, OverflowError) as e:
             raise yaml.constructor.ConstructorError(None, None, str(e), node.start_mark) from None
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """A key given twice is an error, not silently the last one."""
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first at line {seen[key].start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep)
+
 
 def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
@@ -372,5 +385,12 @@ def config_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(GRPOConfig))
 
 
+# names other tools use for a field, suggested before any spelling match
+FIELD_ALIASES = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size", "steps": "max_steps",
+                 "group_size": "num_generations", "kl_coef": "beta", "max_new_tokens": "max_completion_length"}
+
+
 def suggest_field(name: str) -> str:
+    if name in FIELD_ALIASES:
+        return f" (did you mean {FIELD_ALIASES[name]!r}?)"
     return _did_you_mean(name, [f.name for f in config_fields()])

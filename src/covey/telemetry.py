@@ -147,8 +147,10 @@ def model_card(base_model: str, dataset: str, reward_names: list[str], reward_we
                hyperparameters: dict[str, Any], steps: int, before: dict | None, after: dict | None,
                adapter: bool) -> str:
     """A Hugging Face model card (README.md with YAML front matter) for the trained model."""
-    front = ["---", f"base_model: {base_model}" if "/" in base_model and not base_model.startswith((".", "/"))
-             else f"# base model: {base_model}", "library_name: " + ("peft" if adapter else "transformers"),
+    # a hub id only ("org/name"), never a local folder that happens to hold one slash
+    hub_id = base_model.count("/") == 1 and not base_model.startswith((".", "/", "~")) and not Path(base_model).exists()
+    front = ["---", f"base_model: {base_model}" if hub_id else f"# base model: {base_model}",
+             "library_name: " + ("peft" if adapter else "transformers"),
              "tags:", "- grpo", "- covey", "---"]
     lines = [*front, "", f"# {'LoRA adapter' if adapter else 'Model'} trained with GRPO (covey)", "",
              f"- base model: `{base_model}`", f"- training data: `{dataset}`", f"- optimizer steps: {steps}", "",
