@@ -61,8 +61,9 @@ def test_unknown_command_and_usage(capsys):
 
 def test_verify_and_generate_commands(tmp_path, tiny_model_dir, capsys):
     config = tmp_path / "c.yaml"
+    # a training config that resumes: sampling one batch from it resumes nothing
     config.write_text(f"model: {tiny_model_dir}\nnum_generations: 4\nmax_completion_length: 6\n"
-                      "reward_funcs: [answer_format, answer_correct]\n")
+                      "reward_funcs: [answer_format, answer_correct]\nresume_from_checkpoint: auto\n")
     code = main(["verify", str(config)])
     out = capsys.readouterr().out
     assert "covey verify" in out and "logprobs" in out

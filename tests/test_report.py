@@ -119,6 +119,8 @@ def test_an_unfinished_run_without_kl_reports_what_is_missing(tmp_path):
     assert "no completions.jsonl" in text and "last line of metrics.jsonl was cut off" in text
     assert "Not logged in this run, so not plotted: kl" in text
     assert "5 logged (unfinished)" in text and "No before/after evaluation" in text
+    (run / "config.yaml").write_text("learning_rate: [unclosed\n")  # damaged by hand: the report still comes
+    assert "config.yaml could not be read (ParserError)" in write_report(run).read_text()
 
 
 def test_regenerating_replaces_only_the_report_files(tmp_path):

@@ -127,9 +127,14 @@ def load_run(run_dir: str | Path) -> Run:
         run.notes.append("the last line of metrics.jsonl was cut off (the run stopped while writing it)")
 
     if config_path.is_file():
-        config = yaml.safe_load(config_path.read_text())
-        if not isinstance(config, dict):
-            raise DataError(f"{config_path} is not a mapping of config fields")
+        try:
+            config = yaml.safe_load(config_path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            config = None
+            run.notes.append(f"config.yaml could not be read ({type(e).__name__}): the config is not shown")
+        else:
+            if not isinstance(config, dict):
+                raise DataError(f"{config_path} is not a mapping of config fields")
         run.config = config
     else:
         run.notes.append("no config.yaml: the config is not shown")

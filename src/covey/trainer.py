@@ -124,8 +124,8 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
 def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
     """``args`` for sampling and scoring one batch of ``num_prompts`` prompts without training: nothing
     is written (no run folder unless train() runs, no evaluation)."""
-    return dataclasses.replace(args, output_dir=None, eval_max_samples=0, gradient_accumulation_steps=1,
-                               per_device_train_batch_size=num_prompts * args.num_generations,
+    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
+                               gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
                                steps_per_generation=None, **changes)
 
 
