@@ -333,3 +333,25 @@ def test_the_saved_config_names_what_the_run_was_given(tmp_path, tokenizer, tiny
 
     assert load_reward_func(saved["reward_funcs"][0]) is count_a
     assert GRPOConfig.from_yaml(tmp_path / "run" / "config.yaml").model == "<in-memory LlamaForCausalLM>"
+
+
+def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path, tokenizer, tiny_model):
+    seen = []
+
+    def with_trl_extras(completions, trainer_state, log_metric, log_extra, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+        lengths = [len(c[0]["content"]) for c in completions]
+        log_metric("custom/mean_chars", sum(lengths) / len(lengths))
+        log_extra("chars", lengths)
+        log_extra("reward", ["never over covey's own"] * len(completions))
+        return [n % 3 / 2 for n in lengths]
+
+    args = small_args(tmp_path, max_steps=2, eval_max_samples=0, log_completions_steps=1)
+    GRPOTrainer(model=tiny_model, reward_funcs=[with_trl_extras], args=args, train_dataset=ROWS,
+                processing_class=tokenizer, quiet=True).train()
+    assert (0, 2, 1) in seen and (1, 2, 1) in seen  # the step about to be taken, of max_steps, in the first pass
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["custom/mean_chars"] > 0 for m in metrics)
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert all(r["chars"] == len(r["completion"]) for r in records)
+    assert all(isinstance(r["reward"], float) for r in records)

@@ -10,18 +10,20 @@ from covey.config import GRPOConfig
 from covey.core import weighted_reward_sum
 from covey.data import extra_columns, is_conversational
 from covey.reward_pool import RewardPool
-from covey.rewards import RewardFunc, completion_text, is_correct, score_completions
+from covey.rewards import (RewardFunc, TrainerState, completion_text, is_correct, reward_context,
+                           score_completions)
 from covey.rollout import RolloutEngine, SamplingParams
 from covey.text import decode_completions, encode_prompts
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
              reward_weights: Sequence[float], args: GRPOConfig, reward_pool: RewardPool | None = None,
-             batch_size: int = 32) -> dict:
+             reward_call_context: dict | None = None, batch_size: int = 32) -> dict:
     """Greedy completions of held-out rows under the run's own settings (prompt length and
     overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
     accuracy (the tagged answer equals the `answer` column; None without that column) and mean
     weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops are left out of both.
+    ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "samples": [{prompt, completion, correct}, ...]}
     """
@@ -30,6 +32,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     kept = [(row, ids) for row, ids in zip(rows, prompt_ids) if ids is not None]
     params = SamplingParams(max_new_tokens=args.max_completion_length, stop=tuple(args.stop_strings or ()), greedy=True)
     weights_F = torch.tensor(reward_weights, dtype=torch.float64)
+    context = reward_call_context or reward_context(TrainerState(global_step=0, max_steps=args.max_steps, epoch=0))
     correct, rewards, samples = [], [torch.empty(0, dtype=torch.float64)], []
     for start in range(0, len(kept), batch_size):
         chunk = [row for row, _ in kept[start:start + batch_size]]
@@ -37,7 +40,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         completions, ids = decode_completions(tokenizer, rollout.completion_ids_BT, rollout.completion_mask_BT,
                                               is_conversational(chunk), args.strip_reasoning)
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, extra_columns(chunk),
-                                     args.reward_errors, args.reward_timeout, pool=reward_pool)
+                                     args.reward_errors, args.reward_timeout, pool=reward_pool, context=context)
         rewards.append(weighted_reward_sum(per_func, weights_F))
         for row, completion in zip(chunk, completions):
             ok = "answer" in row and is_correct(completion, row["answer"])

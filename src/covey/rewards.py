@@ -6,7 +6,10 @@ A reward function is called once per batch as
 
 where ``completions`` are strings for plain-text prompts and ``[{"role": "assistant", "content": ...}]``
 for chat prompts, and every extra dataset column (``answer``, ...) arrives as a list keyword
-argument aligned with the completions. ``None`` means "not applicable to this sample".
+argument aligned with the completions. ``None`` means "not applicable to this sample". As in TRL,
+every call also gets ``trainer_state`` (``.global_step``, ``.max_steps``, ``.epoch``),
+``log_metric(name, value)`` (a number logged with the step's metrics) and ``log_extra(column,
+values)`` (one value per completion, recorded with the completions).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import inspect
 import math
 import re
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -243,7 +248,41 @@ def reward_reference(spec: str | RewardFunc) -> str:
 
 
 # what every reward function receives from the trainer; its other parameters name dataset columns
-TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids"})
+TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"})
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function is told of training (TRL's ``trainer_state``)."""
+
+    global_step: int  # optimizer steps taken so far
+    max_steps: int
+    epoch: int  # passes over the training data begun
+
+
+def _not_logged(*_: Any) -> None:
+    """``log_metric`` / ``log_extra`` where nothing collects them (a module-level function, so that
+    it reaches reward worker processes)."""
+
+
+def reward_context(state: TrainerState, log_metric: Callable | None = None,
+                   log_extra: Callable | None = None) -> dict[str, Any]:
+    """The keyword arguments every reward call gets beside the batch (TRL's): ``trainer_state``,
+    ``log_metric(name, value)`` and ``log_extra(column, values)``, which do nothing unless given."""
+    return {"trainer_state": state, "log_metric": log_metric or _not_logged, "log_extra": log_extra or _not_logged}
+
+
+def _logged_in_a_worker(*_: Any) -> None:
+    """``log_metric`` / ``log_extra`` in a reward worker process, which cannot reach the trainer."""
+    warnings.warn("a reward function called log_metric or log_extra in a reward worker process, which cannot pass "
+                  "them to the trainer: not logged. Set reward_num_workers: 0 to log them", stacklevel=2)
+
+
+def _context_for(func: RewardFunc, context: dict[str, Any], pool: RewardPool | None) -> dict[str, Any]:
+    """``context`` as ``func`` gets it: in a worker process the loggers cannot reach the trainer."""
+    if pool is not None and pool.runs(func) and context:
+        return {**context, "log_metric": _logged_in_a_worker, "log_extra": _logged_in_a_worker}
+    return context
 
 
 def required_columns(func: RewardFunc) -> set[str]:
@@ -269,26 +308,28 @@ def call_reward(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
         pool.shutdown(wait=False)
 
 
-def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None, pool: RewardPool | None) -> list:
+def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None, pool: RewardPool | None,
+              context: dict[str, Any]) -> list:
     """Each function's result or the exception it raised. Async functions run concurrently; the
     functions the pool runs are split into one contiguous chunk of the batch per worker."""
     results: list[Any] = [None] * len(reward_funcs)
     asynchronous = [j for j, f in enumerate(reward_funcs) if inspect.iscoroutinefunction(f)]
     if asynchronous:
         async def gather():
-            return await asyncio.gather(*(asyncio.wait_for(reward_funcs[j](**kwargs), timeout) for j in asynchronous),
-                                        return_exceptions=True)
+            return await asyncio.gather(*(asyncio.wait_for(reward_funcs[j](**kwargs, **context), timeout)
+                                          for j in asynchronous), return_exceptions=True)
         for j, result in zip(asynchronous, asyncio.run(gather())):
             results[j] = result
     pooled = [j for j, f in enumerate(reward_funcs) if pool is not None and pool.runs(f)]
     if pooled:
         chunks = _chunks(kwargs, pool.num_workers, pool.group_size)
-        outcomes = pool.run([(reward_funcs[j], chunk) for j in pooled for chunk in chunks], timeout)
+        outcomes = pool.run([(reward_funcs[j], {**chunk, **_context_for(reward_funcs[j], context, pool)})
+                             for j in pooled for chunk in chunks], timeout)
         for n, j in enumerate(pooled):
             results[j] = _joined(outcomes[n * len(chunks):(n + 1) * len(chunks)])
     for j, func in enumerate(reward_funcs):
         if j not in asynchronous and j not in pooled:
-            results[j] = next(_outcomes(func, [kwargs], timeout, None))
+            results[j] = next(_outcomes(func, [{**kwargs, **context}], timeout, None))
     return results
 
 
@@ -343,8 +384,10 @@ def score_completions(
     timeout: float | None = None,
     errors: list | None = None,
     pool: RewardPool | None = None,
+    context: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Call every reward function on the batch; (B, F) float64 with NaN where a function said None.
+    ``context``: the keyword arguments of every call beside the columns (``reward_context``).
 
     A function that raises or exceeds ``timeout`` is called again one completion at a time to find
     the culprit: ``on_error="raise"`` stops with an error naming the function, the sample and its
@@ -355,10 +398,11 @@ def score_completions(
     B = len(completions)
     table = torch.full((B, len(reward_funcs)), math.nan, dtype=torch.float64)
     batch = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    for j, (func, values) in enumerate(zip(reward_funcs, _call_all(reward_funcs, batch, timeout, pool))):
+    context = context or {}
+    for j, (func, values) in enumerate(zip(reward_funcs, _call_all(reward_funcs, batch, timeout, pool, context))):
         name = reward_name(func)
         if isinstance(values, BaseException):
-            values = _one_by_one(func, batch, B, on_error, timeout, errors, values, pool)
+            values = _one_by_one(func, batch, B, on_error, timeout, errors, values, pool, context)
         if not isinstance(values, (list, tuple)) or len(values) != B:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
@@ -388,9 +432,10 @@ def reward_value(value: Any, name: str, i: int) -> float:
 
 
 def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,
-                batch_error: BaseException, pool: RewardPool | None) -> list:
+                batch_error: BaseException, pool: RewardPool | None, context: dict[str, Any]) -> list:
     name, values, failed = reward_name(func), [], False
-    singles = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(B)]
+    shared = _context_for(func, context, pool)
+    singles = [{**{k: v[i:i + 1] for k, v in batch.items()}, **shared} for i in range(B)]
     for i, outcome in enumerate(_outcomes(func, singles, timeout, pool)):
         try:
             if isinstance(outcome, BaseException):
@@ -419,5 +464,6 @@ def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: 
     loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
     A function that raises on the placeholder text is left for the real batch to judge."""
     completions = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
+    context = reward_context(TrainerState(global_step=0, max_steps=1, epoch=0))
     for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
-        score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip")
+        score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip", context=context)

@@ -42,8 +42,8 @@ from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, load_policy,
                           load_tokenizer, prepare_tokenizer)
 from covey.reward_pool import RewardPool
-from covey.rewards import (RewardFunc, completion_text, load_reward_func, preflight_check, reward_name,
-                           reward_reference, score_completions)
+from covey.rewards import (RewardFunc, TrainerState, completion_text, load_reward_func, preflight_check,
+                           reward_context, reward_name, reward_reference, score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.telemetry import RunLog, model_card, print_summary
 from covey.trackers import check_trackers, make_trackers
@@ -293,6 +293,7 @@ class GRPOTrainer:
         self.bad_steps = self.consecutive_bad_steps = 0
         self.reward_errors, self.warned_reward_errors = 0, False
         self.dynamic_sampling_stats: dict[str, float] = {}
+        self.reward_metrics: dict[str, list[float]] = {}
         self.before: dict | None = None  # the evaluation before training
         self.history: list[dict] = []  # logged metrics, restored on resume
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
@@ -421,6 +422,7 @@ class GRPOTrainer:
         """Steps 1-4 of the loop for the next prompts (or the training rows at ``indices``)."""
         args, G = self.args, self.args.num_generations
         timings = {"time/generate": 0.0, "time/score": 0.0}
+        self.reward_metrics = {}  # what reward functions log with log_metric this round
         # 1-2. generate and score; under dynamic sampling, keep only groups with a reward spread
         batch = self._sample_and_score(indices if indices is not None else next(self.sampler), timings)
         self.dynamic_sampling_stats = {}
@@ -466,9 +468,17 @@ class GRPOTrainer:
                                                          rollout.completion_mask_BT, is_conversational(rows),
                                                          args.strip_reasoning)
         errors: list = []
+        logged_columns: dict[str, list] = {}
+
+        def log_extra(column: str, values: list) -> None:  # a value per completion, kept in its record
+            if len(values) != len(rows):
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(rows)} completions")
+            logged_columns[str(column)] = list(values)
+
+        context = reward_context(self.reward_state(), self._log_reward_metric, log_extra)
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
                                        completion_ids, extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
-                                       self.reward_pool)
+                                       self.reward_pool, context)
         self.reward_errors += len(errors)
         if errors and not self.warned_reward_errors:
             self.warned_reward_errors = True
@@ -487,6 +497,8 @@ class GRPOTrainer:
                     "rewards": {reward_name(f): _none_if_nan(v) for f, v in zip(self.reward_funcs, rewards_BF[i].tolist())},
                     "reward": _none_if_nan(totals_B[i]), "finish_reason": rollout.finish_reasons[i]}
                    for i, (r, c) in enumerate(zip(rows, completions))]
+        for i, record in enumerate(records):  # what reward functions logged with log_extra, beside (never over) them
+            record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
         return GenerationBatch(self._sequences(prompt_ids, rollout), loss_mask_BT, rollout.sampling_logp_BT,
                                rewards_BF, rollout.finish_reasons, records)
 
@@ -512,6 +524,14 @@ class GRPOTrainer:
         if not kept:  # every group was constant: train on the last batch (all advantages are 0)
             return batch
         return GenerationBatch.concat(kept, self.tokenizer.pad_token_id)
+
+    def reward_state(self) -> TrainerState:
+        """What reward functions are told of training (``trainer_state``)."""
+        return TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.epoch)
+
+    def _log_reward_metric(self, name: str, value: float) -> None:
+        """``log_metric`` of reward functions: values of this round, averaged into the step's metrics."""
+        self.reward_metrics.setdefault(str(name), []).append(float(value))
 
     def optimize(self, batch: GenerationBatch, window: slice | None = None,
                  policy_unchanged: bool = True) -> dict[str, float]:
@@ -690,6 +710,7 @@ class GRPOTrainer:
             column = batch.rewards_BF[:, j]
             metrics[f"rewards/{reward_name(func)}/mean"] = float(column.nanmean())
             metrics[f"rewards/{reward_name(func)}/std"] = float(core.nanstd(column).nan_to_num(0.0))
+        metrics.update({name: sum(values) / len(values) for name, values in self.reward_metrics.items()})
         if self.args.beta > 0:
             metrics["kl"] = stats["kl_sum"] / tokens
         if batch.engine_weights is not None:  # over the trained tokens (token level) or the sequences
@@ -726,7 +747,7 @@ class GRPOTrainer:
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
         return evaluate(self.engine, self.tokenizer, rows, self.reward_funcs, self.reward_weights, self.args,
-                        self.reward_pool)
+                        self.reward_pool, reward_context(self.reward_state()))
 
     def _save_final_model(self) -> Path:
         final = self.run_dir / "final_model"

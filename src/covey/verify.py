@@ -158,7 +158,7 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
         start = time.perf_counter()
         single = []
         for i in range(B):
-            kwargs = {k: [v[i]] for k, v in calls[0].items()}
+            kwargs = {k: [v[i]] if isinstance(v, list) else v for k, v in calls[0].items()}  # columns, then the rest
             single.append(call_reward(func, kwargs, None)[0])
         per_call = (time.perf_counter() - start) / B
         report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
