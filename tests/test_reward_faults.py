@@ -98,3 +98,32 @@ def test_reward_settings_are_validated():
         GRPOConfig(reward_timeout=-1)
     with pytest.raises(Exception, match="reward_errors='ignore' is not one of raise, skip"):
         GRPOConfig(reward_errors="ignore")
+
+
+def test_a_hung_reward_call_never_holds_up_the_process_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import time\n"
+        "from covey.rewards import score_completions\n"
+        "def hangs(completions, **kw):\n"
+        "    time.sleep(600)\n"
+        "table = score_completions([hangs], ['p'], ['c'], [[1]], {}, on_error='skip', timeout=0.2)\n"
+        "print('scored', table.isnan().all().item())\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "scored True" in done.stdout, done.stderr
+    assert time.monotonic() - start < 120  # not the 600 s the abandoned call sleeps
+
+
+def test_async_rewards_score_where_an_event_loop_already_runs():
+    async def halves(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5] * len(completions)
+
+    async def notebook_cell():  # as in a notebook, whose cells run inside a loop
+        return score_completions([halves], ["p", "q"], ["a", "b"], [[1], [2]], {}, timeout=5.0)
+
+    assert asyncio.run(notebook_cell()).flatten().tolist() == [0.5, 0.5]

@@ -22,6 +22,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,16 +297,41 @@ def required_columns(func: RewardFunc) -> set[str]:
 
 
 def call_reward(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
-    """One call, within ``timeout`` seconds when set (a timed-out thread is abandoned, not killed)."""
+    """One call, within ``timeout`` seconds when set. A call past it is left running in a daemon
+    thread (a thread cannot be killed; a worker process's call is, see reward_pool), which never
+    holds up the interpreter's exit."""
     if inspect.iscoroutinefunction(func):
-        return asyncio.run(asyncio.wait_for(func(**kwargs), timeout))
+        return run_coroutine(asyncio.wait_for(func(**kwargs), timeout))
     if timeout is None:
         return func(**kwargs)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append((True, func(**kwargs)))
+        except BaseException as e:  # handed to the caller as it is
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=call, name=f"reward-{reward_name(func)}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise TimeoutError(f"reward call took longer than {timeout}s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def run_coroutine(coroutine: Any) -> Any:
+    """``asyncio.run(coroutine)``, also where an event loop already runs in this thread (a notebook):
+    then in a thread of its own."""
     try:
-        return pool.submit(func, **kwargs).result(timeout=timeout)
-    finally:
-        pool.shutdown(wait=False)
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as runner:
+        return runner.submit(asyncio.run, coroutine).result()
 
 
 def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float | None, pool: RewardPool | None,
@@ -318,7 +344,7 @@ def _call_all(reward_funcs: Sequence[RewardFunc], kwargs: dict, timeout: float |
         async def gather():
             return await asyncio.gather(*(asyncio.wait_for(reward_funcs[j](**kwargs, **context), timeout)
                                           for j in asynchronous), return_exceptions=True)
-        for j, result in zip(asynchronous, asyncio.run(gather())):
+        for j, result in zip(asynchronous, run_coroutine(gather())):
             results[j] = result
     pooled = [j for j, f in enumerate(reward_funcs) if pool is not None and pool.runs(f)]
     if pooled:
