@@ -47,6 +47,15 @@ def test_the_last_tagged_answer_is_graded_by_format_and_correctness_alike():
     assert answer_format(completions=[text, "<answer>72</answer> then <answer>none</answer>"]) == [1.0, 0.75]
 
 
+def test_the_format_asks_for_a_bare_number_where_correctness_reads_markup_too():
+    # lenient correctness, strict format: a format reward that took "18 apples" as the asked-for form
+    # taught the default demo a sloppier answer (68.8% held-out against 78.1% with the bare number)
+    for text in ("<answer>18 apples</answer>", "<answer>$18$</answer>", "<answer>x = 18</answer>"):
+        assert answer_correct(completions=[text], answer=["18"]) == [1.0]
+        assert answer_format(completions=[text]) == [0.75]
+    assert answer_format(completions=["<answer> 18. </answer>", "<answer>-1,234</answer>"]) == [1.0, 1.0]
+
+
 def test_a_raw_gsm8k_solution_as_the_answer_is_read_after_its_last_marker():
     solution = "She had 70 and found 2 more.\n70 + 2 = 72\n#### 72"
     assert answer_correct(completions=["<answer>72</answer>", "<answer>70</answer>"], answer=[solution] * 2) == [1.0, 0.0]

@@ -125,14 +125,15 @@ def is_correct(completion: Any, answer: Any) -> bool:
 
 def answer_format(completions: list, **_: Any) -> list[float]:
     """Partial credit for '<answer>N</answer>': a quarter each for the opening tag, the closing tag,
-    a number inside the last block (as answer_correct reads it), and nothing written after the closing tag."""
+    a bare number inside the last block (no markup or unit: the format asked for), and nothing
+    written after the closing tag."""
     scores = []
     for completion in completions:
         text = completion_text(completion)
         score = 0.25 * ("<answer>" in text) + 0.25 * ("</answer>" in text)
         inside = tagged_answer(text)
         if inside is not None:
-            score += 0.25 * (parse_number(inside) is not None)
+            score += 0.25 * (NUMBER.fullmatch(inside.strip().rstrip(".")) is not None)
             score += 0.25 * (text.rstrip().endswith("</answer>"))
         scores.append(score)
     return scores
