@@ -49,7 +49,7 @@ def test_the_last_tagged_answer_is_graded_by_format_and_correctness_alike():
 
 def test_the_format_asks_for_a_bare_number_where_correctness_reads_markup_too():
     # lenient correctness, strict format: a format reward that took "18 apples" as the asked-for form
-    # taught the default demo a sloppier answer (68.8% held-out against 78.1% with the bare number)
+    # taught the default demo a sloppier answer (68.8% held-out against 78.1% with the bare number, a run each)
     for text in ("<answer>18 apples</answer>", "<answer>$18$</answer>", "<answer>x = 18</answer>"):
         assert answer_correct(completions=[text], answer=["18"]) == [1.0]
         assert answer_format(completions=[text]) == [0.75]
