@@ -108,6 +108,14 @@ def test_a_yaml_key_given_twice_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"invalid YAML at line 3, column 1: 'learning_rate' is given twice "
                                           r"\(first at line 1\)"):
         GRPOConfig.from_yaml(path)
+    path.write_text("base: &base {max_steps: 3}\n")  # an anchor's key is not a config key: an error as before
+    with pytest.raises(ConfigError, match="base"):
+        GRPOConfig.from_yaml(path)
+    path.write_text("<<: {max_steps: 3, learning_rate: 1.0e-3}\nlearning_rate: 2.0e-3\n")  # a merge is no repeat
+    assert (GRPOConfig.from_yaml(path).max_steps, GRPOConfig.from_yaml(path).learning_rate) == (3, 2e-3)
+    path.write_text("? [1, 2]\n: x\n")  # an unhashable key: YAML's own error, with its place
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        GRPOConfig.from_yaml(path)
 
 
 def test_cli_bad_divisibility_is_one_line_error(capsys):

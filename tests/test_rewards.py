@@ -95,6 +95,9 @@ def test_program_pairs_each_opening_fence_with_its_closing_fence():
     assert program_of("````python\ns = '''\n```\n'''\n````") == "s = '''\n```\n'''\n"
     assert program_of("```python\nx = 1```") == "x = 1"
     assert program_of("```python\ndef f():\n    return 1\n") == "def f():\n    return 1\n"  # cut off: to the end
+    assert program_of("Here is the code: ```python\nx = 1\n```") == "x = 1\n"  # a fence after words opens
+    assert program_of("```python\nx = 1\n``` and that is all.") == "x = 1\n"  # words after a closing fence
+    assert program_of("no code, just prose ending in ```") == "no code, just prose ending in ```"
 
 
 def test_user_reward_from_file_and_from_module(tmp_path, monkeypatch):
@@ -162,3 +165,28 @@ def test_none_rewards_are_skipped_in_the_weighted_sum():
     table = torch.tensor([[1.0, math.nan], [math.nan, math.nan], [0.5, 2.0]], dtype=torch.float64)
     combined = weighted_reward_sum(table, torch.tensor([2.0, 0.5], dtype=torch.float64))
     assert combined[0] == 2.0 and combined[2] == 2.0 and math.isnan(combined[1])  # all None: no reward at all
+
+
+def test_a_retry_of_one_completion_logs_nothing_and_keeps_the_real_fault(tmp_path):
+    from covey.rewards import TrainerState, reward_context, score_completions
+
+    metrics, extras = [], []
+
+    def logs_then_fails_on_b(completions, log_metric, log_extra, **kwargs):
+        log_metric("seen", len(completions))
+        log_extra("echo", numpy.array(completions))  # numpy values, as a reward might hand them
+        if "b" in completions:
+            raise ValueError("b is not scorable")
+        return [1.0] * len(completions)
+
+    def log_extra(column, values):
+        assert len(values) == 4, "the trainer's log_extra wants the whole batch"
+        extras.append(values)
+
+    context = reward_context(TrainerState(0, 1, 0.0), lambda name, value: metrics.append(value), log_extra)
+    errors = []
+    table = score_completions([logs_then_fails_on_b], ["p"] * 4, ["a", "b", "c", "d"], [[1]] * 4, {},
+                              on_error="skip", errors=errors, context=context)
+    assert table.flatten().tolist()[0] == 1.0 and math.isnan(table[1, 0]) and errors[0][1] == 1
+    assert "b is not scorable" in errors[0][2]
+    assert metrics == [4] and len(extras) == 1  # the batch call only, not the four retries

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -256,10 +257,8 @@ def test_old_and_reference_logprobs_never_see_dropout_and_disable_dropout_turns_
 def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenizer, tiny_model):
     long_prompt = [{"role": "user", "content": "say " + "a" * 400}]
     held_out = [*ROWS[:3], {"prompt": long_prompt, "answer": "0"}]
-    calls = []
 
     def fails_on_held_out_rows(completions, answer, **kwargs):
-        calls.append(len(completions))
         if any(a == "held-out" for a in answer):
             raise ValueError("no score for this one")
         return [1.0] * len(completions)
@@ -342,14 +341,16 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
         seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
         lengths = [len(c[0]["content"]) for c in completions]
         log_metric("custom/mean_chars", sum(lengths) / len(lengths))
-        log_extra("chars", lengths)
+        log_extra("chars", np.array(lengths))  # numpy values are written as plain numbers
         log_extra("reward", ["never over covey's own"] * len(completions))
         return [n % 3 / 2 for n in lengths]
 
     args = small_args(tmp_path, max_steps=2, eval_max_samples=0, log_completions_steps=1)
     GRPOTrainer(model=tiny_model, reward_funcs=[with_trl_extras], args=args, train_dataset=ROWS,
                 processing_class=tokenizer, quiet=True).train()
-    assert (0, 2, 1) in seen and (1, 2, 1) in seen  # the step about to be taken, of max_steps, in the first pass
+    # the optimizer steps taken, of max_steps, and the passes over the data done (8 rows, 2 prompts a round),
+    # after the placeholder call that checks the function before any model loads
+    assert seen == [(0, 2, 0.0), (0, 2, 0.25), (1, 2, 0.5)]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["custom/mean_chars"] > 0 for m in metrics)
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]

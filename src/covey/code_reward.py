@@ -26,8 +26,9 @@ from covey.errors import RewardError
 from covey.rewards import completion_text
 from covey.sandbox import available_isolation, run_python
 
-# a line opening a fenced block: three or more backticks and an optional language tag ("```python")
-OPENING_FENCE = re.compile(r"(`{3,})[ \t]*([^`\s]*)[^`]*")
+# what opens a fenced block: three or more backticks and an optional language tag ("```python") ending
+# a line, at its start or after some words ("Here is the code: ```python")
+OPENING_FENCE = re.compile(r"(?:^|(?<=\s))(`{3,})[ \t]*([^`\s]*)[ \t]*$")
 PYTHON_TAGS = frozenset({"python", "python3", "py"})
 
 # Runs the program, then the tests. ``__name__`` is not "__main__", so a program's own
@@ -60,17 +61,18 @@ _covey_harness({program!r}, {tests!r})
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
     """(language tag, lowercased, or "" for none; code) of each fenced block, read line by line so that
-    each opening fence pairs with its own closing fence. A block closes at a line of at least as many
-    backticks, or at a line of code ending in them ("x = 1```"); one left open runs to the end."""
+    each opening fence pairs with its own closing fence. A block closes at a line that starts with at
+    least as many backticks (words after them are prose), or at a line of code ending in them
+    ("x = 1```"); one left open runs to the end, unless nothing follows its fence."""
     blocks: list[tuple[str, str]] = []
     fence, tag, code = None, "", []
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
         if fence is None:
-            opening = OPENING_FENCE.fullmatch(stripped)
+            opening = OPENING_FENCE.search(stripped)
             if opening is not None:
                 fence, tag, code = opening.group(1), opening.group(2).lower(), []
-        elif stripped.startswith(fence) and not stripped.strip("`"):
+        elif stripped.startswith(fence):
             blocks.append((tag, "".join(code)))
             fence = None
         elif stripped.endswith(fence):
@@ -78,7 +80,7 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
             fence = None
         else:
             code.append(line)
-    if fence is not None:
+    if fence is not None and "".join(code).strip():
         blocks.append((tag, "".join(code)))
     return blocks
 

@@ -62,7 +62,7 @@ class GRPOConfig:
     dataset: str = _f("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
     dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
-    eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id")
+    eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id (set train for one without a test split)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
     prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))
@@ -325,8 +325,12 @@ class _YAMLLoader(yaml.SafeLoader):
         """A key given twice is an error, not silently the last one."""
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults' merges, it is no key
+                continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key, typing.Hashable):  # left for the constructor to report
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"{key!r} is given twice (first at line {seen[key].start_mark.line + 1})",
                     key_node.start_mark)

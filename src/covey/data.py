@@ -140,6 +140,11 @@ class PromptSampler:
             batch.append(self.order.pop())
         return batch
 
+    @property
+    def progress(self) -> float:
+        """Passes over the data done, a fraction within the current one (0.0 before the first draw)."""
+        return max(self.epoch - 1, 0) + (self.num_rows - len(self.order)) / self.num_rows if self.epoch else 0.0
+
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
         return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}

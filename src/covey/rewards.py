@@ -48,7 +48,8 @@ WITH_UNIT = re.compile(r"(.*?)\s*(?:\\?%|([^\W\d_]+))", re.DOTALL)
 # words after a number that change its value, so are not units ("3 million" is not 3, "2 pi" is not 2)
 NOT_UNITS = frozenset({"k", "hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions",
                        "trillion", "trillions", "dozen", "dozens", "half", "halves", "third", "thirds", "quarter",
-                       "quarters", "squared", "cubed", "pi", "\u03c0"})
+                       "quarters", "tenth", "tenths", "fourth", "fourths", "fifth", "fifths", "ten", "tens",
+                       "m", "b", "mn", "bn", "x", "times", "e", "squared", "cubed", "pi", "\u03c0"})
 GSM8K_MARKER = "####"
 
 
@@ -79,7 +80,7 @@ def parse_number(text: Any) -> float | None:
             return None
     else:
         written = unwrapped(str(text))
-        unit = WITH_UNIT.fullmatch(written)
+        unit = WITH_UNIT.fullmatch(written) if len(written) <= 64 else None  # an answer, not a paragraph
         if unit is not None and (unit.group(2) or "").lower() not in NOT_UNITS:
             written = unwrapped(unit.group(1))
         match = NUMBER.fullmatch(written)
@@ -125,7 +126,8 @@ def is_correct(completion: Any, answer: Any) -> bool:
 
 def answer_format(completions: list, **_: Any) -> list[float]:
     """Partial credit for '<answer>N</answer>': a quarter each for the opening tag, the closing tag,
-    a bare number inside the last block (no markup or unit: the format asked for), and nothing
+    a bare number inside the last block (a sign, a leading $ and thousands commas, but no other
+    markup or unit: the format asked for), and nothing
     written after the closing tag."""
     scores = []
     for completion in completions:
@@ -259,10 +261,10 @@ class TrainerState:
 
     global_step: int  # optimizer steps taken so far
     max_steps: int
-    epoch: int  # passes over the training data begun
+    epoch: float  # passes over the training data done, a fraction within the current one (0.0 at the start)
 
 
-def _not_logged(*_: Any) -> None:
+def not_logged(*_: Any) -> None:
     """``log_metric`` / ``log_extra`` where nothing collects them (a module-level function, so that
     it reaches reward worker processes)."""
 
@@ -271,7 +273,7 @@ def reward_context(state: TrainerState, log_metric: Callable | None = None,
                    log_extra: Callable | None = None) -> dict[str, Any]:
     """The keyword arguments every reward call gets beside the batch (TRL's): ``trainer_state``,
     ``log_metric(name, value)`` and ``log_extra(column, values)``, which do nothing unless given."""
-    return {"trainer_state": state, "log_metric": log_metric or _not_logged, "log_extra": log_extra or _not_logged}
+    return {"trainer_state": state, "log_metric": log_metric or not_logged, "log_extra": log_extra or not_logged}
 
 
 def _logged_in_a_worker(*_: Any) -> None:
@@ -461,7 +463,8 @@ def reward_value(value: Any, name: str, i: int) -> float:
 def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,
                 batch_error: BaseException, pool: RewardPool | None, context: dict[str, Any]) -> list:
     name, values, failed = reward_name(func), [], False
-    shared = _context_for(func, context, pool)
+    # a retry is not the batch: what it would log (one value, not one per completion) is dropped
+    shared = {**context, "log_metric": not_logged, "log_extra": not_logged} if context else context
     singles = [{**{k: v[i:i + 1] for k, v in batch.items()}, **shared} for i in range(B)]
     for i, outcome in enumerate(_outcomes(func, singles, timeout, pool)):
         try:
@@ -486,11 +489,12 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
     return values
 
 
-def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: dict[str, list]) -> None:
+def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: dict[str, list],
+                    max_steps: int = 1) -> None:
     """Call each function once on a tiny batch of placeholder completions, before any model is
     loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
     A function that raises on the placeholder text is left for the real batch to judge."""
     completions = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
-    context = reward_context(TrainerState(global_step=0, max_steps=1, epoch=0))
+    context = reward_context(TrainerState(global_step=0, max_steps=max_steps, epoch=0.0))
     for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
         score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip", context=context)

@@ -145,10 +145,12 @@ def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_datase
     if reward_funcs is not None:
         values["reward_funcs"] = [reward_reference(f) for f in reward_funcs]
     if peft_config is not None:
-        targets = peft_config.target_modules
-        values.update(use_peft=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
-                      lora_dropout=peft_config.lora_dropout,
-                      lora_target_modules=[targets] if isinstance(targets, str) else sorted(targets or []))
+        values["use_peft"] = True
+        if all(hasattr(peft_config, key) for key in ("r", "lora_alpha", "lora_dropout")):  # a LoRA config
+            targets = peft_config.target_modules
+            values.update(lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha, lora_dropout=peft_config.lora_dropout)
+            if targets:
+                values["lora_target_modules"] = [targets] if isinstance(targets, str) else sorted(targets)
     return values
 
 
@@ -184,7 +186,7 @@ def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
 RUN_OUTPUTS = ("config.yaml", "config.resumed-at-*.yaml", "metrics.jsonl", "completions.jsonl", "summary.json",
-               "final_model", CHECKPOINTS, "tensorboard", "mlartifacts")
+               "final_model", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db", "mlartifacts")
 
 
 def claim_run_dir(run_dir: Path, args: GRPOConfig) -> Path:
@@ -240,7 +242,8 @@ class GRPOTrainer:
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
-        preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]))
+        preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
+                        args.max_steps)
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples, args.eval_split)
         if self.eval_rows and (shared := shared_prompts(self.train_rows, self.eval_rows)):
@@ -351,7 +354,7 @@ class GRPOTrainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config()
-        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, args.to_dict())
+        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used)
         with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers) as log,
               self._stop_on_signals(log)):
             if self.resume_from is not None:
@@ -473,7 +476,7 @@ class GRPOTrainer:
         def log_extra(column: str, values: list) -> None:  # a value per completion, kept in its record
             if len(values) != len(rows):
                 raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(rows)} completions")
-            logged_columns[str(column)] = list(values)
+            logged_columns[str(column)] = [v.item() if callable(getattr(v, "item", None)) else v for v in values]
 
         context = reward_context(self.reward_state(), self._log_reward_metric, log_extra)
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
@@ -527,7 +530,7 @@ class GRPOTrainer:
 
     def reward_state(self) -> TrainerState:
         """What reward functions are told of training (``trainer_state``)."""
-        return TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.epoch)
+        return TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
 
     def _log_reward_metric(self, name: str, value: float) -> None:
         """``log_metric`` of reward functions: values of this round, averaged into the step's metrics."""
