@@ -32,11 +32,12 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     kept = [(row, ids) for row, ids in zip(rows, prompt_ids) if ids is not None]
     params = SamplingParams(max_new_tokens=args.max_completion_length, stop=tuple(args.stop_strings or ()), greedy=True)
     weights_F = torch.tensor(reward_weights, dtype=torch.float64)
-    context = reward_call_context or reward_context(TrainerState(global_step=0, max_steps=args.max_steps, epoch=0))
+    context = reward_call_context or reward_context(TrainerState(global_step=0, max_steps=args.max_steps, epoch=0.0))
     correct, rewards, samples = [], [torch.empty(0, dtype=torch.float64)], []
     for start in range(0, len(kept), batch_size):
-        chunk = [row for row, _ in kept[start:start + batch_size]]
-        rollout = engine.generate([ids for _, ids in kept[start:start + batch_size]], 1, params)
+        part = kept[start:start + batch_size]
+        chunk = [row for row, _ in part]
+        rollout = engine.generate([ids for _, ids in part], 1, params)
         completions, ids = decode_completions(tokenizer, rollout.completion_ids_BT, rollout.completion_mask_BT,
                                               is_conversational(chunk), args.strip_reasoning)
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, extra_columns(chunk),

@@ -127,8 +127,7 @@ def is_correct(completion: Any, answer: Any) -> bool:
 def answer_format(completions: list, **_: Any) -> list[float]:
     """Partial credit for '<answer>N</answer>': a quarter each for the opening tag, the closing tag,
     a bare number inside the last block (a sign, a leading $ and thousands commas, but no other
-    markup or unit: the format asked for), and nothing
-    written after the closing tag."""
+    markup or unit: the format asked for), and nothing written after the closing tag."""
     scores = []
     for completion in completions:
         text = completion_text(completion)
@@ -264,7 +263,7 @@ class TrainerState:
     epoch: float  # passes over the training data done, a fraction within the current one (0.0 at the start)
 
 
-def not_logged(*_: Any) -> None:
+def _not_logged(*_: Any) -> None:
     """``log_metric`` / ``log_extra`` where nothing collects them (a module-level function, so that
     it reaches reward worker processes)."""
 
@@ -273,7 +272,7 @@ def reward_context(state: TrainerState, log_metric: Callable | None = None,
                    log_extra: Callable | None = None) -> dict[str, Any]:
     """The keyword arguments every reward call gets beside the batch (TRL's): ``trainer_state``,
     ``log_metric(name, value)`` and ``log_extra(column, values)``, which do nothing unless given."""
-    return {"trainer_state": state, "log_metric": log_metric or not_logged, "log_extra": log_extra or not_logged}
+    return {"trainer_state": state, "log_metric": log_metric or _not_logged, "log_extra": log_extra or _not_logged}
 
 
 def _logged_in_a_worker(*_: Any) -> None:
@@ -282,11 +281,15 @@ def _logged_in_a_worker(*_: Any) -> None:
                   "them to the trainer: not logged. Set reward_num_workers: 0 to log them", stacklevel=2)
 
 
+def without_logging(context: dict[str, Any], stand_in: Callable = _not_logged) -> dict[str, Any]:
+    """``context`` with ``stand_in`` for log_metric and log_extra: for calls whose logs must not
+    reach the trainer (one completion retried alone is not the batch)."""
+    return {**context, "log_metric": stand_in, "log_extra": stand_in} if context else context
+
+
 def _context_for(func: RewardFunc, context: dict[str, Any], pool: RewardPool | None) -> dict[str, Any]:
     """``context`` as ``func`` gets it: in a worker process the loggers cannot reach the trainer."""
-    if pool is not None and pool.runs(func) and context:
-        return {**context, "log_metric": _logged_in_a_worker, "log_extra": _logged_in_a_worker}
-    return context
+    return without_logging(context, _logged_in_a_worker) if pool is not None and pool.runs(func) else context
 
 
 def required_columns(func: RewardFunc) -> set[str]:
@@ -463,8 +466,7 @@ def reward_value(value: Any, name: str, i: int) -> float:
 def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None, errors: list | None,
                 batch_error: BaseException, pool: RewardPool | None, context: dict[str, Any]) -> list:
     name, values, failed = reward_name(func), [], False
-    # a retry is not the batch: what it would log (one value, not one per completion) is dropped
-    shared = {**context, "log_metric": not_logged, "log_extra": not_logged} if context else context
+    shared = without_logging(context)  # a retry is not the batch: it logs nothing
     singles = [{**{k: v[i:i + 1] for k, v in batch.items()}, **shared} for i in range(B)]
     for i, outcome in enumerate(_outcomes(func, singles, timeout, pool)):
         try:

@@ -138,7 +138,8 @@ def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_datase
     values = args.to_dict()
     if model is not None:
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
-        values["model"] = model if isinstance(model, str) else f"<in-memory {type(model).__name__}{f' from {name}' if name else ''}>"
+        origin = f" from {name}" if name else ""
+        values["model"] = model if isinstance(model, str) else f"<in-memory {type(model).__name__}{origin}>"
     for key, given in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
         if given is not None:
             values[key] = given if isinstance(given, str) else "<in-memory dataset>"
@@ -470,25 +471,7 @@ class GRPOTrainer:
         completions, completion_ids = decode_completions(self.tokenizer, rollout.completion_ids_BT,
                                                          rollout.completion_mask_BT, is_conversational(rows),
                                                          args.strip_reasoning)
-        errors: list = []
-        logged_columns: dict[str, list] = {}
-
-        def log_extra(column: str, values: list) -> None:  # a value per completion, kept in its record
-            if len(values) != len(rows):
-                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(rows)} completions")
-            logged_columns[str(column)] = [v.item() if callable(getattr(v, "item", None)) else v for v in values]
-
-        context = reward_context(self.reward_state(), self._log_reward_metric, log_extra)
-        rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions,
-                                       completion_ids, extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
-                                       self.reward_pool, context)
-        self.reward_errors += len(errors)
-        if errors and not self.warned_reward_errors:
-            self.warned_reward_errors = True
-            name, index, reason = errors[0]
-            where = "" if index is None else f" on completion {index}"
-            warnings.warn(f"reward function {name!r} {reason}{where}; scored None where it failed "
-                          "(reward_errors: skip). Shown once; the count is logged as rewards/errors.", stacklevel=2)
+        rewards_BF, logged_columns = self._score(rows, completions, completion_ids)
         timings["time/generate"] += t1 - t0
         timings["time/score"] += time.perf_counter() - t1
         loss_mask_BT = rollout.completion_mask_BT.clone()
@@ -504,6 +487,29 @@ class GRPOTrainer:
             record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
         return GenerationBatch(self._sequences(prompt_ids, rollout), loss_mask_BT, rollout.sampling_logp_BT,
                                rewards_BF, rollout.finish_reasons, records)
+
+    def _score(self, rows: list[dict], completions: list, completion_ids: list) -> tuple[torch.Tensor, dict[str, list]]:
+        """Step 2: every reward function on the batch, (B, F); and the columns they logged with
+        ``log_extra`` (a value per completion). Failures under reward_errors: skip are counted."""
+        args, errors, logged_columns = self.args, [], {}
+
+        def log_extra(column: str, values: list) -> None:
+            if len(values) != len(rows):
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(rows)} completions")
+            logged_columns[str(column)] = [v.item() if callable(getattr(v, "item", None)) else v for v in values]
+
+        context = reward_context(self.reward_state(), self._log_reward_metric, log_extra)
+        rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions, completion_ids,
+                                       extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
+                                       self.reward_pool, context)
+        self.reward_errors += len(errors)
+        if errors and not self.warned_reward_errors:
+            self.warned_reward_errors = True
+            name, index, reason = errors[0]
+            where = "" if index is None else f" on completion {index}"
+            warnings.warn(f"reward function {name!r} {reason}{where}; scored None where it failed "
+                          "(reward_errors: skip). Shown once; the count is logged as rewards/errors.", stacklevel=3)
+        return rewards_BF, logged_columns
 
     def _refill(self, batch: GenerationBatch, timings: dict[str, float]) -> GenerationBatch:
         """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and

@@ -28,7 +28,7 @@ import torch
 from covey import core, text
 from covey.config import GRPOConfig
 from covey.errors import CoveyError, DataError, RewardError
-from covey.rewards import TRAINER_REWARD_ARGS, not_logged, call_reward, required_columns, reward_name
+from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, reward_name, without_logging
 
 STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
 
@@ -158,8 +158,8 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
         start = time.perf_counter()
         single = []
         for i in range(B):
-            kwargs = {k: [v[i]] if isinstance(v, list) else v for k, v in calls[0].items()}  # columns, then the rest
-            kwargs.update(log_metric=not_logged, log_extra=not_logged)  # one completion is not the batch
+            # the columns cut to one completion; the rest as it was, but logging nothing (one is not the batch)
+            kwargs = without_logging({k: [v[i]] if isinstance(v, list) else v for k, v in calls[0].items()})
             single.append(call_reward(func, kwargs, None)[0])
         per_call = (time.perf_counter() - start) / B
         report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
