@@ -238,11 +238,11 @@ def test_overwrite_output_dir_clears_the_previous_runs_outputs_and_nothing_else(
 
 
 def test_two_runs_set_up_at_once_never_share_a_folder(tmp_path, tokenizer, monkeypatch):
-    import covey.trainer
+    import covey.run_folder
 
     monkeypatch.chdir(tmp_path)
-    moment = covey.trainer.datetime(2026, 1, 2, 3, 4, 5)
-    monkeypatch.setattr(covey.trainer, "datetime", type("Frozen", (), {"now": staticmethod(lambda: moment)}))
+    moment = covey.run_folder.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(covey.run_folder, "datetime", type("Frozen", (), {"now": staticmethod(lambda: moment)}))
     first, second = (trainer_for(run_args(None, max_steps=1, save_steps=0), tokenizer) for _ in range(2))
     assert first.run_dir == second.run_dir  # set up in the same second: the same name so far
     first.train()

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError
-from covey.rewards import answer_correct, answer_format, is_correct, last_number, parse_number, tagged_answer
+from covey.answers import is_correct, last_number, parse_number, tagged_answer
+from covey.rewards import answer_correct, answer_format
 from covey.tasks import gsm8k_final_answer, gsm8k_rows
 from covey.text import answer_after_reasoning
 from covey.trl_fields import TRL_FIELDS

@@ -8,8 +8,8 @@ import torch
 from covey.code_reward import program_of
 from covey.errors import RewardError
 from covey.core import weighted_reward_sum
-from covey.rewards import (answer_correct, answer_format, is_correct, last_number, load_reward_func,
-                           parse_number, score_completions)
+from covey.answers import is_correct, last_number, parse_number
+from covey.rewards import answer_correct, answer_format, load_reward_func, score_completions
 
 
 def chat(text):

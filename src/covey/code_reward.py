@@ -23,7 +23,7 @@ import secrets
 from typing import Any
 
 from covey.errors import RewardError
-from covey.rewards import completion_text
+from covey.answers import completion_text
 from covey.sandbox import available_isolation, run_python
 
 # what opens a fenced block: three or more backticks and an optional language tag ("```python") ending

@@ -7,11 +7,11 @@ from typing import Sequence
 import torch
 
 from covey.config import GRPOConfig
+from covey.answers import completion_text, is_correct
 from covey.core import weighted_reward_sum
 from covey.data import extra_columns, is_conversational
 from covey.reward_pool import RewardPool
-from covey.rewards import (RewardFunc, TrainerState, completion_text, is_correct, reward_context,
-                           score_completions)
+from covey.rewards import RewardFunc, TrainerState, reward_context, score_completions
 from covey.rollout import RolloutEngine, SamplingParams
 from covey.text import decode_completions, encode_prompts
 

@@ -207,7 +207,7 @@ def check_logprobs(report: Report, trainer, batch) -> torch.Tensor:
     """Compare the trainer's log-probs with a plain full forward and a log_softmax gather."""
     args, model, seq = trainer.args, trainer.model, batch.sequences
     with torch.no_grad():
-        from covey.trainer import completion_logprobs
+        from covey.trainer import completion_logprobs  # the function the trainer calls, as it calls it
 
         got, _ = completion_logprobs(model, seq, args.temperature)
         input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
