@@ -139,16 +139,16 @@ def test_repetition_penalty_covers_the_prompt_as_in_transformers_and_vllm(tokeni
         assert torch.allclose(ours.sampling_logp_BT, _penalised_logprobs(tiny_model, prompts, 2, ours, params), atol=1e-5)
         if params.greedy:
             assert torch.equal(ours.completion_ids_BT, theirs.completion_ids_BT)
-    # left padding is never penalised: with the pad token the most likely one, a short prompt padded
-    # beside a long one samples as it does alone
+    # left padding is never penalised, by either engine: with the pad token the most likely one, a short
+    # prompt padded beside a long one samples as it does alone
     logits = torch.zeros(len(tokenizer))
     logits[tokenizer.pad_token_id], logits[50] = 6.0, 5.0
-    _, fixed = engines(known_distribution_model(tokenizer, logits), tokenizer)
     short, padded = [[44, 45]], [[44, 45], [40, 41, 42, 41, 43]]
     params = SamplingParams(max_new_tokens=1, greedy=True, repetition_penalty=8.0)
-    alone, beside = fixed.generate(short, 1, params), fixed.generate(padded, 1, params)
-    assert alone.completion_ids_BT.tolist() == beside.completion_ids_BT[:1].tolist() == [[tokenizer.pad_token_id]]
-    assert torch.allclose(alone.sampling_logp_BT, beside.sampling_logp_BT[:1])
+    for engine in engines(known_distribution_model(tokenizer, logits), tokenizer):
+        alone, beside = engine.generate(short, 1, params), engine.generate(padded, 1, params)
+        assert alone.completion_ids_BT.tolist() == beside.completion_ids_BT[:1].tolist() == [[tokenizer.pad_token_id]]
+        assert torch.allclose(alone.sampling_logp_BT, beside.sampling_logp_BT[:1])
 
 
 def test_prompt_is_prefilled_once_and_finished_rows_leave_the_batch(tokenizer, decoder):
