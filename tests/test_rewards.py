@@ -67,7 +67,8 @@ def test_a_raw_gsm8k_solution_as_the_answer_is_read_after_its_last_marker():
     ("72 dollars", 72.0), ("50%", 50.0), ("50\\%", 50.0), ("**72 dollars**", 72.0), ("+5", 5.0),
     ("\u22125", -5.0), (".5", 0.5), ("-.5", -0.5), ("$12", 12.0), ("1,234,567.5", 1234567.5),
     ("3,4,5", None), ("1,2345", None), ("12,34", None), ("3 million", None), ("2 pi", None), ("7 and a half", None),
-    ("10-2", None), ("3/4", None),
+    ("10-2", None), ("3/4", 0.75), ("-3 / 4", -0.75), ("\\frac{3}{4}", 0.75), ("$\\dfrac{1}{8}$", 0.125), ("1/0", None),
+    ("3/4/5", None), ("1.5/3", None),
 ])
 def test_parse_number_reads_a_number_in_the_usual_markup(text, value):
     assert parse_number(text) == value

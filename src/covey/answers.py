@@ -13,6 +13,8 @@ TAGGED_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 # digits with commas only before groups of exactly three ("1,234"; "3,4,5" is three numbers), and a
 # decimal part, also on its own (".5").
 NUMBER = re.compile(r"(?:(?<!\w)[-+\u2212])?\$?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+# a fraction of whole numbers: "3/4", "-3/4", "\\frac{3}{4}", "\\dfrac{3}{4}"
+FRACTION = re.compile(r"([-+\u2212]?)(?:(\d+)\s*/\s*(\d+)|\\d?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\})")
 # what may wrap a number: \boxed{72}, $72$, **72**, \(72\), x = 72
 WRAPPED = tuple(re.compile(pattern, re.DOTALL) for pattern in (
     r"\\boxed\{(.*)\}", r"\$(.*)\$", r"\*\*(.*)\*\*", r"\\\((.*)\\\)", r"[^\W\d]\w*\s*=\s*(.*)"))
@@ -45,7 +47,8 @@ def unwrapped(text: str) -> str:
 def parse_number(text: Any) -> float | None:
     """A finite number written as text or given as a number; None if it is not one (NaN, or too large
     for a float, is not). The text may be '1,234', '-3.5', '.5', '+2', '\u22125', '$12', ' 42 ', and may be
-    wrapped ('\\boxed{72}', '$72$', '**72**', 'x = 72') or followed by '%' or a unit word ('72 dollars')."""
+    wrapped ('\\boxed{72}', '$72$', '**72**', 'x = 72') or followed by '%' or a unit word ('72 dollars'), or be
+    a fraction of whole numbers ('3/4', '\\frac{3}{4}': 0.75)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         try:
             value = float(text)
@@ -58,9 +61,20 @@ def parse_number(text: Any) -> float | None:
             written = unwrapped(unit.group(1))
         match = NUMBER.fullmatch(written)
         if match is None:
-            return None
+            return _fraction(written)
         value = float(match.group().replace(",", "").replace("$", "").replace("\u2212", "-"))
     return value if math.isfinite(value) else None
+
+
+def _fraction(written: str) -> float | None:
+    match = FRACTION.fullmatch(written)
+    if match is None:
+        return None
+    sign, numerator, denominator = match.group(1), match.group(2) or match.group(4), match.group(3) or match.group(5)
+    if int(denominator) == 0:
+        return None
+    value = int(numerator) / int(denominator)
+    return -value if sign in ("-", "\u2212") else value
 
 
 def reference_number(answer: Any) -> float | None:
