@@ -7,8 +7,9 @@ measurement runs in a fresh process (so peak memory is that run's own); the vari
 ``--repeats`` times, and the first step of every run is left out as warm-up.
 
 Variants: ``covey`` (float32), ``covey-rollout-bf16`` (float32 training, bfloat16 sampling),
-``covey-bf16`` (bf16: true), ``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default,
-bf16 mixed precision). Each covey variant is compared with each TRL variant of the same run.
+``covey-bf16`` (bf16: true), ``covey-freed-memory-returned`` (float32, keep_freed_memory: false),
+``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default, bf16 mixed precision). Each covey
+variant is compared with each TRL variant of the same run, and with the first covey variant listed.
 
     pip install -e .[bench]          # trl
     python -m benchmarks.step --repeats 2 --steps 4 --variants covey covey-rollout-bf16 trl
@@ -31,6 +32,7 @@ COMMON = dict(num_generations=8, per_device_train_batch_size=16, max_completion_
 
 
 VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf16": {"bf16": True},
+            "covey-freed-memory-returned": {"keep_freed_memory": False},
             "trl": {"bf16": False}, "trl-bf16": {"bf16": True}}
 
 
@@ -126,8 +128,9 @@ def main() -> None:
             print(f"| {mode} | {variant} | {statistics.median(r['seconds'] for r in results):.1f} | "
                   f"{statistics.median(r['tokens_per_second'] for r in results):.1f} | "
                   f"{max(r['peak_mib'] for r in results):.0f} |", flush=True)
-        for ours in (v for v in args.variants if v.startswith("covey")):
-            for theirs in (v for v in args.variants if v.startswith("trl")):
+        coveys = [v for v in args.variants if v.startswith("covey")]
+        for ours in coveys:
+            for theirs in [v for v in args.variants if v.startswith("trl")] + coveys[:1] * (ours != coveys[0]):
                 ratios = [c["tokens_per_second"] / t["tokens_per_second"] for c, t in zip(runs[ours], runs[theirs])]
                 print(f"| {mode} | {ours} / {theirs} | | {statistics.median(ratios):.2f}x (per pair: "
                       f"{', '.join(f'{r:.2f}' for r in ratios)}) | |", flush=True)

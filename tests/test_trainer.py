@@ -1,6 +1,8 @@
 """End to end on a tiny random Llama built in the test: no download, seconds per run."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -356,3 +358,37 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert all(r["chars"] == len(r["completion"]) for r in records)
     assert all(isinstance(r["reward"], float) for r in records)
+
+
+_REALLOCATE = """
+import resource, sys, torch
+from covey.models import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+for _ in range(2):  # 256 MB, far over the C library's mmap threshold; kept from the second time on
+    torch.ones(64 << 20).sum()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    torch.ones(64 << 20).sum()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_keep_freed_memory_spares_the_page_faults_of_allocating_large_tensors_again():
+    faults = {how: int(subprocess.run([sys.executable, "-c", _REALLOCATE, how], capture_output=True, text=True,
+                                      check=True).stdout) for how in ("keep", "default")}
+    assert faults["default"] > 4 * 60_000  # each 256 MB tensor faulted in again, page by page
+    assert faults["keep"] < faults["default"] / 20
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_training_keeps_freed_memory_as_configured(tmp_path, tokenizer, tiny_model, monkeypatch, keep):
+    import covey.trainer
+
+    calls = []
+    monkeypatch.setattr(covey.trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    args = small_args(tmp_path, max_steps=1, eval_max_samples=0, keep_freed_memory=keep)
+    GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS, processing_class=tokenizer,
+                quiet=True).train()
+    assert calls == ([1] if keep else [])

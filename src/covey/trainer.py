@@ -37,8 +37,8 @@ from covey.data import (PromptSampler, check_reward_columns, extra_columns, held
                         load_rows, shared_prompts)
 from covey.evaluation import accuracy_change, evaluate, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
-from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, load_policy,
-                          load_tokenizer, prepare_tokenizer)
+from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, keep_freed_memory,
+                          load_policy, load_tokenizer, prepare_tokenizer)
 from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
@@ -261,6 +261,8 @@ class GRPOTrainer:
     def train(self) -> dict:
         """Run max_steps optimizer steps; returns the summary that is also written to summary.json."""
         args = self.args
+        if args.keep_freed_memory:
+            keep_freed_memory()
         if self.resume_from is None:
             self.run_dir = claim_run_dir(self.run_dir, args)
         else:
