@@ -196,20 +196,27 @@ def _packed_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
     input_ids[r_N, c_N] = batch.completion_ids_BT[b_N, t_N]
     positions = torch.zeros(R, capacity, dtype=torch.long)
     positions[r_N, c_N] = prompt_mask.sum(1)[group_B[b_N]] + t_N
-    owner = torch.full((R, capacity), -1)  # the completion each packed slot belongs to; -1 is padding
-    owner[r_N, c_N] = b_N
-    causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
-    same_completion = (owner.unsqueeze(2) == owner.unsqueeze(1)) & causal
-    sees_prompt = prompt_mask[row_group_R].bool().unsqueeze(1) & (owner >= 0).unsqueeze(2)
-    allowed = torch.cat([sees_prompt, same_completion], dim=2).unsqueeze(1)  # (R, 1, capacity, P + capacity)
-    if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
-        dtype = next(model.parameters()).dtype
-        allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    owner_RC = torch.full((R, capacity), -1)  # the completion each packed slot belongs to; -1 is padding
+    owner_RC[r_N, c_N] = b_N
+    attention_mask = _packing_mask(model, owner_RC, prompt_mask[row_group_R])
     prompts.cache.batch_select_indices(row_group_R.to(device))
     hidden = plain_model(model).get_decoder()(
-        input_ids=input_ids.to(device), attention_mask=allowed.to(device), position_ids=positions.to(device),
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), position_ids=positions.to(device),
         use_cache=True, **{prompts.cache_keyword: prompts.cache}).last_hidden_state
     return hidden[r_N.to(device), c_N.to(device)], b_N, t_N + 1
+
+
+def _packing_mask(model, owner_RC: torch.Tensor, prompt_mask_RP: torch.Tensor) -> torch.Tensor:
+    """(R, 1, C, P + C) attention mask of packed rows: each slot sees its row's prompt and the slots
+    of its own completion up to itself. Boolean, or additive where the model's attention is eager."""
+    C = owner_RC.shape[1]
+    same_completion = (owner_RC.unsqueeze(2) == owner_RC.unsqueeze(1)) & torch.ones(C, C, dtype=torch.bool).tril()
+    sees_prompt = prompt_mask_RP.bool().unsqueeze(1) & (owner_RC >= 0).unsqueeze(2)
+    allowed = torch.cat([sees_prompt, same_completion], dim=2).unsqueeze(1)
+    if model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return allowed
 
 
 # PyTorch's CPU backward of bfloat16 SDPA takes about twice as long as the float32 one at the shapes of
