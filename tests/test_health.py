@@ -26,6 +26,7 @@ def history(n, **changes):
     (dict(reward_std=0.0), "reward_std has stayed below 0.01"),
     (dict(frac_reward_zero_std=0.8), "over half of the groups had identical rewards"),
     (dict(kl=0.9), "KL to the reference is 0.90"),
+    (dict(kl=None), "KL to the reference is not finite"),  # a NaN or infinite KL is logged as null
     (dict(reward=lambda i: 0.25), "mean reward has not moved"),
     ({"completions/clipped_ratio": 0.9}, "hit max_completion_length"),
 ])
@@ -36,6 +37,13 @@ def test_each_rule_fires_once_on_its_pattern(changes, phrase):
     for i in range(1, len(rows) + 1):
         shown.extend(monitor.check(rows[:i]))
     assert sum(phrase in m for m in shown) == 1, shown
+
+
+def test_undefined_reward_spread_is_not_read_as_a_collapse():
+    monitor = HealthMonitor()
+    rows = history(12, reward=None, reward_std=None)  # no reward defined in any step: logged as null
+    shown = [m for i in range(1, 13) for m in monitor.check(rows[:i])]
+    assert not any("stayed below" in m for m in shown), shown
 
 
 def test_healthy_run_only_gets_the_loss_note():

@@ -392,3 +392,29 @@ def test_training_keeps_freed_memory_as_configured(tmp_path, tokenizer, tiny_mod
     GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS, processing_class=tokenizer,
                 quiet=True).train()
     assert calls == ([1] if keep else [])
+
+
+def test_reward_functions_sharing_a_name_are_refused_before_the_model_loads(tmp_path):
+    import functools
+
+    def graded(completions, scale, **_):
+        return [scale * len(c) for c in completions]
+
+    with pytest.raises(ConfigError, match="both named 'partial'"):
+        GRPOTrainer(model="no/such-model-is-loaded", args=small_args(tmp_path), train_dataset=ROWS,
+                    reward_funcs=[functools.partial(graded, scale=1.0), functools.partial(graded, scale=2.0)])
+
+
+def test_throughput_and_undefined_spreads_are_logged_on_every_step(tmp_path, tokenizer, tiny_model):
+    def undefined(completions, **_):
+        return [None] * len(completions)
+
+    args = small_args(tmp_path, max_steps=4, num_iterations=2, gradient_accumulation_steps=1, eval_max_samples=0)
+    GRPOTrainer(model=tiny_model, reward_funcs=[count_a, undefined], args=args, train_dataset=ROWS,
+                processing_class=tokenizer, quiet=True).train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [m["tokens_per_second"] for m in metrics]
+    # each round: sampled once, trained twice; the rate is the batch's tokens per second of the round so far
+    assert all(rate > 0 for rate in rates) and rates[1] < rates[0] and rates[3] < rates[2]
+    assert all(m["rewards/undefined/std"] is None and m["rewards/undefined/mean"] is None for m in metrics)
+    assert all(m["rewards/count_a/std"] is not None for m in metrics)

@@ -33,6 +33,9 @@ def reward_collapse(history):
 
 
 def high_kl(history):
+    if "kl" in history[-1] and history[-1]["kl"] is None:  # logged as null: NaN or infinite
+        return HealthWarning("kl", "KL to the reference is not finite: the policy's or the reference's log-probs "
+                             "broke down. Lower the learning rate, or check the model's numerics (bf16).")
     kl = history[-1].get("kl")
     if isinstance(kl, (int, float)) and kl > 0.5:
         return HealthWarning("kl", f"KL to the reference is {kl:.2f} (> 0.5): the policy is drifting far from where it "

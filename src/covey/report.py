@@ -185,7 +185,7 @@ def panels(run: Run) -> list[Panel]:
         Panel("reward", "reward (weighted total, batch mean)", "reward"),
         *(Panel(FUNCTION_PLOT_PREFIX + _file_safe(fn), f"reward function {fn} (mean)", f"rewards/{fn}/mean")
           for fn in functions),
-        Panel("reward_std", "reward_std (spread within groups)", "reward_std"),
+        Panel("reward_std", "reward_std (spread over the batch)", "reward_std"),
         Panel("kl", "KL to the reference", "kl"),
         Panel("completion_length", "completion length (tokens; band: min to max)", "completions/mean_length",
               ("completions/min_length", "completions/max_length")),

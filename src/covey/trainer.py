@@ -113,6 +113,10 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
                  ) -> tuple[list[RewardFunc], list[float]]:
     """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0)."""
     funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+    names = [reward_name(f) for f in funcs]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ConfigError(f"two reward functions are both named {repeated[0]!r}: their metrics and recorded rewards "
+                          "would overwrite each other; give each its own name (a def of its own, or set __name__)")
     weights = args.reward_weights or [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise ConfigError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions; "
@@ -293,6 +297,7 @@ class GRPOTrainer:
         gradient_accumulation_steps) windows, each visited num_iterations times."""
         args = self.args
         start, first_step = time.perf_counter(), self.global_step
+        round_start = start
         batch, timings = self.generate_and_score()
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
         B = batch.loss_mask_BT.shape[0]
@@ -312,7 +317,8 @@ class GRPOTrainer:
                 timings["time/train"] = time.perf_counter() - t_train
                 step_time, start = time.perf_counter() - start, time.perf_counter()
                 if self.global_step % args.logging_steps == 0 or self.global_step == args.max_steps:
-                    log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time))
+                    log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time,
+                                                                    time.perf_counter() - round_start))
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
         self._end_round(log, first_step, batch.records)
@@ -618,20 +624,22 @@ class GRPOTrainer:
         return out
 
     def _metrics(self, batch: GenerationBatch, stats: dict[str, float], timings: dict[str, float],
-                 step_time: float) -> dict[str, float]:
-        """TRL's metric names, computed over the generation batch (and the step's loss stats)."""
+                 step_time: float, round_time: float) -> dict[str, float]:
+        """TRL's metric names, computed over the generation batch (and the step's loss stats);
+        ``tokens_per_second``: the batch's completion tokens per second of its round so far (its
+        generation and the optimizer steps on it up to this one)."""
         lengths_B = batch.sequences.completion_mask_BT.sum(1).float()
         tokens = max(stats["tokens"], 1.0)
         rewards_B = core.weighted_reward_sum(batch.rewards_BF, self.reward_weights_F)
         metrics = {
             "reward": float(rewards_B.nanmean()),
-            "reward_std": float(core.nanstd(rewards_B).nan_to_num(0.0)),
+            "reward_std": float(core.nanstd(rewards_B)),  # NaN (logged as null) where no reward is defined
             "frac_reward_zero_std": float(batch.zero_std_N.float().mean()),
         }
         for j, func in enumerate(self.reward_funcs):
             column = batch.rewards_BF[:, j]
             metrics[f"rewards/{reward_name(func)}/mean"] = float(column.nanmean())
-            metrics[f"rewards/{reward_name(func)}/std"] = float(core.nanstd(column).nan_to_num(0.0))
+            metrics[f"rewards/{reward_name(func)}/std"] = float(core.nanstd(column))
         metrics.update({name: sum(values) / len(values) for name, values in self.reward_metrics.items()})
         if self.args.beta > 0:
             metrics["kl"] = stats["kl_sum"] / tokens
@@ -659,7 +667,7 @@ class GRPOTrainer:
             "step_time": step_time,
             **timings,
             **self.dynamic_sampling_stats,
-            "tokens_per_second": float(lengths_B.sum()) / step_time if timings.get("time/generate") else 0.0,
+            "tokens_per_second": float(lengths_B.sum()) / round_time,
         })
         return metrics
 
