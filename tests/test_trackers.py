@@ -219,6 +219,13 @@ def test_mlflow_run_in_the_run_folder_holds_metrics_and_params(tmp_path, monkeyp
     assert client.get_run(tracker.run_id).info.run_name == "run-2"
     assert not (other_dir / "mlflow.db").exists()
 
+    # names MLflow refuses are mended rather than dropping the tracker; a failed run is marked so
+    [tracker] = make_trackers(["mlflow"], other_dir, "run-3", CONFIG)
+    tracker.log(1, {"rewards/<lambda>/mean": 0.5})
+    tracker.close("failed")
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED" and run.data.metrics == {"rewards/_lambda_/mean": 0.5}
+
 
 # ---- Trackio -----------------------------------------------------------------------------------
 
@@ -283,12 +290,13 @@ class RecordingTracker:
     def __init__(self):
         self.logged: list[tuple[int, dict[str, float]]] = []
         self.closed = False
+        self.outcome = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.logged.append((step, metrics))
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, outcome: str = "finished") -> None:
+        self.closed, self.outcome = True, outcome
 
 
 def test_run_log_forwards_every_step_and_closes_trackers_when_training_raises(tmp_path):
@@ -300,7 +308,7 @@ def test_run_log_forwards_every_step_and_closes_trackers_when_training_raises(tm
             assert not first.closed
             raise RuntimeError("boom")
     for tracker in (first, second):
-        assert tracker.closed
+        assert tracker.closed and tracker.outcome == "failed"
         assert [step for step, _ in tracker.logged] == [1, 2, 3]
         assert_history(dict(tracker.logged))
     # metrics.jsonl is written as before, the NaN as null
@@ -321,7 +329,35 @@ def test_a_tracker_that_fails_is_dropped_and_the_others_keep_logging(tmp_path):
         for step, metrics in STEPS.items():
             log.log_metrics(step, metrics)
     assert [s for s, _ in failing.logged] == [1] and [s for s, _ in healthy.logged] == [1, 2, 3]
-    assert failing.closed and healthy.closed
+    assert failing.closed and healthy.closed and healthy.outcome == "finished"
+
+
+def test_a_run_stopped_by_a_signal_closes_its_trackers_as_killed(tmp_path):
+    from covey.errors import TrainingInterrupted
+
+    tracker = RecordingTracker()
+    with pytest.raises(TrainingInterrupted):
+        with RunLog(tmp_path, total_steps=3, quiet=True, trackers=[tracker]):
+            raise TrainingInterrupted("stopped by SIGTERM; checkpoint saved", 15)
+    assert tracker.outcome == "killed"
+
+
+def test_tensorboard_of_a_resumed_run_shows_each_step_once(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [crashed] = make_trackers(["tensorboard"], tmp_path, "run-1", CONFIG)
+    for step in range(1, 6):  # the crashed run got to step 5; its last checkpoint was at step 3
+        crashed.log(step, {"reward": float(step)})
+    crashed.close("failed")
+    [resumed] = make_trackers(["tensorboard"], tmp_path, "run-1", CONFIG, first_step=4)
+    for step in range(4, 7):
+        resumed.log(step, {"reward": 10.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
 
 
 def test_a_training_run_sends_the_metrics_of_metrics_jsonl_to_tensorboard(tmp_path, tokenizer):

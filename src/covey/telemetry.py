@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from covey.errors import TrainingInterrupted
 from covey.evaluation import before_after_rows
 from covey.health import HealthMonitor
 from covey.text import prompt_text
@@ -54,11 +55,13 @@ class RunLog:
         self.progress.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type | None, *_: Any) -> None:
         self.progress.stop()
+        outcome = ("finished" if exc_type is None else
+                   "killed" if issubclass(exc_type, (TrainingInterrupted, KeyboardInterrupt)) else "failed")
         for tracker in self.trackers:
             try:
-                tracker.close()
+                tracker.close(outcome)
             except Exception as e:  # the trained model and summary come first; a tracker's goodbye is optional
                 self.info(f"[yellow]{type(tracker).__name__} failed to close ({type(e).__name__}: {e})[/]")
 
@@ -73,7 +76,7 @@ class RunLog:
             except Exception as e:  # a tracker's outage (a server down, a full disk) must not end the training
                 self.trackers.remove(tracker)
                 with contextlib.suppress(Exception):
-                    tracker.close()
+                    tracker.close("failed")
                 self.info(f"[yellow]step {step}: {type(tracker).__name__} failed ({type(e).__name__}: {e}); it gets no "
                           "more metrics in this run (metrics.jsonl has them all)[/]")
         live = "  ".join(f"{label} {metrics[key]:.3g}" for key, label in LIVE_KEYS if key in metrics)

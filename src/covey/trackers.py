@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import netrc
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -25,11 +26,12 @@ WANDB_OFFLINE_MODES = ("offline", "dryrun", "disabled")
 
 
 class Tracker(Protocol):
-    """Where a run's metrics also go: ``log`` once per logged step, ``close`` once at the end."""
+    """Where a run's metrics also go: ``log`` once per logged step, ``close`` once at the end with how the
+    run ended: "finished", "failed" (an error) or "killed" (stopped by a signal or Ctrl-C)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, outcome: str = "finished") -> None: ...
 
 
 def _param(value: Any) -> bool | int | float | str:
@@ -40,11 +42,12 @@ def _param(value: Any) -> bool | int | float | str:
 class TensorBoardTracker:
     """Scalars in RUN_DIR/tensorboard/ (``tensorboard --logdir RUN_DIR/tensorboard``); the config as HParams."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any]):
+    def __init__(self, run_dir: Path, config: dict[str, Any], first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # a resumed run hides what the interrupted one logged from first_step on (it is logged again)
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=first_step if first_step > 1 else None)
         # the HParams records go into this run's own event file (add_hparams would open a second run)
         for summary in hparams({key: _param(value) for key, value in config.items()}, {}):
             self.writer.file_writer.add_summary(summary)
@@ -53,7 +56,7 @@ class TensorBoardTracker:
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
         self.writer.close()
 
 
@@ -77,7 +80,7 @@ class _RunTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
         self.run.finish()
 
 
@@ -99,6 +102,9 @@ class WandbTracker(_RunTracker):
                           f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", stacklevel=2)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir),
                               config=config, mode=mode)
+
+    def close(self, outcome: str = "finished") -> None:
+        self.run.finish(exit_code=0 if outcome == "finished" else 1)  # W&B marks a non-zero exit as failed
 
 
 class TrackioTracker(_RunTracker):
@@ -139,10 +145,15 @@ class MLflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(MLFLOW_REFUSED.sub("_", key), value, now, step)
+                                                    for key, value in metrics.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, outcome: str = "finished") -> None:
+        self.client.set_terminated(self.run_id, status={"failed": "FAILED", "killed": "KILLED"}.get(outcome, "FINISHED"))
+
+
+# what MLflow refuses in a metric name ("rewards/<lambda>/mean" from a lambda reward): each becomes "_"
+MLFLOW_REFUSED = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 
 def _missing_module(tracker: str) -> str | None:
@@ -168,13 +179,15 @@ def check_trackers(report_to: list[str]) -> None:
                               f"configured; set WANDB_API_KEY or run `wandb login` first, or set WANDB_MODE=offline")
 
 
-def make_trackers(report_to: list[str], run_dir: Path, run_name: str, config: dict[str, Any]) -> list[Tracker]:
-    """Open the trackers named in ``report_to`` ("none" or an empty list: none) for one run."""
+def make_trackers(report_to: list[str], run_dir: Path, run_name: str, config: dict[str, Any],
+                  first_step: int = 1) -> list[Tracker]:
+    """Open the trackers named in ``report_to`` ("none" or an empty list: none) for one run, whose
+    next logged step is ``first_step`` (later than 1 when it resumes)."""
     names = [name for name in dict.fromkeys(report_to) if name != "none"]
     if names:
         run_dir.mkdir(parents=True, exist_ok=True)  # W&B and the MLflow store need the folder to exist
     makers = {
-        "tensorboard": lambda: TensorBoardTracker(run_dir, config),
+        "tensorboard": lambda: TensorBoardTracker(run_dir, config, first_step),
         "wandb": lambda: WandbTracker(run_dir, run_name, config),
         "trackio": lambda: TrackioTracker(run_name, config),
         "mlflow": lambda: MLflowTracker(run_dir, run_name, config),
@@ -186,7 +199,7 @@ def make_trackers(report_to: list[str], run_dir: Path, run_name: str, config: di
         except Exception as e:
             for tracker in opened:
                 with contextlib.suppress(Exception):
-                    tracker.close()
+                    tracker.close("failed")
             raise ConfigError(f"report_to: {name!r} could not start ({type(e).__name__}: {e}); fix its settings "
                               f"or drop {name!r} from report_to") from e
     return opened

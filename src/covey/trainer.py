@@ -272,7 +272,8 @@ class GRPOTrainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config()
-        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used)
+        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
+                                 first_step=self.global_step + 1)
         with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers) as log,
               self._stop_on_signals(log)):
             if self.resume_from is not None:
