@@ -388,3 +388,18 @@ def test_a_missing_tracker_stops_the_trainer_before_the_model_loads(tmp_path, mo
     with pytest.raises(ConfigError, match=r"covey\[wandb\]"):
         GRPOTrainer(model="no/such-model-is-loaded", reward_funcs=[count_a], train_dataset=ROWS,
                     args=small_args(tmp_path, report_to=["wandb"]))
+
+
+def test_summary_json_is_strict_json_written_in_one_rename(tmp_path):
+    from covey.telemetry import write_json
+
+    path = tmp_path / "summary.json"
+    path.write_text("{\"the previous\": \"summary\"}")
+    write_json(path, {"mean_reward": float("nan"), "curve": [float("inf"), 1.5], "after": {"kl": float("-inf")}})
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "mean_reward": None, "curve": [None, 1.5], "after": {"kl": None}}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

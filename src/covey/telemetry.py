@@ -110,6 +110,18 @@ class RunLog:
             self.console.print(message)
 
 
+def write_json(path: Path, value: Any) -> None:
+    """``value`` as indented JSON (NaN and inf as null), in one rename: a crash leaves no half file."""
+    def cleaned(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: cleaned(x) for k, x in v.items()}
+        return [cleaned(x) for x in v] if isinstance(v, (list, tuple)) else _clean(v)
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cleaned(value), indent=2))
+    tmp.replace(path)
+
+
 def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
     """Replace a JSON-lines file in one rename, so a crash leaves the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import signal
 import threading
@@ -44,7 +43,7 @@ from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
 from covey.run_folder import claim_run_dir, config_as_used, make_run_dir
-from covey.telemetry import RunLog, model_card, print_summary
+from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
 from covey.text import decode_completions, encode_prompts
 
@@ -700,7 +699,7 @@ class GRPOTrainer:
         if before and after:
             summary["accuracy_change"] = accuracy_change(before, after)
             summary["eval_samples"] = {"before": before["samples"][:8], "after": after["samples"][:8]}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(self.run_dir / "summary.json", summary)
         hyperparameters = {k: getattr(self.args, k) for k in MODEL_CARD_FIELDS}
         (final / "README.md").write_text(model_card(
             self.model_name, self.dataset_name, [reward_name(f) for f in self.reward_funcs], self.reward_weights,
