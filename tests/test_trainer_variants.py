@@ -132,7 +132,7 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
     if mode == "token_truncate":  # logged over the trained tokens only, each weighing exp(0.05)
         batch.loss_mask_BT[:, -2:] = 0  # as padding: whatever weights stand there are not counted
         batch.engine_weights[:, -2:] = 0.0
-        metrics = trainer._metrics(batch, stats, {"time/generate": 0.0, "time/score": 0.0}, 1.0)
+        metrics = trainer._metrics(batch, stats, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
         assert metrics["engine_is/mean_weight"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), abs=1e-4)
         assert metrics["engine_is/masked_fraction"] == 0.0
 
