@@ -123,6 +123,18 @@ def test_an_unfinished_run_without_kl_reports_what_is_missing(tmp_path):
     assert "config.yaml could not be read (ParserError)" in write_report(run).read_text()
 
 
+def test_a_run_resumed_with_changed_settings_says_what_changed_and_when(tmp_path):
+    run = make_run(tmp_path / "run", steps=12)
+    GRPOConfig(output_dir=str(run), max_steps=12, beta=0.04, learning_rate=5e-6,
+               resume_from_checkpoint="auto").save(run / "config.resumed-at-10.yaml")
+    GRPOConfig(output_dir=str(run), max_steps=12, beta=0.04).save(run / "config.resumed-at-4.yaml")
+    text = write_report(run).read_text()
+    first, second = text.index("resumed at step 4"), text.index("resumed at step 10")
+    assert first < second  # in the order of the steps, not of the names
+    assert "resumed at step 10 with changed settings: learning_rate 1e-05 -&gt; 5e-06 (the config" in text
+    assert "resumed at step 4 with changed settings: none" in text
+
+
 def test_regenerating_replaces_only_the_report_files(tmp_path):
     run = make_run(tmp_path / "run")
     write_report(run)

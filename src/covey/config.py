@@ -46,6 +46,8 @@ REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+# fields that say how a run continues, not what it trains: a resume may change them freely
+RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from covey.config import GRPOConfig
+from covey.config import RESUME_FIELDS, GRPOConfig
 from covey.errors import ConfigError, DataError
 from covey.evaluation import before_after_rows
 from covey.text import prompt_text
@@ -136,6 +136,7 @@ def load_run(run_dir: str | Path) -> Run:
             if not isinstance(config, dict):
                 raise DataError(f"{config_path} is not a mapping of config fields")
         run.config = config
+        run.notes.extend(_resumed_with_changes(path, config))
     else:
         run.notes.append("no config.yaml: the config is not shown")
 
@@ -412,6 +413,24 @@ def _samples(run: Run) -> str:
     if first == last:
         return _completions_at(run, first, "Only recorded step")
     return _completions_at(run, first, "First recorded step") + _completions_at(run, last, "Last recorded step")
+
+
+def _resumed_with_changes(path: Path, config: dict | None) -> list[str]:
+    """A note for each config.resumed-at-N.yaml (a resume with changed settings): what changed, and when."""
+    notes = []
+    for resumed in sorted(path.glob("config.resumed-at-*.yaml"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
+        step = resumed.name.removeprefix("config.resumed-at-").removesuffix(".yaml")
+        try:
+            later = yaml.safe_load(resumed.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            notes.append(f"{resumed.name} could not be read ({type(e).__name__})")
+            continue
+        if isinstance(later, dict) and isinstance(config, dict):
+            changed = [f"{key} {config.get(key)!r} -> {value!r}" for key, value in later.items()
+                       if config.get(key) != value and key not in RESUME_FIELDS]
+            notes.append(f"resumed at step {step} with changed settings: {'; '.join(changed) or 'none'} "
+                         "(the config below is the first one)")
+    return notes
 
 
 def _config(run: Run) -> str:

@@ -30,7 +30,7 @@ import yaml
 from covey import core
 from covey.answers import completion_text
 from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from covey.config import GRPOConfig
+from covey.config import RESUME_FIELDS, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
                         load_rows, shared_prompts)
@@ -568,9 +568,9 @@ class GRPOTrainer:
         first one beside it."""
         path, now = self.run_dir / "config.yaml", self.config_as_used
         if path.exists() and self.resume_from is not None:
-            where = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")  # how to continue, not what
             saved = yaml.safe_load(path.read_text())
-            if {k: v for k, v in saved.items() if k not in where} != {k: v for k, v in now.items() if k not in where}:
+            if ({k: v for k, v in saved.items() if k not in RESUME_FIELDS}
+                    != {k: v for k, v in now.items() if k not in RESUME_FIELDS}):
                 path = self.run_dir / f"config.resumed-at-{self.global_step}.yaml"
             else:
                 return
