@@ -94,7 +94,7 @@ def test_report_writes_one_valid_png_per_metric_and_a_self_contained_page(tmp_pa
     for expected in (*FUNCTIONS, "tiny-model", "62.5%", "+37.5 pts", "First recorded step: step 1",
                      "Last recorded step: step 30", "What is 30 + 3?", "beta</code>"):
         assert expected in text, expected
-    assert "Missing from this run" not in text
+    assert "Notes on this run" not in text
 
 
 def test_model_output_is_escaped_everywhere(tmp_path):
@@ -232,7 +232,7 @@ def test_report_of_a_real_tiny_training_run(tmp_path, tokenizer, tiny_model):
                                          "learning_rate"}  # beta 0: no KL
     assert len(image_sources(text)) == 6
     assert "count_a" in text and "held-out (greedy)" in text and "First recorded step: step" in text
-    assert "Missing from this run" not in text and "Not logged in this run, so not plotted: kl" in text
+    assert "Notes on this run" not in text and "Not logged in this run, so not plotted: kl" in text
 
 
 CHROMIUM = shutil.which("chromium")

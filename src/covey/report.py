@@ -466,7 +466,7 @@ def render_page(run: Run, plots: list[Plot]) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">', GENERATOR,
         f"<title>covey report: {_esc(run.path.name or run.path)}</title><style>{STYLE}</style></head><body>",
         f"<h1>covey run report</h1><p class=\"sub\">{_esc(run.path)}</p>", _facts(run),
-        f'<h2>Missing from this run</h2><ul class="notes">{notes}</ul>' if notes else "",
+        f'<h2>Notes on this run</h2><ul class="notes">{notes}</ul>' if notes else "",
         "<h2>Held-out evaluation</h2>", _evaluation(run),
         "<h2>Training curves</h2>",
         f'<div class="plots">{"".join(_figure_html(p) for p in plots)}</div>',
