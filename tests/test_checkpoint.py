@@ -61,9 +61,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, num_iterations=2, lr_scheduler_type="cosine",
-         warmup_ratio=0.2, weight_decay=0.1),
+         warmup_ratio=0.2, weight_decay=0.1, logging_steps=3),  # the checkpoint falls inside a logging interval
     dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]),
-], ids=["full", "kl-sync-ref-iterations-cosine", "lora"])
+], ids=["full", "kl-sync-ref-iterations-cosine-logging-3", "lora"])
 def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tokenizer, variant):
     whole = trainer_for(run_args(tmp_path / "whole", save_total_limit=None, **variant), tokenizer)
     whole.train()
@@ -254,6 +254,18 @@ def test_two_runs_set_up_at_once_never_share_a_folder(tmp_path, tokenizer, monke
     a.train()
     with pytest.raises(ConfigError, match="was taken by another run after this one was set up"):
         b.train()
+
+
+def test_logged_metrics_are_the_means_over_each_logging_interval(tmp_path, tokenizer):
+    settings = dict(max_steps=4, save_steps=0, lr_scheduler_type="cosine", beta=0.04)
+    trainer_for(run_args(tmp_path / "every", **settings), tokenizer).train()
+    trainer_for(run_args(tmp_path / "pairs", logging_steps=2, **settings), tokenizer).train()
+    every, pairs = learned_metrics(tmp_path / "every"), learned_metrics(tmp_path / "pairs")
+    assert [m["step"] for m in pairs] == [2, 4]
+    for logged, first, second in ((pairs[0], every[0], every[1]), (pairs[1], every[2], every[3])):
+        for key in ("loss", "reward", "kl", "entropy", "completions/mean_length", "grad_norm"):
+            assert logged[key] == pytest.approx((first[key] + second[key]) / 2, rel=1e-6), key
+        assert logged["learning_rate"] == second["learning_rate"] != first["learning_rate"]  # as of the step
 
 
 def test_resume_errors_are_clear_and_come_before_the_model_loads(tmp_path):

@@ -141,7 +141,7 @@ class GRPOConfig:
     # --- output ------------------------------------------------------------------------------
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
-    logging_steps: int = _f(1, "write metrics every this many optimizer steps")
+    logging_steps: int = _f(1, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
     log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
     num_completions_to_print: int = _f(4, "rows of the console completions table")

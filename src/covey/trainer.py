@@ -214,6 +214,7 @@ class GRPOTrainer:
         self.reward_metrics: dict[str, list[float]] = {}
         self.before: dict | None = None  # the evaluation before training
         self.history: list[dict] = []  # logged metrics, restored on resume
+        self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
         if self.resume_from is not None:
             self._restore(self.resume_from)
@@ -316,9 +317,11 @@ class GRPOTrainer:
                     self.reference.sync(args.ref_model_mixup_alpha)
                 timings["time/train"] = time.perf_counter() - t_train
                 step_time, start = time.perf_counter() - start, time.perf_counter()
+                self.unlogged_metrics.append(self._metrics(batch, stats, timings, step_time,
+                                                           time.perf_counter() - round_start))
                 if self.global_step % args.logging_steps == 0 or self.global_step == args.max_steps:
-                    log.log_metrics(self.global_step, self._metrics(batch, stats, timings, step_time,
-                                                                    time.perf_counter() - round_start))
+                    log.log_metrics(self.global_step, _interval_mean(self.unlogged_metrics))
+                    self.unlogged_metrics = []
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
         self._end_round(log, first_step, batch.records)
@@ -533,7 +536,8 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path."""
         state = {key: getattr(self, key) for key in RESUMED_ATTRIBUTES}
-        state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict())
+        state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict(),
+                     unlogged_metrics=self.unlogged_metrics)
         return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
                                self._moving_reference(), self.args.save_total_limit)
 
@@ -544,6 +548,7 @@ class GRPOTrainer:
             self.sampler.load_state_dict(state["sampler"])
             for key in RESUMED_ATTRIBUTES:
                 setattr(self, key, state[key])
+            self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
         except CheckpointError:
             raise
         except Exception as e:  # a damaged checkpoint, or one a different setup wrote
@@ -710,6 +715,19 @@ class GRPOTrainer:
 # the trainer's own state a checkpoint carries (besides model, optimizer, scheduler, data position, RNGs)
 RESUMED_ATTRIBUTES = ("global_step", "rounds_sampled", "bad_steps", "consecutive_bad_steps", "reward_errors",
                       "warned_reward_errors", "history", "before")
+# metrics that are a state or a running count: the last value of a logging interval, not its mean
+LAST_OF_INTERVAL = ("learning_rate", "bad_steps", "rewards/errors")
+
+
+def _interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of the steps since the last logged one, as TRL logs them: each the mean of its
+    finite values over those steps (NaN where it had none), but state and counts as of the last."""
+    merged = {}
+    for key in dict.fromkeys(k for step in steps for k in step):
+        values = [step[key] for step in steps if key in step]
+        finite = [v for v in values if math.isfinite(v)]
+        merged[key] = values[-1] if key in LAST_OF_INTERVAL else sum(finite) / len(finite) if finite else math.nan
+    return merged
 
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
                      "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
