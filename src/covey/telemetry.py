@@ -111,21 +111,24 @@ class RunLog:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """``value`` as indented JSON (NaN and inf as null), in one rename: a crash leaves no half file."""
+    """``value`` as indented JSON (NaN and inf as null), in one rename."""
     def cleaned(v: Any) -> Any:
         if isinstance(v, dict):
             return {k: cleaned(x) for k, x in v.items()}
         return [cleaned(x) for x in v] if isinstance(v, (list, tuple)) else _clean(v)
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(cleaned(value), indent=2))
-    tmp.replace(path)
+    _replace(path, json.dumps(cleaned(value), indent=2))
 
 
 def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
-    """Replace a JSON-lines file in one rename, so a crash leaves the old or the new file, never half of one."""
+    """Replace a JSON-lines file in one rename."""
+    _replace(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` in one rename, so a crash leaves the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.write_text(text)
     tmp.replace(path)
 
 

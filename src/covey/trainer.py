@@ -297,8 +297,8 @@ class GRPOTrainer:
         """One generation batch, then its optimizer steps: (micro-batches per generation /
         gradient_accumulation_steps) windows, each visited num_iterations times."""
         args = self.args
-        start, first_step = time.perf_counter(), self.global_step
-        round_start = start
+        round_start = start = time.perf_counter()
+        first_step = self.global_step
         batch, timings = self.generate_and_score()
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
         B = batch.loss_mask_BT.shape[0]
