@@ -50,8 +50,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
             raise ConfigError(f"unknown option {token.split('=', 1)[0]}{suggest_field(name)}; "
                               "see covey train --help")
         raise ConfigError(f"unexpected argument {token!r}; give at most one config file")
+    names = {f.name for f in config_fields()}
     unsettable = {f.name for f in config_fields() if "None" in str(f.type)}
-    overrides = {k: v for k, v in vars(namespace).items() if k in {f.name for f in config_fields()}}
+    overrides = {k: v for k, v in vars(namespace).items() if k in names}
     for name, value in overrides.items():  # an optional list given as the single word none: unset
         if name in unsettable and isinstance(value, list) and len(value) == 1 and str(value[0]).lower() in ("none", "null"):
             overrides[name] = None
