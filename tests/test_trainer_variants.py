@@ -9,6 +9,7 @@ import yaml
 from covey import GRPOConfig, GRPOTrainer, core
 from covey.cli import main
 from covey.errors import ConfigError
+from covey.models import add_lora, load_policy
 from covey.rewards import SoftOverlongPenalty, load_reward_func
 from covey.rollout import HFEngine
 from tests.conftest import make_model
@@ -80,6 +81,21 @@ def test_reference_sync_mixes_policy_into_reference(tmp_path, tokenizer):
     trainer.train()
     for name, param in trainer.model.named_parameters():
         assert torch.allclose(trainer.reference.frozen.get_parameter(name), 0.5 * param + 0.5 * ref_before[name])
+
+
+def test_reference_sync_is_refused_for_every_kind_of_lora_policy(tmp_path, tokenizer, tiny_model_dir):
+    """A LoRA policy's reference is its base with the adapter off: nothing to sync. Refused whether the
+    adapter comes from peft_config, from the model passed in, or from a saved adapter folder."""
+    from peft import LoraConfig
+
+    args = small_args(tmp_path, eval_max_samples=0, beta=0.1, sync_ref_model=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    adapted = add_lora(load_policy(str(tiny_model_dir)), 4, 8, 0.0, ["q_proj", "v_proj"])
+    adapted.save_pretrained(tmp_path / "adapter")
+    for model, peft_config in ((make_model(len(tokenizer)), lora), (adapted, None), (str(tmp_path / "adapter"), None)):
+        with pytest.raises(ConfigError, match="sync_ref_model cannot be used with a LoRA policy"):
+            GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS, processing_class=tokenizer,
+                        peft_config=peft_config, quiet=True)
 
 
 def test_no_reference_model_when_beta_is_zero(tmp_path, tokenizer):

@@ -48,6 +48,8 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
+SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
+                  "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
 
 
 @dataclass
@@ -195,8 +197,7 @@ class GRPOConfig:
         need(0 <= self.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
         need(not self.sync_ref_model or self.beta > 0,
              "sync_ref_model needs beta > 0: with beta 0 there is no reference model to sync")
-        need(not (self.sync_ref_model and self.use_peft),
-             "sync_ref_model cannot be used with use_peft: the reference is the base model with the adapter disabled")
+        need(not (self.sync_ref_model and self.use_peft), SYNC_WITH_LORA)
         need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
         need(self.reward_timeout is None or self.reward_timeout > 0, f"reward_timeout={self.reward_timeout} must be positive")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",

@@ -30,7 +30,7 @@ import yaml
 from covey import core
 from covey.answers import completion_text
 from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from covey.config import RESUME_FIELDS, GRPOConfig
+from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
                         load_rows, shared_prompts)
@@ -169,6 +169,8 @@ class GRPOTrainer:
         if self.eval_rows:
             check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
         check_trackers(args.report_to)
+        if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+            raise ConfigError(SYNC_WITH_LORA)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         self.run_dir = make_run_dir(args, self.resume_from)
@@ -183,6 +185,8 @@ class GRPOTrainer:
         self._encode_train_prompts()
 
         self.model = self._build_policy(model, peft_config)
+        if args.sync_ref_model and is_peft_model(self.model):  # a folder that held a LoRA adapter
+            raise ConfigError(SYNC_WITH_LORA)
         if model is None or isinstance(model, str):
             self.model_name = model or args.model
         else:
