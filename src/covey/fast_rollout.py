@@ -153,7 +153,15 @@ class FastEngine:
         return Rollout(tokens_BT, mask_BT, logp_BT.masked_fill(mask_BT == 0, 0.0), reasons)
 
     def _hits_stop(self, tokens_T: torch.Tensor, stop: tuple[str, ...]) -> bool:
-        # a stop string spans at most one token per byte of it, plus the token it may begin inside
+        # a stop string spans at most one token per byte of it, plus the token it may begin inside;
+        # special tokens decode to nothing, so they do not count towards that window
         window = max(len(s.encode()) for s in stop) + 1
-        tail = self.tokenizer.decode(tokens_T[-window:].tolist(), skip_special_tokens=True)
-        return any(s in tail for s in stop)
+        special = set(self.tokenizer.all_special_ids)
+        tail: list[int] = []
+        for token in reversed(tokens_T.tolist()):
+            tail.append(token)
+            window -= token not in special
+            if window == 0:
+                break
+        text = self.tokenizer.decode(tail[::-1], skip_special_tokens=True)
+        return any(s in text for s in stop)
