@@ -182,6 +182,15 @@ def test_stop_strings_end_a_completion(tokenizer, tiny_model):
     assert rollout.finish_reasons == ["stop"] * 2 and rollout.lengths_B.tolist() == [25] * 2
 
 
+def test_a_stop_string_is_found_across_special_tokens(tokenizer):
+    """Special tokens decode to nothing: a stop string split by several of them still ends the row."""
+    fast = FastEngine(None, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    a, b = (tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in "ab")
+    tokens = [a] + [tokenizer.bos_token_id] * 3 + [b]
+    assert tokenizer.decode(tokens, skip_special_tokens=True) == "ab"
+    assert [fast._hits_stop(torch.tensor(tokens[:t]), ("ab",)) for t in range(1, 6)] == [False] * 4 + [True]
+
+
 def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):
     _, fast = engines(tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
@@ -326,23 +335,40 @@ def test_lora_policy_samples_with_its_merged_weights(tokenizer, dtype, tolerance
     assert all(torch.equal(p, before[name]) for name, p in policy.named_parameters())  # the policy is untouched
 
 
-@pytest.mark.parametrize("options", [dict(target_modules=["q_proj", "lm_head"]),  # the tied head's own adapter
-                                     dict(target_modules=["q_proj", "v_proj"], lora_bias=True)])
-def test_adapters_beyond_plain_weights_sample_from_what_the_policy_computes(tokenizer, options):
-    from peft import LoraConfig, get_peft_model
+def _peft_config(kind: str):
+    from peft import IA3Config, LoraConfig
 
-    policy = get_peft_model(make_model(len(tokenizer), seed=6), LoraConfig(r=4, lora_alpha=8, **options))
-    with torch.no_grad():
+    if kind == "ia3":
+        return IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    options = {"head": dict(target_modules=["q_proj", "lm_head"]),  # the tied head's own adapter
+               "embedding": dict(target_modules=["q_proj", "embed_tokens"]),  # the tied embedding's
+               "lora_bias": dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
+               "trainable_tokens": dict(target_modules=["q_proj"], trainable_token_indices=[5, 9, 12])}[kind]
+    return LoraConfig(r=4, lora_alpha=8, **options)
+
+
+@pytest.mark.parametrize("kind, lean", [("head", True), ("embedding", True), ("lora_bias", False),
+                                        ("trainable_tokens", False), ("ia3", False)])
+def test_adapters_beyond_plain_weights_sample_from_what_the_policy_computes(tokenizer, kind, lean):
+    """The lean decoder where it merges the adapter exactly, the model's own forward elsewhere: either
+    way the tokens and log-probs of what the adapted policy computes, not of its base."""
+    from peft import get_peft_model
+
+    policy = get_peft_model(make_model(len(tokenizer), seed=6), _peft_config(kind))
+    with torch.no_grad():  # a trained adapter: every part that starts as a no-op moved
         for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    assert LeanDecoder.supports(policy, torch.float32) == ("lora_bias" not in options)
-    prompts = [[5, 6, 7, 8], [9, 10]]
+            if any(part in name for part in ("lora_B", "lora_embedding_", "trainable_tokens_delta", "ia3_l")):
+                param.normal_(1.0 if "ia3_l" in name else 0.0, 0.3)
+    assert LeanDecoder.supports(policy, torch.float32) == lean
+    prompts = [[5, 6, 7, 8], [9, 10, 12]]
     greedy = SamplingParams(max_new_tokens=6, greedy=True)
     fast = FastEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 2, greedy)
     hf = HFEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 2, greedy)
     assert torch.equal(fast.completion_ids_BT, hf.completion_ids_BT)
     assert torch.allclose(fast.sampling_logp_BT, hf.sampling_logp_BT, atol=1e-5)
+    with policy.disable_adapter():  # and the adapter does change what is sampled
+        base = HFEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(prompts, 2, greedy)
+    assert not torch.allclose(base.sampling_logp_BT, hf.sampling_logp_BT, atol=1e-3)
 
 
 def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokenizer):

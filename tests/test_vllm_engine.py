@@ -152,22 +152,39 @@ def test_lora_llama_weights_have_the_plain_model_names(tokenizer):
     assert all(torch.allclose(weights[n], merged[n], atol=1e-6, rtol=0) for n in merged)
 
 
-def test_a_tied_head_with_its_own_adapter_comes_apart_and_cannot_go_to_a_tied_copy(tokenizer):
+@pytest.mark.parametrize("adapted", ["lm_head", "embed_tokens"])
+def test_a_tied_head_and_embedding_come_apart_when_an_adapter_changes_either(tokenizer, adapted):
     from peft import LoraConfig, get_peft_model
 
     base = make_model(len(tokenizer))  # ties its head to the embedding
-    policy = _randomised(get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj", "lm_head"])))
+    policy = _randomised(get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj", adapted])))
     weights = dict(policy_weights(policy))
     assert list(weights) == [n for n, _ in base.named_parameters()] + ["lm_head.weight"]
-    with torch.no_grad():  # the head the adapted model computes with, the embedding left as it is
-        hidden = torch.randn(3, base.config.hidden_size)
-        assert torch.allclose(hidden @ weights["lm_head.weight"].T, policy.get_base_model().lm_head(hidden), atol=1e-5)
-    assert torch.equal(weights["model.embed_tokens.weight"], base.model.embed_tokens.weight)
-    with pytest.raises(ModelError, match="changes an output head tied to the input embedding"):
+    model = policy.get_base_model()
+    with torch.no_grad():  # each side is what the adapted model computes with
+        hidden, ids = torch.randn(3, base.config.hidden_size), torch.tensor([4, 9, 17])
+        assert torch.allclose(hidden @ weights["lm_head.weight"].T, model.lm_head(hidden), atol=1e-5)
+        assert torch.allclose(weights["model.embed_tokens.weight"][ids], model.model.embed_tokens(ids), atol=1e-5)
+    unchanged = "model.embed_tokens.weight" if adapted == "lm_head" else "lm_head.weight"
+    assert torch.equal(weights[unchanged], base.model.embed_tokens.weight)
+    with pytest.raises(ModelError, match=f"leave {adapted} out of lora_target_modules"):
         dict(policy_weights(policy, tied_copy=True))
-    # without an adapter on the head, the tied head is the embedding: nothing apart
+    # without an adapter on either, the tied head is the embedding: nothing apart
     plain = _randomised(add_lora(copy.deepcopy(base), 4, 8, 0.0, ["all-linear"]))
     assert "lm_head.weight" not in dict(policy_weights(plain, tied_copy=True))
+
+
+def test_adapters_other_than_plain_lora_are_refused(tokenizer):
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    ia3 = get_peft_model(make_model(len(tokenizer)), IA3Config(target_modules=["k_proj", "down_proj"],
+                                                                feedforward_modules=["down_proj"]))
+    with pytest.raises(ModelError, match="adapter 'default' is IA3, not LoRA"):
+        dict(policy_weights(ia3))
+    tokens = get_peft_model(make_model(len(tokenizer)), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                   trainable_token_indices=[5]))
+    with pytest.raises(ModelError, match="trainable_token_indices"):
+        dict(policy_weights(tokens))
 
 
 def test_a_lora_bias_on_a_layer_without_one_is_refused(tokenizer):

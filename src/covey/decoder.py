@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from covey.models import cache_keyword, plain_model, policy_weights
+from covey.models import cache_keyword, is_peft_model, lora_merge_blocker, plain_model, policy_weights
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -118,6 +118,7 @@ class LeanDecoder:
                 and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "use_sliding_window", False)
                 and getattr(config, "pretraining_tp", 1) in (None, 1)
+                and not (is_peft_model(model) and lora_merge_blocker(model))
                 and not any(getattr(c, "use_dora", False) or getattr(c, "lora_bias", False)
                             for c in getattr(model, "peft_config", {}).values()))
 

@@ -234,35 +234,56 @@ def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[
     yields W + scale * B @ A for each adapted layer. One tensor at a time, and the training model is
     never modified (merging in place and back would drift the base weights in floating point).
 
-    A tied output head with a LoRA adapter of its own computes with a matrix the embedding does not
-    hold: it comes as ``lm_head.weight`` beside the embedding. ``tied_copy``: the weights go to a
-    plain copy of the model that ties its head (vLLM, a covey server), where such a head has no
-    place: an error."""
+    A tied input embedding and output head stop sharing a matrix when an adapter changes either
+    side: the head then comes as ``lm_head.weight`` beside the embedding. ``tied_copy``: the weights
+    go to a plain copy of the model that ties its head (vLLM, a covey server), where such a head has
+    no place: an error. Adapters other than plain LoRA: an error (``lora_merge_blocker``)."""
     if not is_peft_model(model):
         for name, param in model.named_parameters():
             yield name, param.detach()
         return
     from peft.tuners.lora import LoraLayer
 
+    if blocker := lora_merge_blocker(model):
+        raise ModelError(f"{blocker}: covey merges plain LoRA adapters only into the weights it samples with; "
+                         "train with a LoraConfig, or sample with rollout_engine: fast (or hf)")
     base = model.get_base_model()
     adapters = list(model.active_adapters)
     lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    seen: set[int] = set()
+    changed_by: dict[int, str] = {}  # each tensor met so far: the layer whose adapter changes it there ("" if none)
     for name, param in base.named_parameters(remove_duplicate=False):
         target = base_parameter_name(name, adapters)
         if target is None:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = lora_layers.get(owner) if owner else None
-        if id(param) in seen:  # a tensor met before under another name: a tied head
-            if layer is None or not _adds_delta(layer):
-                continue
+        changer = owner if layer is not None and _adds_delta(layer) else ""
+        if id(param) in changed_by:  # a tensor met before under another name: a tied head and embedding
+            changer = changer or changed_by[id(param)]
+            if not changer:
+                continue  # both compute with the same matrix: one tensor
+            # an adapter on either side makes the two matrices differ: each comes under its own name
             if tied_copy:
-                raise ModelError(f"the LoRA adapter on {owner} changes an output head tied to the input embedding, "
-                                 "which a plain copy of the model (vLLM, a covey server) cannot hold apart; leave "
-                                 "lm_head out of lora_target_modules, or sample with rollout_engine: fast")
-        seen.add(id(param))
+                raise ModelError(f"the LoRA adapter on {changer} changes one side of an input embedding and output "
+                                 "head that share a matrix, which a plain copy of the model (vLLM, a covey server) "
+                                 f"cannot hold apart; leave {changer.rpartition('.')[2]} out of lora_target_modules, "
+                                 "or sample with rollout_engine: fast")
+        else:
+            changed_by[id(param)] = changer
         yield target, _merged(layer, leaf, param) if layer is not None else param.detach()
+
+
+def lora_merge_blocker(model: torch.nn.Module) -> str | None:
+    """Why the active adapters of a PEFT model cannot be merged into plain weights, or None: covey
+    merges plain LoRA (DoRA and lora_bias are refused where they are merged)."""
+    for adapter in model.active_adapters:
+        config = model.peft_config[adapter]
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        if kind != "LORA":
+            return f"adapter {adapter!r} is {kind}, not LoRA"
+        if getattr(config, "trainable_token_indices", None):
+            return f"adapter {adapter!r} trains token embeddings of its own (trainable_token_indices)"
+    return None
 
 
 class Reference:
