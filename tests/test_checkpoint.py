@@ -237,6 +237,19 @@ def test_overwrite_output_dir_clears_the_previous_runs_outputs_and_nothing_else(
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, tokenizer):
+    folder = tmp_path / "experiment"
+    folder.mkdir()
+    mine = "# my experiment\nlearning_rate: 1.0e-5\n"
+    (folder / "config.yaml").write_text(mine)
+    with pytest.raises(ConfigError, match="was not saved by a covey run"):
+        trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer)
+    assert (folder / "config.yaml").read_text() == mine
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        trainer_for(run_args(tmp_path / "a_file", max_steps=1), tokenizer)
+
+
 def test_two_runs_set_up_at_once_never_share_a_folder(tmp_path, tokenizer, monkeypatch):
     import covey.run_folder
 

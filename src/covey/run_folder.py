@@ -4,10 +4,13 @@ there or is told to overwrite, and then only a previous run's own outputs are cl
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
+
+import yaml
 
 from covey.checkpoint import CHECKPOINTS, checkpoint_dirs, step_of
 from covey.config import GRPOConfig
@@ -66,9 +69,27 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
 
 
 def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
-    if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite_output_dir:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output_dir {run_dir} is a file, not a folder; give the folder the run should write in")
+    if not (run_dir.exists() and any(run_dir.iterdir())):
+        return
+    if not args.overwrite_output_dir:
         raise ConfigError(f"output_dir {run_dir} already holds files; choose a new output_dir "
                           "(nothing is overwritten unless you pass --overwrite-output-dir true)")
+    config = run_dir / "config.yaml"
+    if config.exists() and not _saved_by_a_run(config):
+        raise ConfigError(f"{config} was not saved by a covey run (your own config?), and overwrite_output_dir would "
+                          "replace it: move it out of the folder, or choose a new output_dir")
+
+
+def _saved_by_a_run(config: Path) -> bool:
+    """Whether a run folder's config.yaml is a run's own: every config field, as a run saves it (or
+    empty: a run that stopped before saving it)."""
+    try:
+        saved = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return saved is None or isinstance(saved, dict) and {f.name for f in dataclasses.fields(GRPOConfig)} <= set(saved)
 
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
