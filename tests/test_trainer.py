@@ -1,6 +1,7 @@
 """End to end on a tiny random Llama built in the test: no download, seconds per run."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 import yaml
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.errors import ConfigError, DataError, RewardError
+from covey.errors import ConfigError, DataError, ModelError, RewardError
 from tests.conftest import make_model
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
@@ -147,6 +148,17 @@ def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, reward_weights=[1, 2]), train_dataset=ROWS)
     with pytest.raises(RewardError, match="not a built-in"):
         GRPOTrainer(reward_funcs=["nonexistent_reward"], args=small_args(tmp_path), train_dataset=ROWS)
+
+
+def test_a_model_that_cannot_be_found_is_a_clear_error(tmp_path, tiny_model_dir):
+    missing = tmp_path / "typo-model"
+    for name, why in ((str(missing), f"there is no folder {missing}. Pass"), ("nobody/no-such-model", "")):
+        with pytest.raises(ModelError, match=f"could not load model '{re.escape(name)}': {re.escape(why)}"):
+            GRPOTrainer(model=name, reward_funcs=[count_a], args=small_args(tmp_path / "run"), train_dataset=ROWS)
+    (tiny_model_dir / "config.json").unlink()  # a folder with a tokenizer but no model
+    with pytest.raises(ModelError, match="could not load model"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[count_a], args=small_args(tmp_path / "run"),
+                    train_dataset=ROWS)
 
 
 def test_prompt_longer_than_the_limit_is_reported(tmp_path, tokenizer, tiny_model):

@@ -86,7 +86,10 @@ def resolve_model_path(name: str) -> str:
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _not_loaded(name_or_path, e) from e
     prepare_tokenizer(tokenizer)
     return tokenizer
 
@@ -150,9 +153,16 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return model.to(default_device())
-    except OSError as e:
-        raise ModelError(f"could not load model {name_or_path!r}: {e}. Pass a hub id, a local folder with "
-                         "config.json and weights, or leave `model` at its default (the embedded model)") from e
+    except (OSError, ValueError) as e:
+        raise _not_loaded(name_or_path, e) from e
+
+
+def _not_loaded(name_or_path: str, e: Exception) -> ModelError:
+    path = Path(name_or_path).expanduser()
+    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1
+    why = f"there is no folder {path}" if looks_local and not path.exists() else str(e).strip().rstrip(".")
+    return ModelError(f"could not load model {name_or_path!r}: {why}. Pass a hub id, a local folder with "
+                      "config.json and weights, or leave `model` at its default (the embedded model)")
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
