@@ -98,6 +98,11 @@ def test_reference_sync_is_refused_for_every_kind_of_lora_policy(tmp_path, token
                         peft_config=peft_config, quiet=True)
 
 
+def test_lora_targets_that_the_model_lacks_are_named_with_the_ones_it_has(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match=r"lora_target_modules \['nosuch_proj'\] do not fit .* down_proj, .*q_proj"):
+        trainer_for(tmp_path, tokenizer, use_peft=True, lora_target_modules=["nosuch_proj"])
+
+
 def test_no_reference_model_when_beta_is_zero(tmp_path, tokenizer):
     assert trainer_for(tmp_path, tokenizer, beta=0.0).reference is None
 
@@ -245,6 +250,8 @@ def test_loss_type_choices_match_the_core_table():
     (dict(clip_ratio_c=0.5), "clip_ratio_c"),
     (dict(sync_ref_model=True), "sync_ref_model needs beta > 0"),
     (dict(top_entropy_quantile=0), "top_entropy_quantile"),
+    (dict(use_peft=True, lora_target_modules=[]), "lora_target_modules is empty"),
+    (dict(seed=10**20), "seed=100000000000000000000 is too large"),
 ])
 def test_incompatible_variant_settings(values, message):
     with pytest.raises(ConfigError, match=message):

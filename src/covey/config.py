@@ -222,6 +222,9 @@ class GRPOConfig:
         need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
              f"LoRA settings out of range: lora_r={self.lora_r} (>= 1), lora_alpha={self.lora_alpha} (> 0), "
              f"lora_dropout={self.lora_dropout} (in [0, 1))")
+        need(not self.use_peft or bool(self.lora_target_modules),
+             "lora_target_modules is empty: name the modules LoRA wraps (q_proj, v_proj, ...) or use all-linear")
+        need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
              f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
              f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")

