@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +236,15 @@ def test_overwrite_output_dir_clears_the_previous_runs_outputs_and_nothing_else(
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["checkpoint-2"]
     assert [m["step"] for m in learned_metrics(tmp_path / "run")] == [1, 2]
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_resuming_from_beyond_max_steps_is_refused(tmp_path, tokenizer):
+    trainer_for(run_args(tmp_path / "run", max_steps=4), tokenizer).train()
+    loose = tmp_path / "copied"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "checkpoint-4", loose)
+    for where in ("auto", str(loose)):
+        with pytest.raises(ConfigError, match="is at step 4, beyond max_steps=3: raise max_steps"):
+            trainer_for(run_args(tmp_path / "run", max_steps=3, resume_from_checkpoint=where), tokenizer)
 
 
 def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, tokenizer):

@@ -1,5 +1,6 @@
 """End to end on a tiny random Llama built in the test: no download, seconds per run."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -148,6 +149,9 @@ def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, reward_weights=[1, 2]), train_dataset=ROWS)
     with pytest.raises(RewardError, match="not a built-in"):
         GRPOTrainer(reward_funcs=["nonexistent_reward"], args=small_args(tmp_path), train_dataset=ROWS)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="needs vLLM, which is not installed"):
+            GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, use_vllm=True), train_dataset=ROWS)
 
 
 def test_a_model_that_cannot_be_found_is_a_clear_error(tmp_path, tiny_model_dir):

@@ -42,8 +42,13 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 
 def step_of(checkpoint: Path) -> int:
-    """The optimizer step a checkpoint folder was written at."""
+    """The optimizer step a checkpoint folder was written at, from its name."""
     return int(checkpoint.name[len(PREFIX):])
+
+
+def saved_step(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint folder was written at, from its state (whatever the folder's name)."""
+    return int(json.loads((checkpoint / "state.json").read_text())["step"])
 
 
 def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:

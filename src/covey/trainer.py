@@ -29,7 +29,7 @@ import yaml
 
 from covey import core
 from covey.answers import completion_text
-from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, saved_step
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
@@ -45,6 +45,7 @@ from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make
 from covey.run_folder import claim_run_dir, config_as_used, make_run_dir
 from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
+from covey.vllm_engine import check_vllm_installed
 from covey.text import decode_completions, encode_prompts
 
 
@@ -169,10 +170,16 @@ class GRPOTrainer:
         if self.eval_rows:
             check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
         check_trackers(args.report_to)
+        if rollout_engine is None and args.rollout_engine == "vllm" and args.vllm_mode == "colocate":
+            check_vllm_installed()
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
+        if self.resume_from is not None and saved_step(self.resume_from) > args.max_steps:
+            raise ConfigError(f"{self.resume_from} is at step {saved_step(self.resume_from)}, beyond max_steps="
+                              f"{args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
+                              "checkpoint")
         self.run_dir = make_run_dir(args, self.resume_from)
         torch.manual_seed(args.seed)
 

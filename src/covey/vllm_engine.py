@@ -13,6 +13,7 @@ weights are ``covey.models.policy_weights``) is a plain function here, so it is 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import socket
@@ -135,11 +136,20 @@ def _single_process_group_env() -> None:
         os.environ.setdefault(key, value)
 
 
+NOT_INSTALLED = f"rollout_engine: vllm needs vLLM, which is not installed; {INSTALL_HINT}"
+
+
+def check_vllm_installed() -> None:
+    """The error ``import_vllm`` would give, without importing vLLM: for the checks before any model loads."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(NOT_INSTALLED)
+
+
 def import_vllm():
     try:
         import vllm
     except ImportError:
-        raise ConfigError(f"rollout_engine: vllm needs vLLM, which is not installed; {INSTALL_HINT}") from None
+        raise ConfigError(NOT_INSTALLED) from None
     return vllm
 
 
