@@ -137,3 +137,52 @@ def test_the_answer_after_reasoning_is_what_follows_the_last_closing_tag(complet
     from covey.text import answer_after_reasoning
 
     assert answer_after_reasoning(completion) == answer
+
+
+def test_gsm8k_format_keeps_the_other_columns_for_the_rewards(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "so\\n#### 2", "difficulty": 3}\n')
+    (row,) = load_rows(str(path))
+    assert row["prompt"][-1]["content"] == "1+1?"
+    assert {k: v for k, v in row.items() if k != "prompt"} == {"answer": "2", "solution": "so\n#### 2", "difficulty": 3}
+    path.write_text('{"question": "1+1?", "answer": "so\\n#### 2", "solution": "mine"}\n')
+    with pytest.raises(DataError, match=r"gsm.jsonl, row 0: .*column 'solution'.*rename that column"):
+        load_rows(str(path))
+
+
+@pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids", "trainer_state", "log_metric",
+                                    "log_extra"])
+def test_a_column_named_like_a_trainer_reward_argument_is_refused(tmp_path, column):
+    path = tmp_path / "clash.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4", column: "x"}) + "\n")
+    with pytest.raises(DataError, match=rf"clash.jsonl: column '{column}' has the name of an argument.*rename the column"):
+        load_rows(str(path))
+    gsm8k = [{"question": "2+2?", "answer": "#### 4", column: "x"}]
+    with pytest.raises(DataError, match=f"column '{column}'"):
+        load_rows(gsm8k)
+
+
+def test_file_endings_in_any_case_and_gzip_compressed(tmp_path):
+    import gzip
+
+    rows = [{"prompt": "q", "answer": "1"}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "CHAT.JSONL").write_text(lines)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "d.Json.GZ").write_bytes(gzip.compress(json.dumps(rows).encode()))
+    (tmp_path / "d.csv.gz").write_bytes(gzip.compress(b"prompt,answer\nq,one\n"))
+    for name in ("CHAT.JSONL", "d.jsonl.gz", "d.Json.GZ"):
+        assert load_rows(str(tmp_path / name)) == rows
+    assert load_rows(str(tmp_path / "d.csv.gz")) == [{"prompt": "q", "answer": "one"}]
+    with pytest.raises(DataError, match="does not exist"):
+        load_rows(str(tmp_path / "nope.CSV.gz"))
+
+
+def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tokenizer):
+    from covey.text import encode_prompts
+
+    tokenizer.chat_template = None  # a base model's tokenizer
+    assert encode_prompts(tokenizer, ["1+1="], 16) == [tokenizer("1+1=", add_special_tokens=False)["input_ids"]]
+    chats = ["1+1=", [{"role": "user", "content": "1+1?"}]]
+    with pytest.raises(DataError, match=r"train_dataset, row 1: .*no chat template.*plain-string prompts"):
+        encode_prompts(tokenizer, chats, 16, "train_dataset")

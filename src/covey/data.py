@@ -13,21 +13,24 @@ from typing import Any, Iterator
 from covey import tasks
 from covey.errors import DataError
 
-LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# file name endings (in any case) and the loader of each; datasets' loaders read gzip-compressed text files as they are
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                 ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
 
 
 def load_rows(spec: Any, split: str = "train") -> list[dict]:
-    """Rows from a built-in task name, a local JSONL/CSV/Parquet file, a Hugging Face dataset id,
-    or an in-memory list / ``datasets.Dataset``. GSM8K-format data (question, answer with '####')
-    is turned into chat prompts automatically."""
+    """Rows from a built-in task name, a local JSONL/JSON/CSV/Parquet file (JSONL, JSON and CSV also
+    gzip-compressed, .gz), a Hugging Face dataset id, or an in-memory list / ``datasets.Dataset``.
+    GSM8K-format data (question, answer with '####') is turned into chat prompts automatically,
+    keeping its other columns."""
     if isinstance(spec, str):
         if spec in tasks.TASKS:
             return tasks.TASKS[spec]("test" if split == "test" else "train")
-        path = Path(spec)
-        if path.suffix in LOCAL_FORMATS:
+        path, file_format = Path(spec), local_format(spec)
+        if file_format is not None:
             if not path.is_file():
                 raise DataError(f"dataset file {path} does not exist")
-            rows = _load_with_datasets(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+            rows = _load_with_datasets(file_format, data_files=str(path), split="train")
         else:
             rows = _load_with_datasets(spec, split=split)
         source = spec
@@ -39,6 +42,13 @@ def load_rows(spec: Any, split: str = "train") -> list[dict]:
     return rows
 
 
+def local_format(name: str) -> str | None:
+    """The datasets loader for a local file of this name ("json", "csv", "parquet"), by its ending
+    in any case (data.JSONL, data.csv.gz); None for a name that is not a local file format."""
+    lowered = name.lower()
+    return next((loader for ending, loader in LOCAL_FORMATS.items() if lowered.endswith(ending)), None)
+
+
 def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
     import datasets
 
@@ -47,7 +57,8 @@ def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
         return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
     except Exception as e:  # datasets raises many types; all mean "could not get this data"
         raise DataError(f"could not load dataset {args[0]!r}: {e}. Use a built-in task ({', '.join(tasks.TASKS)}), "
-                        "a local .jsonl/.csv/.parquet file, or a Hugging Face dataset id") from e
+                        "a local .jsonl/.json/.csv/.parquet file (the first three also .gz), or a Hugging Face "
+                        "dataset id") from e
 
 
 def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test") -> list[dict] | None:
@@ -72,12 +83,20 @@ def shared_prompts(train_rows: list[dict], eval_rows: list[dict]) -> int:
 
 
 def check_rows(rows: list[dict], source: str) -> None:
-    """Every row has a non-empty prompt in chat or plain format, and the same columns."""
+    """Every row has a non-empty prompt in chat or plain format, and the same columns, none of them
+    named like an argument the trainer itself passes to reward functions."""
+    from covey.rewards import TRAINER_REWARD_ARGS
+
     if not rows:
         raise DataError(f"{source}: the dataset is empty")
     if "prompt" not in rows[0]:
         raise DataError(f"{source}: no 'prompt' column (columns: {', '.join(rows[0]) or 'none'}); rename the column "
                         "holding the prompts to 'prompt', or give GSM8K-style 'question'/'answer' columns")
+    reserved = next((column for column in rows[0] if column in TRAINER_REWARD_ARGS), None)
+    if reserved is not None:
+        raise DataError(f"{source}: column {reserved!r} has the name of an argument the trainer passes to every reward "
+                        f"function ({', '.join(sorted(TRAINER_REWARD_ARGS))}); rename the column, and the reward "
+                        "function parameter that reads it")
     columns = set(rows[0])
     for i, row in enumerate(rows):
         if set(row) != columns:

@@ -49,17 +49,28 @@ def gsm8k_final_answer(solution: str) -> str:
     return solution.split("####")[-1].strip().replace(",", "")
 
 
+GSM8K_MADE_COLUMNS = ("prompt", "solution")  # what gsm8k_rows makes of a record's question and answer, beside `answer`
+
+
 def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
-    """GSM8K-format records ({question, answer with '#### N'}) as chat prompts with an `answer` column."""
+    """GSM8K-format records ({question, answer with '#### N'}) as chat prompts with an `answer` column
+    (the final number) and a `solution` column (the full answer text). Every other column is kept
+    as it is, for the reward functions; a record that has a `prompt` or `solution` column of its
+    own is an error, as covey would overwrite it."""
     rows = []
     for i, record in enumerate(records):
+        clash = next((column for column in GSM8K_MADE_COLUMNS if column in record), None)
+        if clash is not None:
+            raise DataError(f"{source}, row {i}: GSM8K-format data (question, answer) has a column {clash!r}, which "
+                            "covey makes from the question and answer; rename that column")
         try:
             answer = gsm8k_final_answer(record["answer"])
         except (KeyError, ValueError) as e:
             raise DataError(f"{source}, row {i}: not GSM8K format ({e}); expected 'question' and an 'answer' "
                             "ending in '#### <number>'") from None
+        others = {key: value for key, value in record.items() if key not in ("question", "answer")}
         rows.append({"prompt": chat_prompt(GSM8K_SYSTEM_PROMPT, record["question"]), "answer": answer,
-                     "solution": record["answer"]})
+                     "solution": record["answer"], **others})
     return rows
 
 

@@ -15,6 +15,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
     turn opened), plain strings as they are. A prompt over ``max_prompt_length`` is an error
     (``overflow="error"``), None (``"drop"``), or keeps its last max_prompt_length tokens
     (``"truncate_left"``); the indices of such prompts are appended to ``overflowed``."""
+    check_chat_template(tokenizer, prompts, source)
     encoded: list[list[int] | None] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -32,6 +33,16 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
             ids = None if overflow == "drop" else ids[-max_prompt_length:]
         encoded.append(ids)
     return encoded
+
+
+def check_chat_template(tokenizer, prompts: list, source: str) -> None:
+    """Chat prompts need a tokenizer with a chat template (a base model's has none)."""
+    chat = next((i for i, prompt in enumerate(prompts) if not isinstance(prompt, str)), None)
+    if chat is not None and not getattr(tokenizer, "chat_template", None):
+        model = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise DataError(f"{source}, row {chat}: the prompts are chats (lists of messages), but the tokenizer of "
+                        f"{model} has no chat template (a base model?); give plain-string prompts, or use a model "
+                        "whose tokenizer has a chat template (an instruct/chat model)")
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
