@@ -44,6 +44,11 @@ def test_train_from_yaml_with_overrides_and_user_rewards_then_eval(tmp_path, tin
     assert "n=3" in capsys.readouterr().out
     assert main(["eval", str(run), "--eval-max-samples", "5"]) == 0
     assert "n=5" in capsys.readouterr().out
+    # resumed with changed settings: the config of the last resume is the one the run ended with
+    for step, n in ((10, 4), (9, 2)):
+        (run / f"config.resumed-at-{step}.yaml").write_text(resolved.replace("eval_max_samples: 3", f"eval_max_samples: {n}"))
+    assert main(["eval", str(run)]) == 0
+    assert "n=4" in capsys.readouterr().out
 
 
 def test_missing_config_file_and_bad_dataset_are_one_line_errors(tmp_path, capsys):
@@ -75,6 +80,13 @@ def test_verify_and_generate_commands(tmp_path, tiny_model_dir, capsys):
     assert len(lines) == 8 and {"prompt", "completion", "rewards", "reward", "advantage"} <= set(lines[0])
     assert abs(sum(line["advantage"] for line in lines[:4])) < 1e-4
     assert "advantage" in capsys.readouterr().out
+    # the file is not replaced unless asked, and a place it cannot go is refused before anything is sampled
+    assert main(["generate", str(config), "--num-prompts", "1", "--json", str(out_file)]) == 2
+    assert "already exists: pass --overwrite" in capsys.readouterr().err and len(out_file.read_text().splitlines()) == 8
+    assert main(["generate", str(config), "--num-prompts", "1", "--json", str(out_file), "--overwrite"]) == 0
+    assert len(out_file.read_text().splitlines()) == 4
+    assert main(["generate", str(config), "--json", str(tmp_path / "no" / "such.jsonl")]) == 2
+    assert f"there is no folder {tmp_path / 'no'}" in capsys.readouterr().err
 
 
 def test_verify_exit_code_names_the_failing_stage(tmp_path, tiny_model_dir, capsys, monkeypatch):

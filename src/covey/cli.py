@@ -67,10 +67,19 @@ def _parse_command(prog: str, description: str, argv: list[str], num_prompts_hel
         parser.add_argument("--num-prompts", type=int, default=2, help=num_prompts_help)
     if json_output:
         parser.add_argument("--json", metavar="FILE", help="also write one JSON line per completion to FILE ('-' = stdout)")
+        parser.add_argument("--overwrite", action="store_true", help="replace the --json FILE if it exists")
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     if num_prompts_help and namespace.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
+    if json_output and namespace.json not in (None, "-"):  # before the sampling, not after it
+        out = Path(namespace.json)
+        if out.is_dir():
+            raise ConfigError(f"--json {out} is a folder: name a file")
+        if out.exists() and not namespace.overwrite:
+            raise ConfigError(f"--json {out} already exists: pass --overwrite to replace it, or name another file")
+        if not out.parent.is_dir():
+            raise ConfigError(f"--json {out}: there is no folder {out.parent} to write it in")
     return namespace, overrides
 
 
@@ -94,10 +103,12 @@ def cmd_eval(argv: list[str]) -> int:
         "covey eval", "Greedy held-out accuracy and mean reward of a model or run folder.", argv)
     config_path = namespace.config
     run_dir = Path(config_path) if config_path and Path(config_path).is_dir() else None
-    if run_dir is not None:  # a run folder: its config, its final model
+    if run_dir is not None:  # a run folder: its config (the last resume's, if it changed any), its final model
+        from covey.run_folder import resumed_configs
+
         if not (run_dir / "config.yaml").is_file() or not (run_dir / "final_model").is_dir():
             raise ConfigError(f"{run_dir} is not a finished run folder (needs config.yaml and final_model/)")
-        config_path = str(run_dir / "config.yaml")
+        config_path = str(([run_dir / "config.yaml"] + [path for _, path in resumed_configs(run_dir)])[-1])
         overrides.setdefault("model", str(run_dir / "final_model"))
     overrides.setdefault("use_peft", False)  # a saved adapter is loaded as it is, not wrapped again
     args = _load_config(config_path, overrides)

@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator
 from covey.config import RESUME_FIELDS, GRPOConfig
 from covey.errors import ConfigError, DataError
 from covey.evaluation import before_after_rows
+from covey.run_folder import resumed_configs
 from covey.text import prompt_text
 
 SMOOTH_FROM = 20  # with at least this many points, raw values are drawn faintly under a moving average
@@ -418,8 +419,7 @@ def _samples(run: Run) -> str:
 def _resumed_with_changes(path: Path, config: dict | None) -> list[str]:
     """A note for each config.resumed-at-N.yaml (a resume with changed settings): what changed, and when."""
     notes = []
-    for resumed in sorted(path.glob("config.resumed-at-*.yaml"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
-        step = resumed.name.removeprefix("config.resumed-at-").removesuffix(".yaml")
+    for step, resumed in resumed_configs(path):
         try:
             later = yaml.safe_load(resumed.read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as e:

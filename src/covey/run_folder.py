@@ -5,6 +5,7 @@ there or is told to overwrite, and then only a previous run's own outputs are cl
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -90,6 +91,13 @@ def _saved_by_a_run(config: Path) -> bool:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     return saved is None or isinstance(saved, dict) and {f.name for f in dataclasses.fields(GRPOConfig)} <= set(saved)
+
+
+def resumed_configs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of each config.resumed-at-N.yaml of a run folder (a resume with changed settings), by step."""
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("config.resumed-at-*.yaml")
+             if (m := re.fullmatch(r"config\.resumed-at-(\d+)\.yaml", p.name))]
+    return sorted(found)
 
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
