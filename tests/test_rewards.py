@@ -1,4 +1,7 @@
+import functools
 import math
+import re
+import sys
 import textwrap
 
 import numpy
@@ -9,7 +12,9 @@ from covey.code_reward import program_of
 from covey.errors import RewardError
 from covey.core import weighted_reward_sum
 from covey.answers import is_correct, last_number, parse_number
-from covey.rewards import answer_correct, answer_format, load_reward_func, score_completions
+from covey.reward_pool import RewardPool
+from covey.rewards import (SoftOverlongPenalty, answer_correct, answer_format, check_reward_signature, load_reward_func,
+                           preflight_check, score_completions)
 
 
 def chat(text):
@@ -123,6 +128,88 @@ def test_bad_reward_references_are_explained(spec, message):
         load_reward_func(spec)
 
 
+def test_a_reward_file_imports_the_files_beside_it_when_loaded_and_when_called(tmp_path):
+    (tmp_path / "scoring_helpers_beside.py").write_text("def score(text):\n    return float(len(text))\n")
+    (tmp_path / "late_helpers_beside.py").write_text("BONUS = 1.0\n")
+    (tmp_path / "rewards.py").write_text(textwrap.dedent("""
+        from scoring_helpers_beside import score
+
+        def by_length(completions, **kwargs):
+            from late_helpers_beside import BONUS  # imported only when called
+            return [score(c) + BONUS for c in completions]
+    """))
+    path_before = list(sys.path)
+    try:
+        assert load_reward_func(f"{tmp_path / 'rewards.py'}:by_length")(completions=["ab"]) == [3.0]
+        assert sys.path == path_before + [str(tmp_path)]  # at the end: no installed package is shadowed
+    finally:
+        sys.path[:] = path_before
+        for name in ("scoring_helpers_beside", "late_helpers_beside"):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f(completions, **kw)\n    return []\n", r"raised SyntaxError: .*; fix the file"),
+    ("import no_such_module_xyz\n", r"raised ModuleNotFoundError: No module named 'no_such_module_xyz'; install"),
+    ("raise RuntimeError('no API key')\n", r"raised RuntimeError: no API key; fix the file"),
+])
+def test_a_reward_file_that_fails_to_load_is_explained(tmp_path, source, message):
+    (tmp_path / "broken.py").write_text(source)
+    spec = f"{tmp_path / 'broken.py'}:f"
+    where = re.escape(f"reward function '{spec}': loading {tmp_path / 'broken.py'} ")
+    with pytest.raises(RewardError, match=where + message):
+        load_reward_func(spec)
+
+
+def test_a_reward_module_that_raises_on_import_is_explained(tmp_path, monkeypatch):
+    (tmp_path / "raises_on_import_xyz.py").write_text("x = 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="importing module 'raises_on_import_xyz' raised ZeroDivisionError"):
+        load_reward_func("raises_on_import_xyz:f")
+
+
+def test_preflight_refuses_a_reward_without_kwargs_before_any_model_is_loaded():
+    def strict(completions, answer):
+        return [1.0] * len(completions)
+
+    pattern = (r"reward function 'strict' cannot take the trainer's call: it does not accept the keyword argument\(s\) "
+               r"'prompts', 'completion_ids', 'trainer_state', 'log_metric', 'log_extra'; add \*\*kwargs .* TRL's "
+               r"convention: def strict\(completions, answer, \*\*kwargs\)")
+    with pytest.raises(RewardError, match=pattern):
+        preflight_check([strict], ["p1", "p2"], {"answer": ["1", "2"]})
+
+    def needs_tests(completions, tests, **kwargs):
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"'needs_tests' .* requires 'tests', which is neither a dataset column "
+                                          r"\(the data has: answer\)"):
+        preflight_check([needs_tests], ["p1", "p2"], {"answer": ["1", "2"]})
+
+
+def test_preflight_passes_the_rewards_that_take_the_call():
+    from covey.code_reward import CodeTests
+
+    def with_bonus(completions, answer, bonus, **kwargs):
+        return [bonus] * len(completions)
+
+    async def remote(prompts, completions, **kwargs):
+        return [0.5] * len(completions)
+
+    def strict(completions, answer):
+        return [1.0] * len(completions)
+
+    @functools.wraps(strict)
+    def tolerant(**kwargs):  # a decorator that passes on only what the function takes
+        return strict(kwargs["completions"], kwargs["answer"])
+
+    funcs = [answer_format, answer_correct, SoftOverlongPenalty(8, 4), functools.partial(with_bonus, bonus=1.0), remote,
+             tolerant]
+    preflight_check(funcs, ["p1", "p2"], {"answer": ["1", "2"]})
+    keywords = ["prompts", "completions", "completion_ids", "tests", "trainer_state", "log_metric", "log_extra"]
+    check_reward_signature(CodeTests.__new__(CodeTests), keywords)  # its __call__, unprobed
+    check_reward_signature(max, keywords)  # nothing to inspect: left to the call
+
+
 def test_dataset_columns_reach_rewards_aligned_with_completions():
     seen = {}
 
@@ -151,6 +238,29 @@ def test_non_numbers_are_rejected(bad):
         return [0.0, bad]
 
     with pytest.raises(RewardError, match="'f' returned .* for completion 1; expected a finite real number"):
+        score_completions([f], ["a", "b"], ["x", "y"], [[1], [2]], {})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_may_return_an_array_a_tensor_or_a_tuple(workers):
+    returned = {"array": lambda xs: numpy.array(xs) / 2, "tensor": lambda xs: torch.tensor(xs) / 2,
+                "tuple": lambda xs: tuple(x / 2 for x in xs),
+                "objects": lambda xs: numpy.array([None if x == 0 else 1.0 for x in xs], dtype=object)}
+    funcs = [functools.partial(lambda completions, make, **kw: make([float(c) for c in completions]), make=make)
+             for make in returned.values()]
+    with RewardPool(funcs, workers) as pool:  # two workers: each returns the array of its half of the batch
+        table = score_completions(funcs, ["p"] * 4, ["0", "1", "2", "3"], [[1]] * 4, {}, pool=pool)
+    assert table[:, :3].T.tolist() == [[0.0, 0.5, 1.0, 1.5]] * 3
+    assert math.isnan(table[0, 3]) and table[1:, 3].tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("bad, got", [(numpy.float64(1.0), "a float64"), (torch.tensor(1.0), "a Tensor"),
+                                      ("1.0", "a str"), (numpy.zeros(3), "3 values")])
+def test_a_reward_returning_no_sequence_of_the_batch_size_is_explained(bad, got):
+    def f(completions, **kw):
+        return bad
+
+    with pytest.raises(RewardError, match=f"'f' returned {got} for 2 completions; it must return one float"):
         score_completions([f], ["a", "b"], ["x", "y"], [[1], [2]], {})
 
 

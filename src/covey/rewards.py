@@ -15,6 +15,7 @@ values)`` (one value per completion, recorded with the completions).
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import concurrent.futures
 import importlib
 import importlib.util
@@ -123,23 +124,44 @@ def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] |
                           "reference; write 'path/to/rewards.py:function' or 'package.module:function'")
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: file {path} does not exist")
-        module_name = f"covey_user_rewards_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        module_spec.loader.exec_module(module)
+        module = _module_from_file(spec, Path(where))
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as e:
             raise RewardError(f"reward function {spec!r}: cannot import module {where!r} ({e})") from e
+        except Exception as e:  # the module's own code failed: any exception
+            raise RewardError(f"reward function {spec!r}: importing module {where!r} raised {type(e).__name__}: {e}; "
+                              "fix the module") from e
     func = getattr(module, name, None)
     if not callable(func):
         raise RewardError(f"reward function {spec!r}: {where} has no function named {name!r}")
     return func
+
+
+def _module_from_file(spec: str, path: Path) -> Any:
+    """The module of ``path``, run with its folder first on sys.path (so that it can import the files
+    beside it, as a script can); the folder then moves to the end of sys.path, where a function that
+    imports a file beside it when called still finds it, and no installed package is shadowed."""
+    if not path.is_file():
+        raise RewardError(f"reward function {spec!r}: file {path} does not exist")
+    folder = str(path.resolve().parent)
+    module_name = f"covey_user_rewards_{abs(hash(str(path.resolve())))}"
+    sys.path.insert(0, folder)
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: a syntax error, a missing dependency, any raise
+        sys.modules.pop(module_name, None)
+        fix = "install the package it imports, or fix the import" if isinstance(e, ImportError) else "fix the file"
+        raise RewardError(f"reward function {spec!r}: loading {path} raised {type(e).__name__}: {e}; {fix}") from e
+    finally:
+        sys.path.remove(folder)
+        if folder not in sys.path:
+            sys.path.append(folder)
+    return module
 
 
 def reward_name(func: RewardFunc) -> str:
@@ -297,6 +319,7 @@ def _joined(parts: list) -> Any:
     failure = next((p for p in parts if isinstance(p, BaseException)), None)
     if failure is not None:
         return failure
+    parts = [returned_values(p) for p in parts]
     wrong = next((p for p in parts if not isinstance(p, (list, tuple))), None)
     return wrong if wrong is not None else [value for part in parts for value in part]
 
@@ -351,14 +374,30 @@ def score_completions(
         name = reward_name(func)
         if isinstance(values, BaseException):
             values = _one_by_one(func, batch, B, on_error, timeout, errors, values, pool, context)
+        values = returned_values(values)
         if not isinstance(values, (list, tuple)) or len(values) != B:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-            raise RewardError(f"reward function {name!r} returned {got} for {B} completions; "
-                              "it must return one float (or None) per completion")
+            raise RewardError(f"reward function {name!r} returned {got} for {B} completions; it must return one "
+                              "float (or None) per completion, as a list, tuple, numpy array or tensor")
         for i, value in enumerate(values):
             if value is not None:
                 table[i, j] = reward_value(value, name, i)
     return table
+
+
+def returned_values(values: Any) -> Any:
+    """What a reward function returned as a list where it is a sequence of values: a list or tuple as it
+    is, a numpy array, tensor or pandas Series by its ``.tolist()``, any other sequence but text by
+    ``list()``; anything else (a scalar, a string) unchanged, for the caller to reject."""
+    if isinstance(values, (list, tuple, str, bytes)):
+        return values
+    if callable(getattr(values, "tolist", None)):
+        try:
+            listed = values.tolist()
+        except Exception:  # a tolist that is not numpy's: the value is judged as it is
+            return values
+        return listed if isinstance(listed, list) else values  # a 0-d array or numpy scalar lists to a scalar
+    return list(values) if isinstance(values, collections.abc.Sequence) else values
 
 
 def reward_value(value: Any, name: str, i: int) -> float:
@@ -407,12 +446,61 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
     return values
 
 
+def check_reward_signature(func: RewardFunc, keywords: Sequence[str], columns: Sequence[str] = ()) -> None:
+    """Raise a RewardError if ``func`` cannot be called with exactly these keyword arguments (those of the
+    trainer's call; ``columns``: the dataset's among them). A signature that cannot be inspected (a
+    builtin, some C callables) is left for the call to judge, and a decorated function is judged by its
+    wrapper's signature, which may well take what the function it wraps does not."""
+    try:
+        signature = inspect.signature(func, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return
+    keywords = list(dict.fromkeys(keywords))
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+        return
+    except TypeError as e:
+        problems = _signature_problems(signature, keywords, reward_name(func), columns) or [str(e)]
+    raise RewardError(f"reward function {reward_name(func)!r} cannot take the trainer's call: {'; '.join(problems)}. "
+                      "Each call passes by keyword prompts, completions, completion_ids, trainer_state, log_metric, "
+                      f"log_extra and every dataset column ({', '.join(columns) or 'none'})")
+
+
+def _signature_problems(signature: inspect.Signature, keywords: list[str], name: str, columns: Sequence[str]) -> list:
+    """Why a function of this signature cannot be called with these keywords, and how to fix it."""
+    parameters = signature.parameters.values()
+    by_keyword = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unaccepted = [] if any(p.kind is p.VAR_KEYWORD for p in parameters) else [k for k in keywords if k not in by_keyword]
+    required = [p for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [p.name for p in required if p.kind is not p.POSITIONAL_ONLY and p.name not in keywords]
+    positional = [p.name for p in required if p.kind is p.POSITIONAL_ONLY]
+    problems = []
+    if unaccepted:
+        example = signature.replace(parameters=[p.replace(annotation=p.empty) for p in parameters]
+                                    + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)],
+                                    return_annotation=inspect.Signature.empty)
+        problems.append(f"it does not accept the keyword argument(s) {', '.join(map(repr, unaccepted))}; "
+                        f"add **kwargs to its parameters, as in TRL's convention: def {name}{example}")
+    if missing:
+        problems.append(f"it requires {', '.join(map(repr, missing))}, which is neither a dataset column (the data "
+                        f"has: {', '.join(columns) or 'none'}) nor passed by the trainer; add the column or give the "
+                        "parameter a default")
+    if positional:
+        problems.append(f"it takes {', '.join(map(repr, positional))} by position only, but every argument is passed "
+                        "by keyword; drop the '/' from its parameters")
+    return problems
+
+
 def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: dict[str, list],
                     max_steps: int = 1) -> None:
-    """Call each function once on a tiny batch of placeholder completions, before any model is
-    loaded, so a function returning the wrong shape fails in seconds, not after the first rollout.
-    A function that raises on the placeholder text is left for the real batch to judge."""
+    """Check that each function takes the keyword arguments of the trainer's call, then call it once on
+    a tiny batch of placeholder completions, before any model is loaded, so a function with the wrong
+    parameters or returning the wrong shape fails in seconds, not after the first rollout. A function
+    that raises on the placeholder text is left for the real batch to judge."""
     completions = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
     context = reward_context(TrainerState(global_step=0, max_steps=max_steps, epoch=0.0))
+    keywords = ["prompts", "completions", "completion_ids", *columns, *context]
+    for func in reward_funcs:
+        check_reward_signature(func, keywords, list(columns))
     for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
         score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip", context=context)
