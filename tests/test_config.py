@@ -100,6 +100,16 @@ def test_cli_options_read_like_their_yaml():
     assert config("--rollout-bf16", "false").rollout_bf16 is False
     assert config("--scale-rewards", "false").scale_rewards == "none"  # TRL's booleans, as in YAML
     assert config("--scale-rewards", "true").scale_rewards == "group"
+    # negative numbers in any notation are values, not options
+    assert config("--reward-weights", "1", "-1e-3", "-.5").reward_weights == [1.0, -0.001, -0.5]
+
+
+def test_a_bare_flag_before_the_config_file_leaves_the_file_as_the_config(tmp_path):
+    from covey.cli import _parse_command
+
+    (tmp_path / "run.yaml").write_text("max_steps: 3\n")
+    namespace, overrides = _parse_command("covey train", "", ["--use-peft", str(tmp_path / "run.yaml")])
+    assert namespace.config == str(tmp_path / "run.yaml") and overrides == {"use_peft": "true"}
 
 
 def test_a_yaml_key_given_twice_is_an_error(tmp_path):

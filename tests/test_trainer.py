@@ -350,6 +350,14 @@ def test_the_saved_config_names_what_the_run_was_given(tmp_path, tokenizer, tiny
 
     assert load_reward_func(saved["reward_funcs"][0]) is count_a
     assert GRPOConfig.from_yaml(tmp_path / "run" / "config.yaml").model == "<in-memory LlamaForCausalLM>"
+    # the markers load nothing, and say so
+    from covey.data import load_rows
+    from covey.models import load_policy
+
+    for load, value, error in ((load_rows, saved["dataset"], DataError), (load_policy, saved["model"], ModelError),
+                               (load_reward_func, saved["reward_funcs"][2], RewardError)):
+        with pytest.raises(error, match="is how a run's config.yaml notes what was passed in memory"):
+            load(value)
 
 
 def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path, tokenizer, tiny_model):

