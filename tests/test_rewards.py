@@ -301,3 +301,18 @@ def test_a_retry_of_one_completion_logs_nothing_and_keeps_the_real_fault(tmp_pat
     assert table.flatten().tolist()[0] == 1.0 and math.isnan(table[1, 0]) and errors[0][1] == 1
     assert "b is not scorable" in errors[0][2]
     assert metrics == [4] and len(extras) == 1  # the batch call only, not the four retries
+
+
+def test_reward_names_are_what_the_user_named():
+    import functools
+
+    from covey.rewards import reward_name
+
+    def length_bonus(completions, scale, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    assert reward_name(functools.partial(length_bonus, scale=0.1)) == "length_bonus"
+    named = functools.partial(length_bonus, scale=0.2)
+    named.__name__ = "length_bonus_strong"
+    assert reward_name(named) == "length_bonus_strong"
+    assert reward_name(SoftOverlongPenalty(max_length=8, cache_length=2)) == "soft_overlong_penalty"

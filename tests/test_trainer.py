@@ -424,7 +424,7 @@ def test_reward_functions_sharing_a_name_are_refused_before_the_model_loads(tmp_
     def graded(completions, scale, **_):
         return [scale * len(c) for c in completions]
 
-    with pytest.raises(ConfigError, match="both named 'partial'"):
+    with pytest.raises(ConfigError, match="both named 'graded'"):
         GRPOTrainer(model="no/such-model-is-loaded", args=small_args(tmp_path), train_dataset=ROWS,
                     reward_funcs=[functools.partial(graded, scale=1.0), functools.partial(graded, scale=2.0)])
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import concurrent.futures
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -168,6 +169,10 @@ def _module_from_file(spec: str, path: Path) -> Any:
 
 
 def reward_name(func: RewardFunc) -> str:
+    """The name a reward function's metrics and recorded rewards go under: its ``__name__``, a
+    ``functools.partial``'s function's, else its class's."""
+    if not hasattr(func, "__name__") and isinstance(func, functools.partial):
+        return reward_name(func.func)
     return getattr(func, "__name__", type(func).__name__)
 
 
