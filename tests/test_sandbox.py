@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 import uuid
 import warnings
@@ -371,6 +374,47 @@ def test_weaker_fallback_is_announced_and_still_limits(monkeypatch):
     assert all(r.isolation is level for r in results)
     assert secret not in results[3].stdout
     assert_nothing_left()
+
+
+def test_a_folder_tree_too_deep_for_rmtree_is_still_removed():
+    before = set(Path(tempfile.gettempdir()).glob("covey-sandbox-*"))
+    deep = "import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')"
+    result = run_python(deep, timeout=TIMEOUT, memory_limit_mb=256, isolation=Isolation.LIMITS_ONLY)
+    assert result.stdout == "deep\n"
+    assert set(Path(tempfile.gettempdir()).glob("covey-sandbox-*")) == before
+
+
+def _interpreter_for_everyone() -> str | None:
+    """A Python that users other than its owner can run (the separate-user level needs one), or None."""
+    for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        path = Path(os.path.realpath(candidate)) if candidate and os.path.exists(candidate) else None
+        if path and all(p.stat().st_mode & 0o001 for p in [path, *path.parents]):
+            return str(path)
+    return None
+
+
+def test_a_program_under_its_own_uid_leaves_no_files_or_shared_memory(monkeypatch):
+    interpreter = _interpreter_for_everyone()
+    if os.geteuid() != 0 or interpreter is None:
+        pytest.skip("the separate-user level needs root and a Python every user can run")
+    monkeypatch.setattr(sandbox, "INTERPRETER", interpreter)
+    name = f"covey-left-{uuid.uuid4().hex}"
+    program = textwrap.dedent(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None)
+        for _ in range(3):  # System V shared memory: outlives the process, uncounted by its memory limit
+            assert libc.shmget(0, 1 << 20, 0o1600) >= 0  # IPC_PRIVATE, IPC_CREAT | 0600
+        for place in ("/tmp", "/dev/shm", "/var/tmp"):
+            if os.access(place, os.W_OK):
+                open(os.path.join(place, "{name}"), "w").write("left")
+        print(os.getuid())
+    """)
+    result = run_python(program, timeout=TIMEOUT, memory_limit_mb=256, isolation=Isolation.SEPARATE_USER)
+    uid = int(result.stdout)
+    assert uid >= sandbox.FIRST_SANDBOX_UID
+    rows = [row.split() for row in Path("/proc/sysvipc/shm").read_text().splitlines()]
+    assert not [row for row in rows[1:] if int(dict(zip(rows[0], row))["uid"]) == uid]
+    assert not [place for place in ("/tmp", "/dev/shm", "/var/tmp") if Path(place, name).exists()]
 
 
 # ---- the trainer keeps running ----------------------------------------------------------------------

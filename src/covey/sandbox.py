@@ -13,6 +13,7 @@ The trusted first process inside the sandbox is ``covey/sandbox_boot.py``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import enum
 import fcntl
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,7 +94,7 @@ def run_python(source: str, *, timeout: float, memory_limit_mb: int, output_limi
     memory = memory_limit_mb * 2**20
     limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_NPROC": max_processes,
               "RLIMIT_FSIZE": memory, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
-    with _sandbox_uid(level) as uid, tempfile.TemporaryDirectory(prefix="covey-sandbox-") as folder:
+    with _sandbox_uid(level) as uid, _working_folder() as folder:
         Path(folder, "main.py").write_text(source, encoding="utf-8")
         Path(folder, "stdin").write_text(stdin, encoding="utf-8")
         if uid is not None and level is Isolation.SEPARATE_USER:  # the program works in this folder
@@ -114,6 +116,7 @@ def run_python(source: str, *, timeout: float, memory_limit_mb: int, output_limi
             os.close(report_read)
             if uid is not None:
                 _kill_processes_of(uid)
+                _remove_what_is_left_of(uid)
         seconds = time.monotonic() - start
     stdout, stderr, report = (streams.get(k, b"") for k in ("stdout", "stderr", "report"))
     outcomes = [json.loads(line) for line in report.decode().splitlines()]
@@ -211,6 +214,51 @@ def _end(boot: subprocess.Popen) -> None:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _working_folder() -> Iterator[str]:
+    """A fresh temporary folder, removed afterwards whatever the program left in it (a tree nested too
+    deep for ``shutil.rmtree``'s recursion is removed by ``rm -rf``)."""
+    folder = tempfile.mkdtemp(prefix="covey-sandbox-")
+    try:
+        yield folder
+    finally:
+        try:
+            shutil.rmtree(folder)
+        except (OSError, RecursionError):
+            subprocess.run(["rm", "-rf", "--", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# where any user may write: what a program under a uid of its own leaves there is removed
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _remove_what_is_left_of(uid: int) -> None:
+    """Remove what a program under a uid of its own left outside its folder: files and folders owned by
+    ``uid`` in the world-writable folders, and System V shared memory, semaphores and message queues
+    (which outlive processes and are not counted by their memory limit)."""
+    for place in WORLD_WRITABLE:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(place):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        subprocess.run(["rm", "-rf", "--", entry.path], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, (id_column, control) in SYSV_IPC.items():
+        with contextlib.suppress(OSError):
+            rows = [row.split() for row in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()]
+            for values in (dict(zip(rows[0], row)) for row in rows[1:] if row):
+                if int(values["uid"]) == uid:
+                    ident = int(values[id_column])
+                    # semctl(id, semnum, cmd); shmctl and msgctl (id, cmd, buffer)
+                    getattr(libc, control)(*((ident, 0, IPC_RMID) if kind == "sem" else (ident, IPC_RMID, None)))
+
+
+# the System V IPC objects in /proc/sysvipc: the column of their id, and the call that controls them
+SYSV_IPC = {"shm": ("shmid", "shmctl"), "sem": ("semid", "semctl"), "msg": ("msqid", "msgctl")}
+IPC_RMID = 0  # the command of those calls that removes the object (Linux)
 
 
 def _kill_processes_of(uid: int) -> None:
