@@ -108,6 +108,28 @@ def test_early_exits_and_printed_claims_do_not_pass(reward):
     assert reward(cheats, [ADD_TESTS] * len(cheats)) == [0.0] * len(cheats)
 
 
+@pytest.mark.parametrize("tests", [
+    "import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n"
+    "if __name__ == '__main__':\n    unittest.main()",  # a guarded unittest file
+    "import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n"
+    "unittest.main()",  # unguarded: it must not end the process before the verdict
+    "import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)",
+    "def test_add():\n    assert add(1, 2) == 3",  # pytest style: only defined, never called by the file
+])
+def test_test_files_in_the_usual_formats_are_run_not_just_defined(reward, tests):
+    wrong, exits = "def add(a, b):\n    return a - b", "import sys\ndef add(a, b):\n    sys.exit(0)"
+    assert reward([CORRECT, wrong, exits], [tests] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_humaneval_checks_run_against_the_entry_point(reward):
+    check = "def check(candidate):\n    assert candidate(1, 2) == 3"
+    wrong = "def add(a, b):\n    return a - b"
+    assert reward([CORRECT, wrong, "def plus(a, b):\n    return a + b"], [check] * 3,
+                  entry_point=["add"] * 3) == [1.0, 0.0, 0.0]
+    # a pytest test that needs a fixture cannot be run: never a pass
+    assert reward([CORRECT], ["def test_add(tmp_path):\n    assert add(1, 2) == 3"]) == [0.0]
+
+
 def test_replaced_builtins_do_not_fool_the_tests(reward):
     equals_anything = ("class Anything(int):\n    def __eq__(self, other):\n        return True\n"
                        "    __hash__ = int.__hash__\n")
@@ -133,6 +155,9 @@ def test_program_is_the_last_python_block_or_the_whole_text():
     assert program_of("```python\nx = 1\n```\n```bash\nls\n```") == "x = 1\n"
     assert program_of("x = 4") == "x = 4"
     assert program_of([{"role": "assistant", "content": "```py\nz = 5\n```"}]) == "z = 5\n"
+    indented = "1. The function:\n   ```python\n   def f():\n       return 1\n   ```\n"  # in a list item
+    assert program_of(indented) == "def f():\n    return 1\n"
+    assert program_of("~~~python\nw = 6\n~~~\n") == "w = 6\n"
     assert code_of_tests(["assert f()", "assert g()"]) == "assert f()\nassert g()"
     with pytest.raises(RewardError, match="tests must be Python code"):
         code_of_tests(42)

@@ -1,9 +1,11 @@
 """The ``code_tests`` reward: run the completion's Python against the dataset's tests in a sandbox.
 
-A dataset row carries ``tests``: Python test code, or a list of statements (usually asserts). The
-completion's program is its last fenced Python block (without one, its last untagged block; without
-either, its whole text). The score is 1.0 when the program and then the tests run to their end in one
-sandboxed process, 0.0 otherwise; rows without tests score None.
+A dataset row carries ``tests``: Python test code (asserts, a unittest file, pytest-style test
+functions), or a list of statements; HumanEval-style ``check(candidate)`` tests need an
+``entry_point`` column naming the function to check. The completion's program is its last fenced
+Python block (without one, its last untagged block; without either, its whole text). The score is
+1.0 when the program and then the tests run to their end in one sandboxed process, 0.0 otherwise;
+rows without tests score None.
 
 Passing is judged by the harness writing a secret token, read from stdin before the program starts,
 after the last test; the exit code or anything the program prints alone cannot fake it. So a program
@@ -28,61 +30,95 @@ from covey.sandbox import available_isolation, run_python
 
 # what opens a fenced block: three or more backticks and an optional language tag ("```python") ending
 # a line, at its start or after some words ("Here is the code: ```python")
-OPENING_FENCE = re.compile(r"(?:^|(?<=\s))(`{3,})[ \t]*([^`\s]*)[ \t]*$")
+OPENING_FENCE = re.compile(r"(?:^|(?<=\s))(`{3,}|~{3,})[ \t]*([^`~\s]*)[ \t]*$")
 PYTHON_TAGS = frozenset({"python", "python3", "py"})
 
-# Runs the program, then the tests. ``__name__`` is not "__main__", so a program's own
-# ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes). What the
-# harness uses after the program is bound before it; the tests run in a namespace of their own holding
-# the program's definitions, less those that shadow a builtin, with a copy of the builtins taken before
-# the program ran. So replacing ``compile``, ``exec``, ``type`` or ``isinstance``, by a global of the
-# program or in the ``builtins`` module, changes nothing for the tests.
+# Runs the program, then the tests. The program's ``__name__`` is not "__main__", so its own
+# ``if __name__ == "__main__":`` demo does not run (it would wait for input that never comes); the
+# tests' is, so a guarded ``unittest.main()`` runs. What the harness uses after the program is bound
+# before it; the tests run in a namespace of their own holding the program's definitions, less those
+# that shadow a builtin, with a copy of the builtins taken before the program ran. So replacing
+# ``compile``, ``exec``, ``type`` or ``isinstance``, by a global of the program or in the ``builtins``
+# module, changes nothing for the tests. After the tests' code, the test cases and ``test*`` functions
+# it defined run too (a file of pytest-style tests only defines them), and with an entry point given,
+# a HumanEval-style ``check(candidate)``; ``unittest.main()`` runs the cases without exiting.
 HARNESS = """\
-import builtins, os, sys
+import builtins, os, sys, unittest
 
 
-def _covey_harness(program, tests):
+def _covey_harness(program, tests, entry_point):
     token = sys.stdin.readline().strip()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    compile_, exec_, flush, write = compile, exec, sys.stdout.flush, os.write
+    compile_, exec_, flush, write, callable_ = compile, exec, sys.stdout.flush, os.write, callable
+    isinstance_, issubclass_, function, case = isinstance, issubclass, type(lambda: 0), unittest.TestCase
+    loader, suite = unittest.TestLoader(), unittest.TestSuite
+    runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=0)
     pristine = dict(vars(builtins))
     solution = {{"__name__": "solution"}}
     exec_(compile_(program, "solution.py", "exec"), solution)
     checked = {{name: value for name, value in solution.items() if name not in pristine}}
-    checked.update(__builtins__=pristine, __name__="solution")
+    given = set(checked)
+    checked.update(__builtins__=pristine, __name__="__main__")
+    ran = []
+
+    def cases_of_the_tests():
+        return [value for name, value in list(checked.items()) if name not in given and isinstance_(value, type)
+                and issubclass_(value, case) and value is not case and value not in ran]
+
+    def run_cases(*args, **kwargs):
+        cases = cases_of_the_tests()
+        result = runner.run(suite([loader.loadTestsFromTestCase(c) for c in cases]))
+        if not result.wasSuccessful() or result.testsRun == 0:
+            raise AssertionError("the unittest cases did not pass")
+        ran.extend(cases)
+
+    unittest.main = run_cases
     exec_(compile_(tests, "tests.py", "exec"), checked)
+    if cases_of_the_tests():
+        run_cases()
+    for name, value in list(checked.items()):
+        if name not in given and name.startswith("test") and isinstance_(value, function):
+            value()
+    if entry_point is not None and callable_(checked.get("check")) and "check" not in given:
+        checked["check"](checked[entry_point])
     flush()
     write(1, ("\\n" + token + "\\n").encode())
 
 
-_covey_harness({program!r}, {tests!r})
+_covey_harness({program!r}, {tests!r}, {entry_point!r})
 """
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """(language tag, lowercased, or "" for none; code) of each fenced block, read line by line so that
-    each opening fence pairs with its own closing fence. A block closes at a line that starts with at
-    least as many backticks (words after them are prose), or at a line of code ending in them
-    ("x = 1```"); one left open runs to the end, unless nothing follows its fence."""
+    """(language tag, lowercased, or "" for none; code) of each fenced block (``` or ~~~), read line by
+    line so that each opening fence pairs with its own closing fence. A block closes at a line that
+    starts with at least as many fence characters (words after them are prose), or at a line of code
+    ending in them ("x = 1```"); one left open runs to the end, unless nothing follows its fence. An
+    indented fence (in a list item) takes as much indentation off each line of its code."""
     blocks: list[tuple[str, str]] = []
-    fence, tag, code = None, "", []
+    fence, tag, code, indent = None, "", [], 0
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
         if fence is None:
             opening = OPENING_FENCE.search(stripped)
             if opening is not None:
                 fence, tag, code = opening.group(1), opening.group(2).lower(), []
+                indent = _indentation(line) if stripped.startswith(fence) else 0
         elif stripped.startswith(fence):
             blocks.append((tag, "".join(code)))
             fence = None
         elif stripped.endswith(fence):
-            blocks.append((tag, "".join(code) + line.rstrip()[:-len(fence)]))
+            blocks.append((tag, "".join(code) + line[min(indent, _indentation(line)):].rstrip()[:-len(fence)]))
             fence = None
         else:
-            code.append(line)
+            code.append(line[min(indent, _indentation(line)):])
     if fence is not None and "".join(code).strip():
         blocks.append((tag, "".join(code)))
     return blocks
+
+
+def _indentation(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
 
 
 def program_of(completion: Any) -> str:
@@ -121,15 +157,17 @@ class CodeTests:
         self.workers = workers or min(8, os.cpu_count() or 1)
         self.isolation = available_isolation()  # probe now, before training, not in the first batch
 
-    def __call__(self, completions: list, tests: list, **_: Any) -> list[float | None]:
+    def __call__(self, completions: list, tests: list, entry_point: list | None = None, **_: Any) -> list[float | None]:
+        entry_points = entry_point or [None] * len(completions)
         with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
-            return list(pool.map(self.score, completions, tests))
+            return list(pool.map(self.score, completions, tests, entry_points))
 
-    def score(self, completion: Any, tests: Any) -> float | None:
+    def score(self, completion: Any, tests: Any, entry_point: str | None = None) -> float | None:
         test_code = code_of_tests(tests)
         if test_code is None:
             return None
         token = secrets.token_hex(16)
-        result = run_python(HARNESS.format(program=program_of(completion), tests=test_code), stdin=token + "\n",
+        source = HARNESS.format(program=program_of(completion), tests=test_code, entry_point=entry_point or None)
+        result = run_python(source, stdin=token + "\n",
                             timeout=self.timeout, memory_limit_mb=self.memory_limit_mb, isolation=self.isolation)
         return 1.0 if result.ok and result.stdout.endswith("\n" + token + "\n") else 0.0
