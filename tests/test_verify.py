@@ -107,6 +107,14 @@ MUTATIONS = {
         lambda model, batch, temperature=1.0, **k: logprobs.completion_logprobs(model, batch, 1.0, **k))),
     "reward weights ignored": ("rewards", lambda mp: mp.setattr(
         core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
+    "completions decoded with their prompt": ("decode", lambda mp: mp.setattr(
+        trainer_module, "decode_completions",
+        lambda tok, ids, mask, conv, strip=False: (lambda out: (
+            [[{"role": "assistant", "content": "user: " + c[0]["content"]}] for c in out[0]], out[1]))(
+            text.decode_completions(tok, ids, mask, conv, strip)))),
+    "batch advantages halved by the trainer": ("advantages", lambda mp: mp.setattr(
+        core, "advantages_from_rewards", lambda r, *a, **k: (lambda out: (
+            out[0] * (0.5 if r.shape[0] > 4 else 1.0), out[1]))(_ORIGINAL_ADV(r, *a, **k)))),
 }
 _ORIGINAL_GROUP_ADV = core.group_advantages
 _ORIGINAL_ADV = core.advantages_from_rewards
@@ -152,3 +160,54 @@ def test_settings_outside_the_formula_check_are_reported_as_unchecked(tokenizer)
                     reward_funcs=[variety, mentions_answer])
     row = next(c for c in report.checks if c.name == "value equals the formula at ratio 1")
     assert row.status == "WARN" and row.value == "not checked"
+
+
+def relative_length(completions, **kwargs):
+    """A reward that needs the whole batch (a z-score): it cannot score one completion alone."""
+    import statistics
+
+    lengths = [len(c[0]["content"]) for c in completions]
+    spread = statistics.stdev(lengths) or 1.0
+    return [(n - statistics.mean(lengths)) / spread for n in lengths]
+
+
+def noisy_judge(completions, **kwargs):
+    """Random like a sampling judge."""
+    import random
+
+    return [random.random() + len(c[0]["content"]) for c in completions]
+
+
+@pytest.mark.parametrize("settings, rewards", [
+    (dict(beta=0.0, seed=1), [variety]),  # the loss is ~1e-8 at ratio 1: float noise is not a wrong formula
+    (dict(beta=0.0, seed=2), [variety]),
+    (dict(mask_truncated_completions=True, max_completion_length=4), [variety, mentions_answer]),
+    (dict(multi_objective_aggregation="normalize_then_sum"), [variety, mentions_answer]),
+    (dict(), [relative_length, noisy_judge]),
+])
+def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
+    args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3), **settings})
+    report = verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                    train_dataset=ROWS, reward_funcs=rewards)
+    failures = [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+    assert not failures, failures
+
+
+def test_a_row_cut_at_the_length_limit_keeps_a_sampled_pad_token():
+    from covey.verify import _eos_mask
+
+    ids = torch.tensor([[5, 6, 0, 0], [5, 3, 0, 0], [5, 7, 8, 0]])  # pad 0, EOS 3
+    mask = _eos_mask(ids, [3], 0, ["length", "eos", "stop"], max_length=4)
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("template, check", [
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}", "opens the assistant's turn"),
+    ("{% for m in messages %}{% if m.role != 'assistant' %}<{{ m.role }}>{{ m.content }}\n{% endif %}{% endfor %}"
+     "{% if add_generation_prompt %}<assistant>{% endif %}", "keeps assistant messages"),
+])
+def test_a_broken_chat_template_fails_the_data_stage(tokenizer, template, check):
+    tokenizer.chat_template = template
+    report = run_verify(tokenizer)
+    assert report.first_failure == "data"
+    assert any(c.status == "FAIL" and check in c.name for c in report.checks)

@@ -28,7 +28,8 @@ import torch
 from covey import core, text
 from covey.config import GRPOConfig
 from covey.errors import CoveyError, DataError, RewardError
-from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, reward_name, without_logging
+from covey.rewards import (TRAINER_REWARD_ARGS, call_reward, required_columns, returned_values, reward_name,
+                           without_logging)
 
 STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
 
@@ -84,6 +85,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
         report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
         return report
     check_columns(report, trainer, indices, calls)
+    check_rewarded_text(report, trainer, batch, calls)
     check_rewards(report, trainer, batch, calls)
     check_advantages(report, trainer, batch)
     logp_BT = check_logprobs(report, trainer, batch)
@@ -102,6 +104,8 @@ def check_data(report: Report, trainer) -> None:
     longest = max(len(ids) for ids in trainer.prompt_ids)
     report.add("data", "prompt lengths fit", longest <= args.max_prompt_length,
                f"longest {longest} <= {args.max_prompt_length} tokens", "raise max_prompt_length")
+    if chat:
+        _check_chat_template(report, trainer.tokenizer, rows[0]["prompt"])
     columns = set(rows[0]) - {"prompt"}
     for func in trainer.reward_funcs:
         needed = required_columns(func)
@@ -109,6 +113,44 @@ def check_data(report: Report, trainer) -> None:
         report.add("data", f"columns for {reward_name(func)}", not missing,
                    ", ".join(sorted(needed)) or "none needed",
                    f"reward {reward_name(func)} needs dataset column(s) {sorted(missing)}; add them to the data")
+
+
+def _check_chat_template(report: Report, tokenizer, messages: list[dict]) -> None:
+    """The template opens the assistant's turn when asked (the model answers, rather than continues the
+    user), and renders an assistant message it is given."""
+    def render(chat, opened):
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=opened)
+
+    opens = len(render(messages, True)) > len(render(messages, False))
+    report.add("data", "chat template opens the assistant's turn", opens, "add_generation_prompt adds the turn"
+               if opens else "add_generation_prompt changes nothing",
+               "the model would continue the user's message instead of answering it: fix the tokenizer's chat template")
+    reply = "covey verify: a reply"
+    kept = reply in render(messages + [{"role": "assistant", "content": reply}], False)
+    report.add("data", "chat template keeps assistant messages", kept, "kept" if kept else "dropped",
+               "the chat template drops assistant messages: fix the tokenizer's chat template")
+
+
+def check_rewarded_text(report: Report, trainer, batch, calls: list[dict]) -> None:
+    """What the reward functions were given is the text of each row's own sampled tokens (no prompt,
+    no special tokens), decoded here independently of the trainer."""
+    if not calls:
+        return
+    seq = batch.sequences
+    wrong = None
+    for i, completion in enumerate(calls[0]["completions"]):
+        ids = seq.completion_ids_BT[i, : int(seq.completion_mask_BT[i].sum())].tolist()
+        want = trainer.tokenizer.decode(ids, skip_special_tokens=True)
+        if trainer.args.strip_reasoning:
+            want = text.answer_after_reasoning(want)
+        got = completion[0]["content"] if isinstance(completion, list) else completion
+        if got != want:
+            wrong = (i, got, want)
+            break
+    report.add("decode", "rewards see each sampled completion's text", wrong is None,
+               f"{len(calls[0]['completions'])} completions compared",
+               f"completion {wrong[0]} reached the rewards as {wrong[1][:60]!r}, but its tokens read {wrong[2][:60]!r}: "
+               "see text.decode_completions" if wrong else "")
 
 
 def check_decode(report: Report, trainer) -> None:
@@ -148,28 +190,38 @@ def check_columns(report: Report, trainer, indices: list[int], calls: list[dict]
 
 
 def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
-    rewards_BF, B = batch.rewards_BF, batch.rewards_BF.shape[0]
+    rewards_BF = batch.rewards_BF
     for j, func in enumerate(trainer.reward_funcs):
         column = rewards_BF[:, j]
         defined = column[~column.isnan()]
         report.add("rewards", f"{reward_name(func)} varies over the batch", defined.numel() > 1 and bool(defined.std() > 0),
                    f"{defined.numel()} values, std {float(defined.std()) if defined.numel() > 1 else 0:.3g}",
                    "a constant reward gives no signal: make it incremental (partial credit)", warn_only=True)
+        # the function again on the batch it was given, twice: the table must hold what it returns, row for row
+        kwargs = without_logging(calls[0])
+        n = len(kwargs["completions"])
         start = time.perf_counter()
-        single = []
-        for i in range(B):
-            # the columns cut to one completion; the rest as it was, but logging nothing (one is not the batch)
-            kwargs = without_logging({k: [v[i]] if isinstance(v, list) else v for k, v in calls[0].items()})
-            single.append(call_reward(func, kwargs, None)[0])
-        per_call = (time.perf_counter() - start) / B
+        try:
+            again = [call_reward(func, kwargs, None) for _ in range(2)]
+        except Exception as e:  # the trainer's call succeeded; this one is only a check
+            report.add("rewards", f"{reward_name(func)} values belong to their completions", False,
+                       f"not checked: a second call raised {type(e).__name__}", str(e)[:200], warn_only=True)
+            continue
+        per_call = (time.perf_counter() - start) / (2 * n)
         report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
                    "a slow reward dominates the step: cache or batch its work", warn_only=True)
-        want = torch.tensor([math.nan if v is None else float(v) for v in single], dtype=torch.float64)
-        same = torch.allclose(column.nan_to_num(1e9), want.nan_to_num(1e9), atol=1e-9)
+        first, second = ([math.nan if v is None else float(v) for v in returned_values(a)] for a in again)
+        if not torch.allclose(*(torch.tensor(v, dtype=torch.float64).nan_to_num(1e9) for v in (first, second))):
+            report.add("rewards", f"{reward_name(func)} values belong to their completions", False,
+                       "not checked: two calls on the same batch differ",
+                       "the function is random (a sampling judge?): the alignment of its values cannot be checked",
+                       warn_only=True)
+            continue
+        want = torch.tensor(first, dtype=torch.float64)
+        same = torch.allclose(column[:n].nan_to_num(1e9), want.nan_to_num(1e9), atol=1e-9)
         report.add("rewards", f"{reward_name(func)} values belong to their completions", same,
-                   "scored one by one = scored as a batch" if same else "mismatch",
-                   "the reward table is shifted or reordered against the completions: see rewards.score_completions "
-                   "(or the function depends on batch order or randomness)")
+                   "the table holds what the function returns, row for row" if same else "mismatch",
+                   "the reward table is shifted or reordered against the completions: see rewards.score_completions")
     weights = trainer.reward_weights
     total = core.weighted_reward_sum(rewards_BF, trainer.reward_weights_F)
     manual = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in rewards_BF.tolist()]
@@ -181,8 +233,9 @@ def check_advantages(report: Report, trainer, batch) -> None:
     args, G = trainer.args, trainer.args.num_generations
     weights = trainer.reward_weights_F
     probe = torch.tensor([[0.0], [1.0], [3.0], [3.0]], dtype=torch.float64)
+    # one reward function: both aggregations are the per-group formula, which the probe checks
     adv, zero_std = core.advantages_from_rewards(probe, torch.ones(1, dtype=torch.float64), 2, args.scale_rewards,
-                                                 args.multi_objective_aggregation)
+                                                 "sum_then_normalize")
     report.add("advantages", "higher reward, higher advantage", bool(adv[1] > adv[0]),
                f"A(r=1) - A(r=0) = {float(adv[1] - adv[0]):.3g}", "the advantage sign is flipped: see core.group_advantages")
     want = {"group": 1 / math.sqrt(2), "batch": 0.5 / float(probe.std()), "none": 0.5}[args.scale_rewards]
@@ -201,6 +254,20 @@ def check_advantages(report: Report, trainer, batch) -> None:
         inverted = ((rewards[:, :, None] > rewards[:, None, :]) & (adv_NG[:, :, None] < adv_NG[:, None, :])).any()
         report.add("advantages", "order follows reward in the sampled batch", not bool(inverted), "checked",
                    "a better completion got a lower advantage")
+        if not bool(batch.rewards_BF.isnan().any()):  # the sampled batch's own advantages, written out
+            want = _advantages_written_out(rewards, args.scale_rewards).flatten()
+            off = float((batch.advantages_B.double() - want).abs().max())
+            report.add("advantages", "the batch's advantages equal (r - mean) / (std + eps)", off < 1e-4,
+                       f"max diff {off:.2g}", "the trainer's advantages are not the formula's: see core.group_advantages")
+
+
+def _advantages_written_out(rewards_NG: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """GRPO's advantages of G completions per row, each group centred on its mean and divided by its
+    (unbiased) std, the whole batch's, or nothing."""
+    spread = {"group": rewards_NG.std(1, keepdim=True), "batch": rewards_NG.std(),
+              "none": torch.tensor(1.0, dtype=torch.float64)}[scale_rewards]
+    eps = 0.0 if scale_rewards == "none" else core.ADVANTAGE_EPS
+    return (rewards_NG - rewards_NG.mean(1, keepdim=True)) / (spread + eps)
 
 
 def check_logprobs(report: Report, trainer, batch) -> torch.Tensor:
@@ -219,7 +286,8 @@ def check_logprobs(report: Report, trainer, batch) -> torch.Tensor:
         P = seq.prompt_ids_BP.shape[1]
         reference = torch.log_softmax(logits[:, P - 1:-1] / args.temperature, -1)
         want = reference.gather(-1, seq.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
-    expected_mask = _eos_mask(seq.completion_ids_BT, trainer.eos_ids, trainer.tokenizer.pad_token_id)
+    expected_mask = _eos_mask(seq.completion_ids_BT, trainer.eos_ids, trainer.tokenizer.pad_token_id,
+                              batch.finish_reasons, args.max_completion_length)
     on = expected_mask == 1
     got = got.float().cpu()
     report.add("logprobs", "all <= 0", bool((got[on] <= 1e-6).all()), f"max {float(got[on].max()):.3g}",
@@ -256,14 +324,17 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
     # one optimizer step, plain SGD so the step follows the gradient
     G = args.num_generations
     rewards = core.weighted_reward_sum(batch.rewards_BF, trainer.reward_weights_F)
-    group = next((g for g in range(B // G) if rewards[g * G:(g + 1) * G].std() > 0), None)
+    # the rows the loss sees (mask_truncated_completions leaves truncated ones out) of a group with a spread
+    trained = [[i for i in range(g * G, (g + 1) * G) if batch.loss_mask_BT[i].any()] for g in range(B // G)]
+    group = next((g for g, rows in enumerate(trained) if len({float(rewards[i]) for i in rows}) > 1), None)
     trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=1e-2)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     stats = trainer.optimize(batch)
     if checkable:
-        rel = abs(stats["loss"] - float(expected)) / max(abs(float(expected)), 1e-6)
-        report.add("loss", "value equals the formula at ratio 1", rel < 1e-4,
+        # relative to the size of the terms it sums (the loss itself is near 0 at ratio 1 for most objectives)
+        scale = max(abs(float(expected)), float(batch.advantages_B.abs().mean()), s.beta)
+        report.add("loss", "value equals the formula at ratio 1", abs(stats["loss"] - float(expected)) < 1e-4 * scale + 1e-7,
                    f"{stats['loss']:.6g} vs {float(expected):.6g}",
                    "the loss is normalised by the wrong count, uses the wrong old/reference log-probs, or the "
                    "KL term is wrong: see core.policy_loss and core.LOSS_NORMALISERS")
@@ -282,7 +353,7 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
         report.add("loss", "step raises the best, lowers the worst", False, "no group with a reward spread",
                    "sample more prompts or use an incremental reward", warn_only=True)
         return
-    rows = list(range(group * G, (group + 1) * G))
+    rows = trained[group]
     best, worst = max(rows, key=lambda i: rewards[i]), min(rows, key=lambda i: rewards[i])
     after = sequence_logprobs(trainer, batch)
     T = batch.loss_mask_BT.shape[1]
@@ -371,12 +442,17 @@ def _record_reward_calls(trainer) -> list[dict]:
     return calls
 
 
-def _eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS of each row (a row without EOS: its generated length)."""
+def _eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int, finish_reasons: list[str],
+              max_length: int) -> torch.Tensor:
+    """1 up to and including the first EOS of each row; a row cut at the length limit: all of its
+    max_length tokens (the pad token may be among them, sampled); a row ended by a stop string:
+    everything before its trailing padding."""
     mask = torch.zeros_like(ids_BT)
-    for row, ids in enumerate(ids_BT.tolist()):
+    for row, (ids, reason) in enumerate(zip(ids_BT.tolist(), finish_reasons)):
         end = next((t + 1 for t, tok in enumerate(ids) if tok in eos_ids), None)
-        if end is None:  # no EOS (length limit or stop string): everything before the trailing padding
+        if end is None and reason == "length":
+            end = max_length
+        elif end is None:
             end = len(ids)
             while end > 0 and ids[end - 1] == pad_id:
                 end -= 1
