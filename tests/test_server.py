@@ -193,7 +193,7 @@ def test_a_server_with_a_token_serves_only_trainers_that_carry_it(model, tokeniz
         server.close()
 
 
-def test_cli_server_warns_when_it_listens_beyond_this_machine_without_a_token(tiny_model_dir, capsys, monkeypatch):
+def test_cli_server_beyond_this_machine_needs_a_token_or_insecure(tiny_model_dir, capsys, monkeypatch):
     served = []
 
     def serve_once(self):
@@ -202,12 +202,81 @@ def test_cli_server_warns_when_it_listens_beyond_this_machine_without_a_token(ti
 
     monkeypatch.setattr(RolloutServer, "serve_forever", serve_once)
     monkeypatch.delenv("COVEY_SERVER_TOKEN", raising=False)
-    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0"]) == 0
-    assert "listening on 0.0.0.0 without COVEY_SERVER_TOKEN: anyone who can reach this port" in capsys.readouterr().err
+    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0"]) == 2
+    assert "refuses to listen on 0.0.0.0 without COVEY_SERVER_TOKEN" in capsys.readouterr().err and not served
+    assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0",
+                 "--insecure"]) == 0
+    assert "listening on 0.0.0.0 without COVEY_SERVER_TOKEN (--insecure): anyone who can reach" in capsys.readouterr().err
     monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret")
     assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0", "--host", "0.0.0.0"]) == 0
     err = capsys.readouterr().err
     assert "warning" not in err and "token required" in err and served[-1].token == "s3cret"
+
+
+def test_a_restarted_server_gets_the_policy_again(model, tokenizer):
+    first = serve(model, tokenizer)
+    host, port = first.server_address[:2]
+    policy = make_model(len(tokenizer), seed=9)  # the trainer's policy, not the server's start-up model
+    client = connect(first, tokenizer, policy=policy)
+    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
+    wanted = FastEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer).generate(prompts, 2, greedy)
+    assert_same_rollout(client.generate(prompts, 2, greedy), wanted)
+    first.close()
+    backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
+    second = RolloutServer(backend, host, port).start()  # the same address, its start-up weights again
+    try:
+        assert_same_rollout(client.generate(prompts, 2, greedy), wanted)
+    finally:
+        second.close()
+
+
+def test_what_is_not_a_covey_server_or_request_is_a_clear_error(server, tokenizer, monkeypatch):
+    import http.server
+    import threading
+
+    class TrlLike(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TrlLike)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="not as a covey server does .* TRL's vllm-serve"):
+            ServerEngine("127.0.0.1", other.server_address[1], tokenizer.pad_token_id, timeout=5.0)
+    finally:
+        other.shutdown()
+        other.server_close()
+    with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1 port .*: Address already in use"):
+        RolloutServer(None, "127.0.0.1", server.server_address[1])
+    client = connect(server, tokenizer)
+    for body, message in ((b"{not json", "not JSON"), (b'{"prompt_ids": []}', "prompt_ids, num_generations and params"),
+                          (b'{"prompt_ids": [], "num_generations": 1, "params": {}}', "non-empty list"),
+                          (b'{"prompt_ids": [[5]], "num_generations": 0, "params": {}}', "int >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            client._post("/generate", body, "application/json")
+    with socket.create_connection(server.server_address[:2], timeout=10) as raw:
+        raw.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert raw.recv(200).startswith(b"HTTP/1.0 400")
+    monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret\u20ac")
+    with pytest.raises(ConfigError, match="must be printable ASCII"):
+        connect(server, tokenizer)
+
+
+def test_a_server_on_ipv6_loopback_serves(model, tokenizer):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
+    server = RolloutServer(backend, "::1", 0).start()
+    try:
+        client = ServerEngine("::1", server.server_address[1], tokenizer.pad_token_id, timeout=5.0)
+        assert server.url.startswith("http://[::1]:") and client.generate(_prompts(tokenizer), 1, SamplingParams(4))
+    finally:
+        server.close()
 
 
 def test_cli_server_help(capsys):

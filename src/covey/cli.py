@@ -229,13 +229,16 @@ def cmd_server(argv: list[str]) -> int:
                         help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
     parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")
     parser.add_argument("--port", type=int, help="port to listen on (default: vllm_server_port)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="listen beyond this machine without COVEY_SERVER_TOKEN (anyone reaching the port can "
+                             "replace the weights)")
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     args = _load_config(namespace.config, overrides)
     from covey.server import run_server
 
     port = args.vllm_server_port if namespace.port is None else namespace.port
-    return run_server(args, namespace.backend, namespace.host or args.vllm_server_host, port)
+    return run_server(args, namespace.backend, namespace.host or args.vllm_server_host, port, namespace.insecure)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,

@@ -8,11 +8,15 @@ When ``COVEY_SERVER_TOKEN`` is set in the server's environment, every request mu
 value (``Authorization: Bearer <token>``; the client sends its own environment's), or is refused
 with HTTP 401 before its body is read.
 
-    GET  /health        -> {"backend", "exact_logprobs", "weight_dtype"}
+    GET  /health        -> {"backend", "exact_logprobs", "weight_dtype", "instance"}
     POST /generate      {"prompt_ids", "num_generations", "params", "seed"}
-                        -> {"completion_ids", "lengths", "sampling_logp", "finish_reasons", "exact_logprobs"}
+                        -> {"completion_ids", "lengths", "sampling_logp", "finish_reasons", "exact_logprobs",
+                            "instance"}
     POST /weights       safetensors bytes -> {"tensors": count loaded, "sha256": of the bytes received}
-    POST /weights/done  -> {"tensors": count loaded since the last done} (the end of one push)
+    POST /weights/done  -> {"tensors": count loaded since the last done, "instance"} (the end of one push)
+
+``instance`` is drawn when the server starts: a client that sees it change knows the server was
+restarted, with its start-up weights, and pushes the policy again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import hmac
 import ipaddress
 import json
 import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -48,11 +54,23 @@ CHUNK_BYTES = 256 * 2**20  # weights per /weights request
 # server is reported instead of hanging the trainer
 REQUEST_TIMEOUT = 1800.0
 TOKEN_VARIABLE = "COVEY_SERVER_TOKEN"  # the shared secret of a server and its trainers, from the environment
+MAX_REQUEST_BYTES = 2**34  # a request body beyond this is refused unread (one weight tensor may be large)
+READ_TIMEOUT = 120.0  # seconds a request's connection may stay silent before the server drops it
 
 
 def server_token() -> str | None:
-    """This process's ``COVEY_SERVER_TOKEN`` (None when unset or empty)."""
-    return os.environ.get(TOKEN_VARIABLE) or None
+    """This process's ``COVEY_SERVER_TOKEN`` (None when unset or empty); it travels in an HTTP header,
+    so it must be printable ASCII."""
+    token = os.environ.get(TOKEN_VARIABLE) or None
+    if token is not None and not (token.isascii() and token.isprintable()):
+        raise ConfigError(f"{TOKEN_VARIABLE} must be printable ASCII (it travels in an HTTP header); choose "
+                          "another secret, e.g. the output of: python -c 'import secrets; print(secrets.token_hex())'")
+    return token
+
+
+def http_url(host: str, port: int) -> str:
+    """http://host:port, with an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def is_loopback(host: str) -> bool:
@@ -174,17 +192,24 @@ class RolloutServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
-        self.backend = backend
+    def __init__(self, backend: Backend | None, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        self.backend = backend  # None until set: the port can be taken before a slow backend loads
         self.token = token
+        self.instance = secrets.token_hex(8)
         self.lock = threading.Lock()
         self.weights_loaded = 0  # since the last /weights/done
-        super().__init__((host, port), _Handler)
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        try:
+            super().__init__((host, port), _Handler)
+        except OSError as e:
+            raise ConfigError(f"covey server cannot listen on {host} port {port}: {e.strerror or e}; choose another "
+                              "--port (or --host), or stop what is using it") from None
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return http_url(host, port)
 
     def start(self) -> "RolloutServer":
         """Serve from a background thread (in-process use, e.g. tests); ``close`` stops it."""
@@ -197,12 +222,12 @@ class RolloutServer(ThreadingHTTPServer):
 
     def health(self) -> dict[str, Any]:
         return {"backend": self.backend.name, "exact_logprobs": self.backend.exact_logprobs,
-                "weight_dtype": self.backend.weight_dtype}
+                "weight_dtype": self.backend.weight_dtype, "instance": self.instance}
 
-    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        params = params_from_json(request["params"])
-        rollout = self.backend.generate(request["prompt_ids"], request["num_generations"], params, request.get("seed"))
-        return rollout_to_json(rollout, self.backend.exact_logprobs)
+    def generate(self, request: Any) -> dict[str, Any]:
+        prompt_ids, num_generations, params, seed = _generate_request(request)
+        rollout = self.backend.generate(prompt_ids, num_generations, params, seed)
+        return {**rollout_to_json(rollout, self.backend.exact_logprobs), "instance": self.instance}
 
     def load_weights(self, body: bytes) -> dict[str, Any]:
         from safetensors.torch import load
@@ -214,11 +239,27 @@ class RolloutServer(ThreadingHTTPServer):
     def finish_weights(self) -> dict[str, Any]:
         self.backend.finish_weight_update()
         loaded, self.weights_loaded = self.weights_loaded, 0
-        return {"tensors": loaded}
+        return {"tensors": loaded, "instance": self.instance}
+
+
+def _generate_request(request: Any) -> tuple[list[list[int]], int, SamplingParams, int | None]:
+    """The fields of a /generate request, checked: a ConfigError (HTTP 400) says what is wrong."""
+    if not isinstance(request, dict) or not {"prompt_ids", "num_generations", "params"} <= set(request):
+        raise ConfigError("a /generate request is a JSON object with prompt_ids, num_generations and params")
+    prompt_ids, n, seed = request["prompt_ids"], request["num_generations"], request.get("seed")
+    if not (isinstance(prompt_ids, list) and prompt_ids and all(
+            isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids) for ids in prompt_ids)):
+        raise ConfigError("prompt_ids must be a non-empty list of non-empty lists of token ids (ints >= 0)")
+    if not (isinstance(n, int) and n >= 1) or not (seed is None or isinstance(seed, int)):
+        raise ConfigError(f"num_generations must be an int >= 1 (got {n!r}) and seed an int or null (got {seed!r})")
+    if not isinstance(request["params"], dict):
+        raise ConfigError("params must be a JSON object of sampling settings")
+    return prompt_ids, n, params_from_json(request["params"]), seed
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: RolloutServer
+    timeout = READ_TIMEOUT  # a client that stops sending mid-request does not hold a thread forever
 
     def do_GET(self) -> None:
         if not self._authorized():
@@ -231,8 +272,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        routes = {"/generate": lambda: self.server.generate(json.loads(body)),
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
+            self.close_connection = True
+            self._reply(400 if not length.isdigit() else 413,
+                        {"error": f"Content-Length {length!r} is not a size up to {MAX_REQUEST_BYTES} bytes",
+                         "kind": "ConfigError"})
+            return
+        body = self.rfile.read(int(length))
+        routes = {"/generate": lambda: self.server.generate(_json(body)),
                   "/weights": lambda: self.server.load_weights(body),
                   "/weights/done": self.server.finish_weights}
         if self.path not in routes:
@@ -274,6 +322,13 @@ class _Handler(BaseHTTPRequestHandler):
         """One line per request would drown the server's own output."""
 
 
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise ConfigError(f"the request body is not JSON ({e})") from None
+
+
 def build_backend(args: GRPOConfig, name: str) -> Backend:
     """The backend ``covey server`` hosts for a run's config."""
     from covey.models import eos_token_ids, is_peft_model, load_policy, load_tokenizer, resolve_model_path
@@ -304,15 +359,19 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
     raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
 
 
-def run_server(args: GRPOConfig, backend_name: str, host: str, port: int) -> int:
-    """``covey server``: serve until interrupted."""
+def run_server(args: GRPOConfig, backend_name: str, host: str, port: int, insecure: bool = False) -> int:
+    """``covey server``: serve until interrupted. Beyond this machine only with a token, or ``insecure``."""
     token = server_token()
     if token is None and not is_loopback(host):
-        print(f"covey server: warning: listening on {host} without {TOKEN_VARIABLE}: anyone who can reach this "
-              f"port can replace the model's weights. Set {TOKEN_VARIABLE} to a secret in the environments of the "
-              "server and of its trainers", file=sys.stderr, flush=True)
-    backend = build_backend(args, backend_name)
-    server = RolloutServer(backend, host, port, token)
+        if not insecure:
+            raise ConfigError(f"covey server refuses to listen on {host} without {TOKEN_VARIABLE}: anyone who can "
+                              f"reach the port could replace the model's weights. Set {TOKEN_VARIABLE} to a secret in "
+                              "the environments of the server and of its trainers (or pass --insecure on a network "
+                              "only you use)")
+        print(f"covey server: warning: listening on {host} without {TOKEN_VARIABLE} (--insecure): anyone who can "
+              "reach this port can replace the model's weights", file=sys.stderr, flush=True)
+    server = RolloutServer(None, host, port, token)  # the port first: a taken one is known before the model loads
+    server.backend = build_backend(args, backend_name)
     print(f"covey server: {backend_name} backend for {args.model} at {server.url} "
           f"(vllm_mode: server trainers connect here{'; token required' if token else ''}; Ctrl-C stops it)",
           file=sys.stderr, flush=True)
@@ -337,7 +396,7 @@ class ServerEngine(OwnWeights):
 
     def __init__(self, host: str, port: int, pad_token_id: int, timeout: float = 240.0,
                  policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES, token: str | None = None):
-        self.url = f"http://{host}:{port}"
+        self.url = http_url(host, port)
         token = token or server_token()
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pad_token_id = pad_token_id
@@ -348,6 +407,8 @@ class ServerEngine(OwnWeights):
         self.exact_logprobs = bool(info["exact_logprobs"])
         self.weight_dtype = getattr(torch, info["weight_dtype"])
         self.unsynced_policy = policy
+        self.policy = policy  # the weights the server must hold, pushed again if it restarts
+        self.pushed_to: str | None = None  # the server instance that holds the last push
 
     @classmethod
     def from_config(cls, args: GRPOConfig, pad_token_id: int, policy: torch.nn.Module | None = None) -> "ServerEngine":
@@ -356,11 +417,19 @@ class ServerEngine(OwnWeights):
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
         self._push_if_stale()
-        request = {"prompt_ids": [list(map(int, ids)) for ids in prompt_ids], "num_generations": num_generations,
-                   "params": params_to_json(params), "seed": seed}
-        reply = self._post("/generate", json.dumps(request).encode(), "application/json")
+        request = json.dumps({"prompt_ids": [list(map(int, ids)) for ids in prompt_ids],
+                              "num_generations": num_generations, "params": params_to_json(params), "seed": seed})
+        reply = self._post("/generate", request.encode(), "application/json")
+        if self.policy is not None and reply.get("instance") != self.pushed_to:
+            # restarted since the last push: it sampled with its start-up weights, not the policy's
+            self.sync_weights(self.policy)
+            reply = self._post("/generate", request.encode(), "application/json")
         self.exact_logprobs = bool(reply["exact_logprobs"])
         return rollout_from_json(reply, self.pad_token_id)
+
+    def policy_changed(self, model: torch.nn.Module) -> None:
+        super().policy_changed(model)
+        self.policy = model
 
     def _push_weights(self, model: torch.nn.Module) -> None:
         """Send the weights in chunks, checking each request's tensor count and checksum."""
@@ -377,7 +446,8 @@ class ServerEngine(OwnWeights):
         reply = self._post("/weights/done", b"{}", "application/json")
         if reply["tensors"] != sent:
             raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} tensors of the {sent} pushed; "
-                             "is another trainer pushing to the same server?")
+                             "is another trainer pushing to the same server, or did it restart meanwhile?")
+        self.policy, self.pushed_to = model, reply.get("instance")
 
     def _wait_for_health(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -385,7 +455,16 @@ class ServerEngine(OwnWeights):
             try:
                 request = urllib.request.Request(self.url + "/health", headers=self.auth)
                 with self.opener.open(request, timeout=max(1.0, min(10.0, timeout))) as response:
-                    return json.loads(response.read())
+                    body = response.read()
+                try:
+                    info = json.loads(body)
+                except ValueError:
+                    info = None
+                if not (isinstance(info, dict) and {"exact_logprobs", "weight_dtype"} <= set(info)):
+                    raise ConfigError(f"{self.url} answered /health, but not as a covey server does ({body[:80]!r}): "
+                                      "is it TRL's vllm-serve or vLLM's own server? Start `covey server CONFIG` "
+                                      "there, or check vllm_server_host and vllm_server_port")
+                return info
             except urllib.error.HTTPError as e:
                 if e.code == 401:
                     raise ConfigError(f"the covey server at {self.url} refused this trainer (HTTP 401): set the same "
