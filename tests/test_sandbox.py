@@ -126,8 +126,26 @@ def test_humaneval_checks_run_against_the_entry_point(reward):
     wrong = "def add(a, b):\n    return a - b"
     assert reward([CORRECT, wrong, "def plus(a, b):\n    return a + b"], [check] * 3,
                   entry_point=["add"] * 3) == [1.0, 0.0, 0.0]
-    # a pytest test that needs a fixture cannot be run: never a pass
-    assert reward([CORRECT], ["def test_add(tmp_path):\n    assert add(1, 2) == 3"]) == [0.0]
+    # an entry point named like a builtin is the program's own
+    own_sorted = "def sorted(values):\n    return list(reversed(values))"
+    assert reward([own_sorted], ["def check(candidate):\n    assert candidate([1, 2]) == [2, 1]"],
+                  entry_point=["sorted"]) == [1.0]
+
+
+def test_a_test_helper_with_parameters_is_called_by_the_tests_only(reward):
+    tests = "def test_case(a, b, want):\n    assert add(a, b) == want\n\ntest_case(1, 2, 3)\ntest_case(2, 2, 4)"
+    assert reward([CORRECT, "def add(a, b):\n    return a - b"], [tests] * 2) == [1.0, 0.0]
+
+
+def test_patching_unittest_does_not_pass_its_tests(reward):
+    tests = "import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)"
+    wrong = "\ndef add(a, b):\n    return 0"
+    cheats = ["import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None" + wrong,
+              "import unittest\nclass R:\n    testsRun = 1\n    def wasSuccessful(self):\n        return True\n"
+              "unittest.TextTestRunner.run = lambda self, test: R()" + wrong,
+              "import sys, types\nfake = types.ModuleType('unittest')\nfake.TestCase = object\n"
+              "fake.main = lambda *a, **k: None\nsys.modules['unittest'] = fake" + wrong]
+    assert reward(cheats, [tests] * len(cheats)) == [0.0] * len(cheats)
 
 
 def test_replaced_builtins_do_not_fool_the_tests(reward):
@@ -407,6 +425,19 @@ def test_a_folder_tree_too_deep_for_rmtree_is_still_removed():
     result = run_python(deep, timeout=TIMEOUT, memory_limit_mb=256, isolation=Isolation.LIMITS_ONLY)
     assert result.stdout == "deep\n"
     assert set(Path(tempfile.gettempdir()).glob("covey-sandbox-*")) == before
+
+
+def test_a_folder_rmtree_cannot_remove_is_removed_another_way(monkeypatch):
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)  # as for a subfolder the program locked
+
+    monkeypatch.setattr(sandbox.shutil, "rmtree", refused)
+    with sandbox._working_folder() as folder:
+        locked = Path(folder, "locked")
+        locked.mkdir()
+        (locked / "file").write_text("x")
+        locked.chmod(0)
+    assert not Path(folder).exists()
 
 
 def _interpreter_for_everyone() -> str | None:

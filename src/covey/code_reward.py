@@ -39,9 +39,11 @@ PYTHON_TAGS = frozenset({"python", "python3", "py"})
 # before it; the tests run in a namespace of their own holding the program's definitions, less those
 # that shadow a builtin, with a copy of the builtins taken before the program ran. So replacing
 # ``compile``, ``exec``, ``type`` or ``isinstance``, by a global of the program or in the ``builtins``
-# module, changes nothing for the tests. After the tests' code, the test cases and ``test*`` functions
-# it defined run too (a file of pytest-style tests only defines them), and with an entry point given,
-# a HumanEval-style ``check(candidate)``; ``unittest.main()`` runs the cases without exiting.
+# module, changes nothing for the tests; nor does patching ``unittest`` (its module, its classes'
+# attributes), which is put back as it was before the tests run. After the tests' code, the test
+# cases and the ``test*`` functions it defined run too (a file of pytest-style tests only defines
+# them; one with parameters without defaults is a helper, not called), and with an entry point
+# given, a HumanEval-style ``check(candidate)``; ``unittest.main()`` runs the cases without exiting.
 HARNESS = """\
 import builtins, os, sys, unittest
 
@@ -51,11 +53,24 @@ def _covey_harness(program, tests, entry_point):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     compile_, exec_, flush, write, callable_ = compile, exec, sys.stdout.flush, os.write, callable
     isinstance_, issubclass_, function, case = isinstance, issubclass, type(lambda: 0), unittest.TestCase
+    setattr_, delattr_, vars_, dict_, list_, len_ = setattr, delattr, vars, dict, list, len
     loader, suite = unittest.TestLoader(), unittest.TestSuite
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=0)
+    modules = {{name: module for name, module in sys.modules.items() if name.split(".")[0] == "unittest"}}
+    kept = [unittest, unittest.case, case, unittest.TestResult, unittest.TextTestResult, unittest.TextTestRunner,
+            unittest.TestLoader, suite, unittest.suite.BaseTestSuite]
+    saved = [(owner, dict_(vars_(owner))) for owner in kept]
     pristine = dict(vars(builtins))
     solution = {{"__name__": "solution"}}
     exec_(compile_(program, "solution.py", "exec"), solution)
+    sys.modules.update(modules)
+    for owner, attributes in saved:  # unittest as it was before the program
+        for name in list_(vars_(owner)):
+            if name not in attributes:
+                delattr_(owner, name)
+        for name, value in attributes.items():
+            if vars_(owner).get(name) is not value:
+                setattr_(owner, name, value)
     checked = {{name: value for name, value in solution.items() if name not in pristine}}
     given = set(checked)
     checked.update(__builtins__=pristine, __name__="__main__")
@@ -76,11 +91,12 @@ def _covey_harness(program, tests, entry_point):
     exec_(compile_(tests, "tests.py", "exec"), checked)
     if cases_of_the_tests():
         run_cases()
-    for name, value in list(checked.items()):
-        if name not in given and name.startswith("test") and isinstance_(value, function):
+    for name, value in list_(checked.items()):
+        if name not in given and name.startswith("test") and isinstance_(value, function) and \
+                value.__code__.co_argcount == len_(value.__defaults__ or ()):
             value()
     if entry_point is not None and callable_(checked.get("check")) and "check" not in given:
-        checked["check"](checked[entry_point])
+        checked["check"](checked[entry_point] if entry_point in checked else solution[entry_point])
     flush()
     write(1, ("\\n" + token + "\\n").encode())
 

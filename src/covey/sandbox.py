@@ -218,8 +218,8 @@ def _kill_group(pgid: int) -> None:
 
 @contextlib.contextmanager
 def _working_folder() -> Iterator[str]:
-    """A fresh temporary folder, removed afterwards whatever the program left in it (a tree nested too
-    deep for ``shutil.rmtree``'s recursion is removed by ``rm -rf``)."""
+    """A fresh temporary folder, removed afterwards whatever the program left in it: folders it locked
+    (made unreadable), or a tree nested too deep for ``shutil.rmtree``'s recursion."""
     folder = tempfile.mkdtemp(prefix="covey-sandbox-")
     try:
         yield folder
@@ -227,7 +227,8 @@ def _working_folder() -> Iterator[str]:
         try:
             shutil.rmtree(folder)
         except (OSError, RecursionError):
-            subprocess.run(["rm", "-rf", "--", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for command in (["chmod", "-R", "u+rwX", "--", folder], ["rm", "-rf", "--", folder]):
+                subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 # where any user may write: what a program under a uid of its own leaves there is removed
