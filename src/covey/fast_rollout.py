@@ -75,6 +75,7 @@ class FastEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer  # only needed for stop strings
+        self.special_ids: frozenset[int] | None = None  # the tokenizer's, which decode to nothing
         self.bf16 = bf16
         self.exact_logprobs = not bf16
 
@@ -156,12 +157,11 @@ class FastEngine:
         # a stop string spans at most one token per byte of it, plus the token it may begin inside;
         # special tokens decode to nothing, so they do not count towards that window
         window = max(len(s.encode()) for s in stop) + 1
-        special = set(self.tokenizer.all_special_ids)
-        tail: list[int] = []
-        for token in reversed(tokens_T.tolist()):
-            tail.append(token)
-            window -= token not in special
-            if window == 0:
-                break
-        text = self.tokenizer.decode(tail[::-1], skip_special_tokens=True)
+        if self.special_ids is None:
+            self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        start = len(tokens_T)
+        while start > 0 and window > 0:  # back over the tokens, a window's worth at a time
+            start, end = max(0, start - window), start
+            window -= sum(token not in self.special_ids for token in tokens_T[start:end].tolist())
+        text = self.tokenizer.decode(tokens_T[start:].tolist(), skip_special_tokens=True)
         return any(s in text for s in stop)
