@@ -255,6 +255,14 @@ def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, t
     with pytest.raises(ConfigError, match="was not saved by a covey run"):
         trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer)
     assert (folder / "config.yaml").read_text() == mine
+    # nor one written with GRPOConfig.save, every field and all
+    GRPOConfig(learning_rate=1e-5).save(folder / "config.yaml")
+    with pytest.raises(ConfigError, match="was not saved by a covey run"):
+        trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer)
+    # a run's config from before runs marked theirs, beside the run's outputs: that run's, cleared
+    (folder / "metrics.jsonl").write_text("")
+    trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer).train()
+    assert GRPOConfig.from_yaml(folder / "config.yaml").max_steps == 1
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         trainer_for(run_args(tmp_path / "a_file", max_steps=1), tokenizer)
@@ -370,3 +378,17 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, cli_run):
     assert code == 0, err
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == list(
         range(1, 17))
+
+
+def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
+    """The saved configs say which settings held from which step: a resume that changes them back is one more."""
+    from covey.run_folder import resumed_configs, write_run_config
+
+    trainer = trainer_for(run_args(tmp_path / "run", max_steps=6), tokenizer)
+    trainer.run_dir.mkdir(parents=True)
+    first = dict(trainer.config_as_used)
+    write_run_config(trainer.run_dir / "config.yaml", first)
+    write_run_config(trainer.run_dir / "config.resumed-at-2.yaml", {**first, "learning_rate": 0.5})
+    trainer.resume_from, trainer.global_step = trainer.run_dir / "checkpoints" / "checkpoint-4", 4
+    trainer._save_config()  # the first settings again, after the changed ones
+    assert [step for step, _ in resumed_configs(trainer.run_dir)] == [2, 4]

@@ -83,14 +83,28 @@ def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
                           "replace it: move it out of the folder, or choose a new output_dir")
 
 
+# the first line of every config a run saves: what tells it from a config the user wrote
+RUN_CONFIG_HEADER = "# the settings of a covey run, as it used them (written by covey)\n"
+
+
+def write_run_config(path: Path, values: dict) -> None:
+    path.write_text(RUN_CONFIG_HEADER + yaml.safe_dump(values, sort_keys=False))
+
+
 def _saved_by_a_run(config: Path) -> bool:
-    """Whether a run folder's config.yaml is a run's own: every config field, as a run saves it (or
-    empty: a run that stopped before saving it)."""
+    """Whether a run folder's config.yaml is a run's own: it starts with the header runs write, or is
+    empty (a run that stopped before saving it), or, from runs of versions before the header, holds
+    nearly every config field beside the run's other outputs."""
     try:
-        saved = yaml.safe_load(config.read_text())
+        text = config.read_text()
+        saved = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    return saved is None or isinstance(saved, dict) and {f.name for f in dataclasses.fields(GRPOConfig)} <= set(saved)
+    if text.startswith(RUN_CONFIG_HEADER) or saved is None:
+        return True
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    beside = any((config.parent / name).exists() for name in ("metrics.jsonl", "summary.json", CHECKPOINTS))
+    return isinstance(saved, dict) and beside and len(fields & set(saved)) >= 0.9 * len(fields)
 
 
 def resumed_configs(run_dir: Path) -> list[tuple[int, Path]]:

@@ -42,7 +42,7 @@ from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
-from covey.run_folder import claim_run_dir, config_as_used, make_run_dir
+from covey.run_folder import claim_run_dir, config_as_used, make_run_dir, resumed_configs, write_run_config
 from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
 from covey.vllm_engine import check_vllm_installed
@@ -580,17 +580,17 @@ class GRPOTrainer:
         return self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
 
     def _save_config(self) -> None:
-        """config.yaml of the run (``config_as_used``); a resumed run with changed settings keeps the
-        first one beside it."""
+        """config.yaml of the run (``config_as_used``); a resume whose settings differ from the last
+        saved ones writes config.resumed-at-N.yaml beside them."""
         path, now = self.run_dir / "config.yaml", self.config_as_used
         if path.exists() and self.resume_from is not None:
-            saved = yaml.safe_load(path.read_text())
+            latest = ([path] + [p for _, p in resumed_configs(self.run_dir)])[-1]
+            saved = yaml.safe_load(latest.read_text()) or {}
             if ({k: v for k, v in saved.items() if k not in RESUME_FIELDS}
-                    != {k: v for k, v in now.items() if k not in RESUME_FIELDS}):
-                path = self.run_dir / f"config.resumed-at-{self.global_step}.yaml"
-            else:
+                    == {k: v for k, v in now.items() if k not in RESUME_FIELDS}):
                 return
-        path.write_text(yaml.safe_dump(now, sort_keys=False))
+            path = self.run_dir / f"config.resumed-at-{self.global_step}.yaml"
+        write_run_config(path, now)
 
     @contextlib.contextmanager
     def _stop_on_signals(self, log: RunLog):
