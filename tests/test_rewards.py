@@ -316,3 +316,13 @@ def test_reward_names_are_what_the_user_named():
     named.__name__ = "length_bonus_strong"
     assert reward_name(named) == "length_bonus_strong"
     assert reward_name(SoftOverlongPenalty(max_length=8, cache_length=2)) == "soft_overlong_penalty"
+
+
+def test_the_fix_suggested_for_a_signature_never_repeats_a_parameter_name():
+    from covey.rewards import check_reward_signature
+
+    def strict(completions, kwargs):  # a plain parameter that happens to be called kwargs
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"def strict\(completions, kwargs, \*\*more_kwargs\)"):
+        check_reward_signature(strict, ["prompts", "completions", "kwargs"], ["kwargs"])

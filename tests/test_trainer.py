@@ -149,6 +149,11 @@ def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, reward_weights=[1, 2]), train_dataset=ROWS)
     with pytest.raises(RewardError, match="not a built-in"):
         GRPOTrainer(reward_funcs=["nonexistent_reward"], args=small_args(tmp_path), train_dataset=ROWS)
+    def by_difficulty(completions, difficulty, **kw):
+        return [float(d) for d in difficulty]
+
+    with pytest.raises(DataError, match="an in-memory dataset: reward function 'by_difficulty' needs a column"):
+        GRPOTrainer(reward_funcs=[by_difficulty], args=small_args(tmp_path), train_dataset=ROWS)
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ConfigError, match="needs vLLM, which is not installed"):
             GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path, use_vllm=True), train_dataset=ROWS)

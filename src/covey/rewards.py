@@ -484,8 +484,9 @@ def _signature_problems(signature: inspect.Signature, keywords: list[str], name:
     positional = [p.name for p in required if p.kind is p.POSITIONAL_ONLY]
     problems = []
     if unaccepted:
+        rest = "kwargs" if "kwargs" not in signature.parameters else "more_kwargs"
         example = signature.replace(parameters=[p.replace(annotation=p.empty) for p in parameters]
-                                    + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)],
+                                    + [inspect.Parameter(rest, inspect.Parameter.VAR_KEYWORD)],
                                     return_annotation=inspect.Signature.empty)
         problems.append(f"it does not accept the keyword argument(s) {', '.join(map(repr, unaccepted))}; "
                         f"add **kwargs to its parameters, as in TRL's convention: def {name}{example}")

@@ -158,6 +158,7 @@ class GRPOTrainer:
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
+        check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
         preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
                         args.max_steps)
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
@@ -166,7 +167,6 @@ class GRPOTrainer:
             warnings.warn(f"{shared} of the {len(self.eval_rows)} held-out prompts are training prompts too, so the "
                           "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
                           "not train on", stacklevel=2)
-        check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
         if self.eval_rows:
             check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
         check_trackers(args.report_to)
