@@ -110,6 +110,8 @@ def test_a_bare_flag_before_the_config_file_leaves_the_file_as_the_config(tmp_pa
     (tmp_path / "run.yaml").write_text("max_steps: 3\n")
     namespace, overrides = _parse_command("covey train", "", ["--use-peft", str(tmp_path / "run.yaml")])
     assert namespace.config == str(tmp_path / "run.yaml") and overrides == {"use_peft": "true"}
+    namespace, overrides = _parse_command("covey eval", "", ["--bf16", str(tmp_path)])  # a run folder
+    assert namespace.config == str(tmp_path) and overrides == {"bf16": "true"}
 
 
 def test_a_yaml_key_given_twice_is_an_error(tmp_path):

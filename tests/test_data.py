@@ -146,8 +146,7 @@ def test_gsm8k_format_keeps_the_other_columns_for_the_rewards(tmp_path):
     assert row["prompt"][-1]["content"] == "1+1?"
     assert {k: v for k, v in row.items() if k != "prompt"} == {"answer": "2", "solution": "so\n#### 2", "difficulty": 3}
     path.write_text('{"question": "1+1?", "answer": "so\\n#### 2", "solution": "mine"}\n')
-    with pytest.raises(DataError, match=r"gsm.jsonl, row 0: .*column 'solution'.*rename that column"):
-        load_rows(str(path))
+    assert load_rows(str(path))[0]["solution"] == "mine"  # a solution of its own is kept
 
 
 @pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids", "trainer_state", "log_metric",

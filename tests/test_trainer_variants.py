@@ -252,6 +252,7 @@ def test_loss_type_choices_match_the_core_table():
     (dict(top_entropy_quantile=0), "top_entropy_quantile"),
     (dict(use_peft=True, lora_target_modules=[]), "lora_target_modules is empty"),
     (dict(seed=10**20), "seed=100000000000000000000 is too large"),
+    (dict(use_vllm=True, seed=-1), "vLLM takes seeds from 0 to 2\\*\\*32 - 1"),
 ])
 def test_incompatible_variant_settings(values, message):
     with pytest.raises(ConfigError, match=message):

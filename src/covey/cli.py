@@ -63,9 +63,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
         if name in unsettable and isinstance(value, list) and len(value) == 1 and str(value[0]).lower() in ("none", "null"):
             overrides[name] = None
     flags = {f.name for f in config_fields() if str(f.type).startswith("bool")}
-    for name in flags & overrides.keys():  # `--use-peft run.yaml`: a bare flag, then the config file
-        if namespace.config is None and str(overrides[name]).lower().endswith((".yaml", ".yml")):
-            namespace.config, overrides[name] = overrides[name], "true"
+    for name in flags & overrides.keys():  # `--use-peft run.yaml`: a bare flag, then the config file (or run folder)
+        value = str(overrides[name])
+        if namespace.config is None and (value.lower().endswith((".yaml", ".yml")) or os.path.exists(value)):
+            namespace.config, overrides[name] = value, "true"
     return namespace, overrides
 
 

@@ -235,6 +235,8 @@ class GRPOConfig:
         need(not self.use_peft or bool(self.lora_target_modules),
              "lora_target_modules is empty: name the modules LoRA wraps (q_proj, v_proj, ...) or use all-linear")
         need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
+        need(self.rollout_engine != "vllm" or 0 <= self.seed < 2**32,
+             f"seed={self.seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); give one there")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
              f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
              f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")

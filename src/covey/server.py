@@ -424,6 +424,9 @@ class ServerEngine(OwnWeights):
             # restarted since the last push: it sampled with its start-up weights, not the policy's
             self.sync_weights(self.policy)
             reply = self._post("/generate", request.encode(), "application/json")
+            if reply.get("instance") != self.pushed_to:
+                raise ModelError(f"the covey server at {self.url} restarted again while the policy was pushed to it; "
+                                 "is something restarting it? Its own output says why it stopped")
         self.exact_logprobs = bool(reply["exact_logprobs"])
         return rollout_from_json(reply, self.pad_token_id)
 

@@ -49,20 +49,16 @@ def gsm8k_final_answer(solution: str) -> str:
     return solution.split("####")[-1].strip().replace(",", "")
 
 
-GSM8K_MADE_COLUMNS = ("prompt", "solution")  # what gsm8k_rows makes of a record's question and answer, beside `answer`
-
-
 def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
     """GSM8K-format records ({question, answer with '#### N'}) as chat prompts with an `answer` column
-    (the final number) and a `solution` column (the full answer text). Every other column is kept
-    as it is, for the reward functions; a record that has a `prompt` or `solution` column of its
-    own is an error, as covey would overwrite it."""
+    (the final number) and a `solution` column (the full answer text, unless the record has a
+    `solution` of its own, which is kept). Every other column is kept as it is, for the reward
+    functions; a record with a `prompt` column of its own is an error, as covey makes that one."""
     rows = []
     for i, record in enumerate(records):
-        clash = next((column for column in GSM8K_MADE_COLUMNS if column in record), None)
-        if clash is not None:
-            raise DataError(f"{source}, row {i}: GSM8K-format data (question, answer) has a column {clash!r}, which "
-                            "covey makes from the question and answer; rename that column")
+        if "prompt" in record:
+            raise DataError(f"{source}, row {i}: GSM8K-format data (question, answer) has a column 'prompt', which "
+                            "covey makes from the question; rename that column")
         try:
             answer = gsm8k_final_answer(record["answer"])
         except (KeyError, ValueError) as e:
