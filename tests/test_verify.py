@@ -184,6 +184,7 @@ def noisy_judge(completions, **kwargs):
     (dict(mask_truncated_completions=True, max_completion_length=4), [variety, mentions_answer]),
     (dict(multi_objective_aggregation="normalize_then_sum"), [variety, mentions_answer]),
     (dict(), [relative_length, noisy_judge]),
+    (dict(use_peft=True), [variety, mentions_answer]),  # a LoRA adapter's first step is small
 ])
 def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
     args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3), **settings})
@@ -199,6 +200,13 @@ def test_a_row_cut_at_the_length_limit_keeps_a_sampled_pad_token():
     ids = torch.tensor([[5, 6, 0, 0], [5, 3, 0, 0], [5, 7, 8, 0]])  # pad 0, EOS 3
     mask = _eos_mask(ids, [3], 0, ["length", "eos", "stop"], max_length=4)
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def test_a_template_that_closes_the_users_turn_itself_passes(tokenizer):
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+                               "{% else %}{{ m.content }}{% endif %}{% endfor %}")  # add_generation_prompt ignored
+    report = run_verify(tokenizer)
+    assert not [c for c in report.checks if c.stage == "data" and c.status == "FAIL"]
 
 
 @pytest.mark.parametrize("template, check", [
