@@ -392,3 +392,24 @@ def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
     trainer.resume_from, trainer.global_step = trainer.run_dir / "checkpoints" / "checkpoint-4", 4
     trainer._save_config()  # the first settings again, after the changed ones
     assert [step for step, _ in resumed_configs(trainer.run_dir)] == [2, 4]
+
+
+def test_a_final_model_that_cannot_be_written_leaves_a_checkpoint_to_finish_from(tmp_path, tokenizer, monkeypatch):
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def disk_full_for_the_final_model(self, folder, *args, **kwargs):
+        if Path(folder).name.startswith(".tmp-final_model"):
+            real(self, folder, *args, **kwargs)  # half of it written, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(self, folder, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full_for_the_final_model)
+    with pytest.raises(CheckpointError, match=r"could not write the final model .*No space left on device .*"
+                                              r"the trained weights are in .*checkpoint-3"):
+        trainer_for(run_args(tmp_path / "run", max_steps=3, save_steps=0), tokenizer).train()
+    assert not (tmp_path / "run" / "final_model").exists() and not list((tmp_path / "run").glob(".tmp-*"))
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
+    trainer_for(run_args(tmp_path / "run", max_steps=3, save_steps=0, resume_from_checkpoint="auto"), tokenizer).train()
+    assert (tmp_path / "run" / "final_model" / "model.safetensors").is_file()

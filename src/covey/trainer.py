@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import shutil
 import signal
 import threading
 import time
@@ -696,9 +698,25 @@ class GRPOTrainer:
                         self.reward_pool, reward_context(self.reward_state()))
 
     def _save_final_model(self) -> Path:
-        final = self.run_dir / "final_model"
-        self.model.save_pretrained(final, safe_serialization=True)
-        self.tokenizer.save_pretrained(final)
+        """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot
+        be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
+        final, tmp = self.run_dir / "final_model", self.run_dir / f".tmp-final_model-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            if final.exists():  # a finished run resumed at its last step: saved again
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except Exception as e:  # OSError, or safetensors' own error type for a full disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                kept = f"the trained weights are in {self.save_checkpoint()}; free space, then finish the run with " \
+                       f"--output-dir {self.run_dir} --resume-from-checkpoint auto"
+            except CheckpointError:
+                kept = "a checkpoint could not be written either"
+            raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
+                                  f"({type(e).__name__}); {kept}") from e
         return final
 
     def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
