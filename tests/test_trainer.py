@@ -301,6 +301,23 @@ def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenize
     from covey.evaluation import before_after_rows
 
     assert before_after_rows(result, result)[0][1] == "n/a" and before_after_rows(result, result)[2][1] == "n/a"
+    # rows whose answer holds no number are not counted as wrong; a mean reward of none at all is n/a
+    always_two = [{"prompt": r["prompt"], "answer": a} for r, a in zip(ROWS, ["2", "unknown", None])]
+    trainer.engine.generate = lambda prompt_ids, n, params, seed=None: _answering("<answer>2</answer>", tokenizer,
+                                                                                  len(prompt_ids))
+    assert trainer.evaluate(always_two)["accuracy"] == 1.0
+    nothing = {"accuracy": None, "mean_reward": None, "n": 3}  # as summary.json holds a NaN mean
+    assert before_after_rows(nothing, nothing) == [["before", "n/a", "n/a", "3"], ["after", "n/a", "n/a", "3"],
+                                                   ["change", "n/a", "n/a", ""]]
+
+
+def _answering(text: str, tokenizer, rows: int):
+    """A rollout in which every row completes with ``text`` and EOS."""
+    from covey.rollout import Rollout
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids_BT = torch.tensor([ids] * rows)
+    return Rollout(ids_BT, torch.ones_like(ids_BT), torch.zeros(ids_BT.shape), ["eos"] * rows)
 
 
 def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path, tokenizer, tiny_model):

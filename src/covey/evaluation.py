@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from covey.config import GRPOConfig
-from covey.answers import completion_text, is_correct
+from covey.answers import completion_text, is_correct, reference_number
 from covey.core import weighted_reward_sum
 from covey.data import extra_columns, is_conversational
 from covey.reward_pool import RewardPool
@@ -21,8 +22,9 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
              reward_call_context: dict | None = None, batch_size: int = 32) -> dict:
     """Greedy completions of held-out rows under the run's own settings (prompt length and
     overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
-    accuracy (the tagged answer equals the `answer` column; None without that column) and mean
-    weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops are left out of both.
+    accuracy (the tagged answer equals the `answer` column, over the rows whose answer holds a number;
+    None where none does) and mean weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops
+    are left out of both.
     ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "samples": [{prompt, completion, correct}, ...]}
@@ -44,11 +46,12 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
                                      args.reward_errors, args.reward_timeout, pool=reward_pool, context=context)
         rewards.append(weighted_reward_sum(per_func, weights_F))
         for row, completion in zip(chunk, completions):
-            ok = "answer" in row and is_correct(completion, row["answer"])
-            correct.append(ok)
+            checkable = reference_number(row.get("answer")) is not None
+            ok = checkable and is_correct(completion, row["answer"])
+            if checkable:
+                correct.append(ok)
             samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok})
-    answered = bool(kept) and "answer" in kept[0][0]
-    return {"accuracy": sum(correct) / len(correct) if answered else None,
+    return {"accuracy": sum(correct) / len(correct) if correct else None,
             "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "samples": samples}
 
 
@@ -67,10 +70,14 @@ def accuracy_change(before: dict, after: dict) -> float | None:
 def before_after_rows(before: dict | None, after: dict | None) -> list[list[str]]:
     """[label, accuracy, mean reward, n] of the held-out evaluation before and after training (those
     present), then their change when both are: the one table the terminal, model card and report show."""
-    rows = [[label, percent(r["accuracy"]), f"{r['mean_reward']:.3f}", str(r["n"])]
+    def reward(value: float | None, sign: str = "") -> str:  # NaN (no reward applied) is saved as null
+        return "n/a" if value is None or math.isnan(value) else f"{value:{sign}.3f}"
+
+    rows = [[label, percent(r["accuracy"]), reward(r["mean_reward"]), str(r["n"])]
             for label, r in (("before", before), ("after", after)) if r]
     if before and after:
         change = accuracy_change(before, after)
-        rows.append(["change", "n/a" if change is None else f"{100 * change:+.1f} pts",
-                     f"{after['mean_reward'] - before['mean_reward']:+.3f}", ""])
+        reward_change = None if None in (before["mean_reward"], after["mean_reward"]) else \
+            after["mean_reward"] - before["mean_reward"]
+        rows.append(["change", "n/a" if change is None else f"{100 * change:+.1f} pts", reward(reward_change, "+"), ""])
     return rows
