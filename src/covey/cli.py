@@ -213,6 +213,8 @@ def cmd_compare(argv: list[str]) -> int:
     if len(namespace.run_dirs) < 2:
         raise ConfigError("covey compare needs at least two run folders (covey report shows one run)")
     out = Path(namespace.out or compare_file_name(namespace.metric))
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder: name the PNG file to write")
     if out.exists() and not namespace.overwrite:
         raise ConfigError(f"{out} already exists: pass --overwrite to replace it, or --out another file")
     print(f"plot: {compare_runs(namespace.run_dirs, out, namespace.metric)}")
