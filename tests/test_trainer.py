@@ -368,6 +368,8 @@ def test_the_saved_config_names_what_the_run_was_given(tmp_path, tokenizer, tiny
     assert saved["reward_funcs"] == ["tests.test_trainer:count_a", "answer_format", "<in-memory function local_reward>"]
     assert (saved["use_peft"], saved["lora_r"], saved["lora_alpha"], saved["lora_target_modules"]) == (
         True, 2, 4, ["q_proj", "v_proj"])
+    card = (tmp_path / "run" / "final_model" / "README.md").read_text()  # the model card says the same
+    assert "| use_peft | True |" in card and "| lora_r | 2 |" in card and "| lora_alpha | 4 |" in card
     from covey.rewards import load_reward_func
 
     assert load_reward_func(saved["reward_funcs"][0]) is count_a
