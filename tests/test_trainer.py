@@ -13,7 +13,7 @@ import yaml
 
 from covey import GRPOConfig, GRPOTrainer
 from covey.errors import ConfigError, DataError, ModelError, RewardError
-from tests.conftest import make_model
+from tests.conftest import make_model, make_tokenizer
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
 
@@ -73,6 +73,18 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
     for name, p in reloaded.named_parameters():
         assert torch.equal(p, after[name]), name
     assert AutoTokenizer.from_pretrained(run / "final_model").chat_template
+
+
+def test_the_saved_tokenizer_pads_as_the_one_given(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    given = make_tokenizer()
+    given.pad_token = given.eos_token  # as many chat models ship: the trainer pads with another token
+    GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path, max_steps=1, eval_max_samples=0),
+                train_dataset=ROWS, processing_class=given, quiet=True).train()
+    assert given.pad_token != given.eos_token and given.padding_side == "left"  # the trainer's own choices
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "final_model")
+    assert (saved.pad_token, saved.padding_side) == ("</s>", "right")
 
 
 def test_lora_trains_only_the_adapter_and_saves_it(tmp_path, tokenizer, tiny_model_dir):

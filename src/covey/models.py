@@ -95,13 +95,24 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
 
 def prepare_tokenizer(tokenizer) -> None:
-    """Left padding for generation; a pad token distinct from EOS when the vocabulary has one."""
+    """Left padding for generation; a pad token distinct from EOS when the vocabulary has one. The pad
+    token and padding side it came with are kept beside (``tokenizer_as_loaded`` gives them back for saving)."""
+    if not hasattr(tokenizer, "covey_as_loaded"):
+        tokenizer.covey_as_loaded = (tokenizer.pad_token, tokenizer.padding_side)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         if tokenizer.unk_token is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
             tokenizer.pad_token = tokenizer.unk_token
         elif tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token  # masks are built from EOS positions, so this stays exact
+
+
+def tokenizer_as_loaded(tokenizer):
+    """A copy of the tokenizer with the pad token and padding side it came with, for saving with a
+    model: the trainer's choices for generation are not what the model's users expect."""
+    saved = copy.deepcopy(tokenizer)
+    saved.pad_token, saved.padding_side = getattr(tokenizer, "covey_as_loaded", (tokenizer.pad_token, "right"))
+    return saved
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -39,7 +39,7 @@ from covey.data import (PromptSampler, check_reward_columns, extra_columns, held
 from covey.evaluation import accuracy_change, evaluate, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, keep_freed_memory,
-                          load_policy, load_tokenizer, prepare_tokenizer)
+                          load_policy, load_tokenizer, prepare_tokenizer, tokenizer_as_loaded)
 from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
@@ -704,7 +704,7 @@ class GRPOTrainer:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             self.model.save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
+            tokenizer_as_loaded(self.tokenizer).save_pretrained(tmp)
             if final.exists():  # a finished run resumed at its last step: saved again
                 shutil.rmtree(final)
             tmp.rename(final)
