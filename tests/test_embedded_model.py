@@ -1,5 +1,8 @@
 """The embedded default model: converted once from the wheel's GGUF file, then a plain trainable model."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from covey.config import EMBEDDED_MODEL
@@ -24,3 +27,20 @@ def test_embedded_model_loads_as_a_plain_trainable_model_and_answers():
     rollout = engine.generate(prompt_ids, 1, SamplingParams(max_new_tokens=16, greedy=True))
     text = tokenizer.decode(rollout.completion_ids_BT[0, : int(rollout.lengths_B[0])], skip_special_tokens=True)
     assert any(ch.isdigit() for ch in text), text  # a real instruction model answers a sum with numbers
+
+
+def test_a_conversion_that_cannot_be_written_leaves_nothing_and_says_where(tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    from covey.errors import ModelError
+    from covey.models import embedded_model_folder
+
+    def disk_full(self, folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("COVEY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    with pytest.raises(ModelError, match=r"converted copy under .*No space left on device.*set COVEY_CACHE"):
+        embedded_model_folder()
+    assert list((tmp_path / "cache" / "models").iterdir()) == []

@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -68,10 +69,23 @@ def embedded_model_folder(name: str = EMBEDDED_MODEL) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict(), strict=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    plain.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    staging = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(".convert-*"):  # left by a conversion killed an hour ago or more
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for path in [staging, *staging.iterdir()]:  # readable by every user of a shared cache, as a download is
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    except Exception as e:  # OSError, or safetensors' own error type for a full disk
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise ModelError(f"could not write the default model's converted copy under {target.parent}: "
+                         f"{getattr(e, 'strerror', None) or e} ({type(e).__name__}); it needs about 600 MB there. "
+                         "Free space, or set COVEY_CACHE to a folder with room") from e
     try:
         staging.rename(target)  # atomic: a half-written folder is never seen as the model
     except OSError:  # another process finished first
