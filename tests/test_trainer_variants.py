@@ -1,6 +1,7 @@
 """The variants wired through the trainer, on a tiny random Llama."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,15 @@ def test_reference_sync_is_refused_for_every_kind_of_lora_policy(tmp_path, token
 def test_lora_targets_that_the_model_lacks_are_named_with_the_ones_it_has(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match=r"lora_target_modules \['nosuch_proj'\] do not fit .* down_proj, .*q_proj"):
         trainer_for(tmp_path, tokenizer, use_peft=True, lora_target_modules=["nosuch_proj"])
+
+
+@pytest.mark.parametrize("target, warned", [("lm_head", True), ("embed_tokens", True), ("v_proj", False)])
+def test_an_adapter_on_a_shared_embedding_matrix_warns_that_it_cannot_be_merged(tmp_path, tokenizer, target, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(tmp_path, tokenizer, use_peft=True, lora_target_modules=["q_proj", target])
+    said = [str(w.message) for w in caught if "merging it (merge_and_unload) changes both" in str(w.message)]
+    assert bool(said) == warned and all(f"leave {target} out" in text for text in said)
 
 
 def test_no_reference_model_when_beta_is_zero(tmp_path, tokenizer):

@@ -316,6 +316,21 @@ def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[
         yield target, _merged(layer, leaf, param) if layer is not None else param.detach()
 
 
+def adapted_shared_matrix(model: torch.nn.Module) -> str | None:
+    """The layer whose LoRA adapter changes a matrix that another name shares (a tied input embedding
+    and output head), or None. Such an adapter trains exactly, but merging it changes both sides."""
+    if not is_peft_model(model):
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    names_of: dict[int, int] = {}
+    for _, param in base.named_parameters(remove_duplicate=False):
+        names_of[id(param)] = names_of.get(id(param), 0) + 1
+    return next((name for name, module in base.named_modules() if isinstance(module, LoraLayer)
+                 and names_of.get(id(getattr(module.get_base_layer(), "weight", None)), 0) > 1), None)
+
+
 def lora_merge_blocker(model: torch.nn.Module) -> str | None:
     """Why the active adapters of a PEFT model cannot be merged into plain weights, or None: covey
     merges plain LoRA (DoRA and lora_bias are refused where they are merged)."""

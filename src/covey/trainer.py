@@ -38,8 +38,9 @@ from covey.data import (PromptSampler, check_reward_columns, extra_columns, held
                         load_rows, shared_prompts)
 from covey.evaluation import accuracy_change, evaluate, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
-from covey.models import (Reference, add_lora, autocast, disable_dropout, eos_token_ids, is_peft_model, keep_freed_memory,
-                          load_policy, load_tokenizer, prepare_tokenizer, tokenizer_as_loaded)
+from covey.models import (Reference, adapted_shared_matrix, add_lora, autocast, disable_dropout, eos_token_ids,
+                          is_peft_model, keep_freed_memory, load_policy, load_tokenizer, prepare_tokenizer,
+                          tokenizer_as_loaded)
 from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
@@ -258,6 +259,11 @@ class GRPOTrainer:
                 policy = get_peft_model(policy, peft_config)
             else:
                 policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        if shared := adapted_shared_matrix(policy):
+            warnings.warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
+                          "share: the adapter trains and saves exactly, but merging it (merge_and_unload) changes "
+                          f"both, so a merged model would differ from it; leave {shared.rpartition('.')[2]} out of "
+                          "lora_target_modules to be able to merge", stacklevel=3)
         if args.disable_dropout:
             disable_dropout(policy)
         if args.gradient_checkpointing:
