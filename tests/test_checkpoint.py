@@ -78,6 +78,9 @@ def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tok
     assert_same_weights(tmp_path / "whole" / "final_model", tmp_path / "resumed" / "final_model")
     assert learned_metrics(tmp_path / "whole") == learned_metrics(tmp_path / "resumed")
     assert [p.name for p in checkpoint_dirs(tmp_path / "whole")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    from transformers import AutoTokenizer  # a checkpoint's model folder is a model of its own, tokenizer included
+
+    assert AutoTokenizer.from_pretrained(checkpoint_2 / "model").pad_token == tokenizer.covey_as_loaded[0]
 
 
 def test_the_update_kernel_is_the_resuming_runs_choice_not_the_checkpoints(tmp_path, tokenizer):

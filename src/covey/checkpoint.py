@@ -73,9 +73,10 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
-                    total_limit: int | None = None) -> Path:
+                    total_limit: int | None = None, tokenizer: Any = None) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
-    ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history)."""
+    ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history);
+    ``tokenizer``, saved beside the model, makes its folder a model that loads on its own."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}-{os.getpid()}"
@@ -92,6 +93,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
                 stale.rename(whole)
         tmp.mkdir()
         model.save_pretrained(tmp / "model", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
         tensors, rest = _split_optimizer_state(optimizer.state_dict())
         save_file(tensors, tmp / "optimizer.safetensors")
         _write_json(tmp / "optimizer.json", rest)

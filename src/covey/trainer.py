@@ -558,7 +558,7 @@ class GRPOTrainer:
         state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict(),
                      unlogged_metrics=self.unlogged_metrics)
         return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
-                               self._moving_reference(), self.args.save_total_limit)
+                               self._moving_reference(), self.args.save_total_limit, tokenizer_as_loaded(self.tokenizer))
 
     def _restore(self, path: Path) -> None:
         try:
