@@ -144,8 +144,15 @@ def test_patching_unittest_does_not_pass_its_tests(reward):
               "import unittest\nclass R:\n    testsRun = 1\n    def wasSuccessful(self):\n        return True\n"
               "unittest.TextTestRunner.run = lambda self, test: R()" + wrong,
               "import sys, types\nfake = types.ModuleType('unittest')\nfake.TestCase = object\n"
-              "fake.main = lambda *a, **k: None\nsys.modules['unittest'] = fake" + wrong]
+              "fake.main = lambda *a, **k: None\nsys.modules['unittest'] = fake" + wrong,
+              "import unittest\nunittest.TestResult.wasSuccessful.__code__ = (lambda self: True).__code__" + wrong,
+              "import unittest, contextlib\n@contextlib.contextmanager\ndef swallow(self, *a, **k):\n"
+              "    try:\n        yield\n    except Exception:\n        pass\n"
+              "unittest.case._Outcome.testPartExecutor = swallow" + wrong]
     assert reward(cheats, [tests] * len(cheats)) == [0.0] * len(cheats)
+    # what the program imports of unittest stays usable by the tests
+    mocked = "import unittest.mock\nwith unittest.mock.patch('builtins.len', return_value=0):\n    assert add(1, 2) == 3"
+    assert reward(["import unittest.mock\n" + CORRECT.strip("`").removeprefix("python\n")], [mocked]) == [1.0]
 
 
 def test_replaced_builtins_do_not_fool_the_tests(reward):

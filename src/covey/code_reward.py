@@ -53,24 +53,28 @@ def _covey_harness(program, tests, entry_point):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     compile_, exec_, flush, write, callable_ = compile, exec, sys.stdout.flush, os.write, callable
     isinstance_, issubclass_, function, case = isinstance, issubclass, type(lambda: 0), unittest.TestCase
-    setattr_, delattr_, vars_, dict_, list_, len_ = setattr, delattr, vars, dict, list, len
+    setattr_, delattr_, vars_, dict_, list_, len_, module = setattr, delattr, vars, dict, list, len, type(sys)
     loader, suite = unittest.TestLoader(), unittest.TestSuite
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=0)
     modules = {{name: module for name, module in sys.modules.items() if name.split(".")[0] == "unittest"}}
-    kept = [unittest, unittest.case, case, unittest.TestResult, unittest.TextTestResult, unittest.TextTestRunner,
-            unittest.TestLoader, suite, unittest.suite.BaseTestSuite]
+    kept = [unittest, unittest.case, case, unittest.case._Outcome, unittest.TestResult, unittest.TextTestResult,
+            unittest.TextTestRunner, unittest.TestLoader, suite, unittest.suite.BaseTestSuite]
     saved = [(owner, dict_(vars_(owner))) for owner in kept]
+    codes = [(f, f.__code__, f.__defaults__, f.__kwdefaults__) for _, attributes in saved
+             for f in attributes.values() if isinstance_(f, function)]
     pristine = dict(vars(builtins))
     solution = {{"__name__": "solution"}}
     exec_(compile_(program, "solution.py", "exec"), solution)
     sys.modules.update(modules)
-    for owner, attributes in saved:  # unittest as it was before the program
+    for owner, attributes in saved:  # unittest as it was before the program (submodules it imported stay)
         for name in list_(vars_(owner)):
-            if name not in attributes:
+            if name not in attributes and not isinstance_(vars_(owner)[name], module):
                 delattr_(owner, name)
         for name, value in attributes.items():
             if vars_(owner).get(name) is not value:
                 setattr_(owner, name, value)
+    for f, code, defaults, kwdefaults in codes:  # and its functions' code, which can be swapped in place
+        f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
     checked = {{name: value for name, value in solution.items() if name not in pristine}}
     given = set(checked)
     checked.update(__builtins__=pristine, __name__="__main__")
