@@ -263,7 +263,7 @@ def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, t
     with pytest.raises(ConfigError, match="was not saved by a covey run"):
         trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer)
     # a run's config from before runs marked theirs, beside the run's outputs: that run's, cleared
-    (folder / "metrics.jsonl").write_text("")
+    (folder / "tensorboard").mkdir()  # an older run stopped before it logged a step: its trackers' folder only
     trainer_for(run_args(folder, max_steps=1, overwrite_output_dir=True), tokenizer).train()
     assert GRPOConfig.from_yaml(folder / "config.yaml").max_steps == 1
     (tmp_path / "a_file").write_text("x")
@@ -414,5 +414,7 @@ def test_a_final_model_that_cannot_be_written_leaves_a_checkpoint_to_finish_from
         trainer_for(run_args(tmp_path / "run", max_steps=3, save_steps=0), tokenizer).train()
     assert not (tmp_path / "run" / "final_model").exists() and not list((tmp_path / "run").glob(".tmp-*"))
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
+    (tmp_path / "run" / ".tmp-final_model-1").mkdir()  # as a save killed by a second Ctrl-C leaves it
     trainer_for(run_args(tmp_path / "run", max_steps=3, save_steps=0, resume_from_checkpoint="auto"), tokenizer).train()
     assert (tmp_path / "run" / "final_model" / "model.safetensors").is_file()
+    assert not list((tmp_path / "run").glob(".tmp-*"))

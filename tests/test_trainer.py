@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -80,8 +81,9 @@ def test_the_saved_tokenizer_pads_as_the_one_given(tmp_path, tiny_model):
 
     given = make_tokenizer()
     given.pad_token = given.eos_token  # as many chat models ship: the trainer pads with another token
-    GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path, max_steps=1, eval_max_samples=0),
-                train_dataset=ROWS, processing_class=given, quiet=True).train()
+    given.resource = threading.Lock()  # a tokenizer that cannot be copied (remote code may hold such things)
+    GRPOTrainer(model=tiny_model, reward_funcs=[count_a], train_dataset=ROWS, processing_class=given, quiet=True,
+                args=small_args(tmp_path, max_steps=1, eval_max_samples=0, save_steps=1)).train()
     assert given.pad_token != given.eos_token and given.padding_side == "left"  # the trainer's own choices
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "final_model")
     assert (saved.pad_token, saved.padding_side) == ("</s>", "right")

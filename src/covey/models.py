@@ -121,12 +121,16 @@ def prepare_tokenizer(tokenizer) -> None:
             tokenizer.pad_token = tokenizer.eos_token  # masks are built from EOS positions, so this stays exact
 
 
-def tokenizer_as_loaded(tokenizer):
-    """A copy of the tokenizer with the pad token and padding side it came with, for saving with a
-    model: the trainer's choices for generation are not what the model's users expect."""
-    saved = copy.deepcopy(tokenizer)
-    saved.pad_token, saved.padding_side = getattr(tokenizer, "covey_as_loaded", (tokenizer.pad_token, "right"))
-    return saved
+@contextmanager
+def tokenizer_as_loaded(tokenizer) -> Iterator[Any]:
+    """The tokenizer with the pad token and padding side it came with, for the duration (to save it
+    with a model: the trainer's choices for generation are not what the model's users expect)."""
+    during = (tokenizer.pad_token, tokenizer.padding_side)
+    tokenizer.pad_token, tokenizer.padding_side = getattr(tokenizer, "covey_as_loaded", during)
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.pad_token, tokenizer.padding_side = during
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

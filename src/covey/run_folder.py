@@ -80,7 +80,8 @@ def _refuse_a_used_folder(run_dir: Path, args: GRPOConfig) -> None:
     config = run_dir / "config.yaml"
     if config.exists() and not _saved_by_a_run(config):
         raise ConfigError(f"{config} was not saved by a covey run (your own config?), and overwrite_output_dir would "
-                          "replace it: move it out of the folder, or choose a new output_dir")
+                          "replace it: move it out of the folder (or, if an older covey run wrote it, delete it), or "
+                          "choose a new output_dir")
 
 
 # the first line of every config a run saves: what tells it from a config the user wrote
@@ -103,7 +104,7 @@ def _saved_by_a_run(config: Path) -> bool:
     if text.startswith(RUN_CONFIG_HEADER) or saved is None:
         return True
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    beside = any((config.parent / name).exists() for name in ("metrics.jsonl", "summary.json", CHECKPOINTS))
+    beside = any(next(config.parent.glob(pattern), None) for pattern in RUN_OUTPUTS if pattern != "config.yaml")
     return isinstance(saved, dict) and beside and len(fields & set(saved)) >= 0.9 * len(fields)
 
 
@@ -116,7 +117,7 @@ def resumed_configs(run_dir: Path) -> list[tuple[int, Path]]:
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
 RUN_OUTPUTS = ("config.yaml", "config.resumed-at-*.yaml", "metrics.jsonl", "completions.jsonl", "summary.json",
-               "final_model", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db", "mlartifacts")
+               "final_model", ".tmp-final_model-*", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db", "mlartifacts")
 
 
 def claim_run_dir(run_dir: Path, args: GRPOConfig) -> Path:

@@ -557,8 +557,9 @@ class GRPOTrainer:
         state = {key: getattr(self, key) for key in RESUMED_ATTRIBUTES}
         state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict(),
                      unlogged_metrics=self.unlogged_metrics)
-        return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
-                               self._moving_reference(), self.args.save_total_limit, tokenizer_as_loaded(self.tokenizer))
+        with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+            return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
+                                   self._moving_reference(), self.args.save_total_limit, tokenizer)
 
     def _restore(self, path: Path) -> None:
         try:
@@ -707,15 +708,16 @@ class GRPOTrainer:
         """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot
         be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
         final, tmp = self.run_dir / "final_model", self.run_dir / f".tmp-final_model-{os.getpid()}"
+        for stale in self.run_dir.glob(".tmp-final_model-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
             self.model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer_as_loaded(self.tokenizer).save_pretrained(tmp)
+            with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                tokenizer.save_pretrained(tmp)
             if final.exists():  # a finished run resumed at its last step: saved again
                 shutil.rmtree(final)
             tmp.rename(final)
         except Exception as e:  # OSError, or safetensors' own error type for a full disk
-            shutil.rmtree(tmp, ignore_errors=True)
             try:
                 kept = f"the trained weights are in {self.save_checkpoint()}; free space, then finish the run with " \
                        f"--output-dir {self.run_dir} --resume-from-checkpoint auto"
@@ -723,6 +725,8 @@ class GRPOTrainer:
                 kept = "a checkpoint could not be written either"
             raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
                                   f"({type(e).__name__}); {kept}") from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; what is left of a failed save
         return final
 
     def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
