@@ -211,6 +211,7 @@ def test_a_template_that_closes_the_users_turn_itself_passes(tokenizer):
 
 @pytest.mark.parametrize("template, check", [
     ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}", "opens the assistant's turn"),
+    ("{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}", "opens the assistant's turn"),
     ("{% for m in messages %}{% if m.role != 'assistant' %}<{{ m.role }}>{{ m.content }}\n{% endif %}{% endfor %}"
      "{% if add_generation_prompt %}<assistant>{% endif %}", "keeps assistant messages"),
 ])

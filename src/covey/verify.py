@@ -116,20 +116,24 @@ def check_data(report: Report, trainer) -> None:
 
 
 def _check_chat_template(report: Report, tokenizer, messages: list[dict]) -> None:
-    """The template opens the assistant's turn when asked (the model answers, rather than continues the
-    user), and renders an assistant message it is given."""
+    """The prompt the model continues ends where its answer begins: the template opens the assistant's
+    turn when asked, or (a template that ignores add_generation_prompt, [INST] ... [/INST]) an
+    assistant message follows the prompt directly. And it renders an assistant message it is given."""
     def render(chat, opened):
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=opened)
 
-    opened, closed = render(messages, True), render(messages, False)
-    # a template may close the user's turn itself ([INST] ... [/INST]); one that ends in the user's text does not
-    continues = opened == closed and opened.rstrip().endswith(str(messages[-1]["content"]).strip())
-    report.add("data", "chat template opens the assistant's turn", not continues,
-               "add_generation_prompt adds the turn" if opened != closed else "the user's turn is closed",
-               "the prompt ends in the user's message, so the model would continue it instead of answering: "
-               "fix the tokenizer's chat template (it ignores add_generation_prompt)")
     reply = "covey verify: a reply"
-    kept = reply in render(messages + [{"role": "assistant", "content": reply}], False)
+    opened, closed, replied = render(messages, True), render(messages, False), render(
+        messages + [{"role": "assistant", "content": reply}], False)
+    if opened != closed:
+        ok, value = replied.startswith(opened), "add_generation_prompt opens the turn"
+    else:
+        ok = replied.startswith(opened) and replied[len(opened):].lstrip().startswith(reply)
+        value = "the prompt ends where the answer begins" if ok else "the prompt ends in the user's message"
+    report.add("data", "chat template opens the assistant's turn", ok, value,
+               "the model would continue the user's message instead of answering it: fix the tokenizer's chat "
+               "template (add_generation_prompt should open the assistant's turn)")
+    kept = reply in replied
     report.add("data", "chat template keeps assistant messages", kept, "kept" if kept else "dropped",
                "the chat template drops assistant messages: fix the tokenizer's chat template")
 
