@@ -114,6 +114,8 @@ def test_lora_trains_only_the_adapter_and_saves_it(tmp_path, tokenizer, tiny_mod
     more.train()
     moved = {n for n, p in more.model.named_parameters() if not torch.equal(start[n], p)}
     assert moved and all("lora_" in n for n in moved)
+    card = (tmp_path / "more" / "run" / "final_model" / "README.md").read_text()  # the adapter's settings, its base
+    assert "| use_peft | True |" in card and "| lora_r | 4 |" in card and f"base model: `{tiny_model_dir}`" in card
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, tokenizer):

@@ -745,12 +745,16 @@ class GRPOTrainer:
             summary["eval_samples"] = {"before": before["samples"][:8], "after": after["samples"][:8]}
         write_json(self.run_dir / "summary.json", summary)
         adapter = is_peft_model(self.model)
-        # as the run used them (a peft_config given in code included), with the LoRA settings of an adapter
-        hyperparameters = {k: self.config_as_used[k] for k in MODEL_CARD_FIELDS + (LORA_CARD_FIELDS if adapter else ())}
+        hyperparameters = {k: self.config_as_used[k] for k in MODEL_CARD_FIELDS}  # as the run used them
         hyperparameters["use_peft"] = adapter
         base = self.model_name
-        if adapter and (Path(base) / "adapter_config.json").is_file():  # training went on from a saved adapter
-            base = next(iter(self.model.peft_config.values())).base_model_name_or_path or base
+        if adapter:  # the adapter's own settings (those of a saved adapter trained further too)
+            lora = self.model.peft_config[self.model.active_adapter]
+            targets = lora.target_modules
+            hyperparameters.update(lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_target_modules=sorted(targets)
+                                   if isinstance(targets, (set, list)) else targets)
+            if (Path(base) / "adapter_config.json").is_file():  # training went on from a saved adapter
+                base = lora.base_model_name_or_path or base
         (final / "README.md").write_text(model_card(
             base, self.dataset_name, [reward_name(f) for f in self.reward_funcs], self.reward_weights,
             hyperparameters, self.global_step, before, after, adapter=adapter))
@@ -776,7 +780,6 @@ def _interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
 
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
                      "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
-LORA_CARD_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules")
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
