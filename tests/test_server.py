@@ -315,6 +315,11 @@ def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir
     assert "needs vLLM, which is not installed; install it with pip install 'covey[vllm]'" in capsys.readouterr().err
 
 
+def test_vllm_backend_refuses_a_seed_vllm_cannot_take(tiny_model_dir):
+    with pytest.raises(ConfigError, match="vLLM takes seeds from 0 to 2\\*\\*32 - 1"):
+        build_backend(GRPOConfig(model=str(tiny_model_dir), seed=-1), "vllm")
+
+
 def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_dir, tokenizer):
     from covey.models import load_policy
 
