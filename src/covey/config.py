@@ -118,7 +118,8 @@ class GRPOConfig:
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     steps_per_generation: int | None = _f(None, "micro-batches per generation batch (default: gradient_accumulation_steps); a multiple gives several optimizer steps per generation")
     max_steps: int = _f(30, "optimizer steps to train for")
-    num_iterations: int = _f(1, "optimizer steps taken on each generation batch (PPO epochs, mu)")
+    num_iterations: int = _f(1, "passes over each generation batch (PPO epochs, mu); each pass takes "
+                                "steps_per_generation / gradient_accumulation_steps optimizer steps (one by default)")
     loss_type: str = _f("dapo", "objective and token aggregation (see docs/algorithms.md)", choices=LOSS_TYPES)
     importance_sampling_level: str = _f("token", "per-token ratio, or GSPO's length-normalised sequence ratio", choices=IMPORTANCE_SAMPLING_LEVELS)
     beta: float = _f(0.0, "KL penalty coefficient towards the reference model (0 = no reference model)")
@@ -151,7 +152,8 @@ class GRPOConfig:
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     keep_freed_memory: bool = _f(True, "on Linux, the C library keeps freed CPU memory for reuse while training: half the page faults, a lower peak (process-wide)")
     # --- output ------------------------------------------------------------------------------
-    output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten")
+    output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten "
+                                      "unless overwrite_output_dir")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
     logging_steps: int = _f(1, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
     log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
