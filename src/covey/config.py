@@ -237,8 +237,8 @@ class GRPOConfig:
         need(not self.use_peft or bool(self.lora_target_modules),
              "lora_target_modules is empty: name the modules LoRA wraps (q_proj, v_proj, ...) or use all-linear")
         need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
-        need(self.rollout_engine != "vllm" or 0 <= self.seed < 2**32,
-             f"seed={self.seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); give one there")
+        if self.rollout_engine == "vllm":
+            self.check_vllm_seed()
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
              f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
              f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")
@@ -283,6 +283,11 @@ class GRPOConfig:
     def optimizer_steps_per_generation(self) -> int:
         """Optimizer steps taken on each generation batch, over all its iterations."""
         return self.micro_batches_per_generation // self.gradient_accumulation_steps * self.num_iterations
+
+    def check_vllm_seed(self) -> None:
+        """vLLM seeds numpy with ``seed``, which takes 0 to 2**32 - 1 only."""
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); give one there")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ there ever after.
 
 from __future__ import annotations
 
+import collections
 import copy
 import ctypes
 import importlib.util
@@ -328,11 +329,9 @@ def adapted_shared_matrix(model: torch.nn.Module) -> str | None:
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    names_of: dict[int, int] = {}
-    for _, param in base.named_parameters(remove_duplicate=False):
-        names_of[id(param)] = names_of.get(id(param), 0) + 1
+    names_of = collections.Counter(id(param) for _, param in base.named_parameters(remove_duplicate=False))
     return next((name for name, module in base.named_modules() if isinstance(module, LoraLayer)
-                 and names_of.get(id(getattr(module.get_base_layer(), "weight", None)), 0) > 1), None)
+                 and names_of[id(getattr(module.get_base_layer(), "weight", None))] > 1), None)
 
 
 def lora_merge_blocker(model: torch.nn.Module) -> str | None:

@@ -340,8 +340,7 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
         from covey.vllm_engine import VLLMEngine
 
         path = resolve_model_path(args.model)
-        if not 0 <= args.seed < 2**32:
-            raise ConfigError(f"seed={args.seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); give one there")
+        args.check_vllm_seed()
         if (Path(path) / "adapter_config.json").is_file():
             raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
                               "the adapter's base model as `model` (the trainer pushes the merged weights)")
