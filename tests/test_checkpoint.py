@@ -248,6 +248,11 @@ def test_resuming_from_beyond_max_steps_is_refused(tmp_path, tokenizer):
     for where in ("auto", str(loose)):
         with pytest.raises(ConfigError, match="is at step 4, beyond max_steps=3: raise max_steps"):
             trainer_for(run_args(tmp_path / "run", max_steps=3, resume_from_checkpoint=where), tokenizer)
+    # a checkpoint folder of any name is placed by the step it holds
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "checkpoint-2", tmp_path / "my-copy")
+    with pytest.raises(ConfigError, match="holds checkpoints after my-copy .checkpoint-4."):
+        trainer_for(run_args(tmp_path / "run", max_steps=6, overwrite_output_dir=True,
+                             resume_from_checkpoint=str(tmp_path / "my-copy")), tokenizer)
 
 
 def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, tokenizer):

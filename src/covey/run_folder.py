@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from covey.checkpoint import CHECKPOINTS, checkpoint_dirs, step_of
+from covey.checkpoint import CHECKPOINTS, checkpoint_dirs, saved_step, step_of
 from covey.config import IN_MEMORY, GRPOConfig
 from covey.errors import ConfigError
 from covey.rewards import reward_reference
@@ -56,7 +56,7 @@ def make_run_dir(args: GRPOConfig, resume_from: Path | None = None) -> Path:
         run_dir = Path(args.output_dir).resolve() if args.output_dir else own_run
         if run_dir != own_run:  # a new branch of the run: the usual guard applies
             _refuse_a_used_folder(run_dir, args)
-        later = [p.name for p in checkpoint_dirs(run_dir) if step_of(p) > step_of(resume_from)]
+        later = [p.name for p in checkpoint_dirs(run_dir) if step_of(p) > saved_step(resume_from)]
         if later:
             raise ConfigError(f"{run_dir} holds checkpoints after {resume_from.name} ({', '.join(later)}): continuing "
                               f"from {resume_from.name} there would mix two histories. Give a new --output-dir for "
