@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.config import GRPOConfig, config_fields, suggest_field
+from covey.distributed import World
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
 
 
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if argv[0] != "train" and World.launched_size() > 1:
+            raise ConfigError(f"covey {argv[0]} runs in a single process; of the commands only covey train runs "
+                              "under a launcher (torchrun, accelerate launch): run this one without it")
         return COMMANDS[argv[0]](argv[1:])
     except TrainingInterrupted as e:
         print(f"covey: {e}", file=sys.stderr)

@@ -7,7 +7,7 @@ The defaults are the built-in demo: the embedded SmolLM2-135M-Instruct on the ``
 sized to finish in minutes on a laptop CPU.
 
     >>> cfg = GRPOConfig(learning_rate=2e-5, max_steps=10)
-    >>> cfg.generation_batch_size // cfg.num_generations   # prompts per step
+    >>> cfg.generation_batch_size // cfg.num_generations   # prompts per step (of each process)
     2
 """
 
@@ -114,7 +114,7 @@ class GRPOConfig:
     dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "peak learning rate of AdamW")
-    per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch")
+    per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch (of each process, as in TRL)")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     steps_per_generation: int | None = _f(None, "micro-batches per generation batch (default: gradient_accumulation_steps); a multiple gives several optimizer steps per generation")
     max_steps: int = _f(30, "optimizer steps to train for")
@@ -276,7 +276,8 @@ class GRPOConfig:
 
     @property
     def generation_batch_size(self) -> int:
-        """Completions sampled per generation round (prompts per round = this / num_generations)."""
+        """Completions sampled per generation round by each process (prompts per round = this /
+        num_generations; several processes sample as many each)."""
         return self.per_device_train_batch_size * self.micro_batches_per_generation
 
     @property

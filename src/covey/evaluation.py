@@ -27,7 +27,10 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     are left out of both.
     ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
 
-        {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "samples": [{prompt, completion, correct}, ...]}
+        {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "checked": 60,
+         "samples": [{prompt, completion, correct, reward}, ...]}
+
+    ``checked``: the rows whose answer holds a number (those the accuracy is over).
     """
     prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_length, "eval_dataset",
                                 args.prompt_overflow)
@@ -45,14 +48,28 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, ids, extra_columns(chunk),
                                      args.reward_errors, args.reward_timeout, pool=reward_pool, context=context)
         rewards.append(weighted_reward_sum(per_func, weights_F))
-        for row, completion in zip(chunk, completions):
+        for row, completion, reward in zip(chunk, completions, rewards[-1].tolist()):
             checkable = reference_number(row.get("answer")) is not None
             ok = checkable and is_correct(completion, row["answer"])
             if checkable:
                 correct.append(ok)
-            samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok})
+            samples.append({"prompt": row["prompt"], "completion": completion_text(completion), "correct": ok,
+                            "reward": reward})
     return {"accuracy": sum(correct) / len(correct) if correct else None,
-            "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "samples": samples}
+            "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "checked": len(correct),
+            "samples": samples}
+
+
+def merge_evaluations(parts: list[dict]) -> dict:
+    """One evaluation from those of consecutive shares of the rows (``evaluate`` in several processes)."""
+    if len(parts) == 1:
+        return parts[0]
+    checked = sum(part["checked"] for part in parts)
+    correct = sum(round(part["accuracy"] * part["checked"]) for part in parts if part["checked"])
+    samples = [sample for part in parts for sample in part["samples"]]
+    rewards = torch.tensor([sample["reward"] for sample in samples], dtype=torch.float64)
+    return {"accuracy": correct / checked if checked else None, "mean_reward": float(rewards.nanmean()),
+            "n": sum(part["n"] for part in parts), "checked": checked, "samples": samples}
 
 
 def percent(fraction: float | None) -> str:

@@ -37,8 +37,9 @@ class RunLog:
     the console display. Leaving the ``with`` block closes the trackers, also when training raised."""
 
     def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None, quiet: bool = False,
-                 trackers: Sequence[Tracker] = ()):
+                 trackers: Sequence[Tracker] = (), record: bool = True):
         self.run_dir = run_dir
+        self.record = record  # False: a data-parallel process other than the first, which writes nothing
         self.trackers = list(trackers)
         self.console = console or Console(stderr=True)
         self.quiet = quiet
@@ -66,6 +67,8 @@ class RunLog:
                 self.info(f"[yellow]{type(tracker).__name__} failed to close ({type(e).__name__}: {e})[/]")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.record:
+            return
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
@@ -88,6 +91,8 @@ class RunLog:
         """Continue a run from a checkpoint at ``step``: its metric history, and the files cut back to
         that step (lines a crashed run wrote after its checkpoint are written again as training redoes them)."""
         self.history = list(history)
+        if not self.record:
+            return
         _rewrite_jsonl(self.metrics_path, self.history)
         if self.completions_path.exists():
             records = []
@@ -99,6 +104,8 @@ class RunLog:
 
     def log_completions(self, step: int, records: list[dict], num_to_print: int = 0) -> None:
         """Append the step's completions to completions.jsonl; show the first ``num_to_print`` as a table."""
+        if not self.record:
+            return
         with open(self.completions_path, "a") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")

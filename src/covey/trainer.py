@@ -7,9 +7,9 @@
         log-probs   old (only when reused over several iterations) and reference (only when beta > 0)
         loss, step  clipped surrogate over micro-batches, gradient clipping, AdamW, schedule
 
-Groups stay whole inside one generation batch, and reward statistics are computed from the full
-batch tensors, so a data-parallel version only needs to gather rewards across ranks before the
-advantage and to shard rows after it.
+Groups stay whole inside one generation batch. Under several processes (``covey.distributed``)
+each samples and trains on groups of its own prompts; rewards are gathered before the advantage,
+loss counts and gradients summed over the processes, and the first process records the run.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from covey.answers import completion_text
 from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, saved_step
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
+from covey.distributed import World
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
                         load_rows, shared_prompts)
-from covey.evaluation import accuracy_change, evaluate, percent
+from covey.evaluation import accuracy_change, evaluate, merge_evaluations, percent
 from covey.logprobs import SequenceBatch, completion_logprobs
 from covey.models import (Reference, adapted_shared_matrix, add_lora, autocast, disable_dropout, eos_token_ids,
                           is_peft_model, keep_freed_memory, load_policy, load_tokenizer, prepare_tokenizer,
@@ -101,7 +102,9 @@ class GenerationBatch:
             cat([right(b.loss_mask_BT, T, 0) for b in batches]),
             cat([right(b.sampling_logp_BT, T, 0.0) for b in batches]),
             cat([b.rewards_BF for b in batches]),
-            [r for b in batches for r in b.finish_reasons], [r for b in batches for r in b.records])
+            [r for b in batches for r in b.finish_reasons], [r for b in batches for r in b.records],
+            *(cat(parts) if all(p is not None for p in parts) else None
+              for parts in ([b.advantages_B for b in batches], [b.zero_std_N for b in batches])))
 
 
 def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
@@ -152,6 +155,11 @@ class GRPOTrainer:
                  processing_class: Any = None, peft_config: Any = None, rollout_engine: RolloutEngine | None = None,
                  quiet: bool = False):
         self.args = args = args or GRPOConfig()
+        if (processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm":
+            raise ConfigError(f"rollout_engine: vllm runs in a single process, and this run has {processes} "
+                              "(WORLD_SIZE); use rollout_engine: fast (or hf) with several processes, or train "
+                              "in one process with vLLM")
+        self.world = World.from_environment()
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         self.reward_funcs, self.reward_weights = load_rewards(args, reward_funcs)
@@ -183,7 +191,7 @@ class GRPOTrainer:
             raise ConfigError(f"{self.resume_from} is at step {saved_step(self.resume_from)}, beyond max_steps="
                               f"{args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
                               "checkpoint")
-        self.run_dir = make_run_dir(args, self.resume_from)
+        self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
         torch.manual_seed(args.seed)
 
         if processing_class is not None:
@@ -195,6 +203,8 @@ class GRPOTrainer:
         self._encode_train_prompts()
 
         self.model = self._build_policy(model, peft_config)
+        self.world.check_device(next(self.model.parameters()).device)
+        self.world.broadcast_parameters(self.model)
         if args.sync_ref_model and is_peft_model(self.model):  # a folder that held a LoRA adapter
             raise ConfigError(SYNC_WITH_LORA)
         if model is None or isinstance(model, str):
@@ -212,18 +222,21 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.sampler = PromptSampler(len(self.train_rows), args.generation_batch_size // args.num_generations, args.seed)
+        # the prompts of every process, drawn together; each takes its share (World.share)
+        self.sampler = PromptSampler(len(self.train_rows), args.generation_batch_size // args.num_generations
+                                     * self.world.size, args.seed)
         self.loss_settings = core.LossSettings(
             loss_type=args.loss_type, epsilon_low=args.epsilon,
             epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
             clip_ratio_c=args.clip_ratio_c, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
             kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
             top_entropy_quantile=args.top_entropy_quantile)
-        self.quiet = quiet
+        self.quiet = quiet or not self.world.is_main
         self.global_step = 0
         self.rounds_sampled = 0
         self.bad_steps = self.consecutive_bad_steps = 0
         self.reward_errors, self.warned_reward_errors = 0, False
+        self.round_reward_errors = 0
         self.dynamic_sampling_stats: dict[str, float] = {}
         self.reward_metrics: dict[str, list[float]] = {}
         self.before: dict | None = None  # the evaluation before training
@@ -286,14 +299,11 @@ class GRPOTrainer:
         args = self.args
         if args.keep_freed_memory:
             keep_freed_memory()
-        if self.resume_from is None:
-            self.run_dir = claim_run_dir(self.run_dir, args)
-        else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._save_config()
+        self.run_dir = self.world.on_main(self._open_run_dir)
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
-                                 first_step=self.global_step + 1)
-        with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers) as log,
+                                 first_step=self.global_step + 1) if self.world.is_main else []
+        with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
+                                       record=self.world.is_main) as log,
               self._stop_on_signals(log)):
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
@@ -305,12 +315,21 @@ class GRPOTrainer:
             while self.global_step < args.max_steps:
                 self._generation_round(log)
             # the trained model is saved before anything else can fail
-            final = self._save_final_model()
+            final = self.world.on_main(self._save_final_model)
             after = self.evaluate() if self.eval_rows else None
-        summary = self._write_outputs(final, self.before, after, log.history)
+        summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
         if not self.quiet:
             print_summary(log.console, self.before, after, self.run_dir)
         return summary
+
+    def _open_run_dir(self) -> Path:
+        """The run folder, taken for this run (or reopened to resume it), with the run's config saved."""
+        if self.resume_from is None:
+            self.run_dir = claim_run_dir(self.run_dir, self.args)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._save_config()
+        return self.run_dir
 
     def _generation_round(self, log: RunLog) -> None:
         """One generation batch, then its optimizer steps: (micro-batches per generation /
@@ -319,16 +338,19 @@ class GRPOTrainer:
         round_start = start = time.perf_counter()
         first_step = self.global_step
         batch, timings = self.generate_and_score()
+        whole = self._whole_batch(batch)  # of every process, for the metrics and completions.jsonl
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
         B = batch.loss_mask_BT.shape[0]
+        # as many optimizer steps in every process (one whose batch came out smaller takes part without rows)
+        windows = self.world.max(math.ceil(B / window))
         for iteration in range(args.num_iterations):
-            for first in range(0, B, window):
+            for first in range(0, windows * window, window):
                 if self.global_step >= args.max_steps:
                     break
                 t_train = time.perf_counter()
                 # until the first optimizer step on this batch the policy *is* the old policy: ratio exactly 1
                 policy_unchanged = iteration == 0 and first == 0
-                stats = self.optimize(batch, slice(first, min(first + window, B)), policy_unchanged)
+                stats = self.optimize(batch, slice(min(first, B), min(first + window, B)), policy_unchanged)
                 self.global_step += 1
                 if hasattr(self.engine, "policy_changed"):  # an engine with its own copy of the weights (vLLM)
                     self.engine.policy_changed(self.model)
@@ -336,14 +358,15 @@ class GRPOTrainer:
                     self.reference.sync(args.ref_model_mixup_alpha)
                 timings["time/train"] = time.perf_counter() - t_train
                 step_time, start = time.perf_counter() - start, time.perf_counter()
-                self.unlogged_metrics.append(self._metrics(batch, stats, timings, step_time,
-                                                           time.perf_counter() - round_start))
+                if whole is not None:
+                    self.unlogged_metrics.append(self._metrics(whole, stats, timings, step_time,
+                                                               time.perf_counter() - round_start))
                 if self.global_step % args.logging_steps == 0 or self.global_step == args.max_steps:
                     log.log_metrics(self.global_step, _interval_mean(self.unlogged_metrics))
                     self.unlogged_metrics = []
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
-        self._end_round(log, first_step, batch.records)
+        self._end_round(log, first_step, whole.records if whole is not None else [])
 
     def _end_round(self, log: RunLog, first_step: int, records: list[dict]) -> None:
         """After a round's optimizer steps: record its completions when due, then checkpoint when due or
@@ -352,31 +375,39 @@ class GRPOTrainer:
         if args.log_completions and (first_step == 0 or step == args.max_steps
                                      or _crossed(first_step, step, args.log_completions_steps)):
             log.log_completions(step, records, args.num_completions_to_print)
-        stopping = self.stop_signal is not None and step < args.max_steps  # a signal in the last step: just finish
+        # a signal to any process stops them all; one in the last step: just finish
+        stop_signal = next((s for s in self.world.gather(self.stop_signal) if s is not None), None)
+        stopping = stop_signal is not None and step < args.max_steps
         if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
             return
-        path = self.save_checkpoint()
+        path = self.world.on_main(self.save_checkpoint)
         log.info(f"checkpoint saved: {path}")
         if stopping:
             raise TrainingInterrupted(
-                f"stopped by {signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {path}. "
+                f"stopped by {signal.Signals(stop_signal).name} at step {step}; checkpoint saved in {path}. "
                 f"Continue with: covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto",
-                self.stop_signal)
+                stop_signal)
 
     def generate_and_score(self, indices: list[int] | None = None) -> tuple[GenerationBatch, dict[str, float]]:
         """Steps 1-4 of the loop for the next prompts (or the training rows at ``indices``)."""
         args, G = self.args, self.args.num_generations
         timings = {"time/generate": 0.0, "time/score": 0.0}
         self.reward_metrics = {}  # what reward functions log with log_metric this round
+        self.round_reward_errors = 0  # reward calls that failed this round (under reward_errors: skip)
         # 1-2. generate and score; under dynamic sampling, keep only groups with a reward spread
-        batch = self._sample_and_score(indices if indices is not None else next(self.sampler), timings)
+        batch = self._sample_and_score(indices if indices is not None else self._next_prompts(), timings)
         self.dynamic_sampling_stats = {}
         if args.dynamic_sampling and indices is None:
             batch = self._refill(batch, timings)
-        # 3. advantages
-        advantages_B, batch.zero_std_N = core.advantages_from_rewards(
-            batch.rewards_BF, self.reward_weights_F, G, args.scale_rewards, args.multi_objective_aggregation)
-        batch.advantages_B = advantages_B.float()
+        # 3. advantages, over the rewards of every process
+        rewards_per_process, new_errors = zip(*self.world.gather((batch.rewards_BF, self.round_reward_errors)))
+        self.reward_errors += sum(new_errors)
+        advantages_B, zero_std_N = core.advantages_from_rewards(
+            torch.cat(rewards_per_process), self.reward_weights_F, G, args.scale_rewards,
+            args.multi_objective_aggregation)
+        first = sum(len(rewards) for rewards in rewards_per_process[:self.world.rank])  # this process's rows
+        B = len(batch.rewards_BF)
+        batch.advantages_B, batch.zero_std_N = advantages_B[first:first + B].float(), zero_std_N[first // G:(first + B) // G]
         for record, advantage in zip(batch.records, batch.advantages_B.tolist()):
             record["advantage"] = advantage
         # 4. log-probs of the policy that generated (only when it moves before its last use; else the
@@ -399,13 +430,35 @@ class GRPOTrainer:
                 batch.ref_logp_BT = self._logprobs_no_grad(ref_model, batch.sequences)
         return batch, timings
 
+    def _whole_batch(self, batch: GenerationBatch) -> GenerationBatch | None:
+        """The round's batch of every process in rank order, on the first process (None on the others),
+        which also takes in what the reward functions logged and the dynamic-sampling counts of all."""
+        if self.world.size == 1:
+            return batch
+        sent = dataclasses.replace(batch, old_logp_BT=None, ref_logp_BT=None, engine_weights=None)
+        parts = self.world.gather((sent, self.reward_metrics, self.dynamic_sampling_stats))
+        if not self.world.is_main:
+            return None
+        self.reward_metrics = {}
+        for _, logged, _ in parts:
+            for name, values in logged.items():
+                self.reward_metrics.setdefault(name, []).extend(values)
+        self.dynamic_sampling_stats = {  # every process runs the same number of extra rounds
+            key: (max if key == "dynamic_sampling/extra_rounds" else sum)(stats[key] for _, _, stats in parts)
+            for key in self.dynamic_sampling_stats}
+        return GenerationBatch.concat([sent for sent, _, _ in parts], self.tokenizer.pad_token_id)
+
+    def _next_prompts(self) -> list[int]:
+        """The training rows of this process's next prompts."""
+        return self.world.share(next(self.sampler))
+
     def _sample_and_score(self, indices: list[int], timings: dict[str, float]) -> GenerationBatch:
         args, G = self.args, self.args.num_generations
         t0 = time.perf_counter()
         prompt_ids = [self.prompt_ids[i] for i in indices]
         params = SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p or 0.0,
                                 args.repetition_penalty, tuple(args.stop_strings or ()))
-        rollout = self.engine.generate(prompt_ids, G, params, seed=args.seed + self.rounds_sampled)
+        rollout = self.engine.generate(prompt_ids, G, params, seed=self.world.seed(args.seed + self.rounds_sampled))
         self.rounds_sampled += 1
         t1 = time.perf_counter()
         rows = [self.train_rows[i] for i in indices for _ in range(G)]
@@ -443,7 +496,7 @@ class GRPOTrainer:
         rewards_BF = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions, completion_ids,
                                        extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
                                        self.reward_pool, context)
-        self.reward_errors += len(errors)
+        self.round_reward_errors += len(errors)
         if errors and not self.warned_reward_errors:
             self.warned_reward_errors = True
             name, index, reason = errors[0]
@@ -458,16 +511,23 @@ class GRPOTrainer:
         G, wanted = self.args.num_generations, self.args.generation_batch_size // self.args.num_generations
         kept, n_kept, dropped, rounds = [], 0, 0, 0
         while True:
-            _, zero_std_N = core.group_advantages(core.weighted_reward_sum(batch.rewards_BF, self.reward_weights_F), G)
-            groups = [g for g in range(len(zero_std_N)) if not zero_std_N[g]][: wanted - n_kept]
-            dropped += int(zero_std_N.sum())
-            if groups:
-                kept.append(batch.select([g * G + j for g in groups for j in range(G)]))
-                n_kept += len(groups)
-            if n_kept >= wanted or rounds >= self.args.dynamic_sampling_max_rounds:
+            if batch is not None:
+                _, zero_std_N = core.group_advantages(core.weighted_reward_sum(batch.rewards_BF, self.reward_weights_F), G)
+                groups = [g for g in range(len(zero_std_N)) if not zero_std_N[g]][: wanted - n_kept]
+                dropped += int(zero_std_N.sum())
+                if groups:
+                    kept.append(batch.select([g * G + j for g in groups for j in range(G)]))
+                    n_kept += len(groups)
+            # every process draws its next prompts while any one needs more, so that they keep to one order
+            if not self.world.any(n_kept < wanted) or rounds >= self.args.dynamic_sampling_max_rounds:
                 break
             rounds += 1
-            batch = self._sample_and_score(next(self.sampler), timings)
+            indices = self._next_prompts()
+            if n_kept < wanted:
+                batch = self._sample_and_score(indices, timings)
+            else:  # this process has enough: its prompts of the round are passed over
+                batch = None
+                self.rounds_sampled += 1
         self.dynamic_sampling_stats = {"dynamic_sampling/dropped_groups": float(dropped),
                                        "dynamic_sampling/extra_rounds": float(rounds),
                                        "dynamic_sampling/kept_groups": float(n_kept)}
@@ -493,11 +553,14 @@ class GRPOTrainer:
         window = window or slice(0, B)
         rows_in_window = window.stop - window.start
         generation_tokens = float(batch.loss_mask_BT.sum())
-        counts = core.BatchCounts(
-            sequences=rows_in_window,
-            tokens=generation_tokens * rows_in_window / B,  # the generation batch's tokens, per optimizer step
-            micro_batches=math.ceil(rows_in_window / args.per_device_train_batch_size),
-            max_completion_length=args.max_completion_length)
+        # the sizes of the optimizer step, over every process: each normalises by them, and the summed
+        # gradients are those of the whole step
+        step = self.world.sum({
+            "sequences": rows_in_window,
+            "tokens": generation_tokens * rows_in_window / B,  # the generation batch's tokens, per optimizer step
+            "micro_batches": math.ceil(rows_in_window / args.per_device_train_batch_size)})
+        counts = core.BatchCounts(int(step["sequences"]), step["tokens"], int(step["micro_batches"]),
+                                  args.max_completion_length)
         totals: dict[str, float] = {"loss": 0.0}
         for start in range(window.start, window.stop, args.per_device_train_batch_size):
             rows = slice(start, min(start + args.per_device_train_batch_size, window.stop))
@@ -520,6 +583,12 @@ class GRPOTrainer:
             totals["loss"] += float(loss.detach())
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
+        if batch.engine_weights is not None:  # over the trained tokens (token level) or the sequences
+            weights = batch.engine_weights
+            counted = batch.loss_mask_BT.float() if weights.shape[1] > 1 else torch.ones_like(weights)
+            totals.update(engine_weight_sum=float((weights * counted).sum()), engine_counted=float(counted.sum()),
+                          engine_masked=float(((weights == 0) * counted).sum()))
+        totals = self.world.sum(totals)
         totals["grad_norm"] = self.apply_gradients()
         return totals
 
@@ -534,6 +603,7 @@ class GRPOTrainer:
         """Clip the accumulated gradients, step the optimizer and the schedule; the gradient norm.
         Non-finite gradients skip the update (counted); too many in a row stop the run."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.world.sum_gradients(params)
         clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         if math.isfinite(grad_norm):
@@ -668,12 +738,10 @@ class GRPOTrainer:
         metrics.update({name: sum(values) / len(values) for name, values in self.reward_metrics.items()})
         if self.args.beta > 0:
             metrics["kl"] = stats["kl_sum"] / tokens
-        if batch.engine_weights is not None:  # over the trained tokens (token level) or the sequences
-            weights = batch.engine_weights
-            counted = batch.loss_mask_BT.float() if weights.shape[1] > 1 else torch.ones_like(weights)
-            n = counted.sum().clamp(min=1)
-            metrics["engine_is/mean_weight"] = float((weights * counted).sum() / n)
-            metrics["engine_is/masked_fraction"] = float(((weights == 0) * counted).sum() / n)
+        if "engine_counted" in stats:
+            n = max(stats["engine_counted"], 1.0)
+            metrics["engine_is/mean_weight"] = stats["engine_weight_sum"] / n
+            metrics["engine_is/masked_fraction"] = stats["engine_masked"] / n
         metrics.update({
             "loss": stats["loss"],
             "policy_loss": stats["policy_loss"],
@@ -701,8 +769,11 @@ class GRPOTrainer:
         rows = rows if rows is not None else self.eval_rows
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
-        return evaluate(self.engine, self.tokenizer, rows, self.reward_funcs, self.reward_weights, self.args,
-                        self.reward_pool, reward_context(self.reward_state()))
+        # every process evaluates its share of the rows
+        parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share_uneven(rows), self.reward_funcs,
+                                           self.reward_weights, self.args, self.reward_pool,
+                                           reward_context(self.reward_state())))
+        return merge_evaluations(parts)
 
     def _save_final_model(self) -> Path:
         """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot

@@ -1,0 +1,188 @@
+"""Data-parallel training over several processes, through torch.distributed.
+
+Started by a launcher that sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``MASTER_ADDR``
+(``torchrun --nproc_per_node 4 -m covey train my.yaml``, or ``accelerate launch``), every process
+holds the whole model and samples, scores and trains on whole groups of prompts of its own:
+
+- the prompts of a round are drawn once, with the same seed everywhere, and each process takes its
+  share, so no two processes train on the same prompt in a round;
+- rewards are gathered before the advantage, so advantages are those of the whole batch (which
+  matters where they are normalised over the batch, ``scale_rewards: batch``);
+- the loss of each process is normalised by the counts of the whole optimizer step, and the
+  gradients are summed over the processes: the update is the one a single process would make on
+  the whole batch;
+- the first process writes the run folder, the logs and the checkpoints, from metrics over the
+  whole batch.
+
+``World`` is the one place that calls torch.distributed; with one process every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from covey.errors import ConfigError, CoveyError
+
+T = TypeVar("T")
+
+# elements per all-reduce of gradients: large enough to amortise each call, small enough not to double
+# the memory of a large model's gradients while they are flattened
+GRADIENT_BUCKET_ELEMENTS = 32 * 2 ** 20
+# apart the sampling seeds of the processes are, so that none repeats another's in a run
+RANK_SEED_STRIDE = 2 ** 32
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the data-parallel processes: ``rank`` of ``size``."""
+
+    rank: int = 0
+    size: int = 1
+
+    @staticmethod
+    def launched_size() -> int:
+        """The number of processes the launcher started (WORLD_SIZE; 1 without a launcher)."""
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    @staticmethod
+    def from_environment() -> World:
+        """One process unless a launcher set WORLD_SIZE > 1; then joins (or starts) the process group:
+        NCCL with one GPU per process where CUDA is available, gloo on CPUs."""
+        size = World.launched_size()
+        if size <= 1:
+            return World()
+        if not dist.is_available():
+            raise CoveyError(f"WORLD_SIZE={size} asks for {size} processes, but this torch build has no "
+                             "torch.distributed; run a single process or install a build with it")
+        if not dist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # the other processes wait at the next collective while the first saves a large checkpoint
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+        return World(dist.get_rank(), dist.get_world_size())
+
+    def check_device(self, device: torch.device) -> None:
+        """Under NCCL, the model must sit on this process's own GPU (where covey puts the models it loads)."""
+        if self.size > 1 and dist.get_backend() == "nccl" and device != torch.device("cuda", torch.cuda.current_device()):
+            raise ConfigError(f"process {self.rank} holds the model on {device}, but its GPU is "
+                              f"cuda:{torch.cuda.current_device()} (LOCAL_RANK); pass the model by name, or move it "
+                              "to torch.device('cuda', int(os.environ['LOCAL_RANK'])) before handing it over")
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes the run folder and prints."""
+        return self.rank == 0
+
+    def seed(self, seed: int) -> int:
+        """This process's sampling seed for a round seeded ``seed``: ``seed`` itself in the first process."""
+        return seed + self.rank * RANK_SEED_STRIDE
+
+    def share(self, items: list[T]) -> list[T]:
+        """This process's contiguous share of ``items`` (their number divisible by ``size``)."""
+        n = len(items) // self.size
+        return items[self.rank * n:(self.rank + 1) * n]
+
+    def share_uneven(self, items: list[T]) -> list[T]:
+        """This process's contiguous share of ``items``, the first ones a row longer when they do not
+        divide evenly; concatenated in rank order, the shares give back ``items``."""
+        n, extra = divmod(len(items), self.size)
+        start = self.rank * n + min(self.rank, extra)
+        return items[start:start + n + (self.rank < extra)]
+
+    def gather(self, value: T) -> list[T]:
+        """``value`` of every process, in rank order (any picklable object)."""
+        if self.size == 1:
+            return [value]
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def on_main(self, compute: Callable[[], T]) -> T:
+        """``compute()`` run by the first process only, its result (or the error it raised) handed to
+        every process: for what must happen once, such as claiming the run folder."""
+        if self.size == 1:
+            return compute()
+        outcome: list[Any] = [None]
+        if self.is_main:
+            try:
+                outcome = [(True, compute())]
+            except Exception as e:
+                outcome = [(False, e)]
+        dist.broadcast_object_list(outcome, src=0)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the processes (keys missing in some count as 0)."""
+        if self.size == 1:
+            return values
+        totals: dict[str, float] = {}
+        for part in self.gather(values):
+            for key, value in part.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds in any process."""
+        return flag if self.size == 1 else any(self.gather(bool(flag)))
+
+    def max(self, value: int) -> int:
+        return value if self.size == 1 else max(self.gather(int(value)))
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """The first process's parameters and buffers everywhere, so every process starts from the same
+        weights whatever its own random state (a LoRA adapter's initialisation, a model built in place)."""
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients of ``params`` over the processes, in place. A parameter without a gradient
+        in one process (which had no rows in this step) takes part with zeros there."""
+        if self.size == 1 or not params:
+            return
+        # a parameter no process has a gradient for stays without one, as in a single process
+        somewhere = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(somewhere)
+        params = [p for p, used in zip(params, somewhere.tolist()) if used]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        bucket: list[torch.Tensor] = []
+        elements = 0
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            elements += p.grad.numel()
+            if elements >= GRADIENT_BUCKET_ELEMENTS or i == len(params) - 1:
+                self._sum_in_place(bucket)
+                bucket, elements = [], 0
+
+    @staticmethod
+    def _sum_in_place(grads: list[torch.Tensor]) -> None:
+        by_dtype: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()

@@ -1,0 +1,194 @@
+"""Data-parallel training over two CPU processes (gloo), on a tiny random Llama.
+
+Two processes, each with its own share of a round's prompts, must make the very update one process
+makes on the whole batch; one of them alone writes the run folder, from metrics over both.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from covey import GRPOConfig, GRPOTrainer
+from covey.core import completion_mask
+from covey.data import PromptSampler
+from covey.errors import ConfigError
+from covey.rollout import Rollout
+from tests.conftest import make_model, make_tokenizer
+
+ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
+HELD_OUT = [{"prompt": [{"role": "user", "content": f"tell {c}"}], "answer": str(i)} for i, c in enumerate("vwxyz")]
+CONSTANT = "say h"  # the prompt whose completions are all alike: its group carries no signal
+CONSTANT_ROW = next(row for row in ROWS if row["prompt"][0]["content"] == CONSTANT)
+
+
+def count_a(completions, **kwargs):
+    return [(len(set(c[0]["content"])) + c[0]["content"].count("a")) / 8 for c in completions]
+
+
+class ScriptedEngine:
+    """Completions that depend on the prompt and the sample's place in its group only, so that they
+    are the same whichever process draws the prompt and however the batch is split."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, num_generations, params, seed=None) -> Rollout:
+        rows = []
+        for ids in prompt_ids:
+            constant = CONSTANT in self.tokenizer.decode(ids)
+            for j in range(num_generations):
+                key = 0 if constant else sum(ids) + 7 * j
+                text = "".join("abcdefghij"[(key * (k + 3)) % (3 + j % 7)] for k in range(1 + key % params.max_new_tokens))
+                rows.append(self.tokenizer.encode(text, add_special_tokens=False)[:params.max_new_tokens - 1]
+                            + [self.tokenizer.eos_token_id])
+        T = max(len(r) for r in rows)
+        ids_BT = torch.tensor([r + [self.tokenizer.pad_token_id] * (T - len(r)) for r in rows])
+        lengths_B = torch.tensor([len(r) for r in rows])
+        return Rollout(ids_BT, completion_mask(ids_BT, [self.tokenizer.eos_token_id], lengths_B),
+                       torch.zeros(ids_BT.shape, dtype=torch.float32), ["eos"] * len(rows))
+
+
+def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
+    """2 prompts x 4 completions per optimizer step in all, in 2 micro-batches of 4: one process
+    accumulates both, or each of two processes runs one."""
+    values = dict(output_dir=str(output_dir), max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2 // processes, max_completion_length=8, learning_rate=1e-3, beta=0.04,
+                  eval_max_samples=5, log_completions=True, logging_steps=1, seed=3)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def train(output_dir, processes: int, **overrides) -> dict:
+    """Train; the summed gradient of every optimizer step (as the optimizer saw it), and where the
+    run stands in the data."""
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer), seed=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=settings(output_dir, processes, **overrides),
+                          train_dataset=ROWS, eval_dataset=HELD_OUT, processing_class=tokenizer,
+                          rollout_engine=ScriptedEngine(tokenizer), quiet=True)
+    gradients, step = [], trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.train()
+    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled)}
+
+
+def _process(rank: int, port: int, output_dir: str, results: str, overrides: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.save(train(output_dir, 2, **overrides), f"{results}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_in_two_processes(tmp_path, **overrides):
+    results = str(tmp_path / "gradients")
+    processes = mp.start_processes(_process, args=(free_port(), str(tmp_path / "two"), results, overrides), nprocs=2,
+                                   start_method="spawn", join=False)
+    deadline = time.monotonic() + 300  # processes out of step wait for each other: fail rather than hang
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail("the two processes did not finish within 300 s (waiting for each other?)")
+    return [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)]
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"scale_rewards": "batch", "loss_type": "grpo"}])
+def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
+    one = train(tmp_path / "one", 1, **overrides)["gradients"]
+    two = [result["gradients"] for result in train_in_two_processes(tmp_path, **overrides)]
+    assert len(one) == len(two[0]) == len(two[1]) == 2
+    for step in range(2):
+        for single, rank0, rank1 in zip(one[step], two[0][step], two[1][step]):
+            assert torch.equal(rank0, rank1)  # every process takes the same update
+            assert torch.allclose(single, rank0, atol=1e-6, rtol=1e-4)
+    # the first process alone records the run, with metrics over the whole batch
+    one_metrics, two_metrics = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    for key in ("reward", "reward_std", "loss", "kl", "entropy", "completions/mean_length", "grad_norm"):
+        assert [m[key] for m in two_metrics] == pytest.approx([m[key] for m in one_metrics], rel=1e-4, abs=1e-7), key
+    completions = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    first_step = [c for c in completions if c["step"] == 1]
+    assert len(first_step) == 8 and len({str(c["prompt"]) for c in first_step}) == 2  # each process a prompt
+    one_summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two_summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    for when in ("before", "after"):  # the held-out rows split between the processes, then merged
+        assert two_summary[when]["n"] == one_summary[when]["n"] == 5
+        assert two_summary[when]["mean_reward"] == pytest.approx(one_summary[when]["mean_reward"])
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+
+
+def test_dynamic_sampling_keeps_the_processes_in_step(tmp_path):
+    """One process draws the prompt with constant rewards and must sample again; the other has its
+    group already, passes its prompt of the extra round over, and both take the same steps."""
+    # a seed whose first round draws the constant prompt (which then goes to one of the two processes)
+    seed = next(seed for seed in range(100) if ROWS.index(CONSTANT_ROW) in next(PromptSampler(len(ROWS), 2, seed)))
+    two = train_in_two_processes(tmp_path, dynamic_sampling=True, seed=seed, max_steps=2)
+    assert len(two[0]["gradients"]) == len(two[1]["gradients"]) == 2
+    assert two[0]["data"] == two[1]["data"]  # the same draws, so no prompt is trained twice in a round
+    metrics = _metrics(tmp_path / "two")[0]
+    assert metrics["dynamic_sampling/dropped_groups"] == 1
+    assert metrics["dynamic_sampling/kept_groups"] == 2
+    assert metrics["dynamic_sampling/extra_rounds"] == 1
+    assert metrics["frac_reward_zero_std"] == 0
+
+
+def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout_engine: vllm runs in a single process"):
+        GRPOTrainer(reward_funcs=[count_a], args=settings(tmp_path / "run", 2, rollout_engine="vllm"), train_dataset=ROWS)
+
+
+def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):
+    """The command line under torchrun: one run folder, written once, the batch of both processes."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a} + 1"}], "answer": str(a + 1)})
+                            + "\n" for a in range(6)))
+    config = tmp_path / "run.yaml"
+    config.write_text(textwrap.dedent(f"""
+        model: {tiny_model_dir}
+        dataset: {data}
+        reward_funcs: [answer_format]
+        num_generations: 4
+        per_device_train_batch_size: 4
+        max_completion_length: 6
+        max_steps: 2
+        save_steps: 1
+        log_completions: true
+        output_dir: {tmp_path / "run"}
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "-m", "covey", "train", str(config)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    assert len(_metrics(run)) == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert (run / "final_model" / "model.safetensors").is_file()
+    first_step = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()
+                  if json.loads(line)["step"] == 1]
+    assert len(first_step) == 8 and len({str(c["prompt"]) for c in first_step}) == 2
+    assert done.stderr.count("checkpoint saved: ") == 2  # told once, not by each process
