@@ -6,6 +6,7 @@ makes on the whole batch; one of them alone writes the run folder, from metrics 
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,9 +18,10 @@ import torch
 import torch.multiprocessing as mp
 
 from covey import GRPOConfig, GRPOTrainer
+from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
-from covey.errors import ConfigError
+from covey.errors import ConfigError, TrainingInterrupted
 from covey.rollout import Rollout
 from tests.conftest import make_model, make_tokenizer
 
@@ -66,9 +68,9 @@ def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def train(output_dir, processes: int, **overrides) -> dict:
-    """Train; the summed gradient of every optimizer step (as the optimizer saw it), and where the
-    run stands in the data."""
+def train(output_dir, processes: int, signalled: bool = False, **overrides) -> dict:
+    """Train; the summed gradient of every optimizer step (as the optimizer saw it), where the run
+    stands in the data, and the signal that stopped it. ``signalled``: as if sent SIGINT at the start."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1)
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=settings(output_dir, processes, **overrides),
@@ -81,15 +83,22 @@ def train(output_dir, processes: int, **overrides) -> dict:
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
-    trainer.train()
-    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled)}
+    if signalled:
+        trainer.stop_signal = signal.SIGINT
+    stopped_by = None
+    try:
+        trainer.train()
+    except TrainingInterrupted as e:
+        stopped_by = e.signal_number
+    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled),
+            "stopped_by": stopped_by}
 
 
-def _process(rank: int, port: int, output_dir: str, results: str, overrides: dict) -> None:
+def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, overrides: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.save(train(output_dir, 2, **overrides), f"{results}-{rank}.pt")
+    torch.save(train(output_dir, 2, rank == signalled_rank, **overrides), f"{results}-{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -99,17 +108,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_in_two_processes(tmp_path, **overrides):
-    results = str(tmp_path / "gradients")
-    processes = mp.start_processes(_process, args=(free_port(), str(tmp_path / "two"), results, overrides), nprocs=2,
-                                   start_method="spawn", join=False)
+def train_in_two_processes(tmp_path, run="two", signalled_rank=None, **overrides):
+    results = str(tmp_path / f"results-{run}")
+    processes = mp.start_processes(_process, args=(free_port(), str(tmp_path / run), results, signalled_rank, overrides),
+                                   nprocs=2, start_method="spawn", join=False)
     deadline = time.monotonic() + 300  # processes out of step wait for each other: fail rather than hang
     while not processes.join(timeout=5):
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
             pytest.fail("the two processes did not finish within 300 s (waiting for each other?)")
-    return [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)]
+    return [torch.load(f"{results}-{rank}.pt", weights_only=False) for rank in (0, 1)]  # written by _process
 
 
 def _metrics(run):
@@ -155,10 +164,31 @@ def test_dynamic_sampling_keeps_the_processes_in_step(tmp_path):
     assert metrics["frac_reward_zero_std"] == 0
 
 
+def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path):
+    straight = train_in_two_processes(tmp_path, run="straight")
+    stopped = train_in_two_processes(tmp_path, run="stopped", signalled_rank=1)
+    assert [result["stopped_by"] for result in stopped] == [signal.SIGINT, signal.SIGINT]
+    assert [len(result["gradients"]) for result in stopped] == [1, 1]
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["checkpoint-1"]
+    resumed = train_in_two_processes(tmp_path, run="stopped", resume_from_checkpoint="auto")
+    for rank in (0, 1):
+        assert len(resumed[rank]["gradients"]) == 1  # step 2, as the run that was not stopped took it
+        for after_resume, straight_on in zip(resumed[rank]["gradients"][0], straight[rank]["gradients"][1]):
+            assert torch.allclose(after_resume, straight_on, atol=1e-7, rtol=1e-6)
+    assert len(_metrics(tmp_path / "stopped")) == 2
+
+
 def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="rollout_engine: vllm runs in a single process"):
         GRPOTrainer(reward_funcs=[count_a], args=settings(tmp_path / "run", 2, rollout_engine="vllm"), train_dataset=ROWS)
+
+
+@pytest.mark.parametrize("command", ["verify", "generate", "eval", "server"])
+def test_commands_other_than_train_are_refused_under_a_launcher(command, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([command]) == 2
+    assert f"covey {command} runs in a single process" in capsys.readouterr().err
 
 
 def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):
