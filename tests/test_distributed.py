@@ -188,7 +188,7 @@ def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monk
 def test_commands_other_than_train_are_refused_under_a_launcher(command, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([command]) == 2
-    assert f"covey {command} runs in a single process" in capsys.readouterr().err
+    assert f"covey[0]: error: covey {command} runs in a single process" in capsys.readouterr().err
 
 
 def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):

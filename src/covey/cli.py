@@ -268,11 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                               "under a launcher (torchrun, accelerate launch): run this one without it")
         return COMMANDS[argv[0]](argv[1:])
     except TrainingInterrupted as e:
-        print(f"covey: {e}", file=sys.stderr)
+        print(f"{_name()}: {e}", file=sys.stderr)
         return 128 + e.signal_number
     except CoveyError as e:
-        print(f"covey: error: {e}", file=sys.stderr)
+        print(f"{_name()}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _name() -> str:
+    """How messages are signed: with the process's rank under a launcher, as every process prints its own."""
+    return f"covey[{os.environ.get('RANK', '0')}]" if World.launched_size() > 1 else "covey"
 
 
 if __name__ == "__main__":
