@@ -68,11 +68,14 @@ def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def train(output_dir, processes: int, signalled: bool = False, **overrides) -> dict:
+def train(output_dir, processes: int, signalled: bool = False, dropout: float = 0.0, **overrides) -> dict:
     """Train; the summed gradient of every optimizer step (as the optimizer saw it), where the run
-    stands in the data, and the signal that stopped it. ``signalled``: as if sent SIGINT at the start."""
+    stands in the data, and the signal that stopped it. ``signalled``: as if sent SIGINT at the start;
+    ``dropout``: on the attention weights, drawn from the torch random stream of each process."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = dropout
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=settings(output_dir, processes, **overrides),
                           train_dataset=ROWS, eval_dataset=HELD_OUT, processing_class=tokenizer,
                           rollout_engine=ScriptedEngine(tokenizer), quiet=True)
@@ -94,11 +97,12 @@ def train(output_dir, processes: int, signalled: bool = False, **overrides) -> d
             "stopped_by": stopped_by}
 
 
-def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, overrides: dict) -> None:
+def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, dropout: float,
+             overrides: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.save(train(output_dir, 2, rank == signalled_rank, **overrides), f"{results}-{rank}.pt")
+    torch.save(train(output_dir, 2, rank == signalled_rank, dropout, **overrides), f"{results}-{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -108,10 +112,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_in_two_processes(tmp_path, run="two", signalled_rank=None, **overrides):
+def train_in_two_processes(tmp_path, run="two", signalled_rank=None, dropout=0.0, **overrides):
     results = str(tmp_path / f"results-{run}")
-    processes = mp.start_processes(_process, args=(free_port(), str(tmp_path / run), results, signalled_rank, overrides),
-                                   nprocs=2, start_method="spawn", join=False)
+    processes = mp.start_processes(_process, nprocs=2, start_method="spawn", join=False,
+                                   args=(free_port(), str(tmp_path / run), results, signalled_rank, dropout, overrides))
     deadline = time.monotonic() + 300  # processes out of step wait for each other: fail rather than hang
     while not processes.join(timeout=5):
         if time.monotonic() > deadline:
@@ -165,12 +169,13 @@ def test_dynamic_sampling_keeps_the_processes_in_step(tmp_path):
 
 
 def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path):
-    straight = train_in_two_processes(tmp_path, run="straight")
-    stopped = train_in_two_processes(tmp_path, run="stopped", signalled_rank=1)
+    """With dropout, so that each process must resume its own random stream (the checkpoint holds both)."""
+    straight = train_in_two_processes(tmp_path, run="straight", dropout=0.3)
+    stopped = train_in_two_processes(tmp_path, run="stopped", signalled_rank=1, dropout=0.3)
     assert [result["stopped_by"] for result in stopped] == [signal.SIGINT, signal.SIGINT]
     assert [len(result["gradients"]) for result in stopped] == [1, 1]
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["checkpoint-1"]
-    resumed = train_in_two_processes(tmp_path, run="stopped", resume_from_checkpoint="auto")
+    resumed = train_in_two_processes(tmp_path, run="stopped", dropout=0.3, resume_from_checkpoint="auto")
     for rank in (0, 1):
         assert len(resumed[rank]["gradients"]) == 1  # step 2, as the run that was not stopped took it
         for after_resume, straight_on in zip(resumed[rank]["gradients"][0], straight[rank]["gradients"][1]):

@@ -7,6 +7,7 @@ A checkpoint is a folder ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
     reference.safetensors   the reference model, only when sync_ref_model moves it
     rng.safetensors         the torch RNG states; state.json the python / numpy RNG states, the
                             scheduler, the data position, the step counters and the metric history
+    rng-<n>.safetensors     the RNG states of process n (with rng-<n>.json) of a run of several
 
 It is written into a hidden temporary folder, flushed to disk, then renamed into place, so a crash
 or a full disk never leaves a half-written ``checkpoint-<step>`` behind and never harms the
@@ -73,10 +74,11 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
-                    total_limit: int | None = None, tokenizer: Any = None) -> Path:
+                    total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = ()) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history);
-    ``tokenizer``, saved beside the model, makes its folder a model that loads on its own."""
+    ``tokenizer``, saved beside the model, makes its folder a model that loads on its own;
+    ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}-{os.getpid()}"
@@ -100,9 +102,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         _write_json(tmp / "optimizer.json", rest)
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
-        torch_states, other_states = _rng_states()
+        torch_states, other_states = rng_states()
         save_file(torch_states, tmp / "rng.safetensors")
         _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
+        for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
+            save_file(torch_states, tmp / f"rng-{process}.safetensors")
+            _write_json(tmp / f"rng-{process}.json", other_states)
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (a resumed run): replace it only now that the new one is whole
             final.rename(old)
@@ -138,7 +143,8 @@ def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], d
     return tensors, rest
 
 
-def _rng_states() -> tuple[dict[str, torch.Tensor], dict]:
+def rng_states() -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's torch (and CUDA) RNG states, and its python and numpy ones (JSON-able)."""
     import numpy as np
 
     torch_states = {"torch": torch.get_rng_state()}
@@ -180,8 +186,9 @@ RUN_OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay", "fused", "foreach")
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    reference: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state."""
+                    reference: torch.nn.Module | None = None, process: int = 0) -> dict[str, Any]:
+    """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state.
+    ``process``: the RNGs are that process's where the checkpoint has them (else the first one's)."""
     _load_model(path / "model", model)
     tensors = load_file(path / "optimizer.safetensors")
     rest = json.loads((path / "optimizer.json").read_text())
@@ -200,7 +207,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())
-    _restore_rng(load_file(path / "rng.safetensors"), trainer_state.pop("rng"))
+    rng_file, other_states = path / "rng.safetensors", trainer_state.pop("rng")
+    if process and (path / f"rng-{process}.safetensors").is_file():
+        rng_file, other_states = path / f"rng-{process}.safetensors", json.loads((path / f"rng-{process}.json").read_text())
+    _restore_rng(load_file(rng_file), other_states)
     return trainer_state
 
 

@@ -5,12 +5,13 @@ Started by a launcher that sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``M
 holds the whole model and samples, scores and trains on whole groups of prompts of its own:
 
 - the prompts of a round are drawn once, with the same seed everywhere, and each process takes its
-  share, so no two processes train on the same prompt in a round;
+  share (a prompt repeats within a round only where a pass over the data ends, as in one process);
 - rewards are gathered before the advantage, so advantages are those of the whole batch (which
   matters where they are normalised over the batch, ``scale_rewards: batch``);
 - the loss of each process is normalised by the counts of the whole optimizer step, and the
-  gradients are summed over the processes: the update is the one a single process would make on
-  the whole batch;
+  gradients are summed over the processes: with one optimizer step per round (the default) the
+  update is the one a single process would make on the whole batch (with several, step k takes
+  the k-th part of each process's batch);
 - the first process writes the run folder, the logs and the checkpoints, from metrics over the
   whole batch.
 
@@ -102,6 +103,14 @@ class World:
             return [value]
         values: list[Any] = [None] * self.size
         dist.all_gather_object(values, value)
+        return values
+
+    def gather_on_main(self, value: T) -> list[T] | None:
+        """``value`` of every process, in rank order, in the first process; None in the others."""
+        if self.size == 1:
+            return [value]
+        values: list[Any] | None = [None] * self.size if self.is_main else None
+        dist.gather_object(value, values, dst=0)
         return values
 
     def on_main(self, compute: Callable[[], T]) -> T:

@@ -31,7 +31,7 @@ import yaml
 
 from covey import core
 from covey.answers import completion_text
-from covey.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, saved_step
+from covey.checkpoint import load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.distributed import World
@@ -192,7 +192,7 @@ class GRPOTrainer:
                               f"{args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
                               "checkpoint")
         self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
-        torch.manual_seed(args.seed)
+        torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
 
         if processing_class is not None:
             self.tokenizer = processing_class
@@ -380,7 +380,8 @@ class GRPOTrainer:
         stopping = stop_signal is not None and step < args.max_steps
         if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
             return
-        path = self.world.on_main(self.save_checkpoint)
+        process_rngs = self.world.gather(rng_states())  # each process resumes with its own random streams
+        path = self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:]))
         log.info(f"checkpoint saved: {path}")
         if stopping:
             raise TrainingInterrupted(
@@ -436,8 +437,8 @@ class GRPOTrainer:
         if self.world.size == 1:
             return batch
         sent = dataclasses.replace(batch, old_logp_BT=None, ref_logp_BT=None, engine_weights=None)
-        parts = self.world.gather((sent, self.reward_metrics, self.dynamic_sampling_stats))
-        if not self.world.is_main:
+        parts = self.world.gather_on_main((sent, self.reward_metrics, self.dynamic_sampling_stats))
+        if parts is None:
             return None
         self.reward_metrics = {}
         for _, logged, _ in parts:
@@ -622,29 +623,36 @@ class GRPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
-        """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path."""
+    def save_checkpoint(self, other_processes_rng: list = ()) -> Path:
+        """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
+        ``other_processes_rng``: the random states of the other processes, which it then holds too."""
         state = {key: getattr(self, key) for key in RESUMED_ATTRIBUTES}
         state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict(),
-                     unlogged_metrics=self.unlogged_metrics)
+                     unlogged_metrics=self.unlogged_metrics, processes=self.world.size)
         with tokenizer_as_loaded(self.tokenizer) as tokenizer:
             return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
-                                   self._moving_reference(), self.args.save_total_limit, tokenizer)
+                                   self._moving_reference(), self.args.save_total_limit, tokenizer,
+                                   other_processes_rng)
 
     def _restore(self, path: Path) -> None:
         try:
-            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference())
+            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference(), self.world.rank)
             self.scheduler.load_state_dict(state["scheduler"])
             self.sampler.load_state_dict(state["sampler"])
             for key in RESUMED_ATTRIBUTES:
                 setattr(self, key, state[key])
             self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
+            saved_processes = state.get("processes", 1)
         except CheckpointError:
             raise
         except Exception as e:  # a damaged checkpoint, or one a different setup wrote
             raise CheckpointError(f"could not resume from {path}: {type(e).__name__}: {e}. It is damaged or was "
                                   "written by a different setup (model, LoRA settings); resume from an earlier "
                                   "checkpoint or start a new run") from None
+        if saved_processes != self.world.size:
+            warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
+                          f"{self.world.size}: each optimizer step now takes the prompts of {self.world.size}, so "
+                          "the run does not continue as it would have", stacklevel=3)
         if any(i >= len(self.train_rows) for i in self.sampler.order):
             raise CheckpointError(f"{path} was written while training on a larger dataset than this run's "
                                   f"{len(self.train_rows)} rows; resume with the same dataset")
@@ -684,6 +692,9 @@ class GRPOTrainer:
             self.stop_signal = signum
             log.info(f"[yellow]{signal.Signals(signum).name} received: saving a checkpoint after this step "
                      "(send it again to stop at once, without saving)[/]")
+            if self.world.size > 1:
+                log.info("[yellow]a signal sent to torchrun reaches the processes, but torchrun kills them "
+                         "30 s later unless started with a longer --shutdown-timeout[/]")
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -805,6 +816,7 @@ class GRPOTrainer:
             "steps": self.global_step,
             "model": self.model_name,
             "dataset": self.dataset_name,
+            "processes": self.world.size,
             "prompts_over_max_prompt_length": self.prompt_overflow_count,
             "final_model": str(final),
             "before": _without_samples(before),
