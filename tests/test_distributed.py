@@ -181,6 +181,9 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resume
         for after_resume, straight_on in zip(resumed[rank]["gradients"][0], straight[rank]["gradients"][1]):
             assert torch.allclose(after_resume, straight_on, atol=1e-7, rtol=1e-6)
     assert len(_metrics(tmp_path / "stopped")) == 2
+    # resumed in one process: it goes on, but says that the steps now take fewer prompts
+    with pytest.warns(UserWarning, match="written by a run of 2 process"):
+        train(tmp_path / "one", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoints" / "checkpoint-1"))
 
 
 def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
