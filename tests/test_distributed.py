@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
+from covey.distributed import World
 from covey.errors import ConfigError, TrainingInterrupted
 from covey.rollout import Rollout
 from tests.conftest import make_model, make_tokenizer
@@ -112,16 +114,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_in_two_processes(tmp_path, run="two", signalled_rank=None, dropout=0.0, **overrides):
-    results = str(tmp_path / f"results-{run}")
-    processes = mp.start_processes(_process, nprocs=2, start_method="spawn", join=False,
-                                   args=(free_port(), str(tmp_path / run), results, signalled_rank, dropout, overrides))
-    deadline = time.monotonic() + 300  # processes out of step wait for each other: fail rather than hang
-    while not processes.join(timeout=5):
+def run_in_two_processes(function, args: tuple, seconds: float = 300) -> None:
+    """``function(rank, *args)`` in two processes; fails rather than hangs where they wait for each other."""
+    processes = mp.start_processes(function, nprocs=2, start_method="spawn", join=False, args=args)
+    deadline = time.monotonic() + seconds
+    while not processes.join(timeout=2):
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
-            pytest.fail("the two processes did not finish within 300 s (waiting for each other?)")
+            pytest.fail(f"the two processes did not finish within {seconds} s (waiting for each other?)")
+
+
+def train_in_two_processes(tmp_path, run="two", signalled_rank=None, dropout=0.0, **overrides):
+    results = str(tmp_path / f"results-{run}")
+    run_in_two_processes(_process, (free_port(), str(tmp_path / run), results, signalled_rank, dropout, overrides))
     return [torch.load(f"{results}-{rank}.pt", weights_only=False) for rank in (0, 1)]  # written by _process
 
 
@@ -184,6 +190,36 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resume
     # resumed in one process: it goes on, but says that the steps now take fewer prompts
     with pytest.warns(UserWarning, match="written by a run of 2 process"):
         train(tmp_path / "one", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoints" / "checkpoint-1"))
+
+
+class Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+def _fail_on_main(rank: int, port: int, results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    world, raised = World.from_environment(), []
+    for error in (ConfigError("no room"), Unpicklable()):
+        def fail(error=error):
+            raise error
+        try:
+            world.on_main(fail)
+        except Exception as e:
+            raised.append(f"{type(e).__name__}: {e}")
+    assert world.on_main(lambda: 42) == 42
+    torch.save(raised, f"{results}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_an_error_in_the_first_process_reaches_every_process(tmp_path):
+    results = str(tmp_path / "raised")
+    run_in_two_processes(_fail_on_main, (free_port(), results), seconds=60)
+    first, second = (torch.load(f"{results}-{rank}.pt") for rank in (0, 1))
+    assert first == ["ConfigError: no room", "Unpicklable: holds a lock"]  # its own errors
+    assert second == ["ConfigError: no room", "CoveyError: the first process failed: Unpicklable: holds a lock"]
 
 
 def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -35,7 +36,7 @@ T = TypeVar("T")
 # elements per all-reduce of gradients: large enough to amortise each call, small enough not to double
 # the memory of a large model's gradients while they are flattened
 GRADIENT_BUCKET_ELEMENTS = 32 * 2 ** 20
-# apart the sampling seeds of the processes are, so that none repeats another's in a run
+# how far apart the seeds of the processes are, so that none repeats another's in a run
 RANK_SEED_STRIDE = 2 ** 32
 
 
@@ -82,7 +83,8 @@ class World:
         return self.rank == 0
 
     def seed(self, seed: int) -> int:
-        """This process's sampling seed for a round seeded ``seed``: ``seed`` itself in the first process."""
+        """This process's own seed for a random stream seeded ``seed`` (sampling, dropout): ``seed``
+        itself in the first process, so that one process runs as without a launcher."""
         return seed + self.rank * RANK_SEED_STRIDE
 
     def share(self, items: list[T]) -> list[T]:
@@ -119,15 +121,17 @@ class World:
         if self.size == 1:
             return compute()
         outcome: list[Any] = [None]
+        error: Exception | None = None
         if self.is_main:
             try:
                 outcome = [(True, compute())]
             except Exception as e:
-                outcome = [(False, e)]
+                error = e
+                outcome = [(False, e if _picklable(e) else CoveyError(f"the first process failed: {type(e).__name__}: {e}"))]
         dist.broadcast_object_list(outcome, src=0)
         ok, value = outcome[0]
         if not ok:
-            raise value
+            raise error or value  # the first process raises its own error, with its traceback
         return value
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -145,11 +149,8 @@ class World:
         return flag if self.size == 1 else any(self.gather(bool(flag)))
 
     def max(self, value: int) -> int:
+        """The largest ``value`` of the processes."""
         return value if self.size == 1 else max(self.gather(int(value)))
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
         """The first process's parameters and buffers everywhere, so every process starts from the same
@@ -185,6 +186,7 @@ class World:
 
     @staticmethod
     def _sum_in_place(grads: list[torch.Tensor]) -> None:
+        """One all-reduce per dtype and device for these gradients, through a flat copy."""
         by_dtype: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault((g.dtype, g.device), []).append(g)
@@ -195,3 +197,11 @@ class World:
             for g in same:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
