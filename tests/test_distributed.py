@@ -198,11 +198,17 @@ class Unpicklable(Exception):
         self.lock = threading.Lock()
 
 
+class TwoArguments(Exception):  # pickles, but its constructor cannot be called again with its message alone
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
 def _fail_on_main(rank: int, port: int, results: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     world, raised = World.from_environment(), []
-    for error in (ConfigError("no room"), Unpicklable()):
+    for error in (ConfigError("no room"), Unpicklable(), TwoArguments("disk full", 28)):
         def fail(error=error):
             raise error
         try:
@@ -218,8 +224,27 @@ def test_an_error_in_the_first_process_reaches_every_process(tmp_path):
     results = str(tmp_path / "raised")
     run_in_two_processes(_fail_on_main, (free_port(), results), seconds=60)
     first, second = (torch.load(f"{results}-{rank}.pt") for rank in (0, 1))
-    assert first == ["ConfigError: no room", "Unpicklable: holds a lock"]  # its own errors
-    assert second == ["ConfigError: no room", "CoveyError: the first process failed: Unpicklable: holds a lock"]
+    assert first == ["ConfigError: no room", "Unpicklable: holds a lock", "TwoArguments: disk full"]  # its own
+    assert second == ["ConfigError: no room", "CoveyError: the first process failed: Unpicklable: holds a lock",
+                      "CoveyError: the first process failed: TwoArguments: disk full"]
+
+
+def test_a_process_a_checkpoint_has_no_random_state_for_draws_streams_of_its_own(tmp_path):
+    """A checkpoint of one process resumed in several: the others do not all copy the first one's streams."""
+    import random
+
+    from covey.checkpoint import load_checkpoint, save_checkpoint
+
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer), seed=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    streams = []
+    for process in (0, 1, 2, 1):
+        load_checkpoint(path, model, optimizer, process=process)
+        streams.append((torch.rand(3).tolist(), random.random()))
+    assert streams[0] != streams[1] != streams[2] != streams[0]
+    assert streams[1] == streams[3]  # drawn from the checkpoint, so a second resume draws the same
 
 
 def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):

@@ -208,9 +208,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())
     rng_file, other_states = path / "rng.safetensors", trainer_state.pop("rng")
-    if process and (path / f"rng-{process}.safetensors").is_file():
+    own = process == 0 or (path / f"rng-{process}.safetensors").is_file()
+    if own and process:
         rng_file, other_states = path / f"rng-{process}.safetensors", json.loads((path / f"rng-{process}.json").read_text())
     _restore_rng(load_file(rng_file), other_states)
+    if not own:  # written by fewer processes: streams of its own, drawn from the first process's
+        _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
     return trainer_state
 
 
@@ -241,6 +244,14 @@ def python_random_state(saved: list) -> tuple:
     """A ``random.getstate()`` value back from its JSON form (lists where it had tuples)."""
     version, internal, gauss = saved
     return version, tuple(internal), gauss
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+
+    torch.manual_seed(seed)  # and every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
 
 
 def _restore_rng(torch_states: dict[str, torch.Tensor], other: dict) -> None:

@@ -200,8 +200,10 @@ class World:
 
 
 def _picklable(value: Any) -> bool:
+    """Whether ``value`` survives the trip to another process (an exception whose constructor takes
+    more than its message pickles, but does not unpickle)."""
     try:
-        pickle.dumps(value)
+        pickle.loads(pickle.dumps(value))
         return True
     except Exception:
         return False
