@@ -82,6 +82,7 @@ class GenerationBatch:
 
     @staticmethod
     def concat(batches: list["GenerationBatch"], pad_token_id: int) -> "GenerationBatch":
+        """The rows of ``batches`` in order, padded to common widths."""
         if len(batches) == 1:
             return batches[0]
         P = max(b.sequences.prompt_ids_BP.shape[1] for b in batches)
@@ -94,6 +95,10 @@ class GenerationBatch:
             return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
         cat = torch.cat
+
+        def cat_if_all(parts):  # what batches carry once advantages are attached (gathered from processes)
+            return cat(parts) if all(p is not None for p in parts) else None
+
         return GenerationBatch(
             SequenceBatch(cat([left(b.sequences.prompt_ids_BP, P, pad_token_id) for b in batches]),
                           cat([left(b.sequences.prompt_mask_BP, P, 0) for b in batches]),
@@ -103,8 +108,8 @@ class GenerationBatch:
             cat([right(b.sampling_logp_BT, T, 0.0) for b in batches]),
             cat([b.rewards_BF for b in batches]),
             [r for b in batches for r in b.finish_reasons], [r for b in batches for r in b.records],
-            *(cat(parts) if all(p is not None for p in parts) else None
-              for parts in ([b.advantages_B for b in batches], [b.zero_std_N for b in batches])))
+            advantages_B=cat_if_all([b.advantages_B for b in batches]),
+            zero_std_N=cat_if_all([b.zero_std_N for b in batches]))
 
 
 def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
