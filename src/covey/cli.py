@@ -106,7 +106,10 @@ def cmd_train(argv: list[str]) -> int:
     args = _load_config(namespace.config, overrides)
     from covey.trainer import GRPOTrainer
 
-    GRPOTrainer(args=args).train()
+    try:
+        GRPOTrainer(args=args).train()
+    finally:
+        World.leave()
     return 0
 
 

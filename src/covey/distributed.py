@@ -70,6 +70,12 @@ class World:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
         return World(dist.get_rank(), dist.get_world_size())
 
+    @staticmethod
+    def leave() -> None:
+        """Close the process group this process joined, if any (NCCL warns at exit about one left open)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
     def check_device(self, device: torch.device) -> None:
         """Under NCCL, the model must sit on this process's own GPU (where covey puts the models it loads)."""
         if self.size > 1 and dist.get_backend() == "nccl" and device != torch.device("cuda", torch.cuda.current_device()):
