@@ -247,10 +247,65 @@ def test_a_process_a_checkpoint_has_no_random_state_for_draws_streams_of_its_own
     assert streams[1] == streams[3]  # drawn from the checkpoint, so a second resume draws the same
 
 
-def test_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
+def test_colocated_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="rollout_engine: vllm runs in a single process"):
+    with pytest.raises(ConfigError, match="vllm_mode: colocate runs in a single process"):
         GRPOTrainer(reward_funcs=[count_a], args=settings(tmp_path / "run", 2, rollout_engine="vllm"), train_dataset=ROWS)
+
+
+def _train_with_server(rank: int, port: int, server_port: int, output_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tokenizer = make_tokenizer()
+    args = settings(output_dir, 2, rollout_engine="vllm", vllm_mode="server", vllm_server_port=server_port,
+                    vllm_server_timeout=60, eval_max_samples=0, beta=0.0)
+    GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                processing_class=tokenizer, quiet=True).train()
+    torch.distributed.destroy_process_group()
+
+
+def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
+    """Only the first process pushes the policy: another that finds a server instance other than the
+    one the first pushed to (a restart) cannot put the policy back, and says how to go on."""
+    from covey.errors import ModelError
+    from covey.rollout import SamplingParams
+    from covey.server import FastBackend, RolloutServer, ServerEngine
+
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer), seed=5).eval()
+    server = RolloutServer(FastBackend(model, tokenizer, [tokenizer.eos_token_id]), "127.0.0.1", 0).start()
+    try:
+        engine = ServerEngine("127.0.0.1", server.server_address[1], tokenizer.pad_token_id, policy=model)
+        engine.pushes, engine.pushed_to = False, "the instance before a restart"
+        with pytest.raises(ModelError, match="restarted during the run.*resume it from its last checkpoint"):
+            engine.generate([tokenizer.encode("say a")], 2, SamplingParams(max_new_tokens=4))
+    finally:
+        server.close()
+
+
+def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_path):
+    """vllm_mode: server with two training processes (the server runs covey's fast engine): the
+    first process pushes the policy once at the start and once after each round, never the others,
+    and the server ends with the trained weights."""
+    from safetensors.torch import load_file
+
+    from covey.server import FastBackend, RolloutServer
+
+    tokenizer = make_tokenizer()
+    backend = FastBackend(make_model(len(tokenizer), seed=5).eval(), tokenizer, [tokenizer.eos_token_id])
+    server = RolloutServer(backend, "127.0.0.1", 0).start()
+    pushes, finish = [], server.finish_weights
+    server.finish_weights = lambda: pushes.append(1) or finish()
+    try:
+        run_in_two_processes(_train_with_server, (free_port(), server.server_address[1], str(tmp_path / "run")))
+    finally:
+        server.close()
+    assert len(pushes) == 3  # before the first round, and after each of the two
+    assert len(_metrics(tmp_path / "run")) == 2
+    trained = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
+    served = backend.model.state_dict()
+    assert all(torch.equal(tensor, served[name]) for name, tensor in trained.items())
 
 
 @pytest.mark.parametrize("command", ["verify", "generate", "eval", "server"])

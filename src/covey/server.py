@@ -393,7 +393,9 @@ class ServerEngine(OwnWeights):
 
     ``policy``: the training model; its weights are pushed before the first ``generate`` so the
     server samples from exactly the trainer's policy, whatever it loaded at start. ``token``: the
-    server's (default: ``COVEY_SERVER_TOKEN`` from the environment)."""
+    server's (default: ``COVEY_SERVER_TOKEN`` from the environment). ``pushes``: False in every
+    process but the first of several sharing the server, which sample from what the first pushes
+    (the trainer tells them which server instance holds it, ``pushed_to``)."""
 
     def __init__(self, host: str, port: int, pad_token_id: int, timeout: float = 240.0,
                  policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES, token: str | None = None):
@@ -410,6 +412,7 @@ class ServerEngine(OwnWeights):
         self.unsynced_policy = policy
         self.policy = policy  # the weights the server must hold, pushed again if it restarts
         self.pushed_to: str | None = None  # the server instance that holds the last push
+        self.pushes = True
 
     @classmethod
     def from_config(cls, args: GRPOConfig, pad_token_id: int, policy: torch.nn.Module | None = None) -> "ServerEngine":
@@ -417,12 +420,17 @@ class ServerEngine(OwnWeights):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        self._push_if_stale()
+        if self.pushes:
+            self._push_if_stale()
         request = json.dumps({"prompt_ids": [list(map(int, ids)) for ids in prompt_ids],
                               "num_generations": num_generations, "params": params_to_json(params), "seed": seed})
         reply = self._post("/generate", request.encode(), "application/json")
         if self.policy is not None and reply.get("instance") != self.pushed_to:
             # restarted since the last push: it sampled with its start-up weights, not the policy's
+            if not self.pushes:
+                raise ModelError(f"the covey server at {self.url} restarted during the run; with several training "
+                                 "processes only the first pushes the policy to it, so the run stops here: resume "
+                                 "it from its last checkpoint (--resume-from-checkpoint auto)")
             self.sync_weights(self.policy)
             reply = self._post("/generate", request.encode(), "application/json")
             if reply.get("instance") != self.pushed_to:

@@ -46,6 +46,7 @@ from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
+from covey.server import ServerEngine
 from covey.run_folder import claim_run_dir, config_as_used, make_run_dir, resumed_configs, write_run_config
 from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
@@ -160,10 +161,11 @@ class GRPOTrainer:
                  processing_class: Any = None, peft_config: Any = None, rollout_engine: RolloutEngine | None = None,
                  quiet: bool = False):
         self.args = args = args or GRPOConfig()
-        if (processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm":
-            raise ConfigError(f"rollout_engine: vllm runs in a single process, and this run has {processes} "
-                              "(WORLD_SIZE); use rollout_engine: fast (or hf) with several processes, or train "
-                              "in one process with vLLM")
+        if ((processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm"
+                and args.vllm_mode == "colocate"):
+            raise ConfigError(f"rollout_engine: vllm with vllm_mode: colocate runs in a single process, and this run "
+                              f"has {processes} (WORLD_SIZE); with several processes use vllm_mode: server (one "
+                              "`covey server` for all of them) or rollout_engine: fast, or train in one process")
         self.world = World.from_environment()
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
@@ -220,6 +222,10 @@ class GRPOTrainer:
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.engine = rollout_engine or make_engine(args.rollout_engine, self.model, self.tokenizer, self.eos_ids,
                                                     args=args)
+        # several processes sharing one rollout server: the first pushes the policy (_push_policy_from_main)
+        self.shared_server = self.world.size > 1 and isinstance(self.engine, ServerEngine)
+        if self.shared_server:
+            self.engine.pushes = self.world.is_main
         self.device = next(self.model.parameters()).device
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         # the fused kernel updates each tensor in one pass over its memory (the same numbers, a quarter of the time)
@@ -310,6 +316,7 @@ class GRPOTrainer:
         with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                                        record=self.world.is_main) as log,
               self._stop_on_signals(log)):
+            self._push_policy_from_main()
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
@@ -371,7 +378,20 @@ class GRPOTrainer:
                     self.unlogged_metrics = []
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
+        self._push_policy_from_main()
         self._end_round(log, first_step, whole.records if whole is not None else [])
+
+    def _push_policy_from_main(self) -> None:
+        """Several processes sharing one rollout server: the first pushes the policy now, before any of
+        them samples again, and the others learn which server instance holds it."""
+        if not self.shared_server:
+            return
+
+        def push() -> str | None:
+            self.engine.sync_weights(self.model)
+            return self.engine.pushed_to
+
+        self.engine.pushed_to = self.world.on_main(push)
 
     def _end_round(self, log: RunLog, first_step: int, records: list[dict]) -> None:
         """After a round's optimizer steps: record its completions when due, then checkpoint when due or
