@@ -23,7 +23,7 @@ from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
 from covey.distributed import World
-from covey.errors import ConfigError, TrainingInterrupted
+from covey.errors import ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout
 from tests.conftest import make_model, make_tokenizer
 
@@ -253,16 +253,43 @@ def test_colocated_vllm_in_several_processes_is_refused_before_joining_them(tmp_
         GRPOTrainer(reward_funcs=[count_a], args=settings(tmp_path / "run", 2, rollout_engine="vllm"), train_dataset=ROWS)
 
 
-def _train_with_server(rank: int, port: int, server_port: int, output_dir: str) -> None:
+def _train_with_server(rank: int, port: int, server_port: int, output_dir: str, results: str,
+                       overrides: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     args = settings(output_dir, 2, rollout_engine="vllm", vllm_mode="server", vllm_server_port=server_port,
-                    vllm_server_timeout=60, eval_max_samples=0, beta=0.0)
-    GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a], args=args, train_dataset=ROWS,
-                processing_class=tokenizer, quiet=True).train()
+                    vllm_server_timeout=60, beta=0.0, **overrides)
+    trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a], args=args,
+                          train_dataset=ROWS, eval_dataset=HELD_OUT, processing_class=tokenizer, quiet=True)
+    outcome = "finished"
+    try:
+        trainer.evaluate()  # before train(): it samples from the trainer's policy too
+        trainer.train()
+    except ModelError as e:
+        outcome = str(e)
+    torch.save(outcome, f"{results}-{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def serve(backend, failing_push: int | None = None):
+    """A covey server in this process that counts the pushes it finishes; ``failing_push``: that
+    push (1 for the first) fails, as when the server goes away."""
+    from covey.server import RolloutServer
+
+    server = RolloutServer(backend, "127.0.0.1", 0).start()
+    server.pushes, load = [], server.load_weights
+
+    def load_weights(body):
+        if len(server.pushes) + 1 == failing_push:
+            raise OSError("the server is going away")
+        return load(body)
+
+    finish = server.finish_weights
+    server.load_weights = load_weights
+    server.finish_weights = lambda: server.pushes.append(1) or finish()
+    return server
 
 
 def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
@@ -286,26 +313,45 @@ def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
 
 def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_path):
     """vllm_mode: server with two training processes (the server runs covey's fast engine): the
-    first process pushes the policy once at the start and once after each round, never the others,
-    and the server ends with the trained weights."""
+    first process pushes the policy before anyone samples from a changed one, never the others,
+    and the last evaluation samples from the trained weights."""
     from safetensors.torch import load_file
 
-    from covey.server import FastBackend, RolloutServer
+    from covey.server import FastBackend
 
     tokenizer = make_tokenizer()
     backend = FastBackend(make_model(len(tokenizer), seed=5).eval(), tokenizer, [tokenizer.eos_token_id])
-    server = RolloutServer(backend, "127.0.0.1", 0).start()
-    pushes, finish = [], server.finish_weights
-    server.finish_weights = lambda: pushes.append(1) or finish()
+    server = serve(backend)
+    results = str(tmp_path / "outcome")
     try:
-        run_in_two_processes(_train_with_server, (free_port(), server.server_address[1], str(tmp_path / "run")))
+        run_in_two_processes(_train_with_server, (free_port(), server.server_address[1], str(tmp_path / "run"), results,
+                                                  {}))
     finally:
         server.close()
-    assert len(pushes) == 3  # before the first round, and after each of the two
+    assert [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)] == ["finished", "finished"]
+    # an evaluation before train() (and the one train() starts with), the second round, the last evaluation
+    assert len(server.pushes) == 3
     assert len(_metrics(tmp_path / "run")) == 2
     trained = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
     served = backend.model.state_dict()
     assert all(torch.equal(tensor, served[name]) for name, tensor in trained.items())
+
+
+def test_a_push_that_fails_comes_after_the_checkpoint_of_the_round_before(tmp_path):
+    from covey.server import FastBackend
+
+    tokenizer = make_tokenizer()
+    server = serve(FastBackend(make_model(len(tokenizer), seed=5).eval(), tokenizer, [tokenizer.eos_token_id]),
+                   failing_push=2)
+    results = str(tmp_path / "outcome")
+    try:
+        run_in_two_processes(_train_with_server, (free_port(), server.server_address[1], str(tmp_path / "run"),
+                                                  results, {"save_steps": 1}))
+    finally:
+        server.close()
+    outcomes = [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)]
+    assert all("the server is going away" in outcome for outcome in outcomes), outcomes
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["checkpoint-1"]
 
 
 @pytest.mark.parametrize("command", ["verify", "generate", "eval", "server"])

@@ -224,6 +224,7 @@ class GRPOTrainer:
                                                     args=args)
         # several processes sharing one rollout server: the first pushes the policy (_push_policy_from_main)
         self.shared_server = self.world.size > 1 and isinstance(self.engine, ServerEngine)
+        self.server_stale = self.shared_server  # the server does not hold the current policy yet
         if self.shared_server:
             self.engine.pushes = self.world.is_main
         self.device = next(self.model.parameters()).device
@@ -316,7 +317,6 @@ class GRPOTrainer:
         with (self.reward_pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                                        record=self.world.is_main) as log,
               self._stop_on_signals(log)):
-            self._push_policy_from_main()
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
@@ -349,6 +349,7 @@ class GRPOTrainer:
         args = self.args
         round_start = start = time.perf_counter()
         first_step = self.global_step
+        self._push_policy_from_main()
         batch, timings = self.generate_and_score()
         whole = self._whole_batch(batch)  # of every process, for the metrics and completions.jsonl
         window = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -378,13 +379,13 @@ class GRPOTrainer:
                     self.unlogged_metrics = []
                 timings = {"time/generate": 0.0, "time/score": 0.0}
         self.history = log.history
-        self._push_policy_from_main()
+        self.server_stale = self.shared_server
         self._end_round(log, first_step, whole.records if whole is not None else [])
 
     def _push_policy_from_main(self) -> None:
-        """Several processes sharing one rollout server: the first pushes the policy now, before any of
-        them samples again, and the others learn which server instance holds it."""
-        if not self.shared_server:
+        """Several processes sharing one rollout server, before they sample: the first pushes the policy
+        if it changed since its last push, and the others learn which server instance holds it."""
+        if not self.server_stale:
             return
 
         def push() -> str | None:
@@ -392,6 +393,7 @@ class GRPOTrainer:
             return self.engine.pushed_to
 
         self.engine.pushed_to = self.world.on_main(push)
+        self.server_stale = False
 
     def _end_round(self, log: RunLog, first_step: int, records: list[dict]) -> None:
         """After a round's optimizer steps: record its completions when due, then checkpoint when due or
@@ -806,6 +808,7 @@ class GRPOTrainer:
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
         # every process evaluates its share of the rows
+        self._push_policy_from_main()
         parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share_uneven(rows), self.reward_funcs,
                                            self.reward_weights, self.args, self.reward_pool,
                                            reward_context(self.reward_state())))
