@@ -46,8 +46,8 @@ from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
-from covey.server import ServerEngine
 from covey.run_folder import claim_run_dir, config_as_used, make_run_dir, resumed_configs, write_run_config
+from covey.server import ServerEngine
 from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
 from covey.vllm_engine import check_vllm_installed
@@ -807,8 +807,8 @@ class GRPOTrainer:
         rows = rows if rows is not None else self.eval_rows
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
-        # every process evaluates its share of the rows
         self._push_policy_from_main()
+        # every process evaluates its share of the rows
         parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share_uneven(rows), self.reward_funcs,
                                            self.reward_weights, self.args, self.reward_pool,
                                            reward_context(self.reward_state())))
