@@ -207,13 +207,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())
-    rng_file, other_states = path / "rng.safetensors", trainer_state.pop("rng")
-    own = process == 0 or (path / f"rng-{process}.safetensors").is_file()
-    if own and process:
-        rng_file, other_states = path / f"rng-{process}.safetensors", json.loads((path / f"rng-{process}.json").read_text())
-    _restore_rng(load_file(rng_file), other_states)
-    if not own:  # written by fewer processes: streams of its own, drawn from the first process's
-        _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
+    first_process_rng = trainer_state.pop("rng")
+    if process and (path / f"rng-{process}.safetensors").is_file():
+        _restore_rng(load_file(path / f"rng-{process}.safetensors"), json.loads((path / f"rng-{process}.json").read_text()))
+    else:
+        _restore_rng(load_file(path / "rng.safetensors"), first_process_rng)
+        if process:  # written by fewer processes: streams of its own, drawn from the first process's
+            _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
     return trainer_state
 
 

@@ -119,11 +119,11 @@ def cmd_eval(argv: list[str]) -> int:
     config_path = namespace.config
     run_dir = Path(config_path) if config_path and Path(config_path).is_dir() else None
     if run_dir is not None:  # a run folder: its config (the last resume's, if it changed any), its final model
-        from covey.run_folder import resumed_configs
+        from covey.run_folder import latest_run_config
 
         if not (run_dir / "config.yaml").is_file() or not (run_dir / "final_model").is_dir():
             raise ConfigError(f"{run_dir} is not a finished run folder (needs config.yaml and final_model/)")
-        config_path = str(([run_dir / "config.yaml"] + [path for _, path in resumed_configs(run_dir)])[-1])
+        config_path = str(latest_run_config(run_dir))
         overrides.setdefault("model", str(run_dir / "final_model"))
     overrides.setdefault("use_peft", False)  # a saved adapter is loaded as it is, not wrapped again
     args = _load_config(config_path, overrides)

@@ -94,12 +94,7 @@ class World:
         return seed + self.rank * RANK_SEED_STRIDE
 
     def share(self, items: list[T]) -> list[T]:
-        """This process's contiguous share of ``items`` (their number divisible by ``size``)."""
-        n = len(items) // self.size
-        return items[self.rank * n:(self.rank + 1) * n]
-
-    def share_uneven(self, items: list[T]) -> list[T]:
-        """This process's contiguous share of ``items``, the first ones a row longer when they do not
+        """This process's contiguous share of ``items``, the first ones an item longer when they do not
         divide evenly; concatenated in rank order, the shares give back ``items``."""
         n, extra = divmod(len(items), self.size)
         start = self.rank * n + min(self.rank, extra)

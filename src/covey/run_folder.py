@@ -4,7 +4,6 @@ there or is told to overwrite, and then only a previous run's own outputs are cl
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 from datetime import datetime
@@ -14,7 +13,7 @@ from typing import Any, Sequence
 import yaml
 
 from covey.checkpoint import CHECKPOINTS, checkpoint_dirs, saved_step, step_of
-from covey.config import IN_MEMORY, GRPOConfig
+from covey.config import IN_MEMORY, GRPOConfig, config_fields
 from covey.errors import ConfigError
 from covey.rewards import reward_reference
 
@@ -103,7 +102,7 @@ def _saved_by_a_run(config: Path) -> bool:
         return False
     if text.startswith(RUN_CONFIG_HEADER) or saved is None:
         return True
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    fields = {f.name for f in config_fields()}
     beside = any(next(config.parent.glob(pattern), None) for pattern in RUN_OUTPUTS if pattern != "config.yaml")
     return isinstance(saved, dict) and beside and len(fields & set(saved)) >= 0.9 * len(fields)
 
@@ -113,6 +112,11 @@ def resumed_configs(run_dir: Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in Path(run_dir).glob("config.resumed-at-*.yaml")
              if (m := re.fullmatch(r"config\.resumed-at-(\d+)\.yaml", p.name))]
     return sorted(found)
+
+
+def latest_run_config(run_dir: Path) -> Path:
+    """The config a run folder's run last went on with: the last resume's, else config.yaml."""
+    return ([Path(run_dir) / "config.yaml"] + [path for _, path in resumed_configs(run_dir)])[-1]
 
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)

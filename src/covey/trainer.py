@@ -46,7 +46,7 @@ from covey.reward_pool import RewardPool
 from covey.rewards import (RewardFunc, TrainerState, load_reward_func, preflight_check, reward_context, reward_name,
                            score_completions)
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad, make_engine
-from covey.run_folder import claim_run_dir, config_as_used, make_run_dir, resumed_configs, write_run_config
+from covey.run_folder import claim_run_dir, config_as_used, latest_run_config, make_run_dir, write_run_config
 from covey.server import ServerEngine
 from covey.telemetry import RunLog, model_card, print_summary, write_json
 from covey.trackers import check_trackers, make_trackers
@@ -194,8 +194,8 @@ class GRPOTrainer:
             raise ConfigError(SYNC_WITH_LORA)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
-        if self.resume_from is not None and saved_step(self.resume_from) > args.max_steps:
-            raise ConfigError(f"{self.resume_from} is at step {saved_step(self.resume_from)}, beyond max_steps="
+        if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > args.max_steps:
+            raise ConfigError(f"{self.resume_from} is at step {resumed_at}, beyond max_steps="
                               f"{args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
                               "checkpoint")
         self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
@@ -434,8 +434,8 @@ class GRPOTrainer:
             torch.cat(rewards_per_process), self.reward_weights_F, G, args.scale_rewards,
             args.multi_objective_aggregation)
         first = sum(len(rewards) for rewards in rewards_per_process[:self.world.rank])  # this process's rows
-        B = len(batch.rewards_BF)
-        batch.advantages_B, batch.zero_std_N = advantages_B[first:first + B].float(), zero_std_N[first // G:(first + B) // G]
+        last = first + len(batch.rewards_BF)
+        batch.advantages_B, batch.zero_std_N = advantages_B[first:last].float(), zero_std_N[first // G:last // G]
         for record, advantage in zip(batch.records, batch.advantages_B.tolist()):
             record["advantage"] = advantage
         # 4. log-probs of the policy that generated (only when it moves before its last use; else the
@@ -698,7 +698,7 @@ class GRPOTrainer:
         saved ones writes config.resumed-at-N.yaml beside them."""
         path, now = self.run_dir / "config.yaml", self.config_as_used
         if path.exists() and self.resume_from is not None:
-            latest = ([path] + [p for _, p in resumed_configs(self.run_dir)])[-1]
+            latest = latest_run_config(self.run_dir)
             saved = yaml.safe_load(latest.read_text()) or {}
             if ({k: v for k, v in saved.items() if k not in RESUME_FIELDS}
                     == {k: v for k, v in now.items() if k not in RESUME_FIELDS}):
@@ -809,7 +809,7 @@ class GRPOTrainer:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
         self._push_policy_from_main()
         # every process evaluates its share of the rows
-        parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share_uneven(rows), self.reward_funcs,
+        parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share(rows), self.reward_funcs,
                                            self.reward_weights, self.args, self.reward_pool,
                                            reward_context(self.reward_state())))
         return merge_evaluations(parts)

@@ -198,6 +198,8 @@ def check_columns(report: Report, trainer, indices: list[int], calls: list[dict]
 
 def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
     rewards_BF = batch.rewards_BF
+    kwargs = without_logging(calls[0])  # the batch the trainer gave the reward functions
+    n = len(kwargs["completions"])
     for j, func in enumerate(trainer.reward_funcs):
         column = rewards_BF[:, j]
         defined = column[~column.isnan()]
@@ -205,28 +207,25 @@ def check_rewards(report: Report, trainer, batch, calls: list[dict]) -> None:
                    f"{defined.numel()} values, std {float(defined.std()) if defined.numel() > 1 else 0:.3g}",
                    "a constant reward gives no signal: make it incremental (partial credit)", warn_only=True)
         # the function again on the batch it was given, twice: the table must hold what it returns, row for row
-        kwargs = without_logging(calls[0])
-        n = len(kwargs["completions"])
+        aligned = f"{reward_name(func)} values belong to their completions"
         start = time.perf_counter()
         try:
             again = [call_reward(func, kwargs, None) for _ in range(2)]
         except Exception as e:  # the trainer's call succeeded; this one is only a check
-            report.add("rewards", f"{reward_name(func)} values belong to their completions", False,
-                       f"not checked: a second call raised {type(e).__name__}", str(e)[:200], warn_only=True)
+            report.add("rewards", aligned, False, f"not checked: a second call raised {type(e).__name__}", str(e)[:200], warn_only=True)
             continue
         per_call = (time.perf_counter() - start) / (2 * n)
         report.add("rewards", f"{reward_name(func)} time per completion", per_call < 1.0, f"{per_call * 1000:.1f} ms",
                    "a slow reward dominates the step: cache or batch its work", warn_only=True)
         first, second = ([math.nan if v is None else float(v) for v in returned_values(a)] for a in again)
         if not torch.allclose(*(torch.tensor(v, dtype=torch.float64).nan_to_num(1e9) for v in (first, second))):
-            report.add("rewards", f"{reward_name(func)} values belong to their completions", False,
-                       "not checked: two calls on the same batch differ",
+            report.add("rewards", aligned, False, "not checked: two calls on the same batch differ",
                        "the function is random (a sampling judge?): the alignment of its values cannot be checked",
                        warn_only=True)
             continue
         want = torch.tensor(first, dtype=torch.float64)
         same = torch.allclose(column[:n].nan_to_num(1e9), want.nan_to_num(1e9), atol=1e-9)
-        report.add("rewards", f"{reward_name(func)} values belong to their completions", same,
+        report.add("rewards", aligned, same,
                    "the table holds what the function returns, row for row" if same else "mismatch",
                    "the reward table is shifted or reordered against the completions: see rewards.score_completions")
     weights = trainer.reward_weights
