@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.checkpoint import checkpoint_dirs
+from covey.checkpoint import checkpoint_dirs, written_whole
 from covey.errors import CheckpointError, ConfigError
 from tests.conftest import make_model
 from tests.test_trainer import ROWS, count_a
@@ -423,3 +423,32 @@ def test_a_final_model_that_cannot_be_written_leaves_a_checkpoint_to_finish_from
     trainer_for(run_args(tmp_path / "run", max_steps=3, save_steps=0, resume_from_checkpoint="auto"), tokenizer).train()
     assert (tmp_path / "run" / "final_model" / "model.safetensors").is_file()
     assert not list((tmp_path / "run").glob(".tmp-*"))
+
+
+def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "final_model"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    with pytest.raises(OSError, match="No space"):
+        with written_whole(final, "final_model-*") as tmp:
+            (tmp / "weights").write_text("half")
+            raise OSError(28, "No space left on device")
+    assert (final / "weights").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["final_model"]
+    with written_whole(final, "final_model-*") as tmp:
+        (tmp / "weights").write_text("new")
+    assert (final / "weights").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["final_model"]
+
+
+def test_a_writer_killed_while_replacing_leaves_a_whole_folder_behind(tmp_path):
+    # killed between moving the old folder aside and renaming the new one in: the old one is put back
+    aside = tmp_path / ".old-checkpoint-4-123"
+    aside.mkdir()
+    (aside / "state.json").write_text("{}")
+    (tmp_path / ".tmp-checkpoint-4-123").mkdir()
+    # killed after the new one was in place, before the old one was deleted: the old one goes
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / ".old-checkpoint-2-77").mkdir()
+    with written_whole(tmp_path / "checkpoint-6", "checkpoint-*") as tmp:
+        (tmp / "state.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert (tmp_path / "checkpoint-4" / "state.json").is_file()

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
 from covey.distributed import World
-from covey.errors import ConfigError, ModelError, TrainingInterrupted
+from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout
 from tests.conftest import make_model, make_tokenizer
 
@@ -246,6 +247,38 @@ def test_a_process_a_checkpoint_has_no_random_state_for_draws_streams_of_its_own
     assert streams[0] != streams[1] != streams[2] != streams[0]
     assert streams[1] == streams[3]  # drawn from the checkpoint, so a second resume draws the same
 
+
+
+def _final_model_on_a_full_disk(rank: int, port: int, output_dir: str, results: str) -> None:
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def disk_full_for_the_final_model(self, folder, *args, **kwargs):
+        if Path(folder).name.startswith(".tmp-final_model"):
+            raise OSError(28, "No space left on device")
+        return real(self, folder, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = disk_full_for_the_final_model
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        train(output_dir, 2, save_steps=0, eval_max_samples=0)
+        raised = None
+    except CheckpointError as e:
+        raised = str(e)
+    torch.save(raised, f"{results}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_the_checkpoint_written_when_the_final_model_cannot_be_holds_every_process_random_state(tmp_path):
+    results = str(tmp_path / "raised")
+    run_in_two_processes(_final_model_on_a_full_disk, (free_port(), str(tmp_path / "run"), results))
+    for rank in (0, 1):
+        assert "the trained weights are in" in torch.load(f"{results}-{rank}.pt")
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    assert (checkpoint / "rng-1.safetensors").is_file() and (checkpoint / "rng-1.json").is_file()
 
 def test_colocated_vllm_in_several_processes_is_refused_before_joining_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -16,12 +16,13 @@ previous one. No file is a pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
@@ -81,43 +82,23 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
-    tmp = folder / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    old = folder / f".old-{PREFIX}{step}-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(f".tmp-{PREFIX}*"):  # left by a run killed while saving
-            shutil.rmtree(stale, ignore_errors=True)
-        for stale in folder.glob(f".old-{PREFIX}*"):  # killed while replacing: put the old one back if it is alone
-            whole = folder / stale.name[len(".old-"):].rsplit("-", 1)[0]
-            if whole.exists():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.rename(whole)
-        tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
-        tensors, rest = _split_optimizer_state(optimizer.state_dict())
-        save_file(tensors, tmp / "optimizer.safetensors")
-        _write_json(tmp / "optimizer.json", rest)
-        if reference is not None:
-            save_model(reference, str(tmp / "reference.safetensors"))
-        torch_states, other_states = rng_states()
-        save_file(torch_states, tmp / "rng.safetensors")
-        _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
-        for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
-            save_file(torch_states, tmp / f"rng-{process}.safetensors")
-            _write_json(tmp / f"rng-{process}.json", other_states)
-        _fsync_tree(tmp)
-        if final.exists():  # the same step saved again (a resumed run): replace it only now that the new one is whole
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(folder)
+        with written_whole(final, f"{PREFIX}*") as tmp:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "model")
+            tensors, rest = _split_optimizer_state(optimizer.state_dict())
+            save_file(tensors, tmp / "optimizer.safetensors")
+            _write_json(tmp / "optimizer.json", rest)
+            if reference is not None:
+                save_model(reference, str(tmp / "reference.safetensors"))
+            torch_states, other_states = rng_states()
+            save_file(torch_states, tmp / "rng.safetensors")
+            _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
+            for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
+                save_file(torch_states, tmp / f"rng-{process}.safetensors")
+                _write_json(tmp / f"rng-{process}.json", other_states)
     except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not final.exists():
-            old.rename(final)
         previous = [p.name for p in checkpoint_dirs(run_dir)]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write the checkpoint of step {step} to {final}: "
@@ -128,6 +109,42 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         for older in others[: max(0, len(others) + 1 - total_limit)]:
             shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+
+@contextlib.contextmanager
+def written_whole(final: Path, kind: str) -> Iterator[Path]:
+    """A folder written in full or not at all. Yields a hidden empty folder beside ``final`` to write
+    into; when the block succeeds it is flushed to disk and renamed to ``final``. A ``final`` already
+    there (the same step saved again) is moved aside until the new one is in place, so that a crash
+    at any moment leaves one of the two whole. On an error the partial folder is deleted and ``final``
+    stays as it was. ``kind``: a glob of the names whose leftovers (of a writer killed midway) are
+    cleared first, or put back where they are the only copy."""
+    parent = final.parent
+    tmp, old = parent / f".tmp-{final.name}-{os.getpid()}", parent / f".old-{final.name}-{os.getpid()}"
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".tmp-{kind}"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in parent.glob(f".old-{kind}"):
+        whole = parent / stale.name[len(".old-"):].rsplit("-", 1)[0]
+        if whole.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.rename(whole)
+    try:
+        tmp.mkdir()
+        yield tmp
+        _fsync_tree(tmp)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
 
 
 def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -121,7 +121,8 @@ def latest_run_config(run_dir: Path) -> Path:
 
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
 RUN_OUTPUTS = ("config.yaml", "config.resumed-at-*.yaml", "metrics.jsonl", "completions.jsonl", "summary.json",
-               "final_model", ".tmp-final_model-*", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db", "mlartifacts")
+               "final_model", ".tmp-final_model-*", ".old-final_model-*", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db",
+               "mlartifacts")
 
 
 def claim_run_dir(run_dir: Path, args: GRPOConfig) -> Path:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import shutil
 import signal
 import threading
 import time
@@ -31,7 +29,7 @@ import yaml
 
 from covey import core
 from covey.answers import completion_text
-from covey.checkpoint import load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step
+from covey.checkpoint import load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step, written_whole
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
 from covey.distributed import World
@@ -327,7 +325,8 @@ class GRPOTrainer:
             while self.global_step < args.max_steps:
                 self._generation_round(log)
             # the trained model is saved before anything else can fail
-            final = self.world.on_main(self._save_final_model)
+            process_rngs = self.world.gather(rng_states())  # for the checkpoint written if it cannot be
+            final = self.world.on_main(lambda: self._save_final_model(process_rngs[1:]))
             after = self.evaluate() if self.eval_rows else None
         summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
         if not self.quiet:
@@ -814,29 +813,23 @@ class GRPOTrainer:
                                            reward_context(self.reward_state())))
         return merge_evaluations(parts)
 
-    def _save_final_model(self) -> Path:
+    def _save_final_model(self, other_processes_rng: list) -> Path:
         """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot
         be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
-        final, tmp = self.run_dir / "final_model", self.run_dir / f".tmp-final_model-{os.getpid()}"
-        for stale in self.run_dir.glob(".tmp-final_model-*"):  # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        final = self.run_dir / "final_model"
         try:
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-                tokenizer.save_pretrained(tmp)
-            if final.exists():  # a finished run resumed at its last step: saved again
-                shutil.rmtree(final)
-            tmp.rename(final)
+            with written_whole(final, "final_model-*") as tmp:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                    tokenizer.save_pretrained(tmp)
         except Exception as e:  # OSError, or safetensors' own error type for a full disk
             try:
-                kept = f"the trained weights are in {self.save_checkpoint()}; free space, then finish the run with " \
-                       f"--output-dir {self.run_dir} --resume-from-checkpoint auto"
+                kept = (f"the trained weights are in {self.save_checkpoint(other_processes_rng)}; free space, then "
+                        f"finish the run with --output-dir {self.run_dir} --resume-from-checkpoint auto")
             except CheckpointError:
                 kept = "a checkpoint could not be written either"
             raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
                                   f"({type(e).__name__}); {kept}") from e
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; what is left of a failed save
         return final
 
     def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
