@@ -221,7 +221,9 @@ def test_cli_report_and_compare(tmp_path, capsys, monkeypatch):
     assert main(["compare", str(a)]) == 2
     assert "at least two run folders" in capsys.readouterr().err
     assert main(["compare", str(a), str(b), "--out", str(tmp_path), "--overwrite"]) == 2
-    assert "is a folder: name the PNG file" in capsys.readouterr().err
+    assert "is a folder: name a file" in capsys.readouterr().err
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "nowhere" / "plot.png")]) == 2  # before plotting
+    assert "there is no folder" in capsys.readouterr().err
 
 
 def test_report_of_a_real_tiny_training_run(tmp_path, tokenizer, tiny_model):

@@ -85,14 +85,18 @@ def _parse_command(prog: str, description: str, argv: list[str], num_prompts_hel
     if num_prompts_help and namespace.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
     if json_output and namespace.json not in (None, "-"):  # before the sampling, not after it
-        out = Path(namespace.json)
-        if out.is_dir():
-            raise ConfigError(f"--json {out} is a folder: name a file")
-        if out.exists() and not namespace.overwrite:
-            raise ConfigError(f"--json {out} already exists: pass --overwrite to replace it, or name another file")
-        if not out.parent.is_dir():
-            raise ConfigError(f"--json {out}: there is no folder {out.parent} to write it in")
+        _check_output_file("--json", Path(namespace.json), namespace.overwrite)
     return namespace, overrides
+
+
+def _check_output_file(option: str, out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an output file that cannot be written or would replace one unasked."""
+    if out.is_dir():
+        raise ConfigError(f"{option} {out} is a folder: name a file")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{option} {out} already exists: pass --overwrite to replace it, or name another file")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{option} {out}: there is no folder {out.parent} to write it in")
 
 
 def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConfig:
@@ -217,10 +221,7 @@ def cmd_compare(argv: list[str]) -> int:
     if len(namespace.run_dirs) < 2:
         raise ConfigError("covey compare needs at least two run folders (covey report shows one run)")
     out = Path(namespace.out or compare_file_name(namespace.metric))
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder: name the PNG file to write")
-    if out.exists() and not namespace.overwrite:
-        raise ConfigError(f"{out} already exists: pass --overwrite to replace it, or --out another file")
+    _check_output_file("--out", out, namespace.overwrite)
     print(f"plot: {compare_runs(namespace.run_dirs, out, namespace.metric)}")
     return 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from covey import tasks
-from covey.config import names_nothing
+from covey.config import why_unloadable
 from covey.errors import DataError
 
 # file name endings (in any case) and the loader of each; datasets' loaders read gzip-compressed text files as they are
@@ -25,7 +25,7 @@ def load_rows(spec: Any, split: str = "train") -> list[dict]:
     GSM8K-format data (question, answer with '####') is turned into chat prompts automatically,
     keeping its other columns."""
     if isinstance(spec, str):
-        if reason := names_nothing(spec, "dataset"):
+        if reason := why_unloadable(spec, "dataset"):
             raise DataError(reason)
         if spec in tasks.TASKS:
             return tasks.TASKS[spec]("test" if split == "test" else "train")

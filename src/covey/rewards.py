@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from covey.answers import NUMBER, completion_text, last_number, parse_number, reference_number, same_number, tagged_answer
-from covey.config import IN_MEMORY, names_nothing
+from covey.config import in_memory, why_unloadable
 from covey.errors import RewardError
 from covey.reward_pool import RewardPool, WorkerFault
 
@@ -120,7 +120,7 @@ def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] |
         return BUILTIN_REWARDS[spec]
     if spec in BUILTIN_REWARD_FACTORIES:
         return BUILTIN_REWARD_FACTORIES[spec](**(builtin_settings or {}).get(spec, {}))
-    if reason := names_nothing(spec, "reward_funcs"):
+    if reason := why_unloadable(spec, "reward_funcs"):
         raise RewardError(reason)
     if ":" not in spec:
         names = ", ".join([*BUILTIN_REWARDS, *BUILTIN_REWARD_FACTORIES])
@@ -193,7 +193,7 @@ def reward_reference(spec: str | RewardFunc) -> str:
             found = None
         if found is spec:
             return f"{module}:{qualname}"
-    return builtin or f"{IN_MEMORY} function {reward_name(spec)}>"
+    return builtin or in_memory(f"function {reward_name(spec)}")
 
 
 # what every reward function receives from the trainer; its other parameters name dataset columns

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import yaml
 
 from covey.checkpoint import CHECKPOINTS, checkpoint_dirs, saved_step, step_of
-from covey.config import IN_MEMORY, GRPOConfig, config_fields
+from covey.config import GRPOConfig, config_fields, in_memory
 from covey.errors import ConfigError
 from covey.rewards import reward_reference
 
@@ -28,10 +28,10 @@ def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_datase
     if model is not None:
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
         origin = f" from {name}" if name else ""
-        values["model"] = model if isinstance(model, str) else f"{IN_MEMORY} {type(model).__name__}{origin}>"
+        values["model"] = model if isinstance(model, str) else in_memory(f"{type(model).__name__}{origin}")
     for key, given in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
         if given is not None:
-            values[key] = given if isinstance(given, str) else f"{IN_MEMORY} dataset>"
+            values[key] = given if isinstance(given, str) else in_memory("dataset")
     if reward_funcs is not None:
         values["reward_funcs"] = [reward_reference(f) for f in reward_funcs]
     if peft_config is not None:
