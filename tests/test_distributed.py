@@ -96,8 +96,10 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
         trainer.train()
     except TrainingInterrupted as e:
         stopped_by = e.signal_number
+    held = getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()  # this process's share, if sharded
     return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled),
-            "stopped_by": stopped_by}
+            "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
+                                                             if isinstance(t, torch.Tensor) and t.dim() > 0)}
 
 
 def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, dropout: float,
@@ -192,6 +194,29 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resume
     with pytest.warns(UserWarning, match="written by a run of 2 process"):
         train(tmp_path / "one", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoints" / "checkpoint-1"))
 
+
+
+def test_a_sharded_optimizer_state_makes_the_same_updates_from_half_the_memory_and_resumes_exactly(tmp_path):
+    plain = train_in_two_processes(tmp_path, run="plain", max_steps=4)
+    sharded = train_in_two_processes(tmp_path, run="sharded", max_steps=4, save_steps=2, shard_optimizer_state=True)
+    for rank in (0, 1):
+        for step in range(4):  # the same gradients after each update: the same updates
+            for a, b in zip(plain[rank]["gradients"][step], sharded[rank]["gradients"][step]):
+                assert torch.equal(a, b)
+    # AdamW's two moments of every parameter, held once over the two processes
+    assert sharded[0]["optimizer_state"] + sharded[1]["optimizer_state"] == plain[0]["optimizer_state"]
+    assert 0 < sharded[0]["optimizer_state"] < plain[0]["optimizer_state"]
+    # the checkpoint holds the whole state: resumed sharded or not, steps 3 and 4 (the first update from
+    # the restored moments) are those of the run never stopped
+    checkpoint = str(tmp_path / "sharded" / "checkpoints" / "checkpoint-2")
+    for run, shard in (("resumed-sharded", True), ("resumed-plain", False)):
+        resumed = train_in_two_processes(tmp_path, run=run, max_steps=4, resume_from_checkpoint=checkpoint,
+                                         shard_optimizer_state=shard)
+        for rank in (0, 1):
+            assert len(resumed[rank]["gradients"]) == 2
+            for step in (0, 1):
+                for a, b in zip(resumed[rank]["gradients"][step], plain[rank]["gradients"][2 + step]):
+                    assert torch.equal(a, b), (run, step)
 
 class Unpicklable(Exception):
     def __init__(self):

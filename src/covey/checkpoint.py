@@ -221,6 +221,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
               for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    share = getattr(optimizer, "optim", None)  # a sharded optimizer's own (shard_optimizer_state), which loads
+    if share is not None and share.defaults.get("fused"):  # its step counts onto the CPU, where a GPU's fused
+        for param, param_state in share.state.items():  # kernel wants them beside the parameters
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].to(param.device, torch.float32)
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())

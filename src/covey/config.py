@@ -152,6 +152,7 @@ class GRPOConfig:
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    shard_optimizer_state: bool = _f(False, "several processes: each holds and updates the AdamW state of its share of the parameters only, then sends them to the others (ZeRO stage 1); no effect in one process")
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
     lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")

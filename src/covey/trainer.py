@@ -171,20 +171,7 @@ class GRPOTrainer:
         self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config)
         self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
         self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
-        dataset = train_dataset if train_dataset is not None else args.dataset
-        self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
-        self.train_rows = load_rows(dataset, split=args.dataset_split)
-        check_reward_columns(self.train_rows, self.reward_funcs, self.dataset_name)
-        preflight_check(self.reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
-                        args.max_steps)
-        self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
-                                      args.eval_max_samples, args.eval_split)
-        if self.eval_rows and (shared := shared_prompts(self.train_rows, self.eval_rows)):
-            warnings.warn(f"{shared} of the {len(self.eval_rows)} held-out prompts are training prompts too, so the "
-                          "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
-                          "not train on", stacklevel=2)
-        if self.eval_rows:
-            check_reward_columns(self.eval_rows, self.reward_funcs, "eval_dataset")
+        self._load_rows(train_dataset, eval_dataset)
         check_trackers(args.report_to)
         if rollout_engine is None and args.rollout_engine == "vllm" and args.vllm_mode == "colocate":
             check_vllm_installed()
@@ -226,11 +213,7 @@ class GRPOTrainer:
         if self.shared_server:
             self.engine.pushes = self.world.is_main
         self.device = next(self.model.parameters()).device
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        # the fused kernel updates each tensor in one pass over its memory (the same numbers, a quarter of the time)
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trainable)
-        self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                           eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=fused or None)
+        self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         # the prompts of every process, drawn together; each takes its share (World.share)
         self.sampler = PromptSampler(len(self.train_rows), args.generation_batch_size // args.num_generations
@@ -255,6 +238,39 @@ class GRPOTrainer:
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
         if self.resume_from is not None:
             self._restore(self.resume_from)
+
+    def _load_rows(self, train_dataset: Any, eval_dataset: Any) -> None:
+        """The training and held-out rows, checked against what the reward functions need."""
+        args, reward_funcs = self.args, self.reward_funcs
+        dataset = train_dataset if train_dataset is not None else args.dataset
+        self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
+        self.train_rows = load_rows(dataset, split=args.dataset_split)
+        check_reward_columns(self.train_rows, reward_funcs, self.dataset_name)
+        preflight_check(reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
+                        args.max_steps)
+        self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
+                                      args.eval_max_samples, args.eval_split)
+        if self.eval_rows and (shared := shared_prompts(self.train_rows, self.eval_rows)):
+            warnings.warn(f"{shared} of the {len(self.eval_rows)} held-out prompts are training prompts too, so the "
+                          "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
+                          "not train on", stacklevel=3)
+        if self.eval_rows:
+            check_reward_columns(self.eval_rows, reward_funcs, "eval_dataset")
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters; under shard_optimizer_state with several processes, each
+        process keeps the state of (and updates) a share of them, and sends its updated share to the others."""
+        args = self.args
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # the fused kernel updates each tensor in one pass over its memory (the same numbers, a quarter of the time)
+        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trainable)
+        settings = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                        weight_decay=args.weight_decay, fused=fused or None)
+        if args.shard_optimizer_state and self.world.size > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, **settings)
+        return torch.optim.AdamW(trainable, **settings)
 
     def _encode_train_prompts(self) -> None:
         """Token ids of every training prompt; rows over max_prompt_length follow prompt_overflow."""
@@ -324,9 +340,7 @@ class GRPOTrainer:
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             while self.global_step < args.max_steps:
                 self._generation_round(log)
-            # the trained model is saved before anything else can fail
-            process_rngs = self.world.gather(rng_states())  # for the checkpoint written if it cannot be
-            final = self.world.on_main(lambda: self._save_final_model(process_rngs[1:]))
+            final = self._save_final_model()  # before anything else can fail
             after = self.evaluate() if self.eval_rows else None
         summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
         if not self.quiet:
@@ -406,8 +420,7 @@ class GRPOTrainer:
         stopping = stop_signal is not None and step < args.max_steps
         if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
             return
-        process_rngs = self.world.gather(rng_states())  # each process resumes with its own random streams
-        path = self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:]))
+        path = self._checkpoint_every_process()
         log.info(f"checkpoint saved: {path}")
         if stopping:
             raise TrainingInterrupted(
@@ -649,6 +662,14 @@ class GRPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
+    def _checkpoint_every_process(self) -> Path:
+        """A checkpoint, written by the first process with what the others send it: their random states
+        (each resumes its own streams) and their shares of a sharded optimizer state. Its path."""
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # sharded (shard_optimizer_state)
+            self.optimizer.consolidate_state_dict(to=0)
+        process_rngs = self.world.gather(rng_states())
+        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:]))
+
     def save_checkpoint(self, other_processes_rng: list = ()) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
         ``other_processes_rng``: the random states of the other processes, which it then holds too."""
@@ -813,24 +834,28 @@ class GRPOTrainer:
                                            reward_context(self.reward_state())))
         return merge_evaluations(parts)
 
-    def _save_final_model(self, other_processes_rng: list) -> Path:
+    def _save_final_model(self) -> Path:
         """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot
         be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
         final = self.run_dir / "final_model"
-        try:
+
+        def write() -> Path:
             with written_whole(final, "final_model-*") as tmp:
                 self.model.save_pretrained(tmp, safe_serialization=True)
                 with tokenizer_as_loaded(self.tokenizer) as tokenizer:
                     tokenizer.save_pretrained(tmp)
-        except Exception as e:  # OSError, or safetensors' own error type for a full disk
+            return final
+
+        try:
+            return self.world.on_main(write)
+        except Exception as e:  # OSError, or safetensors' own error type for a full disk (in every process)
             try:
-                kept = (f"the trained weights are in {self.save_checkpoint(other_processes_rng)}; free space, then "
+                kept = (f"the trained weights are in {self._checkpoint_every_process()}; free space, then "
                         f"finish the run with --output-dir {self.run_dir} --resume-from-checkpoint auto")
             except CheckpointError:
                 kept = "a checkpoint could not be written either"
             raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
                                   f"({type(e).__name__}); {kept}") from e
-        return final
 
     def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
         summary = {
