@@ -1,0 +1,90 @@
+"""Memory of each process in a run of two, with AdamW's state whole in each or sharded between them.
+
+Two CPU processes (gloo, one thread each) train the default model, full fine-tuning, beta 0.04,
+on 1 prompt x 4 generations each, up to 32 completion tokens, for a few steps; once with
+``shard_optimizer_state: false`` and once with ``true``, alternating, each in fresh processes. Each
+process reports its own peak RSS, the optimizer state it holds and its time per step.
+
+    python -m benchmarks.sharded_optimizer --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+VARIANTS = {"whole": False, "sharded": True}
+
+
+def worker(variant: str, steps: int, out_dir: str) -> None:
+    from covey import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,
+                      max_steps=steps, eval_max_samples=0, save_steps=0, log_completions=False, output_dir=out_dir,
+                      shard_optimizer_state=VARIANTS[variant])
+    trainer = GRPOTrainer(args=args, quiet=True)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = (time.perf_counter() - start) / steps
+    held = getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()
+    state_bytes = sum(t.numel() * t.element_size() for s in held for t in s.values() if isinstance(t, torch.Tensor))
+    print("RESULT " + json.dumps({"rank": trainer.world.rank, "seconds_per_step": seconds,
+                                  "optimizer_state_mib": state_bytes / 2 ** 20,
+                                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def measure(variant: str, steps: int) -> list[dict]:
+    """One run of two processes; each one's result, by rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", "benchmarks.sharded_optimizer", "--worker", variant, "--steps", str(steps),
+                              "--out-dir", os.path.join(tmp, "run")],
+                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or len(results) != 2:
+        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", choices=list(VARIANTS))
+    parser.add_argument("--out-dir")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.out_dir)
+        return
+    runs: dict[str, list[list[dict]]] = {variant: [] for variant in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            runs[variant].append(measure(variant, args.steps))
+    print("| optimizer state | process | peak RSS (MiB), median | per run | optimizer state held (MiB) | s / step |")
+    print("|---|---|---|---|---|---|")
+    for variant, results in runs.items():
+        for rank in (0, 1):
+            mine = [run[rank] for run in results]
+            peaks = [r["peak_mib"] for r in mine]
+            print(f"| {variant} | {rank} | {statistics.median(peaks):.0f} | {', '.join(f'{p:.0f}' for p in peaks)} | "
+                  f"{statistics.median(r['optimizer_state_mib'] for r in mine):.0f} | "
+                  f"{statistics.median(r['seconds_per_step'] for r in mine):.1f} |", flush=True)
+    for rank in (0, 1):
+        saved = [w[rank]["peak_mib"] - s[rank]["peak_mib"] for w, s in zip(runs["whole"], runs["sharded"])]
+        print(f"process {rank}: peak RSS lower by {statistics.median(saved):.0f} MiB sharded "
+              f"(per pair: {', '.join(f'{x:.0f}' for x in saved)})")
+
+
+if __name__ == "__main__":
+    main()
