@@ -1,7 +1,8 @@
 """Memory of each process in a run of two, with AdamW's state whole in each or sharded between them.
 
 Two CPU processes (gloo, one thread each) train the default model, full fine-tuning, beta 0.04,
-on 1 prompt x 4 generations each, up to 32 completion tokens, for a few steps; once with
+on 1 prompt x 4 generations each, up to 32 completion tokens, for a few steps with a checkpoint
+after the second (which gathers a sharded state in the first process); once with
 ``shard_optimizer_state: false`` and once with ``true``, alternating, each in fresh processes. Each
 process reports its own peak RSS, the optimizer state it holds and its time per step.
 
@@ -30,7 +31,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,
-                      max_steps=steps, eval_max_samples=0, save_steps=0, log_completions=False, output_dir=out_dir,
+                      max_steps=steps, eval_max_samples=0, save_steps=2, log_completions=False, output_dir=out_dir,
                       shard_optimizer_state=VARIANTS[variant])
     trainer = GRPOTrainer(args=args, quiet=True)
     start = time.perf_counter()

@@ -452,3 +452,21 @@ def test_a_writer_killed_while_replacing_leaves_a_whole_folder_behind(tmp_path):
         (tmp / "state.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert (tmp_path / "checkpoint-4" / "state.json").is_file()
+
+
+def test_a_folder_whose_replacement_fails_to_move_in_keeps_the_old_one(tmp_path, monkeypatch):
+    final = tmp_path / "final_model"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    rename = Path.rename
+
+    def failing_for_the_new_folder(self, target):
+        if self.name.startswith(".tmp-"):
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_for_the_new_folder)
+    with pytest.raises(OSError, match="Input/output"):
+        with written_whole(final, "final_model-*") as tmp:
+            (tmp / "weights").write_text("new")
+    assert (final / "weights").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["final_model"]

@@ -264,7 +264,7 @@ def test_a_process_a_checkpoint_has_no_random_state_for_draws_streams_of_its_own
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1)
     optimizer = torch.optim.AdamW(model.parameters())
-    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    path = save_checkpoint(tmp_path, 1, model, optimizer.state_dict(), {})
     streams = []
     for process in (0, 1, 2, 1):
         load_checkpoint(path, model, optimizer, process=process)

@@ -73,10 +73,11 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any],
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = ()) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
+    ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes);
     ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history);
     ``tokenizer``, saved beside the model, makes its folder a model that loads on its own;
     ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
@@ -87,7 +88,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
             model.save_pretrained(tmp / "model", safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
-            tensors, rest = _split_optimizer_state(optimizer.state_dict())
+            tensors, rest = _split_optimizer_state(optimizer_state)
             save_file(tensors, tmp / "optimizer.safetensors")
             _write_json(tmp / "optimizer.json", rest)
             if reference is not None:
@@ -138,13 +139,14 @@ def written_whole(final: Path, kind: str) -> Iterator[Path]:
         if final.exists():
             final.rename(old)
         tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():
             old.rename(final)
         raise
+    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the new folder is in place: a failed flush of its name is no failed write
+        _fsync_dir(parent)
 
 
 def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -221,11 +223,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
               for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-    share = getattr(optimizer, "optim", None)  # a sharded optimizer's own (shard_optimizer_state), which loads
-    if share is not None and share.defaults.get("fused"):  # its step counts onto the CPU, where a GPU's fused
-        for param, param_state in share.state.items():  # kernel wants them beside the parameters
-            if "step" in param_state:
-                param_state["step"] = param_state["step"].to(param.device, torch.float32)
+    share = getattr(optimizer, "optim", None)  # a sharded optimizer's own part (shard_optimizer_state)
+    if share is not None:
+        optimizer.state.clear()  # a copy of the whole state beside the parts, which the update never reads
+        if share.defaults.get("fused"):  # its step counts were loaded onto the CPU, where a GPU's fused kernel
+            for param, param_state in share.state.items():  # wants them beside the parameters
+                if "step" in param_state:
+                    param_state["step"] = param_state["step"].to(param.device, torch.float32)
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())

@@ -108,9 +108,11 @@ class Products:
 
 def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
     """A LoRA policy runs on its merged weights: not one whose adapters do not merge, nor one with
-    DoRA's magnitudes or lora_bias's biases, which the lean layers have no place for."""
-    return is_peft_model(model) and (lora_merge_blocker(model) is not None or any(
-        getattr(c, "use_dora", False) or getattr(c, "lora_bias", False) for c in model.peft_config.values()))
+    DoRA's magnitudes or lora_bias's biases (a PEFT model's, or added through transformers'
+    ``add_adapter``), which the lean layers have no place for."""
+    adapters = getattr(model, "peft_config", {}).values()
+    return ((is_peft_model(model) and lora_merge_blocker(model) is not None)
+            or any(getattr(c, "use_dora", False) or getattr(c, "lora_bias", False) for c in adapters))
 
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix

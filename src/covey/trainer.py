@@ -269,6 +269,11 @@ class GRPOTrainer:
         if args.shard_optimizer_state and self.world.size > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
+            if len(kinds := {(p.dtype, p.device) for p in trainable}) > 1:
+                raise ConfigError(f"shard_optimizer_state needs every trained parameter in one dtype on one device; "
+                                  f"this model's are {sorted(map(str, kinds))}: cast the model to one dtype, or turn "
+                                  "shard_optimizer_state off")
+
             return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, **settings)
         return torch.optim.AdamW(trainable, **settings)
 
@@ -664,20 +669,22 @@ class GRPOTrainer:
 
     def _checkpoint_every_process(self) -> Path:
         """A checkpoint, written by the first process with what the others send it: their random states
-        (each resumes its own streams) and their shares of a sharded optimizer state. Its path."""
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # sharded (shard_optimizer_state)
-            self.optimizer.consolidate_state_dict(to=0)
+        (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
+        sharded = hasattr(self.optimizer, "optim")  # shard_optimizer_state, in several processes
+        optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
-        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:]))
+        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
 
-    def save_checkpoint(self, other_processes_rng: list = ()) -> Path:
+    def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
-        ``other_processes_rng``: the random states of the other processes, which it then holds too."""
+        ``other_processes_rng``: the random states of the other processes, which it then holds too;
+        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own)."""
         state = {key: getattr(self, key) for key in RESUMED_ATTRIBUTES}
         state.update(sampler=self.sampler.state_dict(), scheduler=self.scheduler.state_dict(),
                      unlogged_metrics=self.unlogged_metrics, processes=self.world.size)
         with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-            return save_checkpoint(self.run_dir, self.global_step, self.model, self.optimizer, state,
+            return save_checkpoint(self.run_dir, self.global_step, self.model,
+                                   optimizer_state or self.optimizer.state_dict(), state,
                                    self._moving_reference(), self.args.save_total_limit, tokenizer,
                                    other_processes_rng)
 
