@@ -187,8 +187,8 @@ class World:
 
     def gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The whole ``state_dict()`` of an optimizer whose state is sharded over the processes (torch's
-        ZeroRedundancyOptimizer), built in the first process, on the CPU (None in the others). Each
-        share is sent to it tensor by tensor: torch's own consolidation pickles every share whole, which
+        ZeroRedundancyOptimizer), in the first process (None in the others), which receives the others'
+        parts onto its CPU tensor by tensor: torch's own consolidation pickles every part whole, which
         costs several times its size in memory and about a minute per 500 MB on a CPU."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         share = optimizer.optim.state  # this process's part: parameter -> its state
