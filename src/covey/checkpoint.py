@@ -226,10 +226,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     share = getattr(optimizer, "optim", None)  # a sharded optimizer's own part (shard_optimizer_state)
     if share is not None:
         optimizer.state.clear()  # a copy of the whole state beside the parts, which the update never reads
-        if share.defaults.get("fused"):  # its step counts were loaded onto the CPU, where a GPU's fused kernel
-            for param, param_state in share.state.items():  # wants them beside the parameters
-                if "step" in param_state:
-                    param_state["step"] = param_state["step"].to(param.device, torch.float32)
+        # its part as a plain optimizer loads it: the moments in the parameter's dtype, and the fused
+        # kernel's step counts beside the parameters (torch's sharded loader leaves them on the CPU)
+        for param, param_state in share.state.items():
+            for key, value in param_state.items():
+                if key == "step" and share.defaults.get("fused"):
+                    param_state[key] = value.to(param.device, torch.float32)
+                elif key != "step" and value.is_floating_point() and param.is_floating_point():
+                    param_state[key] = value.to(param.dtype)
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
     trainer_state = json.loads((path / "state.json").read_text())

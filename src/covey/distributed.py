@@ -216,7 +216,8 @@ class World:
         if not self.is_main:
             return None
         # the settings of every group, and its parameters as indices, as a state_dict() gives them
-        return {"state": state, "param_groups": torch.optim.Optimizer.state_dict(optimizer)["param_groups"]}
+        return {"state": dict(sorted(state.items())),
+                "param_groups": torch.optim.Optimizer.state_dict(optimizer)["param_groups"]}
 
     @staticmethod
     def _sum_in_place(grads: list[torch.Tensor]) -> None:
