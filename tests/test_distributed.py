@@ -218,6 +218,36 @@ def test_a_sharded_optimizer_state_makes_the_same_updates_from_half_the_memory_a
                 for a, b in zip(resumed[rank]["gradients"][step], plain[rank]["gradients"][2 + step]):
                     assert torch.equal(a, b), (run, step)
 
+
+def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from covey.checkpoint import load_checkpoint, save_checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    world = World.from_environment()
+    model = make_model(len(make_tokenizer()), seed=1)
+    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    whole = world.gather_optimizer_state(optimizer)
+    path = world.on_main(lambda: save_checkpoint(Path(folder), 1, model, whole, {}))
+    half = model.to(torch.bfloat16)  # the same run resumed in another dtype
+    optimizer = ZeroRedundancyOptimizer(list(half.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    load_checkpoint(path, half, optimizer, process=rank)
+    half(torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
+    optimizer.step()  # moments left in float32 would fail here
+    torch.save({str(v.dtype) for s in optimizer.optim.state.values() for k, v in s.items() if k != "step"},
+               f"{results}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_a_sharded_optimizer_state_resumes_into_a_model_of_another_dtype(tmp_path):
+    results = str(tmp_path / "dtypes")
+    run_in_two_processes(_resume_sharded_in_bfloat16, (free_port(), str(tmp_path), results), seconds=120)
+    assert [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)] == [{"torch.bfloat16"}, {"torch.bfloat16"}]
+
 class Unpicklable(Exception):
     def __init__(self):
         super().__init__("holds a lock")
