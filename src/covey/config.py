@@ -50,8 +50,7 @@ EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
                   "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
-
-
+# how a run's saved config notes what a file cannot name (``in_memory``)
 IN_MEMORY = "<in-memory "
 
 

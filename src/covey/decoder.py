@@ -105,7 +105,6 @@ class Products:
         return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
 
 
-
 def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
     """A LoRA policy runs on its merged weights: not one whose adapters do not merge, nor one with
     DoRA's magnitudes or lora_bias's biases (a PEFT model's, or added through transformers'
@@ -113,6 +112,7 @@ def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
     adapters = getattr(model, "peft_config", {}).values()
     return ((is_peft_model(model) and lora_merge_blocker(model) is not None)
             or any(getattr(c, "use_dora", False) or getattr(c, "lora_bias", False) for c in adapters))
+
 
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
