@@ -203,6 +203,22 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+
+def test_each_rows_prompt_keys_and_values_come_through_index_select(tokenizer):
+    """Whose backward adds the repeats of a shared prompt in a fixed order. Indexing (the cache's own
+    batch_select_indices) accumulates them in parallel on CPU, in an order that varied between runs
+    of the same training (gradients a few 1e-10 apart, so runs drifted apart)."""
+    from covey.logprobs import _SharedPrompts
+
+    model = _tiny("llama", len(tokenizer)).train()
+    prompt_ids, prompt_mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
+    batch = SequenceBatch(prompt_ids, prompt_mask, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+    prompts = _SharedPrompts.run(model, batch, torch.tensor([0, 1]), with_head=False)
+    prompts.select_rows(torch.tensor([0, 0, 1, 0]))
+    for layer in prompts.cache.layers:
+        assert layer.keys.shape[0] == layer.values.shape[0] == 4
+        assert layer.keys.grad_fn.name() == layer.values.grad_fn.name() == "IndexSelectBackward0"
+
 def test_packing_keeps_groups_apart_and_fills_rows_longest_first():
     from covey.logprobs import _first_fit
 

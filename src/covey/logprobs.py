@@ -161,13 +161,26 @@ class _SharedPrompts:
             last = plain_model(model).get_decoder()(**inputs).last_hidden_state[:, -1]
         return cls(group_B, mask, cache, key, last)
 
+    def select_rows(self, prompt_R: torch.Tensor) -> None:
+        """The cache holds, for each of R rows, the keys and values of prompt ``prompt_R[r]``. Through
+        ``index_select``, whose backward adds up each prompt's repeats in a fixed order, so gradients
+        are the same from run to run (the indexing the cache itself uses accumulates them in parallel
+        on CPU, in an order that varies)."""
+        from transformers.cache_utils import DynamicLayer
+
+        for layer in self.cache.layers:
+            if type(layer) is DynamicLayer and layer.keys is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys.index_select(0, prompt_R), layer.values.index_select(0, prompt_R)
+            else:
+                layer.batch_select_indices(prompt_R)
+
 
 def _padded_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
     """One row per completion, padded to the longest (for models that cannot take a packing mask). Logits."""
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
     group_B = prompts.group_B
-    prompts.cache.batch_select_indices(group_B.to(device))
+    prompts.select_rows(group_B.to(device))
     attention_mask = torch.cat([prompts.prompt_mask[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
     positions = prompts.prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
     logits = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
@@ -199,7 +212,7 @@ def _packed_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
     owner_RC = torch.full((R, capacity), -1)  # the completion each packed slot belongs to; -1 is padding
     owner_RC[r_N, c_N] = b_N
     attention_mask = _packing_mask(model, owner_RC, prompt_mask[row_group_R])
-    prompts.cache.batch_select_indices(row_group_R.to(device))
+    prompts.select_rows(row_group_R.to(device))
     hidden = plain_model(model).get_decoder()(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), position_ids=positions.to(device),
         use_cache=True, **{prompts.cache_keyword: prompts.cache}).last_hidden_state
