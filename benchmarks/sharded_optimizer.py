@@ -28,6 +28,7 @@ VARIANTS = {"whole": False, "sharded": True}
 
 def worker(variant: str, steps: int, out_dir: str) -> None:
     from covey import GRPOConfig, GRPOTrainer
+    from covey.distributed import sharded_part
 
     torch.set_num_threads(1)
     args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,
@@ -37,7 +38,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
     start = time.perf_counter()
     trainer.train()
     seconds = (time.perf_counter() - start) / steps
-    held = getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()
+    held = (sharded_part(trainer.optimizer) or trainer.optimizer).state.values()
     state_bytes = sum(t.numel() * t.element_size() for s in held for t in s.values() if isinstance(t, torch.Tensor))
     print("RESULT " + json.dumps({"rank": trainer.world.rank, "seconds_per_step": seconds,
                                   "optimizer_state_mib": state_bytes / 2 ** 20,

@@ -23,7 +23,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
-from covey.distributed import World
+from covey.distributed import World, sharded_part
 from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout
 from tests.conftest import make_model, make_tokenizer
@@ -96,7 +96,7 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
         trainer.train()
     except TrainingInterrupted as e:
         stopped_by = e.signal_number
-    held = getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()  # this process's share, if sharded
+    held = (sharded_part(trainer.optimizer) or trainer.optimizer).state.values()  # this process's part, if sharded
     return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled),
             "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
@@ -104,11 +104,16 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
 
 def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, dropout: float,
              overrides: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_launched(rank, port)
     torch.set_num_threads(1)
     torch.save(train(output_dir, 2, rank == signalled_rank, dropout, **overrides), f"{results}-{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def as_launched(rank: int, port: int) -> None:
+    """This spawned process's environment as a launcher sets it, for process ``rank`` of two."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def free_port() -> int:
@@ -224,8 +229,7 @@ def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str)
 
     from covey.checkpoint import load_checkpoint, save_checkpoint
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_launched(rank, port)
     world = World.from_environment()
     model = make_model(len(make_tokenizer()), seed=1)
     optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
@@ -261,8 +265,7 @@ class TwoArguments(Exception):  # pickles, but its constructor cannot be called 
 
 
 def _fail_on_main(rank: int, port: int, results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_launched(rank, port)
     world, raised = World.from_environment(), []
     for error in (ConfigError("no room"), Unpicklable(), TwoArguments("disk full", 28)):
         def fail(error=error):
@@ -315,8 +318,7 @@ def _final_model_on_a_full_disk(rank: int, port: int, output_dir: str, results: 
         return real(self, folder, *args, **kwargs)
 
     PreTrainedModel.save_pretrained = disk_full_for_the_final_model
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_launched(rank, port)
     torch.set_num_threads(1)
     try:
         train(output_dir, 2, save_steps=0, eval_max_samples=0)
@@ -343,8 +345,7 @@ def test_colocated_vllm_in_several_processes_is_refused_before_joining_them(tmp_
 
 def _train_with_server(rank: int, port: int, server_port: int, output_dir: str, results: str,
                        overrides: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_launched(rank, port)
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     args = settings(output_dir, 2, rollout_engine="vllm", vllm_mode="server", vllm_server_port=server_port,

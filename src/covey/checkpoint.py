@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from covey.distributed import sharded_part
 from covey.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -223,7 +224,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
               for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-    share = getattr(optimizer, "optim", None)  # a sharded optimizer's own part (shard_optimizer_state)
+    share = sharded_part(optimizer)
     if share is not None:
         optimizer.state.clear()  # a copy of the whole state beside the parts, which the update never reads
         # its part as a plain optimizer loads it: the moments in the parameter's dtype, and the fused

@@ -191,7 +191,7 @@ class World:
         parts onto its CPU tensor by tensor: torch's own consolidation pickles every part whole, which
         costs several times its size in memory and about a minute per 500 MB on a CPU."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        share = optimizer.optim.state  # this process's part: parameter -> its state
+        share = sharded_part(optimizer).state  # this process's part: parameter -> its state
         held = {i: {key: _TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
                     for key, v in share[p].items()} for i, p in enumerate(params) if p in share}
         # parameter tensors go over NCCL from the GPU; gloo takes them where they are, on the CPU
@@ -240,6 +240,12 @@ class _TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def sharded_part(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The part of an optimizer sharded over the processes (torch's ZeroRedundancyOptimizer, under
+    shard_optimizer_state) that this process holds and steps; None for an optimizer that is whole."""
+    return getattr(optimizer, "optim", None)
 
 
 def _picklable(value: Any) -> bool:

@@ -32,7 +32,7 @@ from covey.answers import completion_text
 from covey.checkpoint import load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step, written_whole
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.errors import CheckpointError, ConfigError, DataError, NumericsError, TrainingInterrupted
-from covey.distributed import World
+from covey.distributed import World, sharded_part
 from covey.data import (PromptSampler, check_reward_columns, extra_columns, heldout_rows, is_conversational,
                         load_rows, shared_prompts)
 from covey.evaluation import accuracy_change, evaluate, merge_evaluations, percent
@@ -273,7 +273,6 @@ class GRPOTrainer:
                 raise ConfigError(f"shard_optimizer_state needs every trained parameter in one dtype on one device; "
                                   f"this model's are {sorted(map(str, kinds))}: cast the model to one dtype, or turn "
                                   "shard_optimizer_state off")
-
             return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, **settings)
         return torch.optim.AdamW(trainable, **settings)
 
@@ -670,7 +669,7 @@ class GRPOTrainer:
     def _checkpoint_every_process(self) -> Path:
         """A checkpoint, written by the first process with what the others send it: their random states
         (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
-        sharded = hasattr(self.optimizer, "optim")  # shard_optimizer_state, in several processes
+        sharded = sharded_part(self.optimizer) is not None
         optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
         return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
