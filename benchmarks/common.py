@@ -52,22 +52,24 @@ def decode_step_seconds(weights: int, rows: int, gflops: float, gbps: float, byt
 
 
 def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5,
-                            prepacked: bool = True) -> float:
+                            products: str = "fastest") -> float:
     """Time of one decode step's matrix products alone (the lean decoder's own weights for a step of
     ``rows`` rows, read from memory as in a real step): what the machine's matrix library allows,
-    before any other work. ``prepacked=False``: through ``F.linear`` instead of oneDNN's prepacked linear."""
+    before any other work. ``products``: how they multiply (``covey.decoder.PRODUCTS``)."""
     from covey.decoder import LeanDecoder
 
-    products = LeanDecoder(model, dtype, max_length=1, prepack=prepacked).products_for(rows)
-    sizes = {weight.shape[1] for layer in products.layers for parts in layer.values() for weight, _ in parts}
-    inputs = {size: torch.randn(rows, size).to(dtype) for size in sizes}
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = dict(qkv=config.hidden_size, o=config.num_attention_heads * head_dim, gate_up=config.hidden_size,
+                 down=config.intermediate_size)
+    inputs = {name: torch.randn(rows, size).to(dtype) for name, size in sizes.items()}
+    step = LeanDecoder(model, dtype, max_length=1, products=products).products_for(rows)
 
     def run():
-        for layer in products.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                for weight, bias in layer[name]:
-                    products.linear(inputs[weight.shape[1]], weight, bias)
-        products.linear(inputs[model.config.hidden_size], *products.head)
+        for layer in step.layers:
+            for name, multiply in layer.items():
+                multiply(inputs[name])
+        step.head(inputs["qkv"])
 
     run()
     times = []

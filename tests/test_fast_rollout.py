@@ -290,27 +290,52 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
     assert FastEngine(model, 0, [3], bf16=True).exact_logprobs is False
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
-def test_lean_decoder_on_onednn_prepacked_weights_matches_plain_products(tokenizer, build, dtype, tolerance):
-    from covey.decoder import PREPACKED_FLOAT32_FROM_ROWS, onednn_linear
+def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
+    from covey import decode_kernel
+    from covey.decoder import onednn_linear
 
-    if onednn_linear(dtype) is None:
+    if products == "prepacked" and onednn_linear(dtype) is None:
         pytest.skip(f"this torch build has no oneDNN {dtype} linear")
+    if products == "kernel" and not decode_kernel.available():
+        pytest.skip("covey's decode kernel does not run here (needs Linux, x86-64 with AVX-512 and a C compiler)")
+
+
+@pytest.mark.parametrize("products, dtype, tolerance", [("prepacked", torch.bfloat16, 1e-3),
+                                                        ("prepacked", torch.float32, 1e-5),
+                                                        ("kernel", torch.float32, 1e-5)])
+@pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
+def test_lean_decoder_on_faster_products_matches_plain_ones(tokenizer, build, products, dtype, tolerance):
+    from covey.decode_kernel import MAX_ROWS
+    from covey.decoder import PREPACKED_FLOAT32_FROM_ROWS
+
+    _skip_unless_it_runs(products, dtype)
     model = build(len(tokenizer))
-    prepacked = LeanDecoder(model, dtype, max_length=16)
-    plain = LeanDecoder(model, dtype, max_length=16, prepack=False)
-    few = PREPACKED_FLOAT32_FROM_ROWS - 1 if dtype == torch.float32 else 1  # plain products in float32
-    assert plain.products_for(few).linear is plain.products_for(64).linear is torch.nn.functional.linear
-    assert prepacked.products_for(64).linear is not torch.nn.functional.linear
-    assert (prepacked.products_for(few).linear is torch.nn.functional.linear) == (dtype == torch.float32)
-    # 2 prompts x 2 rows step in the prepacked layout; 1 prompt x 1 row steps, in float32, in the plain
-    # one after a prefill in the prepacked one (both write the same cache)
+    faster = LeanDecoder(model, dtype, max_length=16, products=products)
+    plain = LeanDecoder(model, dtype, max_length=16, products="plain")
+    assert {p.kind for _, p in plain.products} == {"plain"}
+    # which rows each way serves: the kernel decode steps, the prepacked copy float32 steps of many rows
+    serves = {("prepacked", torch.float32): {PREPACKED_FLOAT32_FROM_ROWS - 1: "plain", 64: "prepacked"},
+              ("prepacked", torch.bfloat16): {1: "prepacked", 64: "prepacked"},
+              ("kernel", torch.float32): {1: "kernel", MAX_ROWS: "kernel", MAX_ROWS + 1: "plain"}}[products, dtype]
+    assert {rows: faster.products_for(rows).kind for rows in serves} == serves
+    # 2 prompts x 2 rows and 1 prompt x 1 row, each after a prefill (in float32 through other products
+    # than the steps: all write the same cache)
     for prompts, repeats in (([[5, 6, 7, 8], [9, 10]], 2), ([[5, 6, 7, 8]], 1)):
         steps = torch.randint(4, len(tokenizer), (len(prompts) * repeats, 8))
-        packed_logits = decode_with(LeanDecoder(model, dtype, max_length=16), prompts, steps, repeats)
-        plain_logits = decode_with(LeanDecoder(model, dtype, max_length=16, prepack=False), prompts, steps, repeats)
-        assert torch.allclose(packed_logits, plain_logits, atol=tolerance)
+        faster_logits = decode_with(LeanDecoder(model, dtype, max_length=16, products=products), prompts, steps, repeats)
+        plain_logits = decode_with(LeanDecoder(model, dtype, max_length=16, products="plain"), prompts, steps, repeats)
+        assert torch.allclose(faster_logits, plain_logits, atol=tolerance)
+
+
+def test_float32_decode_steps_take_the_fastest_products_that_run_here(tiny_model):
+    from covey import decode_kernel
+    from covey.decoder import onednn_linear
+
+    decoder = LeanDecoder(tiny_model, torch.float32, max_length=16)
+    expected = "kernel" if decode_kernel.available() else "prepacked" if onednn_linear(torch.float32) else "plain"
+    assert decoder.products_for(8).kind == expected
+    with pytest.raises(ValueError, match="products must be one of"):
+        LeanDecoder(tiny_model, torch.float32, max_length=16, products="fast")
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
@@ -375,9 +400,11 @@ def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokeni
     from covey.models import add_lora
 
     policy = add_lora(make_model(len(tokenizer), seed=6), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
-    decoder = LeanDecoder(policy, torch.float32, max_length=16)
-    # only the merged copies, multiplied as they are, whatever the rows (a full model adds a prepacked copy)
-    assert len(decoder.products) == 1 and decoder.products_for(64).linear is torch.nn.functional.linear
+    for products in ("prepacked", "fastest"):
+        decoder = LeanDecoder(policy, torch.float32, max_length=16, products=products)
+        # only the merged copies, multiplied as they are, whatever the rows (a full model adds a prepacked
+        # copy); the kernel multiplies those same copies
+        assert {p.kind for _, p in decoder.products} <= {"plain", "kernel"}
 
 
 def test_inverse_cdf_sampling_never_picks_a_token_without_mass(monkeypatch):

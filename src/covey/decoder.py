@@ -8,11 +8,11 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters. On CPU, matrices are laid out once per rollout for oneDNN's prepacked
-  linear (``onednn_linear``), which at decode's few rows beats ``F.linear``: the bfloat16 copies in
-  their place, and in float32 a fused prepacked copy beside the model's own matrices (not beside a
-  LoRA policy's merged copies), used by steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more (fewer
-  run faster on the plain ones). Measured in BENCHMARKS.md.
+  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``): float32 decode
+  steps through covey's own kernel (``decode_kernel``) on those same matrices where it runs;
+  otherwise through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in
+  their place; in float32 a fused prepacked copy beside a full model's matrices, for steps of
+  ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -25,10 +25,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from covey import decode_kernel
 from covey.models import cache_keyword, is_peft_model, lora_merge_blocker, plain_model, policy_weights
 
 ARCHITECTURES = ("llama", "qwen2")
 
+
+# How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own product for decode
+# steps (float32; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy; "plain",
+# ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
+PRODUCTS = ("fastest", "kernel", "prepacked", "plain")
 
 # Float32 products with fewer rows than this run faster through ``F.linear`` on the weights as they
 # are; from it on, through oneDNN's prepacked layout (measured in BENCHMARKS.md). bfloat16 ones are
@@ -63,31 +69,45 @@ def onednn_linear(dtype: torch.dtype = torch.bfloat16) -> tuple[Callable, Callab
     return pack, linear
 
 
+def linear_products(fuse: bool, onednn: tuple | None) -> Callable:
+    """``multiply`` for ``Products.build`` through ``F.linear`` or, given ``onednn`` (from
+    ``onednn_linear``), oneDNN's linear on prepacked copies; ``fuse`` concatenates the matrices
+    whose outputs sit side by side (q/k/v, gate/up) into one."""
+    pack, linear = onednn if onednn else ((lambda weight: weight), F.linear)
+
+    def multiply(parts: list[tuple]) -> Callable:
+        if fuse and len(parts) > 1:
+            biases = [b for _, b in parts]
+            parts = [(torch.cat([w for w, _ in parts]), torch.cat(biases) if biases[0] is not None else None)]
+        parts = [(pack(w), b) for w, b in parts]
+        if len(parts) == 1:
+            (weight, bias), = parts
+            return lambda x: linear(x, weight, bias)
+        return lambda x: torch.cat([linear(x, w, b) for w, b in parts], -1)
+    return multiply
+
+
 @dataclass
 class Products:
-    """The matrices of a forward in one layout: per layer ``qkv``, ``o``, ``gate_up`` and ``down``, each
-    a list of (weight, bias) whose outputs sit side by side (one entry when fused); the output head;
-    and the function that multiplies by them."""
+    """The matrix products of a forward, each a function x -> x times its matrices, outputs side by
+    side: per layer ``qkv``, ``o``, ``gate_up`` and ``down``, then the output ``head``. ``kind`` says
+    how they multiply (one of ``PRODUCTS`` but "fastest")."""
 
-    layers: list[dict[str, list]]
-    head: tuple
-    linear: Callable
+    layers: list[dict[str, Callable]]
+    head: Callable
+    kind: str
 
     @staticmethod
-    def build(take: Callable, n_layers: int, head_name: str, fuse: bool, onednn: tuple | None) -> Products:
+    def build(take: Callable, n_layers: int, head_name: str, multiply: Callable, kind: str) -> Products:
         """``take(name)`` gives a weight or bias (None if absent); ``head_name`` names the output head's
-        matrix (the embedding's when tied); ``fuse`` concatenates q/k/v and gate/up;
-        ``onednn`` (from ``onednn_linear``) lays every matrix out for its linear."""
-        pack = onednn[0] if onednn else (lambda weight: weight)
-
+        matrix (the embedding's when tied); ``multiply(parts)`` gives the function of a list of
+        (weight, bias) whose outputs sit side by side."""
         def project(prefix, parts):
             ws = [take(f"{prefix}.{p}.weight") for p in parts]
             bs = [take(f"{prefix}.{p}.bias") for p in parts]
             if any(b is not None for b in bs):
                 bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
-            if fuse and len(parts) > 1:
-                ws, bs = [torch.cat(ws)], [torch.cat(bs) if bs[0] is not None else None]
-            return [(pack(w), b) for w, b in zip(ws, bs)]
+            return multiply(list(zip(ws, bs)))
 
         layers = []
         for i in range(n_layers):
@@ -96,13 +116,7 @@ class Products:
                                o=project(f"{p}.self_attn", ("o_proj",)),
                                gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
                                down=project(f"{p}.mlp", ("down_proj",))))
-        return Products(layers, (pack(take(head_name)), take("lm_head.bias")), onednn[1] if onednn else F.linear)
-
-    def project(self, x: torch.Tensor, parts: list) -> torch.Tensor:
-        """x times each (weight, bias) of ``parts``, outputs side by side (one product when fused)."""
-        if len(parts) == 1:
-            return self.linear(x, *parts[0])
-        return torch.cat([self.linear(x, w, b) for w, b in parts], -1)
+        return Products(layers, multiply([(take(head_name), take("lm_head.bias"))]), kind)
 
 
 def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
@@ -117,8 +131,7 @@ def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
     products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
-    ``prepack``: on CPU, bfloat16 copies go through ``onednn_linear``, and a full float32 model's steps of
-    at least ``PREPACKED_FLOAT32_FROM_ROWS`` rows through a prepacked copy made for the rollout."""
+    ``products``: how it multiplies by its matrices on CPU, one of ``PRODUCTS``."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -130,7 +143,7 @@ class LeanDecoder:
                 and not _adapter_it_cannot_run(model))
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, prepack: bool = True):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, products: str = "fastest"):
         base = plain_model(model)
         config = base.config
         self.dtype, self.max_length = dtype, max_length
@@ -146,27 +159,41 @@ class LeanDecoder:
                             for n in ("input_layernorm", "post_attention_layernorm")) for i in range(n_layers)]
         self.norm = weights.pop("model.norm.weight").float()
         head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
-        on_cpu = self.norm.device.type == "cpu"
-        onednn = onednn_linear(dtype) if prepack and on_cpu else None
-        # (fewest rows, products) from the most rows down: the first that fits a forward runs it
-        self.products: list[tuple[int, Products]]
-        if dtype != model_dtype:
-            # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
-            # so that the unfused copies are freed as we go
-            def take(name):
-                return weights.pop(name).to(dtype) if name in weights else None
-            self.products = [(1, Products.build(take, n_layers, head_name, fuse=True, onednn=onednn))]
-        else:  # the model's own matrices (or a LoRA policy's merged ones), as they are
-            self.products = [(1, Products.build(weights.get, n_layers, head_name, fuse=False, onednn=None))]
-            # and, for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged
-            # copies, where it would be a second copy (a full model's optimizer state outweighs one)
-            if onednn is not None and plain_model(model) is model:
-                packed = Products.build(weights.get, n_layers, head_name, fuse=True, onednn=onednn)
-                self.products.insert(0, (PREPACKED_FLOAT32_FROM_ROWS if dtype == torch.float32 else 1, packed))
+        self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
+                                              full_model=plain_model(model) is model, choice=products)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
         self.valid_BL: torch.Tensor | None = None  # (B, max_length) which cache positions hold real tokens
+
+    def _choose_products(self, weights: dict, n_layers: int, head_name: str, model_dtype: torch.dtype,
+                         full_model: bool, choice: str) -> list[tuple[int, Products]]:
+        """(fewest rows, products) from the most rows down: the first that fits a forward runs it."""
+        if choice not in PRODUCTS:
+            raise ValueError(f"products must be one of {PRODUCTS}, not {choice!r}")
+        on_cpu = self.norm.device.type == "cpu"
+        onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
+        if self.dtype != model_dtype:
+            # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
+            # so that the unfused copies are freed as we go
+            def take(name):
+                return weights.pop(name).to(self.dtype) if name in weights else None
+            kind = "prepacked" if onednn else "plain"
+            return [(1, Products.build(take, n_layers, head_name, linear_products(True, onednn), kind))]
+        # the model's own matrices (or a LoRA policy's merged ones), as they are
+        plain = Products.build(weights.get, n_layers, head_name, linear_products(False, None), "plain")
+        if self.dtype == torch.float32 and on_cpu and choice in ("fastest", "kernel"):
+            if decode_kernel.available():  # on those same matrices, for decode steps
+                return [(decode_kernel.MAX_ROWS + 1, plain),
+                        (1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
+            if choice == "kernel":
+                raise ValueError("covey's decode kernel cannot run here (see covey.decode_kernel)")
+        # for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged copies,
+        # where it would be a second copy (a full model's optimizer state outweighs one)
+        if onednn is not None and full_model:
+            packed = Products.build(weights.get, n_layers, head_name, linear_products(True, onednn), "prepacked")
+            return [(PREPACKED_FLOAT32_FROM_ROWS if self.dtype == torch.float32 else 1, packed), (1, plain)]
+        return [(1, plain)]
 
     def products_for(self, rows: int) -> Products:
         """The matrices a forward over ``rows`` positions multiplies by."""
@@ -220,7 +247,7 @@ class LeanDecoder:
         n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
         products = self.products_for(B * S)
         for i, (layer, (attn_norm, mlp_norm)) in enumerate(zip(products.layers, self.norms)):
-            qkv = products.project(self._rms_norm(x, attn_norm), layer["qkv"])
+            qkv = layer["qkv"](self._rms_norm(x, attn_norm))
             # rotary embedding of the query and key heads at once, straight from the projection
             qk = qkv[..., :n_qk].view(B, S, -1, self.head_dim)
             qk = (qk * cos + qk.roll(half, -1) * sin).transpose(1, 2)
@@ -230,11 +257,11 @@ class LeanDecoder:
             self.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
                                                   attn_mask=attend, scale=self.scale, enable_gqa=True)
-            x = x + products.project(attn.transpose(1, 2).reshape(B, S, -1), layer["o"])
-            gate, up = products.project(self._rms_norm(x, mlp_norm), layer["gate_up"]).chunk(2, -1)
-            x = x + products.project(F.silu(gate) * up, layer["down"])
+            x = x + layer["o"](attn.transpose(1, 2).reshape(B, S, -1))
+            gate, up = layer["gate_up"](self._rms_norm(x, mlp_norm)).chunk(2, -1)
+            x = x + layer["down"](F.silu(gate) * up)
         self.length = end
-        return products.linear(self._rms_norm(x, self.norm), *products.head).float()
+        return products.head(self._rms_norm(x, self.norm)).float()
 
     def _check_room(self, new_positions: int) -> None:
         if self.length + new_positions > self.max_length:

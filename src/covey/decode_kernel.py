@@ -1,0 +1,138 @@
+"""covey's own matrix product for decode steps on CPU: a few rows times float32 weight matrices.
+
+At a decode step's 1-32 rows, a product is bound by streaming the weights from memory, and general
+matrix libraries stream them well below the machine's bandwidth there. ``decode_linear.c`` streams
+each weight row once, prefetching far ahead, and takes the model's matrices as they are (no second
+copy). It is compiled on first use with the system C compiler for this CPU (``-march=native``) into
+covey's cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``), and runs on PyTorch's
+own OpenMP threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where
+it cannot run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
+``COVEY_DECODE_KERNEL=0`` in the environment. Measured in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("decode_linear.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# above this many rows a general matrix library is as fast (measured up to 32 in BENCHMARKS.md)
+MAX_ROWS = 32
+
+_pointer = ctypes.c_void_p
+
+
+def cache_folder() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "covey"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> Path:
+    """The compiled library for this source, compiler and CPU, built if not in the cache yet."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C compiler '{compiler}' on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    library = cache_folder() / f"decode_linear-{key[:16]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # built under a name of its own, then renamed: processes building at once never load half a file
+        handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        os.close(handle)
+        try:
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()[-2000:]}")
+            os.replace(partial, library)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("COVEY_DECODE_KERNEL", "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") \
+            or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except FileNotFoundError:  # no compiler: the general products, without a word
+        return None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        warnings.warn(f"covey's decode kernel could not be built, so sampling uses the general matrix "
+                      f"products (slower at few rows): {error}", RuntimeWarning, stacklevel=3)
+        return None
+    function = library.covey_decode_linear
+    function.argtypes = [_pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, _pointer, _pointer, _pointer,
+                         _pointer, ctypes.c_int]
+    function.restype = None
+    return library if _agrees_with_linear(library) else None
+
+
+def _agrees_with_linear(library: ctypes.CDLL) -> bool:
+    """The kernel's products equal ``F.linear``'s on odd shapes (tails of rows and columns, biases)."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [(torch.randn(9, 37, generator=generator), torch.randn(9, generator=generator)),
+             (torch.randn(6, 37, generator=generator), None)]
+    x = torch.randn(7, 37, generator=generator)
+    expected = torch.cat([F.linear(x, w, b) for w, b in parts], -1)
+    return torch.allclose(_Matrices(library, parts)(x), expected, atol=1e-5)
+
+
+class _Matrices:
+    """x times each (weight, bias) of ``parts``, outputs side by side, through the kernel."""
+
+    def __init__(self, library: ctypes.CDLL, parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        self.function = library.covey_decode_linear
+        # the kernel reads the tensors through these pointers: they are held here
+        self.parts = [(w.contiguous(), b.contiguous() if b is not None else None) for w, b in parts]
+        n = len(self.parts)
+        self.weights = (_pointer * n)(*[w.data_ptr() for w, _ in self.parts])
+        self.biases = (_pointer * n)(*[b.data_ptr() if b is not None else None for _, b in self.parts])
+        self.rows = (ctypes.c_int * n)(*[w.shape[0] for w, _ in self.parts])
+        self.width = sum(w.shape[0] for w, _ in self.parts)
+        self.inputs = self.parts[0][0].shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x = x.reshape(-1, self.inputs).contiguous()
+        y = torch.empty(x.shape[0], self.width)
+        self.function(x.data_ptr(), x.shape[0], self.inputs, len(self.parts), self.weights, self.biases, self.rows,
+                      y.data_ptr(), torch.get_num_threads())
+        return y.view(*leading, self.width)
+
+
+def available() -> bool:
+    """Whether the kernel runs here (built on first asking)."""
+    return _library() is not None
+
+
+def matrices(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    """A function x -> x times each (weight, bias) of ``parts`` (float32, on the CPU), outputs side by
+    side, for at most ``MAX_ROWS`` rows of x. Only where ``available()``."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for part in parts for t in part if t is not None):
+        raise ValueError("the decode kernel multiplies float32 matrices on the CPU")
+    return _Matrices(_library(), parts)
