@@ -3,17 +3,17 @@
 Realistic rollouts of the default task: the default model, arithmetic prompts, temperature 1,
 up to 128 new tokens; useful tokens are those up to and including EOS. Each row runs the engines
 alternately ``--repeats`` times on the same prompts and reports medians; ratios are taken within
-the run.
+the run. "fast oneDNN" is the float32 fast engine without covey's decode kernel (its products
+through oneDNN's prepacked linear from ``PREPACKED_FLOAT32_FROM_ROWS`` rows, ``F.linear`` below).
 
 The roofline is computed in the same run from the machine's measured matrix-product rate and copy
 bandwidth, for the dtype the engine runs in: a decode step reads every weight once (memory) and
 does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
 the rollouts actually measured (the least work that yields these completions). A last table
-times a decode step's matrix products alone, with the real weights, at 1, 4, 8 and 16 rows: the
-floor the machine's matrix library sets before any other work, both through ``F.linear`` and as
-the lean decoder runs them (oneDNN's prepacked linear in bfloat16, and in float32 from
-``PREPACKED_FLOAT32_FROM_ROWS`` rows on).
+times a decode step's matrix products alone, with the real weights, at 1 to 32 rows: what each way
+of multiplying allows before any other work (``F.linear``; oneDNN's prepacked linear, in float32
+from ``PREPACKED_FLOAT32_FROM_ROWS`` rows; covey's decode kernel, float32 only).
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -56,6 +56,7 @@ def main() -> None:
     model, tokenizer, eos = load_default()
     pad = tokenizer.pad_token_id
     engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
+               "fast oneDNN": FastEngine(model, pad, eos, tokenizer, products="prepacked"),
                "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
     weights, gbps = weights_per_step(model), copy_gbps()
     limits = {"fast": (matmul_gflops(torch.float32), gbps, 4), "fast bf16": (matmul_gflops(torch.bfloat16), gbps, 2)}
@@ -77,9 +78,10 @@ def main() -> None:
                 lengths[name].append(lengths_B)
         median = {name: statistics.median(r) for name, r in rates.items()}
         ratio = {pair: statistics.median(f / h for f, h in zip(rates[pair[0]], rates[pair[1]]))
-                 for pair in (("fast", "hf"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"))}
+                 for pair in (("fast", "hf"), ("fast", "fast oneDNN"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"))}
         mean_length = statistics.mean(float(length.float().mean()) for ls in lengths.values() for length in ls)
         speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {ratio['fast', 'hf']:.2f}x | "
+                     f"{median['fast oneDNN']:.0f} | {ratio['fast', 'fast oneDNN']:.2f}x | "
                      f"{median['hf bf16']:.0f} | {median['fast bf16']:.0f} | {ratio['fast bf16', 'hf bf16']:.2f}x | "
                      f"{ratio['fast bf16', 'hf']:.2f}x | {mean_length:.0f} |")
         cells = []
@@ -91,28 +93,30 @@ def main() -> None:
                 cells.append(f"{bound:.0f} | {fraction:.0%}")
         roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
         print(speed[-1], flush=True)
-    print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | hf bf16 tok/s | fast bf16 tok/s | fast bf16 / hf bf16 "
-          "| fast bf16 / hf | mean length |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | fast oneDNN tok/s | fast / fast oneDNN | hf bf16 tok/s "
+          "| fast bf16 tok/s | fast bf16 / hf bf16 | fast bf16 / hf | mean length |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(speed))
     print("\n| prompts x G | fp32 roofline, full batch | fast | fp32 roofline, as sampled | fast | "
           "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
-    print("\n| rows | float32, F.linear | float32, as the fast engine runs it | ratio | bfloat16, F.linear | "
-          "bfloat16, oneDNN prepacked (fast bf16) | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for n in (1, 4, 8, 16):
+    print("\n| rows | float32, F.linear | float32, oneDNN | float32, covey's kernel | kernel / best other "
+          "| bfloat16, F.linear | bfloat16, oneDNN prepacked (fast bf16) | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    arms = {torch.float32: ("plain", "prepacked", "kernel"), torch.bfloat16: ("plain", "prepacked")}
+    for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []
-        for dtype in (torch.float32, torch.bfloat16):
-            plain, prepacked = [], []
-            for _ in range(3):  # alternating, so the ratio is taken side by side
-                plain.append(matrix_products_seconds(model, n, dtype, prepacked=False))
-                prepacked.append(matrix_products_seconds(model, n, dtype))
-            ratio = statistics.median(a / b for a, b in zip(plain, prepacked))
-            cells.append(f"{statistics.median(plain) * 1e3:.1f} ms | {statistics.median(prepacked) * 1e3:.1f} ms | "
-                         f"{ratio:.2f}x")
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        for dtype, products in arms.items():
+            seconds = {name: [] for name in products}
+            for _ in range(3):  # alternating, so the ratios are taken side by side
+                for name in products:
+                    seconds[name].append(matrix_products_seconds(model, n, dtype, products=name))
+            best_other = [min(pair) for pair in zip(*(seconds[name] for name in products[:-1]))]
+            ratio = statistics.median(a / b for a, b in zip(best_other, seconds[products[-1]]))
+            cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" for name in products)
+                         + f" | {ratio:.2f}x")
+        print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
