@@ -11,6 +11,31 @@
 #define X_ROWS 4   /* rows of x per tile, at most */
 #define AHEAD 2048 /* floats of the weight stream prefetched ahead of the tile */
 
+/* Adds the sums of v[4m + r] (r, m < 4) to y[m * ldy + r] for m < mb: the 16 horizontal sums in one
+   tree of shuffles and adds, each row of x's four sums stored together. */
+static inline __m512 lane_sums_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  /* each 128-bit lane i: the sums of a, b, c, d over their own lane i */
+  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+}
+
+static inline void add_sums_4x4(const __m512 *v, float *y, long ldy, int mb) {
+  __m512 u0 = lane_sums_of_4(v[0], v[1], v[2], v[3]), u1 = lane_sums_of_4(v[4], v[5], v[6], v[7]);
+  __m512 u2 = lane_sums_of_4(v[8], v[9], v[10], v[11]), u3 = lane_sums_of_4(v[12], v[13], v[14], v[15]);
+  __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+  float out[16];
+  _mm512_storeu_ps(out, sums); /* lane m holds row m of x's sums with weight rows 0-3 */
+  for (int m = 0; m < mb; m++)
+    for (int r = 0; r < 4; r++) y[m * ldy + r] += out[4 * m + r];
+}
+
 /* R weight rows (w, stride K) times MB rows of x (stride K); the sums are added to y[m * ldy + r] */
 #define TILE(R, MB)                                                                                     \
   static void tile_##R##_##MB(const float *w, const float *x, int K, float *y, long ldy) {              \
@@ -36,8 +61,14 @@
           acc[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + (long)r * K + k), xv, acc[r][m]); \
       }                                                                                                 \
     }                                                                                                   \
-    for (int m = 0; m < MB; m++)                                                                        \
-      for (int r = 0; r < R; r++) y[m * ldy + r] += _mm512_reduce_add_ps(acc[r][m]);                    \
+    if (R == 4) {                                                                                       \
+      __m512 v[16];                                                                                     \
+      for (int m = 0; m < 4; m++)                                                                       \
+        for (int r = 0; r < 4; r++) v[4 * m + r] = m < MB ? acc[r % R][m % MB] : _mm512_setzero_ps();   \
+      add_sums_4x4(v, y, ldy, MB);                                                                      \
+    } else                                                                                              \
+      for (int m = 0; m < MB; m++)                                                                      \
+        for (int r = 0; r < R; r++) y[m * ldy + r] += _mm512_reduce_add_ps(acc[r][m]);                  \
   }
 TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4) /* W_ROWS = 4 */
 TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
