@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("decode_linear.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBRARIES = ("-lm",)
 # above this many rows a general matrix library is as fast (measured up to 32 in BENCHMARKS.md)
 MAX_ROWS = 32
 
@@ -51,7 +52,7 @@ def _build() -> Path:
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"no C compiler '{compiler}' on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBRARIES), version, _cpu_flags()]).encode()).hexdigest()
     library = cache_folder() / f"decode_linear-{key[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
@@ -59,8 +60,8 @@ def _build() -> Path:
         handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(handle)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, *LIBRARIES], capture_output=True,
+                                  text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()[-2000:]}")
             os.replace(partial, library)
@@ -89,6 +90,10 @@ def _library() -> ctypes.CDLL | None:
     function.argtypes = [_pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, _pointer, _pointer, _pointer,
                          _pointer, ctypes.c_int]
     function.restype = None
+    step = library.covey_decode_step
+    step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
+                     ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
+    step.restype = None
     return library if _agrees_with_linear(library) else None
 
 
@@ -136,3 +141,48 @@ def matrices(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for part in parts for t in part if t is not None):
         raise ValueError("the decode kernel multiplies float32 matrices on the CPU")
     return _Matrices(_library(), parts)
+
+
+class LayerStack:
+    """The layers of a Llama-family model for a whole decode step in one call (``decode_step``): norms,
+    products, rotary embedding, cache writes, attention and the MLP, one token per row, in float32 on
+    the model's own matrices. Only where ``available()``.
+
+    ``take(name)`` gives a float32 weight or bias by its name in the model (None if absent); ``norms``
+    the (attention, MLP) norm weights of each layer."""
+
+    def __init__(self, take, norms: list[tuple[torch.Tensor, torch.Tensor]], n_heads: int, n_kv_heads: int,
+                 head_dim: int, eps: float, scale: float):
+        library = _library()
+        self.function = library.covey_decode_step
+        self.per_layer = library.covey_layer_pointers()
+        self.shape = (n_heads, n_kv_heads, head_dim)
+        self.eps, self.scale = eps, scale
+        names = [*(f"self_attn.{p}_proj.weight" for p in "qkv"), *(f"self_attn.{p}_proj.bias" for p in "qkv"),
+                 "self_attn.o_proj.weight", "self_attn.o_proj.bias",
+                 *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")), *(f"mlp.{p}_proj.bias" for p in ("gate", "up", "down"))]
+        self.tensors = []  # the kernel reads them through the pointers: held here
+        pointers = []
+        for i, (attn_norm, mlp_norm) in enumerate(norms):
+            layer = [take(f"model.layers.{i}.{name}") for name in names] + [attn_norm, mlp_norm]
+            if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in layer):
+                raise ValueError("the decode step multiplies contiguous float32 matrices")
+            self.tensors += layer
+            pointers += [t.data_ptr() if t is not None else None for t in layer] + [None, None]  # the cache's, per step
+        self.intermediate = self.tensors[names.index("mlp.gate_proj.weight")].shape[0]
+        self.pointers = (_pointer * len(pointers))(*pointers)
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, position: int,
+             keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Run every layer on x (B, hidden), in place. Each row's key and value go to cache position
+        ``position`` of ``keys``/``values`` (each (B, kv heads, max length, head dim)); it attends to the
+        positions up to that one where ``attend`` (B, max length, bool) is True. cos/sin (B, head dim):
+        the rotary embedding of each row's position."""
+        n_heads, n_kv_heads, head_dim = self.shape
+        for i, (k, v) in enumerate(zip(keys, values)):
+            self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
+            self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
+        B, H = x.shape
+        self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
+                      self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), position, attend.shape[1],
+                      self.pointers, torch.get_num_threads())

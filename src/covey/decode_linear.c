@@ -6,6 +6,9 @@
    matrix libraries do not do for so few rows), and multiplies 4 weight rows by up to 4 rows of x at a
    time in registers. Built with -march=native by covey/decode_kernel.py; needs AVX-512F. */
 #include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define W_ROWS 4   /* weight rows per tile */
 #define X_ROWS 4   /* rows of x per tile, at most */
@@ -77,16 +80,19 @@ typedef void (*tile_fn)(const float *, const float *, int, float *, long);
 static const tile_fn full_tiles[X_ROWS + 1] = {0, tile_4_1, tile_4_2, tile_4_3, tile_4_4};
 static const tile_fn single_row_tiles[X_ROWS + 1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4};
 
-void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *const *W, const float *const *b,
-                         const int *N, float *y, int threads) {
+/* y (M x width, width = sum of N) = x times the matrices, plus their biases; with `accumulate`, added
+   to what y holds. Called by every thread of a parallel region: the work is shared among them. */
+static void multiply(const float *x, int M, int K, int n_mats, const float *const *W, const float *const *b,
+                     const int *N, float *y, int accumulate) {
   long width = 0, tiles = 0; /* y's row length; tiles of W_ROWS weight rows over all matrices */
   for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + W_ROWS - 1) / W_ROWS;
+#pragma omp for schedule(static)
   for (int m = 0; m < M; m++) { /* the bias (or zero) first: the tiles add to it */
     float *row = y + m * width;
     for (int j = 0; j < n_mats; row += N[j], j++)
-      for (int n = 0; n < N[j]; n++) row[n] = b[j] ? b[j][n] : 0.0f;
+      for (int n = 0; n < N[j]; n++) row[n] = (accumulate ? row[n] : 0.0f) + (b[j] ? b[j][n] : 0.0f);
   }
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
   for (long t = 0; t < tiles; t++) {
     int j = 0;
     long first = t, offset = 0; /* tile t is tile `first` of matrix j, whose outputs start at `offset` */
@@ -101,4 +107,114 @@ void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *
         for (int r = 0; r < rows; r++) single_row_tiles[mb](w + (long)r * K, x + (long)m0 * K, K, out + r, width);
     }
   }
+}
+
+void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *const *W, const float *const *b,
+                         const int *N, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+  multiply(x, M, K, n_mats, W, b, N, y, 0);
+}
+
+/* ---- a whole decode step of a Llama-family layer stack, one token per row ------------------------------ */
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, row by row */
+static void rms_norm(const float *x, int M, int H, const float *weight, float eps, float *out) {
+#pragma omp for schedule(static)
+  for (int m = 0; m < M; m++) {
+    const float *row = x + (long)m * H;
+    float sum = 0.0f;
+    for (int i = 0; i < H; i++) sum += row[i] * row[i];
+    float inverse = 1.0f / sqrtf(sum / H + eps);
+    for (int i = 0; i < H; i++) out[(long)m * H + i] = row[i] * inverse * weight[i];
+  }
+}
+
+/* The pointers of one layer, in this order (biases may be NULL). */
+enum { Q, K_, V_, Q_BIAS, K_BIAS, V_BIAS, O, O_BIAS, GATE, UP, DOWN, GATE_BIAS, UP_BIAS, DOWN_BIAS, ATTN_NORM,
+       MLP_NORM, KEYS, VALUES, LAYER_POINTERS };
+
+int covey_layer_pointers(void) { return LAYER_POINTERS; }
+
+/* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Each row's new key and
+   value go to cache position `position` of its row of KEYS/VALUES (B x n_kv x max_length x hd); a row
+   attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin (B x hd): the
+   rotary embedding of each row's position. */
+void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
+                       float scale, const float *cos, const float *sin, const unsigned char *attend, int position,
+                       int max_length, void *const *layers, int threads) {
+  int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
+  int per_group = n_heads / n_kv;
+  float *normed = malloc(sizeof(float) * B * (H > I ? H : I));
+  float *qkv = malloc(sizeof(float) * B * qkv_width);
+  float *attn = malloc(sizeof(float) * B * q_width);
+  float *gate_up = malloc(sizeof(float) * B * 2 * I);
+#pragma omp parallel num_threads(threads)
+  {
+    float *scores = malloc(sizeof(float) * (position + 1));
+    float *rotated = malloc(sizeof(float) * hd);
+    for (int l = 0; l < n_layers; l++) {
+      void *const *p = layers + (long)l * LAYER_POINTERS;
+      const float *qkv_w[3] = {p[Q], p[K_], p[V_]}, *qkv_b[3] = {p[Q_BIAS], p[K_BIAS], p[V_BIAS]};
+      const int qkv_n[3] = {q_width, kv_width, kv_width};
+      float *keys = p[KEYS], *values = p[VALUES];
+      rms_norm(x, B, H, p[ATTN_NORM], eps, normed);
+      multiply(normed, B, H, 3, qkv_w, qkv_b, qkv_n, qkv, 0);
+      /* rotary embedding of the query and key heads; the key and value into the cache */
+#pragma omp for schedule(static)
+      for (int bh = 0; bh < B * (n_heads + n_kv); bh++) {
+        int b = bh / (n_heads + n_kv), h = bh % (n_heads + n_kv);
+        float *t = qkv + (long)b * qkv_width + (long)h * hd;
+        const float *c = cos + (long)b * hd, *s = sin + (long)b * hd;
+        for (int d = 0; d < hd; d++) rotated[d] = t[d] * c[d] + (d < half ? -t[d + half] : t[d - half]) * s[d];
+        if (h < n_heads) memcpy(t, rotated, sizeof(float) * hd);
+        else {
+          long at = (((long)b * n_kv + (h - n_heads)) * max_length + position) * hd;
+          memcpy(keys + at, rotated, sizeof(float) * hd);
+          memcpy(values + at, t + kv_width, sizeof(float) * hd);
+        }
+      }
+      /* attention of each query head over its row's cache */
+#pragma omp for schedule(static)
+      for (int bh = 0; bh < B * n_heads; bh++) {
+        int b = bh / n_heads, h = bh % n_heads, g = h / per_group;
+        const float *q = qkv + (long)b * qkv_width + (long)h * hd;
+        const float *k = keys + ((long)b * n_kv + g) * max_length * hd, *v = values + ((long)b * n_kv + g) * max_length * hd;
+        const unsigned char *seen = attend + (long)b * max_length;
+        float top = -INFINITY, total = 0.0f;
+        for (int t = 0; t <= position; t++) {
+          if (!seen[t]) continue;
+          float dot = 0.0f;
+          for (int d = 0; d < hd; d++) dot += q[d] * k[(long)t * hd + d];
+          scores[t] = dot * scale;
+          if (scores[t] > top) top = scores[t];
+        }
+        float *out = attn + (long)b * q_width + (long)h * hd;
+        for (int d = 0; d < hd; d++) out[d] = 0.0f;
+        for (int t = 0; t <= position; t++) {
+          if (!seen[t]) continue;
+          float weight = expf(scores[t] - top);
+          total += weight;
+          for (int d = 0; d < hd; d++) out[d] += weight * v[(long)t * hd + d];
+        }
+        for (int d = 0; d < hd; d++) out[d] /= total;
+      }
+      const float *o_w[1] = {p[O]}, *o_b[1] = {p[O_BIAS]};
+      multiply(attn, B, q_width, 1, o_w, o_b, &H, x, 1);
+      rms_norm(x, B, H, p[MLP_NORM], eps, normed);
+      const float *gu_w[2] = {p[GATE], p[UP]}, *gu_b[2] = {p[GATE_BIAS], p[UP_BIAS]};
+      const int gu_n[2] = {I, I};
+      multiply(normed, B, H, 2, gu_w, gu_b, gu_n, gate_up, 0);
+#pragma omp for schedule(static)
+      for (int m = 0; m < B; m++)
+        for (int i = 0; i < I; i++) {
+          float g = gate_up[(long)m * 2 * I + i];
+          normed[(long)m * I + i] = g / (1.0f + expf(-g)) * gate_up[(long)m * 2 * I + I + i];
+        }
+      const float *down_w[1] = {p[DOWN]}, *down_b[1] = {p[DOWN_BIAS]};
+      multiply(normed, B, I, 1, down_w, down_b, &H, x, 1);
+    }
+    free(scores);
+    free(rotated);
+  }
+  free(normed), free(qkv), free(attn), free(gate_up);
 }

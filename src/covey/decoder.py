@@ -161,6 +161,10 @@ class LeanDecoder:
         head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
         self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
                                               full_model=plain_model(model) is model, choice=products)
+        # with covey's kernel, a decode step's layers run in one call of it
+        self.layer_stack = (decode_kernel.LayerStack(weights.get, self.norms, self.n_heads, self.n_kv_heads,
+                                                     self.head_dim, self.eps, self.scale)
+                            if self.products_for(1).kind == "kernel" else None)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
@@ -225,6 +229,12 @@ class LeanDecoder:
         """One new token per row. Logits (B, V)."""
         self._check_room(1)
         self.valid_BL[:, self.length] = True
+        if self.layer_stack is not None:
+            x = self.embed(ids_B).float()
+            cos, sin = (t[:, 0].contiguous() for t in self.rotary(x, positions_B[:, None]))
+            self.layer_stack.step(x, cos, sin, self.valid_BL, self.length, self.keys, self.values)
+            self.length += 1
+            return self.products_for(len(ids_B)).head(self._rms_norm(x, self.norm)).float()
         attend = self.valid_BL[:, None, None, : self.length + 1]
         return self._forward(ids_B[:, None], positions_B[:, None], attend)[:, -1]
 
