@@ -89,3 +89,52 @@ def test_without_a_compiler_it_is_quietly_not_used(fresh_build, monkeypatch, rec
     monkeypatch.setenv("CC", "no-such-compiler-anywhere")
     assert not decode_kernel.available()
     assert not [w for w in recwarn if "decode kernel" in str(w.message)]
+
+
+def odd_llama(vocab_size: int):
+    """A tiny Llama of awkward sizes (no multiple of 16 anywhere, 5 query heads to 1 key-value head) with
+    every projection biased: the shapes and biases the whole-step kernel must handle besides the usual."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
+                         num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256,
+                         attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("build", ["llama", "odd llama"])
+def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer, build):
+    """Prompts of different lengths (padding), rows leaving and repeating between steps (``keep``)."""
+    from covey.decoder import LeanDecoder
+    from covey.rollout import left_pad
+    from tests.conftest import make_model
+
+    if not decode_kernel.available():
+        pytest.skip("the decode kernel does not run here")
+    model = make_model(len(tokenizer), seed=7, layers=3) if build == "llama" else odd_llama(len(tokenizer))
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    ids, mask = left_pad(prompts, 0)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, len(tokenizer), (6, 9), generator=generator)
+    runs = {}
+    for products in ("kernel", "plain"):
+        decoder = LeanDecoder(model, torch.float32, max_length=24, products=products)
+        assert (decoder.layer_stack is not None) == (products == "kernel")
+        logits = [decoder.prefill(ids, mask, positions, 3)]
+        rows, position = torch.arange(6), positions[:, -1].repeat_interleave(3) + 1
+        for t in range(9):
+            if t in (3, 6):  # some rows finish, one is repeated
+                keep = torch.tensor([0, 2, 5, 5]) if t == 3 else torch.tensor([1, 3])
+                decoder.keep(keep)
+                rows, position = rows[keep], position[keep]
+            logits.append(decoder.step(tokens[rows, t], position + t))
+        runs[products] = logits
+    for kernel, plain in zip(runs["kernel"], runs["plain"]):
+        assert torch.allclose(kernel, plain, atol=1e-5, rtol=1e-5)
