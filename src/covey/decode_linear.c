@@ -117,14 +117,50 @@ void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *
 
 /* ---- a whole decode step of a Llama-family layer stack, one token per row ------------------------------ */
 
+/* sum of a[i] * b[i] */
+static inline float dot(const float *a, const float *b, int n) {
+  __m512 acc = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+/* y[i] += a * x[i] */
+static inline void add_scaled(float *y, float a, const float *x, int n) {
+  __m512 av = _mm512_set1_ps(a);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* e^x lane by lane, within 2 ulp over float's range; 0 below it (e^-inf included) */
+static inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, x)); /* x - n ln 2, |r| <= ln 2 / 2 */
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f); /* e^r - 1 - r, as r^2 times a polynomial */
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
+}
+
 /* out = x / sqrt(mean(x^2) + eps) * weight, row by row */
 static void rms_norm(const float *x, int M, int H, const float *weight, float eps, float *out) {
 #pragma omp for schedule(static)
   for (int m = 0; m < M; m++) {
     const float *row = x + (long)m * H;
-    float sum = 0.0f;
-    for (int i = 0; i < H; i++) sum += row[i] * row[i];
-    float inverse = 1.0f / sqrtf(sum / H + eps);
+    float inverse = 1.0f / sqrtf(dot(row, row, H) / H + eps);
     for (int i = 0; i < H; i++) out[(long)m * H + i] = row[i] * inverse * weight[i];
   }
 }
@@ -180,22 +216,30 @@ void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, in
         const float *q = qkv + (long)b * qkv_width + (long)h * hd;
         const float *k = keys + ((long)b * n_kv + g) * max_length * hd, *v = values + ((long)b * n_kv + g) * max_length * hd;
         const unsigned char *seen = attend + (long)b * max_length;
-        float top = -INFINITY, total = 0.0f;
+        float top = -INFINITY;
         for (int t = 0; t <= position; t++) {
-          if (!seen[t]) continue;
-          float dot = 0.0f;
-          for (int d = 0; d < hd; d++) dot += q[d] * k[(long)t * hd + d];
-          scores[t] = dot * scale;
+          scores[t] = seen[t] ? dot(q, k + (long)t * hd, hd) * scale : -INFINITY;
           if (scores[t] > top) top = scores[t];
         }
+        __m512 sum = _mm512_setzero_ps();
+        int t = 0;
+        for (; t + 16 <= position + 1; t += 16) {
+          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), _mm512_set1_ps(top)));
+          _mm512_storeu_ps(scores + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (t <= position) {
+          __mmask16 tail = (__mmask16)((1u << (position + 1 - t)) - 1);
+          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + t), _mm512_set1_ps(top)));
+          e = _mm512_maskz_mov_ps(tail, e);
+          _mm512_mask_storeu_ps(scores + t, tail, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        float total = _mm512_reduce_add_ps(sum);
         float *out = attn + (long)b * q_width + (long)h * hd;
         for (int d = 0; d < hd; d++) out[d] = 0.0f;
-        for (int t = 0; t <= position; t++) {
-          if (!seen[t]) continue;
-          float weight = expf(scores[t] - top);
-          total += weight;
-          for (int d = 0; d < hd; d++) out[d] += weight * v[(long)t * hd + d];
-        }
+        for (int t = 0; t <= position; t++)
+          if (seen[t]) add_scaled(out, scores[t], v + (long)t * hd, hd);
         for (int d = 0; d < hd; d++) out[d] /= total;
       }
       const float *o_w[1] = {p[O]}, *o_b[1] = {p[O_BIAS]};
@@ -205,11 +249,17 @@ void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, in
       const int gu_n[2] = {I, I};
       multiply(normed, B, H, 2, gu_w, gu_b, gu_n, gate_up, 0);
 #pragma omp for schedule(static)
-      for (int m = 0; m < B; m++)
-        for (int i = 0; i < I; i++) {
-          float g = gate_up[(long)m * 2 * I + i];
-          normed[(long)m * I + i] = g / (1.0f + expf(-g)) * gate_up[(long)m * 2 * I + I + i];
+      for (int m = 0; m < B; m++) { /* silu(gate) * up */
+        const float *gate = gate_up + (long)m * 2 * I, *up = gate + I;
+        float *out = normed + (long)m * I;
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+          __m512 g = _mm512_loadu_ps(gate + i);
+          __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
         }
+        for (; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+      }
       const float *down_w[1] = {p[DOWN]}, *down_b[1] = {p[DOWN_BIAS]};
       multiply(normed, B, I, 1, down_w, down_b, &H, x, 1);
     }
