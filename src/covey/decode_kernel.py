@@ -1,12 +1,16 @@
-"""covey's own matrix product for decode steps on CPU: a few rows times float32 weight matrices.
+"""covey's own decode kernel for CPUs (``decode_kernel.c``), float32.
 
-At a decode step's 1-32 rows, a product is bound by streaming the weights from memory, and general
-matrix libraries stream them well below the machine's bandwidth there. ``decode_linear.c`` streams
-each weight row once, prefetching far ahead, and takes the model's matrices as they are (no second
-copy). It is compiled on first use with the system C compiler for this CPU (``-march=native``) into
-covey's cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``), and runs on PyTorch's
-own OpenMP threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where
-it cannot run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
+At a decode step's 1-32 rows, a matrix product is bound by streaming the weights from memory, and
+general matrix libraries stream them well below the machine's bandwidth there; the rest of a step
+(norms, rotary embedding, attention over a short cache, the MLP's activation) is hundreds of small
+torch operations, each paying its dispatch. The kernel streams each weight row once, prefetching far
+ahead, on the model's matrices as they are (no second copy), and runs a whole step of the layer
+stack in one call: ``matrices`` for products alone, ``LayerStack`` for the whole step.
+
+It is compiled on first use with the system C compiler for this CPU (``-march=native``) into covey's
+cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``), and runs on PyTorch's own OpenMP
+threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot
+run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
 ``COVEY_DECODE_KERNEL=0`` in the environment. Measured in BENCHMARKS.md.
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("decode_linear.c")
+SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)
 # above this many rows a general matrix library is as fast (measured up to 32 in BENCHMARKS.md)
@@ -46,14 +50,18 @@ def _cpu_flags() -> str:
         return ""
 
 
+class _NoCompiler(Exception):
+    pass
+
+
 def _build() -> Path:
     """The compiled library for this source, compiler and CPU, built if not in the cache yet."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C compiler '{compiler}' on PATH")
+        raise _NoCompiler(compiler)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBRARIES), version, _cpu_flags()]).encode()).hexdigest()
-    library = cache_folder() / f"decode_linear-{key[:16]}.so"
+    library = cache_folder() / f"decode_kernel-{key[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         # built under a name of its own, then renamed: processes building at once never load half a file
@@ -80,7 +88,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(_build()))
-    except FileNotFoundError:  # no compiler: the general products, without a word
+    except _NoCompiler:  # the general products, without a word
         return None
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         warnings.warn(f"covey's decode kernel could not be built, so sampling uses the general matrix "

@@ -8,9 +8,9 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``): float32 decode
-  steps through covey's own kernel (``decode_kernel``) on those same matrices where it runs;
-  otherwise through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in
+  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``): where covey's
+  own kernel runs (``decode_kernel``), a float32 decode step runs there whole (``LayerStack``), on
+  those same matrices, and only the prefill and the head go through torch; otherwise through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in
   their place; in float32 a fused prepacked copy beside a full model's matrices, for steps of
   ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.

@@ -1,10 +1,16 @@
-/* The matrix products of a decode step: a few rows of activations x (M x K) times a list of float32
-   weight matrices W_j (N_j x K, row-major, as a model holds them), outputs side by side:
+/* covey's decode kernel (float32, AVX-512), loaded by covey/decode_kernel.py, which builds it with
+   -march=native for the CPU it runs on.
+
+   covey_decode_linear: a few rows of activations x (M x K) times a list of weight matrices W_j (N_j x K,
+   row-major, as a model holds them), outputs side by side:
        y[m, off_j + n] = sum_k x[m, k] W_j[n, k] (+ b_j[n])
    With so few rows, a product is bound by streaming the weights from memory. Each thread streams its
-   share of the weight rows once, prefetching far ahead of the rows it multiplies (what general
-   matrix libraries do not do for so few rows), and multiplies 4 weight rows by up to 4 rows of x at a
-   time in registers. Built with -march=native by covey/decode_kernel.py; needs AVX-512F. */
+   share of the weight rows once, prefetching far ahead of the rows it multiplies (what general matrix
+   libraries do not do for so few rows), and multiplies 4 weight rows by up to 4 rows of x at a time in
+   registers. Every output is summed in the same order whatever the number of threads.
+
+   covey_decode_step: one token per row through a whole Llama-family layer stack (norms, products,
+   rotary embedding, cache writes, attention, MLP) in one parallel region. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
