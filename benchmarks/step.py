@@ -7,7 +7,8 @@ measurement runs in a fresh process (so peak memory is that run's own); the vari
 ``--repeats`` times, and the first step of every run is left out as warm-up.
 
 Variants: ``covey`` (float32), ``covey-rollout-bf16`` (float32 training, bfloat16 sampling),
-``covey-bf16`` (bf16: true), ``covey-freed-memory-returned`` (float32, keep_freed_memory: false),
+``covey-bf16`` (bf16: true), ``covey-bf16-rollout-fp32`` (bf16 training, float32 sampling),
+``covey-freed-memory-returned`` (float32, keep_freed_memory: false),
 ``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default, bf16 mixed precision). Each covey
 variant is compared with each TRL variant of the same run, and with the first covey variant listed.
 
@@ -32,6 +33,7 @@ COMMON = dict(num_generations=8, per_device_train_batch_size=16, max_completion_
 
 
 VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf16": {"bf16": True},
+            "covey-bf16-rollout-fp32": {"bf16": True, "rollout_bf16": False},
             "covey-freed-memory-returned": {"keep_freed_memory": False},
             "trl": {"bf16": False}, "trl-bf16": {"bf16": True}}
 
