@@ -33,7 +33,9 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)
-# above this many rows a general matrix library is as fast (measured up to 32 in BENCHMARKS.md)
+# forwards of more rows than this (prefills) multiply through a general matrix library, as fast from
+# about here on (products alone, measured in BENCHMARKS.md); a whole decode step runs in the kernel
+# whatever its rows
 MAX_ROWS = 32
 
 _pointer = ctypes.c_void_p

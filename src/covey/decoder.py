@@ -8,11 +8,13 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``): where covey's
-  own kernel runs (``decode_kernel``), a float32 decode step runs there whole (``LayerStack``), on
-  those same matrices, and only the prefill and the head go through torch; otherwise through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in
-  their place; in float32 a fused prepacked copy beside a full model's matrices, for steps of
-  ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
+  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``). Where covey's
+  own kernel runs (``decode_kernel``), a float32 decode step runs in it whole (``LayerStack``), on
+  those same matrices; the embedding lookup and the final norm stay in torch, and the head and
+  small prefills multiply through the kernel's products. Elsewhere, through oneDNN's linear on
+  matrices laid out once per rollout (the bfloat16 copies in their place; in float32 a fused
+  prepacked copy beside a full model's matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or
+  more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -31,9 +33,9 @@ from covey.models import cache_keyword, is_peft_model, lora_merge_blocker, plain
 ARCHITECTURES = ("llama", "qwen2")
 
 
-# How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own product for decode
-# steps (float32; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy; "plain",
-# ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
+# How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own kernel (float32, the
+# whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy;
+# "plain", ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
 PRODUCTS = ("fastest", "kernel", "prepacked", "plain")
 
 # Float32 products with fewer rows than this run faster through ``F.linear`` on the weights as they
