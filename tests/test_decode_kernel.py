@@ -138,3 +138,11 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
         runs[products] = logits
     for kernel, plain in zip(runs["kernel"], runs["plain"]):
         assert torch.allclose(kernel, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_that_disagrees_with_linear_is_turned_away_with_a_warning(fresh_build, monkeypatch):
+    if not should_run_here():
+        pytest.skip("needs Linux on x86-64 with AVX-512 and a C compiler")
+    monkeypatch.setattr(decode_kernel, "_agrees_with_linear", lambda library: False)
+    with pytest.warns(RuntimeWarning, match="other products than F.linear"):
+        assert not decode_kernel.available()

@@ -41,7 +41,7 @@ MAX_ROWS = 32
 _pointer = ctypes.c_void_p
 
 
-def cache_folder() -> Path:
+def _cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "covey"
 
 
@@ -63,7 +63,7 @@ def _build() -> Path:
         raise _NoCompiler(compiler)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBRARIES), version, _cpu_flags()]).encode()).hexdigest()
-    library = cache_folder() / f"decode_kernel-{key[:16]}.so"
+    library = _cache_folder() / f"decode_kernel-{key[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         # built under a name of its own, then renamed: processes building at once never load half a file
@@ -85,7 +85,7 @@ def _build() -> Path:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("COVEY_DECODE_KERNEL", "1") == "0":
         return None
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") \
+    if platform.system() != "Linux" or platform.machine() != "x86_64" \
             or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     try:
@@ -104,7 +104,11 @@ def _library() -> ctypes.CDLL | None:
     step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
                      ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
     step.restype = None
-    return library if _agrees_with_linear(library) else None
+    if not _agrees_with_linear(library):
+        warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
+                      "uses the general matrix products; please report it", RuntimeWarning, stacklevel=3)
+        return None
+    return library
 
 
 def _agrees_with_linear(library: ctypes.CDLL) -> bool:
@@ -133,7 +137,7 @@ class _Matrices:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
-        x = x.reshape(-1, self.inputs).contiguous()
+        x = x.reshape(-1, self.inputs).float().contiguous()
         y = torch.empty(x.shape[0], self.width)
         self.function(x.data_ptr(), x.shape[0], self.inputs, len(self.parts), self.weights, self.biases, self.rows,
                       y.data_ptr(), torch.get_num_threads())
