@@ -13,6 +13,7 @@
    rotary embedding, cache writes, attention, MLP) in one parallel region. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -180,8 +181,9 @@ int covey_layer_pointers(void) { return LAYER_POINTERS; }
 /* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Each row's new key and
    value go to cache position `position` of its row of KEYS/VALUES (B x n_kv x max_length x hd); a row
    attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin (B x hd): the
-   rotary embedding of each row's position. */
-void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
+   rotary embedding of each row's position. Returns 0, or -1 (and changes nothing) when its scratch memory
+   cannot be had. */
+int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
                        float scale, const float *cos, const float *sin, const unsigned char *attend, int position,
                        int max_length, void *const *layers, int threads) {
   int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
@@ -190,10 +192,15 @@ void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, in
   float *qkv = malloc(sizeof(float) * B * qkv_width);
   float *attn = malloc(sizeof(float) * B * q_width);
   float *gate_up = malloc(sizeof(float) * B * 2 * I);
+  long own = position + 1 + hd; /* each thread's scratch: attention scores, a rotated head */
+  float *scratch = malloc(sizeof(float) * own * threads);
+  if (!normed || !qkv || !attn || !gate_up || !scratch) {
+    free(normed), free(qkv), free(attn), free(gate_up), free(scratch);
+    return -1;
+  }
 #pragma omp parallel num_threads(threads)
   {
-    float *scores = malloc(sizeof(float) * (position + 1));
-    float *rotated = malloc(sizeof(float) * hd);
+    float *scores = scratch + own * omp_get_thread_num(), *rotated = scores + position + 1;
     for (int l = 0; l < n_layers; l++) {
       void *const *p = layers + (long)l * LAYER_POINTERS;
       const float *qkv_w[3] = {p[Q], p[K_], p[V_]}, *qkv_b[3] = {p[Q_BIAS], p[K_BIAS], p[V_BIAS]};
@@ -269,8 +276,7 @@ void covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, in
       const float *down_w[1] = {p[DOWN]}, *down_b[1] = {p[DOWN_BIAS]};
       multiply(normed, B, I, 1, down_w, down_b, &H, x, 1);
     }
-    free(scores);
-    free(rotated);
   }
-  free(normed), free(qkv), free(attn), free(gate_up);
+  free(normed), free(qkv), free(attn), free(gate_up), free(scratch);
+  return 0;
 }

@@ -103,7 +103,7 @@ def _library() -> ctypes.CDLL | None:
     step = library.covey_decode_step
     step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
                      ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
-    step.restype = None
+    step.restype = ctypes.c_int
     if not _agrees_with_linear(library):
         warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
                       "uses the general matrix products; please report it", RuntimeWarning, stacklevel=3)
@@ -197,6 +197,7 @@ class LayerStack:
             self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
             self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
         B, H = x.shape
-        self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
-                      self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), position, attend.shape[1],
-                      self.pointers, torch.get_num_threads())
+        if self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
+                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), position, attend.shape[1],
+                         self.pointers, torch.get_num_threads()) != 0:
+            raise MemoryError(f"the decode kernel could not allocate its scratch memory for {B} rows")
