@@ -52,18 +52,17 @@ def decode_step_seconds(weights: int, rows: int, gflops: float, gbps: float, byt
 
 
 def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5,
-                            products: str = "fastest") -> float:
+                            multiply: str = "fastest") -> float:
     """Time of one decode step's matrix products alone (the lean decoder's own weights for a step of
     ``rows`` rows, read from memory as in a real step): what the machine's matrix library allows,
-    before any other work. ``products``: how they multiply (``covey.decoder.PRODUCTS``)."""
+    before any other work. ``multiply``: how they multiply (``covey.decoder.WAYS_TO_MULTIPLY``)."""
     from covey.decoder import LeanDecoder
 
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    sizes = dict(qkv=config.hidden_size, o=config.num_attention_heads * head_dim, gate_up=config.hidden_size,
-                 down=config.intermediate_size)
+    decoder = LeanDecoder(model, dtype, max_length=1, multiply=multiply)
+    hidden = model.config.hidden_size
+    sizes = dict(qkv=hidden, o=decoder.n_heads * decoder.head_dim, gate_up=hidden, down=model.config.intermediate_size)
     inputs = {name: torch.randn(rows, size).to(dtype) for name, size in sizes.items()}
-    step = LeanDecoder(model, dtype, max_length=1, products=products).products_for(rows)
+    step = decoder.products_for(rows)
 
     def run():
         for layer in step.layers:

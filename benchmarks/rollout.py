@@ -56,7 +56,7 @@ def main() -> None:
     model, tokenizer, eos = load_default()
     pad = tokenizer.pad_token_id
     engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
-               "fast oneDNN": FastEngine(model, pad, eos, tokenizer, products="prepacked"),
+               "fast oneDNN": FastEngine(model, pad, eos, tokenizer, multiply="prepacked"),
                "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
     weights, gbps = weights_per_step(model), copy_gbps()
     limits = {"fast": (matmul_gflops(torch.float32), gbps, 4), "fast bf16": (matmul_gflops(torch.bfloat16), gbps, 2)}
@@ -107,14 +107,14 @@ def main() -> None:
     arms = {torch.float32: ("plain", "prepacked", "kernel"), torch.bfloat16: ("plain", "prepacked")}
     for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []
-        for dtype, products in arms.items():
-            seconds = {name: [] for name in products}
+        for dtype, ways in arms.items():
+            seconds = {name: [] for name in ways}
             for _ in range(3):  # alternating, so the ratios are taken side by side
-                for name in products:
-                    seconds[name].append(matrix_products_seconds(model, n, dtype, products=name))
-            best_other = [min(pair) for pair in zip(*(seconds[name] for name in products[:-1]))]
-            ratio = statistics.median(a / b for a, b in zip(best_other, seconds[products[-1]]))
-            cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" for name in products)
+                for name in ways:
+                    seconds[name].append(matrix_products_seconds(model, n, dtype, multiply=name))
+            best_other = [min(pair) for pair in zip(*(seconds[name] for name in ways[:-1]))]
+            ratio = statistics.median(a / b for a, b in zip(best_other, seconds[ways[-1]]))
+            cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" for name in ways)
                          + f" | {ratio:.2f}x")
         print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 

@@ -27,6 +27,11 @@ def should_run_here() -> bool:
             and os.environ.get("COVEY_DECODE_KERNEL", "1") != "0")
 
 
+def skip_without_kernel() -> None:
+    if not decode_kernel.available():
+        pytest.skip("covey's decode kernel does not run here (needs Linux, x86-64 with AVX-512 and a C compiler)")
+
+
 def test_the_kernel_builds_and_passes_its_self_check_wherever_it_should(fresh_build):
     if not should_run_here():
         pytest.skip("needs Linux on x86-64 with AVX-512 and a C compiler")
@@ -40,8 +45,7 @@ def test_the_kernel_builds_and_passes_its_self_check_wherever_it_should(fresh_bu
 
 @pytest.mark.parametrize("K", [16, 64, 37, 5])
 def test_kernel_products_equal_linear_ones(K):
-    if not decode_kernel.available():
-        pytest.skip("the decode kernel does not run here")
+    skip_without_kernel()
     generator = torch.Generator().manual_seed(K)
     # several matrices side by side, with and without biases, of 1 row to rows past a tile of 4
     parts = [(torch.randn(n, K, generator=generator), torch.randn(n, generator=generator) if n % 2 else None)
@@ -56,8 +60,7 @@ def test_kernel_products_equal_linear_ones(K):
 
 
 def test_kernel_refuses_other_dtypes():
-    if not decode_kernel.available():
-        pytest.skip("the decode kernel does not run here")
+    skip_without_kernel()
     with pytest.raises(ValueError, match="float32"):
         decode_kernel.matrices([(torch.randn(4, 16, dtype=torch.bfloat16), None)])
 
@@ -82,7 +85,7 @@ def test_a_failing_build_warns_and_leaves_the_general_products(fresh_build, monk
 
     assert LeanDecoder(tiny_model, torch.float32, max_length=8).products_for(8).kind != "kernel"
     with pytest.raises(ValueError, match="decode kernel cannot run here"):
-        LeanDecoder(tiny_model, torch.float32, max_length=8, products="kernel")
+        LeanDecoder(tiny_model, torch.float32, max_length=8, multiply="kernel")
 
 
 def test_without_a_compiler_it_is_quietly_not_used(fresh_build, monkeypatch, recwarn):
@@ -115,8 +118,7 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
     from covey.rollout import left_pad
     from tests.conftest import make_model
 
-    if not decode_kernel.available():
-        pytest.skip("the decode kernel does not run here")
+    skip_without_kernel()
     model = make_model(len(tokenizer), seed=7, layers=3) if build == "llama" else odd_llama(len(tokenizer))
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
     ids, mask = left_pad(prompts, 0)
@@ -125,7 +127,7 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
     tokens = torch.randint(4, len(tokenizer), (6, 9), generator=generator)
     runs = {}
     for products in ("kernel", "plain"):
-        decoder = LeanDecoder(model, torch.float32, max_length=24, products=products)
+        decoder = LeanDecoder(model, torch.float32, max_length=24, multiply=products)
         assert (decoder.layer_stack is not None) == (products == "kernel")
         logits = [decoder.prefill(ids, mask, positions, 3)]
         rows, position = torch.arange(6), positions[:, -1].repeat_interleave(3) + 1

@@ -291,13 +291,13 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
 
 
 def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
-    from covey import decode_kernel
     from covey.decoder import onednn_linear
+    from tests.test_decode_kernel import skip_without_kernel
 
     if products == "prepacked" and onednn_linear(dtype) is None:
         pytest.skip(f"this torch build has no oneDNN {dtype} linear")
-    if products == "kernel" and not decode_kernel.available():
-        pytest.skip("covey's decode kernel does not run here (needs Linux, x86-64 with AVX-512 and a C compiler)")
+    if products == "kernel":
+        skip_without_kernel()
 
 
 @pytest.mark.parametrize("products, dtype, tolerance", [("prepacked", torch.bfloat16, 1e-3),
@@ -310,8 +310,8 @@ def test_lean_decoder_on_faster_products_matches_plain_ones(tokenizer, build, pr
 
     _skip_unless_it_runs(products, dtype)
     model = build(len(tokenizer))
-    faster = LeanDecoder(model, dtype, max_length=16, products=products)
-    plain = LeanDecoder(model, dtype, max_length=16, products="plain")
+    faster = LeanDecoder(model, dtype, max_length=16, multiply=products)
+    plain = LeanDecoder(model, dtype, max_length=16, multiply="plain")
     assert {p.kind for _, p in plain.products} == {"plain"}
     # which rows each way serves: the kernel decode steps, the prepacked copy float32 steps of many rows
     serves = {("prepacked", torch.float32): {PREPACKED_FLOAT32_FROM_ROWS - 1: "plain", 64: "prepacked"},
@@ -322,8 +322,8 @@ def test_lean_decoder_on_faster_products_matches_plain_ones(tokenizer, build, pr
     # than the steps: all write the same cache)
     for prompts, repeats in (([[5, 6, 7, 8], [9, 10]], 2), ([[5, 6, 7, 8]], 1)):
         steps = torch.randint(4, len(tokenizer), (len(prompts) * repeats, 8))
-        faster_logits = decode_with(LeanDecoder(model, dtype, max_length=16, products=products), prompts, steps, repeats)
-        plain_logits = decode_with(LeanDecoder(model, dtype, max_length=16, products="plain"), prompts, steps, repeats)
+        faster_logits = decode_with(LeanDecoder(model, dtype, max_length=16, multiply=products), prompts, steps, repeats)
+        plain_logits = decode_with(LeanDecoder(model, dtype, max_length=16, multiply="plain"), prompts, steps, repeats)
         assert torch.allclose(faster_logits, plain_logits, atol=tolerance)
 
 
@@ -334,8 +334,8 @@ def test_float32_decode_steps_take_the_fastest_products_that_run_here(tiny_model
     decoder = LeanDecoder(tiny_model, torch.float32, max_length=16)
     expected = "kernel" if decode_kernel.available() else "prepacked" if onednn_linear(torch.float32) else "plain"
     assert decoder.products_for(8).kind == expected
-    with pytest.raises(ValueError, match="products must be one of"):
-        LeanDecoder(tiny_model, torch.float32, max_length=16, products="fast")
+    with pytest.raises(ValueError, match="multiply must be one of"):
+        LeanDecoder(tiny_model, torch.float32, max_length=16, multiply="fast")
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
@@ -401,7 +401,7 @@ def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokeni
 
     policy = add_lora(make_model(len(tokenizer), seed=6), r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
     for products in ("prepacked", "fastest"):
-        decoder = LeanDecoder(policy, torch.float32, max_length=16, products=products)
+        decoder = LeanDecoder(policy, torch.float32, max_length=16, multiply=products)
         # only the merged copies, multiplied as they are, whatever the rows (a full model adds a prepacked
         # copy); the kernel multiplies those same copies
         assert {p.kind for _, p in decoder.products} <= {"plain", "kernel"}

@@ -8,7 +8,7 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters. On CPU, how it multiplies is chosen once (``PRODUCTS``). Where covey's
+  run on its own parameters. On CPU, how it multiplies is chosen once (``WAYS_TO_MULTIPLY``). Where covey's
   own kernel runs (``decode_kernel``), a float32 decode step runs in it whole (``LayerStack``), on
   those same matrices; the embedding lookup and the final norm stay in torch, and the head and
   small prefills multiply through the kernel's products. Elsewhere, through oneDNN's linear on
@@ -36,7 +36,7 @@ ARCHITECTURES = ("llama", "qwen2")
 # How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own kernel (float32, the
 # whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy;
 # "plain", ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
-PRODUCTS = ("fastest", "kernel", "prepacked", "plain")
+WAYS_TO_MULTIPLY = ("fastest", "kernel", "prepacked", "plain")
 
 # Float32 products with fewer rows than this run faster through ``F.linear`` on the weights as they
 # are; from it on, through oneDNN's prepacked layout (measured in BENCHMARKS.md). bfloat16 ones are
@@ -93,7 +93,7 @@ def linear_products(fuse: bool, onednn: tuple | None) -> Callable:
 class Products:
     """The matrix products of a forward, each a function x -> x times its matrices, outputs side by
     side: per layer ``qkv``, ``o``, ``gate_up`` and ``down``, then the output ``head``. ``kind`` says
-    how they multiply (one of ``PRODUCTS`` but "fastest")."""
+    how they multiply (one of ``WAYS_TO_MULTIPLY`` but "fastest")."""
 
     layers: list[dict[str, Callable]]
     head: Callable
@@ -133,7 +133,7 @@ def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
     products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
-    ``products``: how it multiplies by its matrices on CPU, one of ``PRODUCTS``."""
+    ``multiply``: how it multiplies by its matrices on CPU, one of ``WAYS_TO_MULTIPLY``."""
 
     @staticmethod
     def supports(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -145,7 +145,7 @@ class LeanDecoder:
                 and not _adapter_it_cannot_run(model))
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, products: str = "fastest"):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_length: int, multiply: str = "fastest"):
         base = plain_model(model)
         config = base.config
         self.dtype, self.max_length = dtype, max_length
@@ -162,7 +162,7 @@ class LeanDecoder:
         self.norm = weights.pop("model.norm.weight").float()
         head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
         self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
-                                              full_model=plain_model(model) is model, choice=products)
+                                              full_model=plain_model(model) is model, choice=multiply)
         # with covey's kernel, a decode step's layers run in one call of it
         self.layer_stack = (decode_kernel.LayerStack(weights.get, self.norms, self.n_heads, self.n_kv_heads,
                                                      self.head_dim, self.eps, self.scale)
@@ -175,8 +175,8 @@ class LeanDecoder:
     def _choose_products(self, weights: dict, n_layers: int, head_name: str, model_dtype: torch.dtype,
                          full_model: bool, choice: str) -> list[tuple[int, Products]]:
         """(fewest rows, products) from the most rows down: the first that fits a forward runs it."""
-        if choice not in PRODUCTS:
-            raise ValueError(f"products must be one of {PRODUCTS}, not {choice!r}")
+        if choice not in WAYS_TO_MULTIPLY:
+            raise ValueError(f"multiply must be one of {WAYS_TO_MULTIPLY}, not {choice!r}")
         on_cpu = self.norm.device.type == "cpu"
         onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
         if self.dtype != model_dtype:

@@ -70,16 +70,16 @@ class FastEngine:
     ``bf16``: matrix products in bfloat16 (a bfloat16 copy of the weights for Llama-family models,
     autocast otherwise); the sampling log-probs then differ slightly from the trainer's float32
     forward, and the trainer applies the engine/trainer importance-sampling correction.
-    ``products``: how the lean decoder multiplies (``decoder.PRODUCTS``; the benchmarks compare them)."""
+    ``multiply``: how the lean decoder multiplies (``decoder.WAYS_TO_MULTIPLY``; the benchmarks compare them)."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], tokenizer=None,
-                 bf16: bool = False, products: str = "fastest"):
+                 bf16: bool = False, multiply: str = "fastest"):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer  # only needed for stop strings
         self.bf16 = bf16
-        self.products = products
+        self.multiply = multiply
         self.exact_logprobs = not bf16
 
     @functools.cached_property
@@ -90,7 +90,7 @@ class FastEngine:
     def _decoder(self, max_length: int) -> LeanDecoder | ModelDecoder:
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         if LeanDecoder.supports(self.model, dtype):
-            return LeanDecoder(self.model, dtype, max_length, self.products)
+            return LeanDecoder(self.model, dtype, max_length, self.multiply)
         return ModelDecoder(self.model)
 
     @torch.no_grad()
