@@ -7,7 +7,8 @@
    With so few rows, a product is bound by streaming the weights from memory. Each thread streams its
    share of the weight rows once, prefetching far ahead of the rows it multiplies (what general matrix
    libraries do not do for so few rows), and multiplies 4 weight rows by up to 4 rows of x at a time in
-   registers. Every output is summed in the same order whatever the number of threads.
+   registers; with more rows of x, a tile of weight rows makes several passes, and the prefetches are
+   spread over them. Every output is summed in the same order whatever the number of threads.
 
    covey_decode_step: one token per row through a whole Llama-family layer stack (norms, products,
    rotary embedding, cache writes, attention, MLP) in one parallel region. */
@@ -18,8 +19,20 @@
 #include <string.h>
 
 #define W_ROWS 4   /* weight rows per tile */
-#define X_ROWS 4   /* rows of x per tile, at most */
-#define AHEAD 2048 /* floats of the weight stream prefetched ahead of the tile */
+#define X_ROWS 4   /* rows of x per pass of a tile, at most */
+#define AHEAD 2048 /* floats of the weight stream prefetched ahead of the rows multiplied */
+
+/* sum of a[i] * b[i] */
+static inline float dot(const float *a, const float *b, int n) {
+  __m512 acc = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
 
 /* Adds the sums of v[4m + r] (r, m < 4) to y[m * ldy + r] for m < mb: the 16 horizontal sums in one
    tree of shuffles and adds, each row of x's four sums stored together. */
@@ -46,46 +59,68 @@ static inline void add_sums_4x4(const __m512 *v, float *y, long ldy, int mb) {
     for (int r = 0; r < 4; r++) y[m * ldy + r] += out[4 * m + r];
 }
 
-/* R weight rows (w, stride K) times MB rows of x (stride K); the sums are added to y[m * ldy + r] */
-#define TILE(R, MB)                                                                                     \
-  static void tile_##R##_##MB(const float *w, const float *x, int K, float *y, long ldy) {              \
-    __m512 acc[R][MB];                                                                                  \
-    for (int r = 0; r < R; r++)                                                                         \
-      for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();                                     \
-    int k = 0;                                                                                          \
-    for (; k + 16 <= K; k += 16) {                                                                      \
-      /* the tile's rows are contiguous: R cache lines per step, AHEAD floats on */                     \
-      for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + AHEAD + R * k + 16 * r), _MM_HINT_T0); \
-      __m512 wv[R];                                                                                     \
-      for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (long)r * K + k);                          \
-      for (int m = 0; m < MB; m++) {                                                                    \
-        __m512 xv = _mm512_loadu_ps(x + (long)m * K + k);                                               \
-        for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);                  \
-      }                                                                                                 \
-    }                                                                                                   \
-    if (k < K) { /* the last K % 16 columns */                                                          \
-      __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);                                                \
-      for (int m = 0; m < MB; m++) {                                                                    \
-        __m512 xv = _mm512_maskz_loadu_ps(tail, x + (long)m * K + k);                                   \
-        for (int r = 0; r < R; r++)                                                                     \
-          acc[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + (long)r * K + k), xv, acc[r][m]); \
-      }                                                                                                 \
-    }                                                                                                   \
-    if (R == 4) {                                                                                       \
-      __m512 v[16];                                                                                     \
-      for (int m = 0; m < 4; m++)                                                                       \
-        for (int r = 0; r < 4; r++) v[4 * m + r] = m < MB ? acc[r % R][m % MB] : _mm512_setzero_ps();   \
-      add_sums_4x4(v, y, ldy, MB);                                                                      \
-    } else                                                                                              \
-      for (int m = 0; m < MB; m++)                                                                      \
-        for (int r = 0; r < R; r++) y[m * ldy + r] += _mm512_reduce_add_ps(acc[r][m]);                  \
+/* The W_ROWS (4) weight rows at w (stride K) times MB rows of x (stride K); the 16 sums are added to
+   y[m * ldy + r]. The weight stream's prefetches stand at *ahead and move `lines` cache lines on per
+   16 columns. */
+#define GROUP(MB)                                                                                        \
+  static inline __attribute__((always_inline)) void group_##MB(const float *w, const float *x, int K,    \
+                                                               float *y, long ldy, const char **ahead,   \
+                                                               int lines) {                              \
+    __m512 acc[4][MB];                                                                                   \
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)                                                  \
+      _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();              \
+    const char *p = *ahead;                                                                              \
+    int k = 0;                                                                                           \
+    for (; k + 16 <= K; k += 16, p += 64 * lines) {                                                      \
+      _mm_prefetch(p, _MM_HINT_T0);                                                                      \
+      if (lines > 1) _mm_prefetch(p + 64, _MM_HINT_T0);                                                  \
+      if (lines > 2) _mm_prefetch(p + 128, _MM_HINT_T0), _mm_prefetch(p + 192, _MM_HINT_T0);             \
+      __m512 wv[4];                                                                                      \
+      _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(w + (long)r * K + k);  \
+      _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++) {                                             \
+        __m512 xv = _mm512_loadu_ps(x + (long)m * K + k);                                                \
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]); \
+      }                                                                                                  \
+    }                                                                                                    \
+    *ahead = p;                                                                                          \
+    if (k < K) { /* the last K % 16 columns */                                                           \
+      __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);                                                 \
+      _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++) {                                             \
+        __m512 xv = _mm512_maskz_loadu_ps(tail, x + (long)m * K + k);                                    \
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)                                              \
+          acc[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + (long)r * K + k), xv, acc[r][m]);  \
+      }                                                                                                  \
+    }                                                                                                    \
+    __m512 v[16];                                                                                        \
+    _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++)                                                  \
+      _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)                                                \
+        v[4 * m + r] = m < MB ? acc[r][m % MB] : _mm512_setzero_ps();                                    \
+    add_sums_4x4(v, y, ldy, MB);                                                                         \
   }
-TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4) /* W_ROWS = 4 */
-TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
+GROUP(1) GROUP(2) GROUP(3) GROUP(4)
 
-typedef void (*tile_fn)(const float *, const float *, int, float *, long);
-static const tile_fn full_tiles[X_ROWS + 1] = {0, tile_4_1, tile_4_2, tile_4_3, tile_4_4};
-static const tile_fn single_row_tiles[X_ROWS + 1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4};
+/* A weight tile (W_ROWS rows at w) times all M rows of x, X_ROWS at a time. Its passes over the
+   rows of x prefetch the weight stream AHEAD floats on between them, so that memory stays busy
+   through every pass, not only the first. */
+static void tile(const float *w, const float *x, int M, int K, float *y, long ldy) {
+  int passes = (M + X_ROWS - 1) / X_ROWS, lines = (W_ROWS + passes - 1) / passes;
+  const char *ahead = (const char *)(w + AHEAD);
+  for (int m0 = 0; m0 < M; m0 += X_ROWS) {
+    const float *xm = x + (long)m0 * K;
+    float *out = y + m0 * ldy;
+    switch (M - m0 < X_ROWS ? M - m0 : X_ROWS) {
+      case 4: group_4(w, xm, K, out, ldy, &ahead, lines); break;
+      case 3: group_3(w, xm, K, out, ldy, &ahead, lines); break;
+      case 2: group_2(w, xm, K, out, ldy, &ahead, lines); break;
+      default: group_1(w, xm, K, out, ldy, &ahead, lines);
+    }
+  }
+}
+
+/* one weight row (a matrix's last, short of a tile) times the M rows of x */
+static void single_row(const float *w, const float *x, int M, int K, float *y, long ldy) {
+  for (int m = 0; m < M; m++) y[m * ldy] += dot(w, x + (long)m * K, K);
+}
 
 /* y (M x width, width = sum of N) = x times the matrices, plus their biases; with `accumulate`, added
    to what y holds. Called by every thread of a parallel region: the work is shared among them. */
@@ -106,13 +141,10 @@ static void multiply(const float *x, int M, int K, int n_mats, const float *cons
     while (first >= (N[j] + W_ROWS - 1) / W_ROWS) first -= (N[j] + W_ROWS - 1) / W_ROWS, offset += N[j], j++;
     int n = (int)(W_ROWS * first), rows = N[j] - n < W_ROWS ? N[j] - n : W_ROWS;
     const float *w = W[j] + (long)n * K;
-    for (int m0 = 0; m0 < M; m0 += X_ROWS) {
-      int mb = M - m0 < X_ROWS ? M - m0 : X_ROWS;
-      float *out = y + m0 * width + offset + n;
-      if (rows == W_ROWS) full_tiles[mb](w, x + (long)m0 * K, K, out, width);
-      else /* a matrix's last rows, short of a tile */
-        for (int r = 0; r < rows; r++) single_row_tiles[mb](w + (long)r * K, x + (long)m0 * K, K, out + r, width);
-    }
+    float *out = y + offset + n;
+    if (rows == W_ROWS) tile(w, x, M, K, out, width);
+    else /* a matrix's last rows, short of a tile */
+      for (int r = 0; r < rows; r++) single_row(w + (long)r * K, x, M, K, out + r, width);
   }
 }
 
@@ -123,18 +155,6 @@ void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *
 }
 
 /* ---- a whole decode step of a Llama-family layer stack, one token per row ------------------------------ */
-
-/* sum of a[i] * b[i] */
-static inline float dot(const float *a, const float *b, int n) {
-  __m512 acc = _mm512_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
 
 /* y[i] += a * x[i] */
 static inline void add_scaled(float *y, float a, const float *x, int n) {
