@@ -113,7 +113,8 @@ def odd_llama(vocab_size: int):
 
 @pytest.mark.parametrize("build", ["llama", "odd llama"])
 def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer, build):
-    """Prompts of different lengths (padding), rows leaving and repeating between steps (``keep``)."""
+    """Prompts of different lengths (padding), rows leaving (the kernel then reads each row's cache
+    where it lies) and repeating (a copy of the cache) between steps (``keep``)."""
     from covey.decoder import LeanDecoder
     from covey.rollout import left_pad
     from tests.conftest import make_model
@@ -132,14 +133,29 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
         logits = [decoder.prefill(ids, mask, positions, 3)]
         rows, position = torch.arange(6), positions[:, -1].repeat_interleave(3) + 1
         for t in range(9):
-            if t in (3, 6):  # some rows finish, one is repeated
-                keep = torch.tensor([0, 2, 5, 5]) if t == 3 else torch.tensor([1, 3])
+            keep = {3: [5, 0, 2], 5: [2, 0, 0, 1], 7: [3, 1]}.get(t)  # rows leave, one is repeated, rows leave
+            if keep is not None:
+                keep = torch.tensor(keep)
                 decoder.keep(keep)
                 rows, position = rows[keep], position[keep]
             logits.append(decoder.step(tokens[rows, t], position + t))
         runs[products] = logits
     for kernel, plain in zip(runs["kernel"], runs["plain"]):
         assert torch.allclose(kernel, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
+    """The C step indexes the cache by them: a wrong slot is refused before it runs."""
+    from covey.decoder import LeanDecoder
+
+    skip_without_kernel()
+    decoder = LeanDecoder(tiny_model, torch.float32, max_length=8, multiply="kernel")
+    decoder.prefill(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[0, 1]]), 2)
+    x = decoder.embed(torch.tensor([7, 8])).float()
+    cos, sin = (t[:, 0].contiguous() for t in decoder.rotary(x, torch.tensor([[2], [2]])))
+    for slots in (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1]), torch.tensor([0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="slots"):
+            decoder.layer_stack.step(x, cos, sin, decoder.valid_BL, slots, 2, decoder.keys, decoder.values)
 
 
 def test_a_kernel_that_disagrees_with_linear_is_turned_away_with_a_warning(fresh_build, monkeypatch):

@@ -198,13 +198,13 @@ enum { Q, K_, V_, Q_BIAS, K_BIAS, V_BIAS, O, O_BIAS, GATE, UP, DOWN, GATE_BIAS, 
 
 int covey_layer_pointers(void) { return LAYER_POINTERS; }
 
-/* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Each row's new key and
-   value go to cache position `position` of its row of KEYS/VALUES (B x n_kv x max_length x hd); a row
-   attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin (B x hd): the
+/* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Row b's cache is row
+   slots[b] of KEYS/VALUES (n x n_kv x max_length x hd): its new key and value go to position `position`
+   there, and it attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin (B x hd): the
    rotary embedding of each row's position. Returns 0, or -1 (and changes nothing) when its scratch memory
    cannot be had. */
 int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
-                       float scale, const float *cos, const float *sin, const unsigned char *attend, int position,
+                       float scale, const float *cos, const float *sin, const unsigned char *attend, const int *slots, int position,
                        int max_length, void *const *layers, int threads) {
   int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
   int per_group = n_heads / n_kv;
@@ -237,7 +237,7 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
         for (int d = 0; d < hd; d++) rotated[d] = t[d] * c[d] + (d < half ? -t[d + half] : t[d - half]) * s[d];
         if (h < n_heads) memcpy(t, rotated, sizeof(float) * hd);
         else {
-          long at = (((long)b * n_kv + (h - n_heads)) * max_length + position) * hd;
+          long at = (((long)slots[b] * n_kv + (h - n_heads)) * max_length + position) * hd;
           memcpy(keys + at, rotated, sizeof(float) * hd);
           memcpy(values + at, t + kv_width, sizeof(float) * hd);
         }
@@ -247,7 +247,8 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
       for (int bh = 0; bh < B * n_heads; bh++) {
         int b = bh / n_heads, h = bh % n_heads, g = h / per_group;
         const float *q = qkv + (long)b * qkv_width + (long)h * hd;
-        const float *k = keys + ((long)b * n_kv + g) * max_length * hd, *v = values + ((long)b * n_kv + g) * max_length * hd;
+        long cache = ((long)slots[b] * n_kv + g) * max_length * hd;
+        const float *k = keys + cache, *v = values + cache;
         const unsigned char *seen = attend + (long)b * max_length;
         float top = -INFINITY;
         for (int t = 0; t <= position; t++) {

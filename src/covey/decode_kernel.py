@@ -102,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
     function.restype = None
     step = library.covey_decode_step
     step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
-                     ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
+                     _pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
     step.restype = ctypes.c_int
     if not _agrees_with_linear(library):
         warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
@@ -186,18 +186,20 @@ class LayerStack:
         self.intermediate = self.tensors[names.index("mlp.gate_proj.weight")].shape[0]
         self.pointers = (_pointer * len(pointers))(*pointers)
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, position: int,
-             keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Run every layer on x (B, hidden), in place. Each row's key and value go to cache position
-        ``position`` of ``keys``/``values`` (each (B, kv heads, max length, head dim)); it attends to the
-        positions up to that one where ``attend`` (B, max length, bool) is True. cos/sin (B, head dim):
-        the rotary embedding of each row's position."""
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, slots: torch.Tensor,
+             position: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Run every layer on x (B, hidden), in place. Row b's cache is row ``slots[b]`` (int32) of
+        ``keys``/``values`` (each (n, kv heads, max length, head dim)): its key and value go to position
+        ``position`` there, and it attends to the positions up to that one where ``attend`` (B, max
+        length, bool) is True. cos/sin (B, head dim): the rotary embedding of each row's position."""
+        if slots.dtype != torch.int32 or len(slots) != len(x) or not 0 <= int(slots.min()) <= int(slots.max()) < len(keys[0]):
+            raise ValueError(f"slots must be {len(x)} int32 rows of a cache of {len(keys[0])}")
         n_heads, n_kv_heads, head_dim = self.shape
         for i, (k, v) in enumerate(zip(keys, values)):
             self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
             self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
         B, H = x.shape
         if self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
-                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), position, attend.shape[1],
+                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(), position, attend.shape[1],
                          self.pointers, torch.get_num_threads()) != 0:
             raise MemoryError(f"the decode kernel could not allocate its scratch memory for {B} rows")

@@ -171,6 +171,8 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
         self.valid_BL: torch.Tensor | None = None  # (B, max_length) which cache positions hold real tokens
+        # with the kernel, row b's cache is row slots_B[b] of keys/values: rows leave without a copy
+        self.slots_B: torch.Tensor | None = None
 
     def _choose_products(self, weights: dict, n_layers: int, head_name: str, model_dtype: torch.dtype,
                          full_model: bool, choice: str) -> list[tuple[int, Products]]:
@@ -222,6 +224,7 @@ class LeanDecoder:
         # every query may see itself, so the padding positions never attend to nothing (NaN)
         attend = (causal & self.valid_BL[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
         logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]
+        self.slots_B = torch.arange(N, dtype=torch.int32)
         if repeats > 1:
             self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
         return logits.repeat_interleave(repeats, dim=0)
@@ -234,7 +237,7 @@ class LeanDecoder:
         if self.layer_stack is not None:
             x = self.embed(ids_B).float()
             cos, sin = (t[:, 0].contiguous() for t in self.rotary(x, positions_B[:, None]))
-            self.layer_stack.step(x, cos, sin, self.valid_BL, self.length, self.keys, self.values)
+            self.layer_stack.step(x, cos, sin, self.valid_BL, self.slots_B, self.length, self.keys, self.values)
             self.length += 1
             return self.products_for(len(ids_B)).head(self._rms_norm(x, self.norm)).float()
         attend = self.valid_BL[:, None, None, : self.length + 1]
@@ -242,9 +245,16 @@ class LeanDecoder:
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the cache (in this order; an index may repeat)."""
+        self.valid_BL = self.valid_BL[rows]
+        if self.layer_stack is not None and len(rows.unique()) == len(rows):
+            # the kernel's steps read each row's cache where it lies (the only forwards that follow;
+            # a prefill starts a new cache)
+            self.slots_B = self.slots_B[rows.cpu()]
+            return
+        rows = self.slots_B.to(rows.device)[rows]
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
-        self.valid_BL = self.valid_BL[rows]
+        self.slots_B = torch.arange(len(rows), dtype=torch.int32)
 
     # ---- the model ----------------------------------------------------------------------------
 
