@@ -200,12 +200,12 @@ int covey_layer_pointers(void) { return LAYER_POINTERS; }
 
 /* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Row b's cache is row
    slots[b] of KEYS/VALUES (n x n_kv x max_length x hd): its new key and value go to position `position`
-   there, and it attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin (B x hd): the
-   rotary embedding of each row's position. Returns 0, or -1 (and changes nothing) when its scratch memory
-   cannot be had. */
+   there, and it attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin
+   (B x hd): the rotary embedding of each row's position. Returns 0, or -1 (and changes nothing) when its
+   scratch memory cannot be had. */
 int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
-                       float scale, const float *cos, const float *sin, const unsigned char *attend, const int *slots, int position,
-                       int max_length, void *const *layers, int threads) {
+                       float scale, const float *cos, const float *sin, const unsigned char *attend,
+                       const int *slots, int position, int max_length, void *const *layers, int threads) {
   int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
   int per_group = n_heads / n_kv;
   float *normed = malloc(sizeof(float) * B * (H > I ? H : I));

@@ -192,14 +192,15 @@ class LayerStack:
         ``keys``/``values`` (each (n, kv heads, max length, head dim)): its key and value go to position
         ``position`` there, and it attends to the positions up to that one where ``attend`` (B, max
         length, bool) is True. cos/sin (B, head dim): the rotary embedding of each row's position."""
-        if slots.dtype != torch.int32 or len(slots) != len(x) or not 0 <= int(slots.min()) <= int(slots.max()) < len(keys[0]):
-            raise ValueError(f"slots must be {len(x)} int32 rows of a cache of {len(keys[0])}")
+        n_slots = len(keys[0])
+        if slots.dtype != torch.int32 or len(slots) != len(x) or not 0 <= int(slots.min()) <= int(slots.max()) < n_slots:
+            raise ValueError(f"slots must be {len(x)} int32 rows of a cache of {n_slots}")
         n_heads, n_kv_heads, head_dim = self.shape
         for i, (k, v) in enumerate(zip(keys, values)):
             self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
             self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
         B, H = x.shape
         if self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
-                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(), position, attend.shape[1],
-                         self.pointers, torch.get_num_threads()) != 0:
+                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(), position,
+                         attend.shape[1], self.pointers, torch.get_num_threads()) != 0:
             raise MemoryError(f"the decode kernel could not allocate its scratch memory for {B} rows")
