@@ -192,8 +192,9 @@ static void rms_norm(const float *x, int M, int H, const float *weight, float ep
   }
 }
 
-/* The pointers of one layer, in this order (biases may be NULL). */
-enum { Q, K_, V_, Q_BIAS, K_BIAS, V_BIAS, O, O_BIAS, GATE, UP, DOWN, GATE_BIAS, UP_BIAS, DOWN_BIAS, ATTN_NORM,
+/* The pointers of one layer, in this order (biases may be NULL): its products as LayerStack.PRODUCTS
+   lists them, each its weights then its biases; its norms; its cache. */
+enum { Q, K_, V_, Q_BIAS, K_BIAS, V_BIAS, O, O_BIAS, GATE, UP, GATE_BIAS, UP_BIAS, DOWN, DOWN_BIAS, ATTN_NORM,
        MLP_NORM, KEYS, VALUES, LAYER_POINTERS };
 
 int covey_layer_pointers(void) { return LAYER_POINTERS; }

@@ -158,32 +158,34 @@ def matrices(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
 
 
 class LayerStack:
-    """The layers of a Llama-family model for a whole decode step in one call (``decode_step``): norms,
+    """The layers of a Llama-family model for a whole decode step in one call (``step``): norms,
     products, rotary embedding, cache writes, attention and the MLP, one token per row, in float32 on
     the model's own matrices. Only where ``available()``.
 
-    ``take(name)`` gives a float32 weight or bias by its name in the model (None if absent); ``norms``
-    the (attention, MLP) norm weights of each layer."""
+    ``layers``: each layer's (weight, bias) of its products by name (``decoder.layer_parts``; biases
+    may be None); ``norms`` the (attention, MLP) norm weights of each layer."""
 
-    def __init__(self, take, norms: list[tuple[torch.Tensor, torch.Tensor]], n_heads: int, n_kv_heads: int,
-                 head_dim: int, eps: float, scale: float):
+    # the C step takes a layer's products in this order, each its weights then its biases
+    PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, layers: list[dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]],
+                 norms: list[tuple[torch.Tensor, torch.Tensor]], n_heads: int, n_kv_heads: int, head_dim: int,
+                 eps: float, scale: float):
         library = _library()
         self.function = library.covey_decode_step
         self.per_layer = library.covey_layer_pointers()
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.eps, self.scale = eps, scale
-        names = [*(f"self_attn.{p}_proj.weight" for p in "qkv"), *(f"self_attn.{p}_proj.bias" for p in "qkv"),
-                 "self_attn.o_proj.weight", "self_attn.o_proj.bias",
-                 *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")), *(f"mlp.{p}_proj.bias" for p in ("gate", "up", "down"))]
         self.tensors = []  # the kernel reads them through the pointers: held here
         pointers = []
-        for i, (attn_norm, mlp_norm) in enumerate(norms):
-            layer = [take(f"model.layers.{i}.{name}") for name in names] + [attn_norm, mlp_norm]
+        for products, (attn_norm, mlp_norm) in zip(layers, norms):
+            layer = [t for name in self.PRODUCTS for t in [w for w, _ in products[name]] + [b for _, b in products[name]]]
+            layer += [attn_norm, mlp_norm]
             if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in layer):
                 raise ValueError("the decode step multiplies contiguous float32 matrices")
             self.tensors += layer
             pointers += [t.data_ptr() if t is not None else None for t in layer] + [None, None]  # the cache's, per step
-        self.intermediate = self.tensors[names.index("mlp.gate_proj.weight")].shape[0]
+        self.intermediate = layers[0]["gate_up"][0][0].shape[0]
         self.pointers = (_pointer * len(pointers))(*pointers)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, slots: torch.Tensor,

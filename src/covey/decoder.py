@@ -104,21 +104,28 @@ class Products:
         """``take(name)`` gives a weight or bias (None if absent); ``head_name`` names the output head's
         matrix (the embedding's when tied); ``multiply(parts)`` gives the function of a list of
         (weight, bias) whose outputs sit side by side."""
-        def project(prefix, parts):
-            ws = [take(f"{prefix}.{p}.weight") for p in parts]
-            bs = [take(f"{prefix}.{p}.bias") for p in parts]
-            if any(b is not None for b in bs):
-                bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
-            return multiply(list(zip(ws, bs)))
-
-        layers = []
-        for i in range(n_layers):
-            p = f"model.layers.{i}"
-            layers.append(dict(qkv=project(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
-                               o=project(f"{p}.self_attn", ("o_proj",)),
-                               gate_up=project(f"{p}.mlp", ("gate_proj", "up_proj")),
-                               down=project(f"{p}.mlp", ("down_proj",))))
+        layers = [{name: multiply(parts) for name, parts in layer_parts(take, i).items()} for i in range(n_layers)]
         return Products(layers, multiply([(take(head_name), take("lm_head.bias"))]), kind)
+
+
+# The matrix products of a Llama-family layer, in the order a forward runs them: each the module and
+# the matrices whose outputs sit side by side
+LAYER_PRODUCTS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
+                  "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+
+
+def layer_parts(take: Callable, i: int) -> dict[str, list[tuple]]:
+    """Layer i's (weight, bias) of each product of ``LAYER_PRODUCTS``, by ``take(name)`` (None if
+    absent). Where one matrix of a product has a bias, the others get zero ones."""
+    products = {}
+    for name, (module, matrices) in LAYER_PRODUCTS.items():
+        prefix = f"model.layers.{i}.{module}"
+        ws = [take(f"{prefix}.{m}.weight") for m in matrices]
+        bs = [take(f"{prefix}.{m}.bias") for m in matrices]
+        if any(b is not None for b in bs):
+            bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
+        products[name] = list(zip(ws, bs))
+    return products
 
 
 def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
@@ -164,8 +171,9 @@ class LeanDecoder:
         self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
                                               full_model=plain_model(model) is model, choice=multiply)
         # with covey's kernel, a decode step's layers run in one call of it
-        self.layer_stack = (decode_kernel.LayerStack(weights.get, self.norms, self.n_heads, self.n_kv_heads,
-                                                     self.head_dim, self.eps, self.scale)
+        self.layer_stack = (decode_kernel.LayerStack([layer_parts(weights.get, i) for i in range(n_layers)],
+                                                     self.norms, self.n_heads, self.n_kv_heads, self.head_dim,
+                                                     self.eps, self.scale)
                             if self.products_for(1).kind == "kernel" else None)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
