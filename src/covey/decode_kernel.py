@@ -179,7 +179,10 @@ class LayerStack:
         self.tensors = []  # the kernel reads them through the pointers: held here
         pointers = []
         for products, (attn_norm, mlp_norm) in zip(layers, norms):
-            layer = [t for name in self.PRODUCTS for t in [w for w, _ in products[name]] + [b for _, b in products[name]]]
+            layer = []
+            for name in self.PRODUCTS:
+                weights, biases = zip(*products[name])
+                layer += [*weights, *biases]
             layer += [attn_norm, mlp_norm]
             if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in layer):
                 raise ValueError("the decode step multiplies contiguous float32 matrices")
