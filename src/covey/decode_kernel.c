@@ -1,5 +1,5 @@
-/* covey's decode kernel (float32, AVX-512), loaded by covey/decode_kernel.py, which builds it with
-   -march=native for the CPU it runs on.
+/* covey's decode kernel (AVX-512; bfloat16 weights through AMX tiles), loaded by covey/decode_kernel.py,
+   which builds it with -march=native for the CPU it runs on.
 
    covey_decode_linear: a few rows of activations x (M x K) times a list of weight matrices W_j (N_j x K,
    row-major, as a model holds them), outputs side by side:
@@ -9,12 +9,15 @@
    libraries do not do for so few rows), and multiplies 4 weight rows by up to 4 rows of x at a time in
    registers; with more rows of x, a tile of weight rows makes several passes, and the prefetches are
    spread over them. Every output is summed in the same order whatever the number of threads.
+   bfloat16 weights (where the CPU has AMX) multiply x rounded to bfloat16, 16 weight rows by 16 rows of x
+   per tile product, sums in float32: the products then cost next to nothing beside the stream.
 
    covey_decode_step: one token per row through a whole Llama-family layer stack (norms, products,
    rotary embedding, cache writes, attention, MLP) in one parallel region. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -122,36 +125,147 @@ static void single_row(const float *w, const float *x, int M, int K, float *y, l
   for (int m = 0; m < M; m++) y[m * ldy] += dot(w, x + (long)m * K, K);
 }
 
+/* ---- bfloat16 weights, through AMX tiles ----------------------------------------------------------- */
+
+/* A bfloat16 matrix (N x K) comes laid out in tiles (decode_kernel.py's `tile_bf16`): per 16 rows, per 32
+   columns, the 16 x 32 block's rows one after another (1 KB), zero-padded to whole tiles, so that the stream
+   is one run of memory in the order it is multiplied. Each tile product: A, such a block; B, the same 32
+   columns of 16 rows of x, rounded to bfloat16 and laid out in pairs of columns (`pack_x`, once per
+   product); C, the 16 x 16 float32 sums. */
+#define T_ROWS 16 /* weight rows, and rows of x, per tile */
+#define CHUNK 32  /* columns per tile */
+#define TILE_BYTES 1024
+#define AHEAD_BYTES 8192 /* of the weight stream, prefetched ahead of the tile multiplied */
+
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+/* Asks Linux for the AMX tile state, which a process needs before its first tile instruction. 0 if granted. */
+int covey_amx_ready(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* tile data */) == 0 ? 0 : -1; }
+
+/* tiles 0 (A), 1 and 2 (B), 3 and 4 (C): 16 rows of 64 bytes each */
+AMX static void configure_tiles(void) {
+  struct { uint8_t palette, start_row, reserved[14]; uint16_t bytes[16]; uint8_t rows[16]; } config = {0};
+  config.palette = 1;
+  for (int t = 0; t < 5; t++) config.bytes[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+AMX static void release_tiles(void) { _tile_release(); }
+
+/* x (M x K) rounded to bfloat16 into `packed`: per block of 16 rows of x and per 32 columns, 16 pairs of
+   columns x 16 rows (rows past M and columns past K zero). */
+AMX static void pack_x(const float *x, int M, int K, uint32_t *packed) {
+  int chunks = (K + CHUNK - 1) / CHUNK, blocks = (M + T_ROWS - 1) / T_ROWS;
+  __m512i to_pair = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm512_set1_epi32(T_ROWS));
+#pragma omp for schedule(static)
+  for (int bc = 0; bc < blocks * chunks; bc++) { /* a thread fills whole tiles: no cache line is shared */
+    int k = bc % chunks * CHUNK;
+    for (int r = 0; r < T_ROWS; r++) {
+      int m = bc / chunks * T_ROWS + r, left = m < M ? K - k : 0;
+      __mmask16 low = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+      __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+      const float *row = x + (long)(m < M ? m : 0) * K + k;
+      __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + 16), _mm512_maskz_loadu_ps(low, row));
+      _mm512_i32scatter_epi32(packed + (long)bc * 256 + r, to_pair, (__m512i)pairs, 4);
+    }
+  }
+}
+
+/* The tiles of `rows` (at most 16) weight rows at w, times the M rows of x packed; the sums added to
+   y[m * ldy + r]. Prefetches the stream AHEAD_BYTES on. */
+AMX static void tile_bf16(const uint16_t *w, int rows, const uint32_t *packed, int M, int K, float *y, long ldy) {
+  int chunks = (K + CHUNK - 1) / CHUNK, blocks = (M + T_ROWS - 1) / T_ROWS;
+  const char *ahead = (const char *)w + AHEAD_BYTES;
+  float sums[T_ROWS * T_ROWS];
+  for (int b = 0; b < blocks; b += 2) { /* two blocks of 16 rows of x at a time */
+    const uint32_t *first = packed + (long)b * chunks * 256, *second = first + (long)chunks * 256;
+    _tile_zero(3);
+    _tile_zero(4);
+    for (int c = 0; c < chunks; c++) {
+      if (b == 0)
+        for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(ahead + (long)c * TILE_BYTES + line, _MM_HINT_T0);
+      _tile_loadd(0, w + (long)c * T_ROWS * CHUNK, 64);
+      _tile_loadd(1, first + c * 256, 64);
+      _tile_dpbf16ps(3, 0, 1);
+      if (b + 1 < blocks) {
+        _tile_loadd(2, second + c * 256, 64);
+        _tile_dpbf16ps(4, 0, 2);
+      }
+    }
+    for (int half = 0; half < 2 && b + half < blocks; half++) {
+      if (half == 0) _tile_stored(3, sums, 64);
+      else _tile_stored(4, sums, 64);
+      int m0 = (b + half) * T_ROWS, mb = M - m0 < T_ROWS ? M - m0 : T_ROWS;
+      for (int r = 0; r < rows; r++)
+        for (int m = 0; m < mb; m++) y[(m0 + m) * ldy + r] += sums[r * T_ROWS + m];
+    }
+  }
+}
+#else
+int covey_amx_ready(void) { return -1; }
+#endif
+
+/* room for M rows of K columns of x packed for the tile products */
+static uint32_t *alloc_packed_x(int M, int K) {
+  return malloc(sizeof(uint32_t) * ((M + T_ROWS - 1) / T_ROWS) * ((K + CHUNK - 1) / CHUNK) * 256);
+}
+
 /* y (M x width, width = sum of N) = x times the matrices, plus their biases; with `accumulate`, added
-   to what y holds. Called by every thread of a parallel region: the work is shared among them. */
-static void multiply(const float *x, int M, int K, int n_mats, const float *const *W, const float *const *b,
-                     const int *N, float *y, int accumulate) {
-  long width = 0, tiles = 0; /* y's row length; tiles of W_ROWS weight rows over all matrices */
-  for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + W_ROWS - 1) / W_ROWS;
+   to what y holds. The matrices are float32, or bfloat16 in tiles given `packed_x` (room for x packed;
+   the biases float32 either way). Called by every thread of a parallel region: the work is shared among
+   them. */
+static void multiply(const float *x, int M, int K, int n_mats, const void *const *W, const float *const *b,
+                     const int *N, float *y, int accumulate, uint32_t *packed_x) {
+  int per_tile = packed_x ? T_ROWS : W_ROWS;
+  long width = 0, tiles = 0; /* y's row length; tiles of weight rows over all matrices */
+  for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + per_tile - 1) / per_tile;
 #pragma omp for schedule(static)
   for (int m = 0; m < M; m++) { /* the bias (or zero) first: the tiles add to it */
     float *row = y + m * width;
     for (int j = 0; j < n_mats; row += N[j], j++)
       for (int n = 0; n < N[j]; n++) row[n] = (accumulate ? row[n] : 0.0f) + (b[j] ? b[j][n] : 0.0f);
   }
+#ifdef AMX
+  if (packed_x) pack_x(x, M, K, packed_x), configure_tiles();
+#endif
 #pragma omp for schedule(static)
   for (long t = 0; t < tiles; t++) {
     int j = 0;
     long first = t, offset = 0; /* tile t is tile `first` of matrix j, whose outputs start at `offset` */
-    while (first >= (N[j] + W_ROWS - 1) / W_ROWS) first -= (N[j] + W_ROWS - 1) / W_ROWS, offset += N[j], j++;
-    int n = (int)(W_ROWS * first), rows = N[j] - n < W_ROWS ? N[j] - n : W_ROWS;
-    const float *w = W[j] + (long)n * K;
+    while (first >= (N[j] + per_tile - 1) / per_tile) first -= (N[j] + per_tile - 1) / per_tile, offset += N[j], j++;
+    int n = (int)(per_tile * first), rows = N[j] - n < per_tile ? N[j] - n : per_tile;
     float *out = y + offset + n;
+#ifdef AMX
+    if (packed_x) {
+      long per_tile_weights = (long)(K + CHUNK - 1) / CHUNK * T_ROWS * CHUNK;
+      tile_bf16((const uint16_t *)W[j] + first * per_tile_weights, rows, packed_x, M, K, out, width);
+      continue;
+    }
+#endif
+    const float *w = (const float *)W[j] + (long)n * K;
     if (rows == W_ROWS) tile(w, x, M, K, out, width);
     else /* a matrix's last rows, short of a tile */
       for (int r = 0; r < rows; r++) single_row(w + (long)r * K, x, M, K, out + r, width);
   }
+#ifdef AMX
+  if (packed_x) release_tiles();
+#endif
 }
 
-void covey_decode_linear(const float *x, int M, int K, int n_mats, const float *const *W, const float *const *b,
-                         const int *N, float *y, int threads) {
+/* The matrices float32, or bfloat16 in tiles given `bf16`. Returns 0, or -1 (and computes nothing) when the
+   room for x packed cannot be had. */
+int covey_decode_linear(const float *x, int M, int K, int n_mats, const void *const *W, const float *const *b,
+                        const int *N, float *y, int bf16, int threads) {
+  uint32_t *packed_x = bf16 ? alloc_packed_x(M, K) : NULL;
+  if (bf16 && !packed_x) return -1;
 #pragma omp parallel num_threads(threads)
-  multiply(x, M, K, n_mats, W, b, N, y, 0);
+  multiply(x, M, K, n_mats, W, b, N, y, 0, packed_x);
+  free(packed_x);
+  return 0;
 }
 
 /* ---- a whole decode step of a Llama-family layer stack, one token per row ------------------------------ */
@@ -202,11 +316,13 @@ int covey_layer_pointers(void) { return LAYER_POINTERS; }
 /* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Row b's cache is row
    slots[b] of KEYS/VALUES (n x n_kv x max_length x hd): its new key and value go to position `position`
    there, and it attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin
-   (B x hd): the rotary embedding of each row's position. Returns 0, or -1 (and changes nothing) when its
-   scratch memory cannot be had. */
+   (B x hd): the rotary embedding of each row's position. The products' matrices are float32, or bfloat16
+   in tiles given `bf16`; everything else is float32. Returns 0, or -1 (and changes nothing) when its scratch memory
+   cannot be had. */
 int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
                        float scale, const float *cos, const float *sin, const unsigned char *attend,
-                       const int *slots, int position, int max_length, void *const *layers, int threads) {
+                       const int *slots, int position, int max_length, void *const *layers, int bf16,
+                       int threads) {
   int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
   int per_group = n_heads / n_kv;
   float *normed = malloc(sizeof(float) * B * (H > I ? H : I));
@@ -215,8 +331,10 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
   float *gate_up = malloc(sizeof(float) * B * 2 * I);
   long own = position + 1 + hd; /* each thread's scratch: attention scores, a rotated head */
   float *scratch = malloc(sizeof(float) * own * threads);
-  if (!normed || !qkv || !attn || !gate_up || !scratch) {
-    free(normed), free(qkv), free(attn), free(gate_up), free(scratch);
+  int widest = H > I ? H : I; /* the products' longest rows of x */
+  uint32_t *x16 = bf16 ? alloc_packed_x(B, widest > q_width ? widest : q_width) : NULL;
+  if (!normed || !qkv || !attn || !gate_up || !scratch || (bf16 && !x16)) {
+    free(normed), free(qkv), free(attn), free(gate_up), free(scratch), free(x16);
     return -1;
   }
 #pragma omp parallel num_threads(threads)
@@ -224,11 +342,12 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
     float *scores = scratch + own * omp_get_thread_num(), *rotated = scores + position + 1;
     for (int l = 0; l < n_layers; l++) {
       void *const *p = layers + (long)l * LAYER_POINTERS;
-      const float *qkv_w[3] = {p[Q], p[K_], p[V_]}, *qkv_b[3] = {p[Q_BIAS], p[K_BIAS], p[V_BIAS]};
+      const void *qkv_w[3] = {p[Q], p[K_], p[V_]};
+      const float *qkv_b[3] = {p[Q_BIAS], p[K_BIAS], p[V_BIAS]};
       const int qkv_n[3] = {q_width, kv_width, kv_width};
       float *keys = p[KEYS], *values = p[VALUES];
       rms_norm(x, B, H, p[ATTN_NORM], eps, normed);
-      multiply(normed, B, H, 3, qkv_w, qkv_b, qkv_n, qkv, 0);
+      multiply(normed, B, H, 3, qkv_w, qkv_b, qkv_n, qkv, 0, x16);
       /* rotary embedding of the query and key heads; the key and value into the cache */
 #pragma omp for schedule(static)
       for (int bh = 0; bh < B * (n_heads + n_kv); bh++) {
@@ -277,12 +396,14 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
           if (seen[t]) add_scaled(out, scores[t], v + (long)t * hd, hd);
         for (int d = 0; d < hd; d++) out[d] /= total;
       }
-      const float *o_w[1] = {p[O]}, *o_b[1] = {p[O_BIAS]};
-      multiply(attn, B, q_width, 1, o_w, o_b, &H, x, 1);
+      const void *o_w[1] = {p[O]};
+      const float *o_b[1] = {p[O_BIAS]};
+      multiply(attn, B, q_width, 1, o_w, o_b, &H, x, 1, x16);
       rms_norm(x, B, H, p[MLP_NORM], eps, normed);
-      const float *gu_w[2] = {p[GATE], p[UP]}, *gu_b[2] = {p[GATE_BIAS], p[UP_BIAS]};
+      const void *gu_w[2] = {p[GATE], p[UP]};
+      const float *gu_b[2] = {p[GATE_BIAS], p[UP_BIAS]};
       const int gu_n[2] = {I, I};
-      multiply(normed, B, H, 2, gu_w, gu_b, gu_n, gate_up, 0);
+      multiply(normed, B, H, 2, gu_w, gu_b, gu_n, gate_up, 0, x16);
 #pragma omp for schedule(static)
       for (int m = 0; m < B; m++) { /* silu(gate) * up */
         const float *gate = gate_up + (long)m * 2 * I, *up = gate + I;
@@ -295,10 +416,11 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
         }
         for (; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
       }
-      const float *down_w[1] = {p[DOWN]}, *down_b[1] = {p[DOWN_BIAS]};
-      multiply(normed, B, I, 1, down_w, down_b, &H, x, 1);
+      const void *down_w[1] = {p[DOWN]};
+      const float *down_b[1] = {p[DOWN_BIAS]};
+      multiply(normed, B, I, 1, down_w, down_b, &H, x, 1, x16);
     }
   }
-  free(normed), free(qkv), free(attn), free(gate_up), free(scratch);
+  free(normed), free(qkv), free(attn), free(gate_up), free(scratch), free(x16);
   return 0;
 }

@@ -1,17 +1,20 @@
-"""covey's own decode kernel for CPUs (``decode_kernel.c``), float32.
+"""covey's own decode kernel for CPUs (``decode_kernel.c``): float32, and bfloat16 where the CPU has AMX.
 
 At a decode step's 1-32 rows, a matrix product is bound by streaming the weights from memory, and
 general matrix libraries stream them well below the machine's bandwidth there; the rest of a step
 (norms, rotary embedding, attention over a short cache, the MLP's activation) is hundreds of small
 torch operations, each paying its dispatch. The kernel streams each weight row once, prefetching far
 ahead, on the model's matrices as they are (no second copy), and runs a whole step of the layer
-stack in one call: ``matrices`` for products alone, ``LayerStack`` for the whole step.
+stack in one call: ``matrices`` for products alone, ``LayerStack`` for the whole step. In bfloat16
+the matrices are laid out once in AMX tiles (``tile_bf16``), x is rounded to bfloat16 at each product,
+and everything else (sums, norms, attention, the cache) stays float32.
 
 It is compiled on first use with the system C compiler for this CPU (``-march=native``) into covey's
 cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``), and runs on PyTorch's own OpenMP
 threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot
 run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
-``COVEY_DECODE_KERNEL=0`` in the environment. Measured in BENCHMARKS.md.
+``COVEY_DECODE_KERNEL=0`` in the environment; ``available(torch.bfloat16)`` besides needs AMX (and
+Linux's leave to use it). Measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,36 +102,78 @@ def _library() -> ctypes.CDLL | None:
         return None
     function = library.covey_decode_linear
     function.argtypes = [_pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, _pointer, _pointer, _pointer,
-                         _pointer, ctypes.c_int]
-    function.restype = None
+                         _pointer, ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
     step = library.covey_decode_step
     step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
-                     _pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
+                     _pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int, ctypes.c_int]
     step.restype = ctypes.c_int
-    if not _agrees_with_linear(library):
+    if not _agrees_with_linear(library, torch.float32):
         warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
                       "uses the general matrix products; please report it", RuntimeWarning, stacklevel=3)
         return None
     return library
 
 
-def _agrees_with_linear(library: ctypes.CDLL) -> bool:
-    """The kernel's products equal ``F.linear``'s on odd shapes (tails of rows and columns, biases)."""
+@functools.cache
+def _amx_library() -> ctypes.CDLL | None:
+    """The library, where its bfloat16 products run: the CPU has AMX, Linux lets this process use it,
+    and they agree with ``F.linear``."""
+    library = _library()
+    if library is None or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(_cpu_flags().split()) \
+            or library.covey_amx_ready() != 0:
+        return None
+    if not _agrees_with_linear(library, torch.bfloat16):
+        warnings.warn("covey's decode kernel gave other bfloat16 products than F.linear on this machine, so "
+                      "sampling in bfloat16 uses the general matrix products; please report it", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return library
+
+
+def _agrees_with_linear(library: ctypes.CDLL, dtype: torch.dtype) -> bool:
+    """The kernel's products equal ``F.linear``'s on odd shapes (tails of rows and columns, biases); in
+    bfloat16, those of x rounded to bfloat16, summed in float32."""
     generator = torch.Generator().manual_seed(0)
-    parts = [(torch.randn(9, 37, generator=generator), torch.randn(9, generator=generator)),
-             (torch.randn(6, 37, generator=generator), None)]
+    parts = [(torch.randn(9, 37, generator=generator).to(dtype), torch.randn(9, generator=generator)),
+             (torch.randn(6, 37, generator=generator).to(dtype), None)]
     x = torch.randn(7, 37, generator=generator)
-    expected = torch.cat([F.linear(x, w, b) for w, b in parts], -1)
+    expected = torch.cat([F.linear(x.to(dtype).float(), w.float(), b) for w, b in parts], -1)
+    if dtype == torch.bfloat16:
+        parts = [(tile_bf16(w), b) for w, b in parts]
     return torch.allclose(_Matrices(library, parts)(x), expected, atol=1e-5)
+
+
+@dataclass
+class BF16Tiles:
+    """A bfloat16 matrix of ``shape`` laid out for the kernel's AMX products (``tile_bf16``)."""
+
+    tiles: torch.Tensor
+    shape: tuple[int, int]
+
+    def data_ptr(self) -> int:
+        return self.tiles.data_ptr()
+
+
+def tile_bf16(weight: torch.Tensor) -> BF16Tiles:
+    """``weight`` (N, K) in bfloat16, in blocks of 16 rows x 32 columns, each block's rows one after the
+    other and the blocks in the order the kernel multiplies them (a block row's blocks left to right),
+    zero-padded to whole blocks: the kernel then streams one run of memory."""
+    N, K = weight.shape
+    padded = F.pad(weight.to(torch.bfloat16), (0, -K % 32, 0, -N % 16))
+    tiles = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
+    return BF16Tiles(tiles, (N, K))
 
 
 class _Matrices:
     """x times each (weight, bias) of ``parts``, outputs side by side, through the kernel."""
 
-    def __init__(self, library: ctypes.CDLL, parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    def __init__(self, library: ctypes.CDLL, parts: list[tuple[torch.Tensor | BF16Tiles, torch.Tensor | None]]):
         self.function = library.covey_decode_linear
+        self.bf16 = isinstance(parts[0][0], BF16Tiles)
         # the kernel reads the tensors through these pointers: they are held here
-        self.parts = [(w.contiguous(), b.contiguous() if b is not None else None) for w, b in parts]
+        self.parts = [(w if self.bf16 else w.contiguous(), b.contiguous() if b is not None else None)
+                      for w, b in parts]
         n = len(self.parts)
         self.weights = (_pointer * n)(*[w.data_ptr() for w, _ in self.parts])
         self.biases = (_pointer * n)(*[b.data_ptr() if b is not None else None for _, b in self.parts])
@@ -139,31 +185,49 @@ class _Matrices:
         leading = x.shape[:-1]
         x = x.reshape(-1, self.inputs).float().contiguous()
         y = torch.empty(x.shape[0], self.width)
-        self.function(x.data_ptr(), x.shape[0], self.inputs, len(self.parts), self.weights, self.biases, self.rows,
-                      y.data_ptr(), torch.get_num_threads())
+        if self.function(x.data_ptr(), x.shape[0], self.inputs, len(self.parts), self.weights, self.biases,
+                         self.rows, y.data_ptr(), self.bf16, torch.get_num_threads()) != 0:
+            raise MemoryError(f"the decode kernel could not allocate room for {x.shape[0]} rows")
         return y.view(*leading, self.width)
 
 
-def available() -> bool:
-    """Whether the kernel runs here (built on first asking)."""
-    return _library() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel multiplies matrices of ``dtype`` here (built on first asking)."""
+    return (_library() if dtype == torch.float32 else _amx_library() if dtype == torch.bfloat16 else None) is not None
 
 
-def matrices(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
-    """A function x -> x times each (weight, bias) of ``parts`` (float32, on the CPU), outputs side by
-    side, for at most ``MAX_ROWS`` rows of x. Only where ``available()``."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for part in parts for t in part if t is not None):
-        raise ValueError("the decode kernel multiplies float32 matrices on the CPU")
+def _check_matrices(parts: list[tuple], where: str) -> bool:
+    """Whether ``parts`` are bfloat16 tiles (else float32 matrices); a ValueError unless they are all one or
+    the other, contiguous on the CPU, with float32 biases."""
+    bf16 = all(isinstance(w, BF16Tiles) for w, _ in parts)
+    float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous() for w, _ in parts)
+    biases = all(b is None or (b.dtype == torch.float32 and b.is_contiguous()) for _, b in parts)
+    if not (bf16 or float32) or not biases or any(w.tiles.device.type != "cpu" if bf16 else w.device.type != "cpu"
+                                                  for w, _ in parts):
+        raise ValueError(f"{where} multiplies contiguous float32 matrices or bfloat16 ones laid out by tile_bf16, "
+                         "all one or the other, with float32 biases, on the CPU")
+    if bf16 and not available(torch.bfloat16):
+        raise ValueError(f"{where} cannot multiply bfloat16 matrices here (it needs AMX)")
+    return bf16
+
+
+def matrices(parts: list[tuple[torch.Tensor | BF16Tiles, torch.Tensor | None]]):
+    """A function x -> x times each (weight, bias) of ``parts`` (float32 matrices, or bfloat16 ones from
+    ``tile_bf16``, on the CPU), outputs side by side. In float32 for at most ``MAX_ROWS`` rows of x, in
+    bfloat16 for any. Only where ``available`` for their dtype."""
+    parts = [(w.contiguous() if isinstance(w, torch.Tensor) else w, b) for w, b in parts]
+    _check_matrices(parts, "the decode kernel")
     return _Matrices(_library(), parts)
 
 
 class LayerStack:
     """The layers of a Llama-family model for a whole decode step in one call (``step``): norms,
     products, rotary embedding, cache writes, attention and the MLP, one token per row, in float32 on
-    the model's own matrices. Only where ``available()``.
+    the model's own matrices, or with bfloat16 ones laid out by ``tile_bf16``. Only where ``available``
+    for their dtype.
 
     ``layers``: each layer's (weight, bias) of its products by name (``decoder.layer_parts``; biases
-    may be None); ``norms`` the (attention, MLP) norm weights of each layer."""
+    may be None); ``norms`` the (attention, MLP) norm weights of each layer (float32)."""
 
     # the C step takes a layer's products in this order, each its weights then its biases
     PRODUCTS = ("qkv", "o", "gate_up", "down")
@@ -176,6 +240,10 @@ class LayerStack:
         self.per_layer = library.covey_layer_pointers()
         self.shape = (n_heads, n_kv_heads, head_dim)
         self.eps, self.scale = eps, scale
+        self.bf16 = _check_matrices([part for products in layers for name in self.PRODUCTS for part in products[name]],
+                                    "the decode step")
+        if any(n.dtype != torch.float32 or not n.is_contiguous() for pair in norms for n in pair):
+            raise ValueError("the decode step takes contiguous float32 norm weights")
         self.tensors = []  # the kernel reads them through the pointers: held here
         pointers = []
         for products, (attn_norm, mlp_norm) in zip(layers, norms):
@@ -184,8 +252,6 @@ class LayerStack:
                 weights, biases = zip(*products[name])
                 layer += [*weights, *biases]
             layer += [attn_norm, mlp_norm]
-            if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in layer):
-                raise ValueError("the decode step multiplies contiguous float32 matrices")
             self.tensors += layer
             pointers += [t.data_ptr() if t is not None else None for t in layer] + [None, None]  # the cache's, per step
         self.intermediate = layers[0]["gate_up"][0][0].shape[0]
@@ -207,5 +273,5 @@ class LayerStack:
         B, H = x.shape
         if self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
                          self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(), position,
-                         attend.shape[1], self.pointers, torch.get_num_threads()) != 0:
+                         attend.shape[1], self.pointers, self.bf16, torch.get_num_threads()) != 0:
             raise MemoryError(f"the decode kernel could not allocate its scratch memory for {B} rows")

@@ -122,8 +122,9 @@ def layer_parts(take: Callable, i: int) -> dict[str, list[tuple]]:
         prefix = f"model.layers.{i}.{module}"
         ws = [take(f"{prefix}.{m}.weight") for m in matrices]
         bs = [take(f"{prefix}.{m}.bias") for m in matrices]
-        if any(b is not None for b in bs):
-            bs = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
+        given = next((b for b in bs if b is not None), None)
+        if given is not None:
+            bs = [b if b is not None else given.new_zeros(w.shape[0]) for w, b in zip(ws, bs)]
         products[name] = list(zip(ws, bs))
     return products
 
@@ -139,7 +140,8 @@ def _adapter_it_cannot_run(model: torch.nn.Module) -> bool:
 
 class LeanDecoder:
     """Decode-only forward of a Llama-family model. ``dtype`` is that of its weight matrices, matrix
-    products, rotary embedding and KV cache; the residual stream and the norms stay in float32.
+    products, rotary embedding and KV cache; the residual stream and the norms stay in float32. With
+    covey's kernel, only the matrices are in ``dtype`` (``cache_dtype`` float32).
     ``multiply``: how it multiplies by its matrices on CPU, one of ``WAYS_TO_MULTIPLY``."""
 
     @staticmethod
@@ -175,6 +177,7 @@ class LeanDecoder:
                                                      self.norms, self.n_heads, self.n_kv_heads, self.head_dim,
                                                      self.eps, self.scale)
                             if self.products_for(1).kind == "kernel" else None)
+        self.cache_dtype = torch.float32 if self.layer_stack is not None else dtype  # of rotary and cache too
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
@@ -188,6 +191,23 @@ class LeanDecoder:
         if choice not in WAYS_TO_MULTIPLY:
             raise ValueError(f"multiply must be one of {WAYS_TO_MULTIPLY}, not {choice!r}")
         on_cpu = self.norm.device.type == "cpu"
+        kernel = on_cpu and choice in ("fastest", "kernel") and decode_kernel.available(self.dtype)
+        if choice == "kernel" and not kernel:
+            raise ValueError(f"covey's decode kernel cannot run here in {self.dtype} (see covey.decode_kernel)")
+        if kernel and self.dtype == torch.bfloat16:
+            # laid out once in the kernel's tiles, which take the matrices' places (``weights``, for the
+            # layer stack) one by one, so that the untiled copies are freed as we go; AMX sums forwards of
+            # any number of rows at the pace of the stream
+            tiled = {}
+
+            def take(name):
+                if name in weights:
+                    t = weights.pop(name)
+                    tiled[name] = decode_kernel.tile_bf16(t) if t.dim() > 1 else t.float()
+                return tiled.get(name)
+            products = Products.build(take, n_layers, head_name, decode_kernel.matrices, "kernel")
+            weights.update(tiled)
+            return [(1, products)]
         onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
         if self.dtype != model_dtype:
             # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
@@ -198,12 +218,9 @@ class LeanDecoder:
             return [(1, Products.build(take, n_layers, head_name, linear_products(True, onednn), kind))]
         # the model's own matrices (or a LoRA policy's merged ones), as they are
         plain = Products.build(weights.get, n_layers, head_name, linear_products(False, None), "plain")
-        if self.dtype == torch.float32 and on_cpu and choice in ("fastest", "kernel"):
-            if decode_kernel.available():  # on those same matrices, for decode steps
-                return [(decode_kernel.MAX_ROWS + 1, plain),
-                        (1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
-            if choice == "kernel":
-                raise ValueError("covey's decode kernel cannot run here (see covey.decode_kernel)")
+        if kernel:  # in float32, on those same matrices, for decode steps
+            return [(decode_kernel.MAX_ROWS + 1, plain),
+                    (1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
         # for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged copies,
         # where it would be a second copy (a full model's optimizer state outweighs one)
         if onednn is not None and full_model:
@@ -224,8 +241,8 @@ class LeanDecoder:
         N, P = ids_NP.shape
         device = ids_NP.device
         shape = (N, self.n_kv_heads, self.max_length, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.norms]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.norms]
+        self.keys = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
+        self.values = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
         self.valid_BL = torch.zeros(N, self.max_length, dtype=torch.bool, device=device)
         self.valid_BL[:, :P] = mask_NP.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
@@ -271,7 +288,7 @@ class LeanDecoder:
         self._check_room(S)
         start, end = self.length, self.length + S
         x = self.embed(ids_BS).float()
-        cos, sin = (t[:, :, None].to(self.dtype) for t in self.rotary(x, positions_BS))  # (B, S, 1, head_dim)
+        cos, sin = (t[:, :, None].to(self.cache_dtype) for t in self.rotary(x, positions_BS))  # (B, S, 1, head_dim)
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # so that rotate_half(t) * sin = t.roll(half) * sin
         n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
