@@ -15,9 +15,9 @@ from covey import decode_kernel
 def fresh_build(monkeypatch, tmp_path):
     """The kernel built anew into an empty cache folder, and forgotten again afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    decode_kernel._library.cache_clear()
+    decode_kernel._library.cache_clear(), decode_kernel._amx_library.cache_clear()
     yield tmp_path / "covey"
-    decode_kernel._library.cache_clear()
+    decode_kernel._library.cache_clear(), decode_kernel._amx_library.cache_clear()
 
 
 def should_run_here() -> bool:
@@ -27,9 +27,11 @@ def should_run_here() -> bool:
             and os.environ.get("COVEY_DECODE_KERNEL", "1") != "0")
 
 
-def skip_without_kernel() -> None:
+def skip_without_kernel(dtype: torch.dtype = torch.float32) -> None:
     if not decode_kernel.available():
         pytest.skip("covey's decode kernel does not run here (needs Linux, x86-64 with AVX-512 and a C compiler)")
+    if not decode_kernel.available(dtype):
+        pytest.skip(f"covey's decode kernel does not multiply {dtype} here (bfloat16 needs AMX)")
 
 
 def test_the_kernel_builds_and_passes_its_self_check_wherever_it_should(fresh_build):
@@ -41,6 +43,10 @@ def test_the_kernel_builds_and_passes_its_self_check_wherever_it_should(fresh_bu
     modified = built[0].stat().st_mtime_ns
     decode_kernel._library.cache_clear()
     assert decode_kernel.available() and built[0].stat().st_mtime_ns == modified  # reused, not rebuilt
+    # and in bfloat16 where the CPU has AMX and Linux lets this process use it
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(decode_kernel._cpu_flags().split())
+    if amx and decode_kernel._library().covey_amx_ready() == 0:
+        assert decode_kernel.available(torch.bfloat16)
 
 
 @pytest.mark.parametrize("K", [16, 64, 37, 5])
@@ -59,10 +65,42 @@ def test_kernel_products_equal_linear_ones(K):
         assert torch.allclose(multiply(x.view(1, rows, K)), expected[None], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [32, 576, 37, 5])
+def test_bfloat16_kernel_products_are_those_of_x_rounded_to_bfloat16(K):
+    """Sums in float32 of bfloat16 weights times x rounded to bfloat16: F.linear's on those, to float32's
+    rounding, whatever the tails of rows (of 16) and columns (of 32), and for any number of rows of x."""
+    skip_without_kernel(torch.bfloat16)
+    generator = torch.Generator().manual_seed(K)
+    parts = [(torch.randn(n, K, generator=generator).bfloat16(), torch.randn(n, generator=generator) if n % 2 else None)
+             for n in (1, 16, 7, 33, 130)]
+    multiply = decode_kernel.matrices([(decode_kernel.tile_bf16(w), b) for w, b in parts])
+    for rows in (1, 3, 16, 17, 32, 40, 100):
+        x = torch.randn(2, rows, K, generator=generator)[1]
+        rounded = x.bfloat16().float()
+        expected = torch.cat([F.linear(rounded, w.float(), b) for w, b in parts], -1)
+        # float32 sums in another order: within a few units of rounding of the sum of the terms' sizes
+        terms = torch.cat([F.linear(rounded.abs(), w.float().abs()) for w, _ in parts], -1)
+        assert ((multiply(x) - expected).abs() <= 1e-6 * (terms + 1)).all(), rows
+
+
+def test_bfloat16_tiles_are_the_matrix_block_by_block():
+    weight = torch.arange(20 * 40, dtype=torch.float32).view(20, 40).bfloat16()
+    tiled = decode_kernel.tile_bf16(weight)
+    assert tiled.shape == (20, 40) and tiled.tiles.shape == (2, 2, 16, 32) and tiled.tiles.is_contiguous()
+    padded = torch.zeros(32, 64, dtype=torch.bfloat16)
+    padded[:20, :40] = weight
+    for row_block in range(2):
+        for column_block in range(2):
+            expected = padded[16 * row_block:16 * row_block + 16, 32 * column_block:32 * column_block + 32]
+            assert torch.equal(tiled.tiles[row_block, column_block], expected)
+
+
 def test_kernel_refuses_other_dtypes():
     skip_without_kernel()
     with pytest.raises(ValueError, match="float32"):
-        decode_kernel.matrices([(torch.randn(4, 16, dtype=torch.bfloat16), None)])
+        decode_kernel.matrices([(torch.randn(4, 16, dtype=torch.bfloat16), None)])  # bfloat16, but not in tiles
+    with pytest.raises(ValueError, match="all one or the other"):
+        decode_kernel.matrices([(torch.randn(4, 16), None), (decode_kernel.tile_bf16(torch.randn(4, 16)), None)])
 
 
 def test_turned_off_it_is_not_built(fresh_build, monkeypatch):
@@ -111,16 +149,22 @@ def odd_llama(vocab_size: int):
     return model
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-3)])
 @pytest.mark.parametrize("build", ["llama", "odd llama"])
-def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer, build):
+def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer, build, dtype, tolerance):
     """Prompts of different lengths (padding), rows leaving (the kernel then reads each row's cache
-    where it lies) and repeating (a copy of the cache) between steps (``keep``)."""
+    where it lies) and repeating (a copy of the cache) between steps (``keep``). In bfloat16, against
+    float32 on the same (rounded) matrices: what differs is x rounded to bfloat16 at each product."""
     from covey.decoder import LeanDecoder
     from covey.rollout import left_pad
     from tests.conftest import make_model
 
-    skip_without_kernel()
+    skip_without_kernel(dtype)
     model = make_model(len(tokenizer), seed=7, layers=3) if build == "llama" else odd_llama(len(tokenizer))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.copy_(param.to(dtype))
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
     ids, mask = left_pad(prompts, 0)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -128,7 +172,8 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
     tokens = torch.randint(4, len(tokenizer), (6, 9), generator=generator)
     runs = {}
     for products in ("kernel", "plain"):
-        decoder = LeanDecoder(model, torch.float32, max_length=24, multiply=products)
+        decoder = LeanDecoder(model, dtype if products == "kernel" else torch.float32, max_length=24,
+                              multiply=products)
         assert (decoder.layer_stack is not None) == (products == "kernel")
         logits = [decoder.prefill(ids, mask, positions, 3)]
         rows, position = torch.arange(6), positions[:, -1].repeat_interleave(3) + 1
@@ -141,7 +186,7 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
             logits.append(decoder.step(tokens[rows, t], position + t))
         runs[products] = logits
     for kernel, plain in zip(runs["kernel"], runs["plain"]):
-        assert torch.allclose(kernel, plain, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(kernel, plain, atol=tolerance, rtol=tolerance)
 
 
 def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
@@ -161,6 +206,15 @@ def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
 def test_a_kernel_that_disagrees_with_linear_is_turned_away_with_a_warning(fresh_build, monkeypatch):
     if not should_run_here():
         pytest.skip("needs Linux on x86-64 with AVX-512 and a C compiler")
-    monkeypatch.setattr(decode_kernel, "_agrees_with_linear", lambda library: False)
+    monkeypatch.setattr(decode_kernel, "_agrees_with_linear", lambda library, dtype: False)
     with pytest.warns(RuntimeWarning, match="other products than F.linear"):
         assert not decode_kernel.available()
+
+
+def test_bfloat16_products_that_disagree_with_linear_leave_the_float32_ones(fresh_build, monkeypatch):
+    skip_without_kernel(torch.bfloat16)
+    monkeypatch.setattr(decode_kernel, "_agrees_with_linear", lambda library, dtype: dtype == torch.float32)
+    decode_kernel._library.cache_clear(), decode_kernel._amx_library.cache_clear()
+    with pytest.warns(RuntimeWarning, match="other bfloat16 products than F.linear"):
+        assert not decode_kernel.available(torch.bfloat16)
+    assert decode_kernel.available(torch.float32)
