@@ -4,16 +4,18 @@ Realistic rollouts of the default task: the default model, arithmetic prompts, t
 up to 128 new tokens; useful tokens are those up to and including EOS. Each row runs the engines
 alternately ``--repeats`` times on the same prompts and reports medians; ratios are taken within
 the run. "fast oneDNN" is the float32 fast engine without covey's decode kernel (its products
-through oneDNN's prepacked linear from ``PREPACKED_FLOAT32_FROM_ROWS`` rows, ``F.linear`` below).
+through oneDNN's prepacked linear from ``PREPACKED_FLOAT32_FROM_ROWS`` rows, ``F.linear`` below);
+"fast bf16 oneDNN" the bfloat16 one without it (oneDNN's prepacked linear at every row count).
 
 The roofline is computed in the same run from the machine's measured matrix-product rate and copy
 bandwidth, for the dtype the engine runs in: a decode step reads every weight once (memory) and
 does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
-the rollouts actually measured (the least work that yields these completions). A last table
+the rollouts actually measured (the least work that yields these completions); "stream alone" takes
+only the memory bound (bfloat16's AMX tile products outrun the measured bfloat16 rate). A last table
 times a decode step's matrix products alone, with the real weights, at 1 to 32 rows: what each way
 of multiplying allows before any other work (``F.linear``; oneDNN's prepacked linear, in float32
-from ``PREPACKED_FLOAT32_FROM_ROWS`` rows; covey's decode kernel, float32 only).
+from ``PREPACKED_FLOAT32_FROM_ROWS`` rows; covey's decode kernel, in bfloat16 where the CPU has AMX).
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -57,7 +59,8 @@ def main() -> None:
     pad = tokenizer.pad_token_id
     engines = {"hf": HFEngine(model, pad, eos), "fast": FastEngine(model, pad, eos, tokenizer),
                "fast oneDNN": FastEngine(model, pad, eos, tokenizer, multiply="prepacked"),
-               "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True)}
+               "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True),
+               "fast bf16 oneDNN": FastEngine(model, pad, eos, tokenizer, bf16=True, multiply="prepacked")}
     weights, gbps = weights_per_step(model), copy_gbps()
     limits = {"fast": (matmul_gflops(torch.float32), gbps, 4), "fast bf16": (matmul_gflops(torch.bfloat16), gbps, 2)}
     print(f"machine: {machine()}; measured matmul float32 {limits['fast'][0]:.0f} GFLOP/s, "
@@ -78,12 +81,14 @@ def main() -> None:
                 lengths[name].append(lengths_B)
         median = {name: statistics.median(r) for name, r in rates.items()}
         ratio = {pair: statistics.median(f / h for f, h in zip(rates[pair[0]], rates[pair[1]]))
-                 for pair in (("fast", "hf"), ("fast", "fast oneDNN"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"))}
+                 for pair in (("fast", "hf"), ("fast", "fast oneDNN"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"),
+                              ("fast bf16", "fast bf16 oneDNN"))}
         mean_length = statistics.mean(float(length.float().mean()) for ls in lengths.values() for length in ls)
         speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {ratio['fast', 'hf']:.2f}x | "
                      f"{median['fast oneDNN']:.0f} | {ratio['fast', 'fast oneDNN']:.2f}x | "
                      f"{median['hf bf16']:.0f} | {median['fast bf16']:.0f} | {ratio['fast bf16', 'hf bf16']:.2f}x | "
-                     f"{ratio['fast bf16', 'hf']:.2f}x | {mean_length:.0f} |")
+                     f"{ratio['fast bf16', 'hf']:.2f}x | {median['fast bf16 oneDNN']:.0f} | "
+                     f"{ratio['fast bf16', 'fast bf16 oneDNN']:.2f}x | {mean_length:.0f} |")
         cells = []
         for name in ("fast", "fast bf16"):
             for as_sampled in (False, True):
@@ -91,20 +96,26 @@ def main() -> None:
                 bound = statistics.median(bounds)
                 fraction = statistics.median(r / b for r, b in zip(rates[name], bounds))
                 cells.append(f"{bound:.0f} | {fraction:.0%}")
+        # bfloat16's products in AMX tiles outrun the measured matrix-product rate: the stream alone bounds them
+        bounds = [roofline(weights, ls, (float("inf"), gbps, 2), False) for ls in lengths["fast bf16"]]
+        fraction = statistics.median(r / b for r, b in zip(rates["fast bf16"], bounds))
+        cells.append(f"{statistics.median(bounds):.0f} | {fraction:.0%}")
         roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
         print(speed[-1], flush=True)
     print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | fast oneDNN tok/s | fast / fast oneDNN | hf bf16 tok/s "
-          "| fast bf16 tok/s | fast bf16 / hf bf16 | fast bf16 / hf | mean length |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fast bf16 tok/s | fast bf16 / hf bf16 | fast bf16 / hf | fast bf16 oneDNN tok/s | "
+          "fast bf16 / fast bf16 oneDNN | mean length |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(speed))
     print("\n| prompts x G | fp32 roofline, full batch | fast | fp32 roofline, as sampled | fast | "
-          "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "bf16 roofline, full batch | fast bf16 | bf16 roofline, as sampled | fast bf16 | "
+          "bf16 stream alone, full batch | fast bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
     print("\n| rows | float32, F.linear | float32, oneDNN | float32, covey's kernel | kernel / best other "
-          "| bfloat16, F.linear | bfloat16, oneDNN prepacked (fast bf16) | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    arms = {torch.float32: ("plain", "prepacked", "kernel"), torch.bfloat16: ("plain", "prepacked")}
+          "| bfloat16, F.linear | bfloat16, oneDNN prepacked | bfloat16, covey's kernel | kernel / best other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    arms = {dtype: ("plain", "prepacked", "kernel") for dtype in (torch.float32, torch.bfloat16)}
     for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []
         for dtype, ways in arms.items():
