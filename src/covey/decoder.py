@@ -11,8 +11,9 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   run on its own parameters. On CPU, how it multiplies is chosen once (``WAYS_TO_MULTIPLY``). Where covey's
   own kernel runs (``decode_kernel``), a float32 decode step runs in it whole (``LayerStack``), on
   those same matrices; the embedding lookup and the final norm stay in torch, and the head and
-  small prefills multiply through the kernel's products. Elsewhere, through oneDNN's linear on
-  matrices laid out once per rollout (the bfloat16 copies in their place; in float32 a fused
+  small prefills multiply through the kernel's products. In bfloat16 where the CPU has AMX, the copy
+  is laid out in the kernel's tiles instead, and every forward multiplies through it. Elsewhere,
+  through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in their place; in float32 a fused
   prepacked copy beside a full model's matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or
   more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
@@ -33,8 +34,8 @@ from covey.models import cache_keyword, is_peft_model, lora_merge_blocker, plain
 ARCHITECTURES = ("llama", "qwen2")
 
 
-# How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own kernel (float32, the
-# whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy;
+# How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own kernel (float32, and
+# bfloat16 with AMX; the whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy;
 # "plain", ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
 WAYS_TO_MULTIPLY = ("fastest", "kernel", "prepacked", "plain")
 
