@@ -132,10 +132,13 @@ static void single_row(const float *w, const float *x, int M, int K, float *y, l
    is one run of memory in the order it is multiplied. Each tile product: A, such a block; B, the same 32
    columns of 16 rows of x, rounded to bfloat16 and laid out in pairs of columns (`pack_x`, once per
    product); C, the 16 x 16 float32 sums. */
-#define T_ROWS 16 /* weight rows, and rows of x, per tile */
-#define CHUNK 32  /* columns per tile */
-#define TILE_BYTES 1024
-#define AHEAD_BYTES 8192 /* of the weight stream, prefetched ahead of the tile multiplied */
+#define T_ROWS 16                           /* weight rows, and rows of x, per tile */
+#define CHUNK 32                            /* columns per tile */
+#define TILE_BYTES (T_ROWS * CHUNK * 2)     /* of a weight tile (1 KB) */
+#define X_TILE_PAIRS (T_ROWS * CHUNK / 2)   /* pairs of bfloat16 of x in a tile */
+#define AHEAD_BYTES 8192                    /* of the weight stream, prefetched ahead of the tile multiplied */
+
+static inline int chunks_of(int K) { return (K + CHUNK - 1) / CHUNK; } /* tiles across K columns */
 
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #include <sys/syscall.h>
@@ -158,7 +161,7 @@ AMX static void release_tiles(void) { _tile_release(); }
 /* x (M x K) rounded to bfloat16 into `packed`: per block of 16 rows of x and per 32 columns, 16 pairs of
    columns x 16 rows (rows past M and columns past K zero). */
 AMX static void pack_x(const float *x, int M, int K, uint32_t *packed) {
-  int chunks = (K + CHUNK - 1) / CHUNK, blocks = (M + T_ROWS - 1) / T_ROWS;
+  int chunks = chunks_of(K), blocks = (M + T_ROWS - 1) / T_ROWS;
   __m512i to_pair = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                        _mm512_set1_epi32(T_ROWS));
 #pragma omp for schedule(static)
@@ -170,7 +173,7 @@ AMX static void pack_x(const float *x, int M, int K, uint32_t *packed) {
       __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
       const float *row = x + (long)(m < M ? m : 0) * K + k;
       __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + 16), _mm512_maskz_loadu_ps(low, row));
-      _mm512_i32scatter_epi32(packed + (long)bc * 256 + r, to_pair, (__m512i)pairs, 4);
+      _mm512_i32scatter_epi32(packed + (long)bc * X_TILE_PAIRS + r, to_pair, (__m512i)pairs, 4);
     }
   }
 }
@@ -178,21 +181,21 @@ AMX static void pack_x(const float *x, int M, int K, uint32_t *packed) {
 /* The tiles of `rows` (at most 16) weight rows at w, times the M rows of x packed; the sums added to
    y[m * ldy + r]. Prefetches the stream AHEAD_BYTES on. */
 AMX static void tile_bf16(const uint16_t *w, int rows, const uint32_t *packed, int M, int K, float *y, long ldy) {
-  int chunks = (K + CHUNK - 1) / CHUNK, blocks = (M + T_ROWS - 1) / T_ROWS;
+  int chunks = chunks_of(K), blocks = (M + T_ROWS - 1) / T_ROWS;
   const char *ahead = (const char *)w + AHEAD_BYTES;
   float sums[T_ROWS * T_ROWS];
   for (int b = 0; b < blocks; b += 2) { /* two blocks of 16 rows of x at a time */
-    const uint32_t *first = packed + (long)b * chunks * 256, *second = first + (long)chunks * 256;
+    const uint32_t *first = packed + (long)b * chunks * X_TILE_PAIRS, *second = first + (long)chunks * X_TILE_PAIRS;
     _tile_zero(3);
     _tile_zero(4);
     for (int c = 0; c < chunks; c++) {
       if (b == 0)
         for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(ahead + (long)c * TILE_BYTES + line, _MM_HINT_T0);
       _tile_loadd(0, w + (long)c * T_ROWS * CHUNK, 64);
-      _tile_loadd(1, first + c * 256, 64);
+      _tile_loadd(1, first + c * X_TILE_PAIRS, 64);
       _tile_dpbf16ps(3, 0, 1);
       if (b + 1 < blocks) {
-        _tile_loadd(2, second + c * 256, 64);
+        _tile_loadd(2, second + c * X_TILE_PAIRS, 64);
         _tile_dpbf16ps(4, 0, 2);
       }
     }
@@ -211,7 +214,7 @@ int covey_amx_ready(void) { return -1; }
 
 /* room for M rows of K columns of x packed for the tile products */
 static uint32_t *alloc_packed_x(int M, int K) {
-  return malloc(sizeof(uint32_t) * ((M + T_ROWS - 1) / T_ROWS) * ((K + CHUNK - 1) / CHUNK) * 256);
+  return malloc(sizeof(uint32_t) * ((M + T_ROWS - 1) / T_ROWS) * chunks_of(K) * X_TILE_PAIRS);
 }
 
 /* y (M x width, width = sum of N) = x times the matrices, plus their biases; with `accumulate`, added
@@ -241,8 +244,8 @@ static void multiply(const float *x, int M, int K, int n_mats, const void *const
     float *out = y + offset + n;
 #ifdef AMX
     if (packed_x) {
-      long per_tile_weights = (long)(K + CHUNK - 1) / CHUNK * T_ROWS * CHUNK;
-      tile_bf16((const uint16_t *)W[j] + first * per_tile_weights, rows, packed_x, M, K, out, width);
+      const uint16_t *w = (const uint16_t *)W[j] + first * chunks_of(K) * T_ROWS * CHUNK;
+      tile_bf16(w, rows, packed_x, M, K, out, width);
       continue;
     }
 #endif

@@ -202,8 +202,8 @@ def _check_matrices(parts: list[tuple], where: str) -> bool:
     bf16 = all(isinstance(w, BF16Tiles) for w, _ in parts)
     float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous() for w, _ in parts)
     biases = all(b is None or (b.dtype == torch.float32 and b.is_contiguous()) for _, b in parts)
-    if not (bf16 or float32) or not biases or any(w.tiles.device.type != "cpu" if bf16 else w.device.type != "cpu"
-                                                  for w, _ in parts):
+    on_cpu = all((w.tiles if bf16 else w).device.type == "cpu" for w, _ in parts) if bf16 or float32 else False
+    if not (on_cpu and biases):
         raise ValueError(f"{where} multiplies contiguous float32 matrices or bfloat16 ones laid out by tile_bf16, "
                          "all one or the other, with float32 biases, on the CPU")
     if bf16 and not available(torch.bfloat16):

@@ -8,14 +8,14 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   and, in bfloat16 or for a LoRA policy, runs on its own copy of the weights (LoRA merged; in
   bfloat16 with q/k/v and gate/up fused into one matrix each), built at the start of a rollout and
   dropped at its end, so it never holds memory while the trainer does. A plain float32 model is
-  run on its own parameters. On CPU, how it multiplies is chosen once (``WAYS_TO_MULTIPLY``). Where covey's
-  own kernel runs (``decode_kernel``), a float32 decode step runs in it whole (``LayerStack``), on
+  run on its own parameters. On CPU, how it multiplies is chosen once (``WAYS_TO_MULTIPLY``). Where
+  covey's own kernel runs (``decode_kernel``), a float32 decode step runs in it whole (``LayerStack``), on
   those same matrices; the embedding lookup and the final norm stay in torch, and the head and
   small prefills multiply through the kernel's products. In bfloat16 where the CPU has AMX, the copy
   is laid out in the kernel's tiles instead, and every forward multiplies through it. Elsewhere,
-  through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in their place; in float32 a fused
-  prepacked copy beside a full model's matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or
-  more). Measured in BENCHMARKS.md.
+  through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in their place;
+  in float32 a fused prepacked copy beside a full model's matrices, for steps of
+  ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -35,8 +35,9 @@ ARCHITECTURES = ("llama", "qwen2")
 
 
 # How a lean decoder multiplies by its matrices on CPU: "kernel", covey's own kernel (float32, and
-# bfloat16 with AMX; the whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on a prepacked copy;
-# "plain", ``F.linear``; "fastest", the first of these that runs here. On GPU, always "plain".
+# bfloat16 with AMX; the whole decode step in it; ``decode_kernel``); "prepacked", oneDNN's linear on
+# a prepacked copy; "plain", ``F.linear``; "fastest", the first of these that runs here. On GPU,
+# always "plain".
 WAYS_TO_MULTIPLY = ("fastest", "kernel", "prepacked", "plain")
 
 # Float32 products with fewer rows than this run faster through ``F.linear`` on the weights as they
@@ -195,20 +196,8 @@ class LeanDecoder:
         kernel = on_cpu and choice in ("fastest", "kernel") and decode_kernel.available(self.dtype)
         if choice == "kernel" and not kernel:
             raise ValueError(f"covey's decode kernel cannot run here in {self.dtype} (see covey.decode_kernel)")
-        if kernel and self.dtype == torch.bfloat16:
-            # laid out once in the kernel's tiles, which take the matrices' places (``weights``, for the
-            # layer stack) one by one, so that the untiled copies are freed as we go; AMX sums forwards of
-            # any number of rows at the pace of the stream
-            tiled = {}
-
-            def take(name):
-                if name in weights:
-                    t = weights.pop(name)
-                    tiled[name] = decode_kernel.tile_bf16(t) if t.dim() > 1 else t.float()
-                return tiled.get(name)
-            products = Products.build(take, n_layers, head_name, decode_kernel.matrices, "kernel")
-            weights.update(tiled)
-            return [(1, products)]
+        if kernel and self.dtype == torch.bfloat16:  # AMX sums forwards of any rows at the pace of the stream
+            return [(1, _tiled_products(weights, n_layers, head_name))]
         onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
         if self.dtype != model_dtype:
             # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
@@ -319,6 +308,22 @@ class LeanDecoder:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
         return F.rms_norm(x, weight.shape, weight, self.eps).to(self.dtype)
+
+
+def _tiled_products(weights: dict, n_layers: int, head_name: str) -> Products:
+    """The kernel's bfloat16 products, on the matrices of ``weights`` laid out in its tiles (biases in
+    float32). The tiles take the matrices' places in ``weights`` (where the layer stack finds them),
+    one by one, so that the untiled copies are freed as they go."""
+    tiled = {}
+
+    def take(name):
+        if name in weights:
+            t = weights.pop(name)
+            tiled[name] = decode_kernel.tile_bf16(t) if t.dim() > 1 else t.float()
+        return tiled.get(name)
+    products = Products.build(take, n_layers, head_name, decode_kernel.matrices, "kernel")
+    weights.update(tiled)
+    return products
 
 
 class ModelDecoder:
