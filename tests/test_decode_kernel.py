@@ -86,13 +86,14 @@ def test_bfloat16_kernel_products_are_those_of_x_rounded_to_bfloat16(K):
 def test_bfloat16_tiles_are_the_matrix_block_by_block():
     weight = torch.arange(20 * 40, dtype=torch.float32).view(20, 40).bfloat16()
     tiled = decode_kernel.tile_bf16(weight)
-    assert tiled.shape == (20, 40) and tiled.tiles.shape == (2, 2, 16, 32) and tiled.tiles.is_contiguous()
+    assert tiled.shape == (20, 40) and tiled.tiles.shape == (2, 2, 16, 16, 2) and tiled.tiles.is_contiguous()
     padded = torch.zeros(32, 64, dtype=torch.bfloat16)
     padded[:20, :40] = weight
     for row_block in range(2):
         for column_block in range(2):
-            expected = padded[16 * row_block:16 * row_block + 16, 32 * column_block:32 * column_block + 32]
-            assert torch.equal(tiled.tiles[row_block, column_block], expected)
+            block = padded[16 * row_block:16 * row_block + 16, 32 * column_block:32 * column_block + 32]
+            for pair in range(16):  # each row's pair of columns 2 * pair, 2 * pair + 1
+                assert torch.equal(tiled.tiles[row_block, column_block, pair], block[:, 2 * pair:2 * pair + 2])
 
 
 def test_kernel_refuses_other_dtypes():

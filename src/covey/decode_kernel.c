@@ -128,17 +128,18 @@ static void single_row(const float *w, const float *x, int M, int K, float *y, l
 /* ---- bfloat16 weights, through AMX tiles ----------------------------------------------------------- */
 
 /* A bfloat16 matrix (N x K) comes laid out in tiles (decode_kernel.py's `tile_bf16`): per 16 rows, per 32
-   columns, the 16 x 32 block's rows one after another (1 KB), zero-padded to whole tiles, so that the stream
-   is one run of memory in the order it is multiplied. Each tile product: A, such a block; B, the same 32
-   columns of 16 rows of x, rounded to bfloat16 and laid out in pairs of columns (`pack_x`, once per
-   product); C, the 16 x 16 float32 sums. */
+   columns, a 1 KB block holding, for each of its 16 pairs of columns, the pair of each of its 16 rows (the
+   layout of a tile product's second operand), zero-padded to whole blocks, so that the stream is one run of
+   memory in the order it is multiplied. Each tile product: A, the same 32 columns of 16 rows of x, rounded to
+   bfloat16 (`pack_x`, once per product, row by row); B, such a block; C, the 16 x 16 float32 sums, laid out
+   as y is (a row of x's outputs per row). */
 #define T_ROWS 16                           /* weight rows, and rows of x, per tile */
 #define CHUNK 32                            /* columns per tile */
 #define TILE_BYTES (T_ROWS * CHUNK * 2)     /* of a weight tile (1 KB) */
-#define X_TILE_PAIRS (T_ROWS * CHUNK / 2)   /* pairs of bfloat16 of x in a tile */
 #define AHEAD_BYTES 8192                    /* of the weight stream, prefetched ahead of the tile multiplied */
 
 static inline int chunks_of(int K) { return (K + CHUNK - 1) / CHUNK; } /* tiles across K columns */
+static inline int blocks_of(int M) { return (M + T_ROWS - 1) / T_ROWS; } /* tiles down M rows */
 
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #include <sys/syscall.h>
@@ -158,53 +159,53 @@ AMX static void configure_tiles(void) {
 
 AMX static void release_tiles(void) { _tile_release(); }
 
-/* x (M x K) rounded to bfloat16 into `packed`: per block of 16 rows of x and per 32 columns, 16 pairs of
-   columns x 16 rows (rows past M and columns past K zero). */
-AMX static void pack_x(const float *x, int M, int K, uint32_t *packed) {
-  int chunks = chunks_of(K), blocks = (M + T_ROWS - 1) / T_ROWS;
-  __m512i to_pair = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                       _mm512_set1_epi32(T_ROWS));
+/* x (M x K) rounded to bfloat16 into `packed`, row by row (rows of chunks_of(K) * 64 bytes, whole cache
+   lines: no line is written by two threads), rows past M up to a whole tile and columns past K zero. */
+AMX static void pack_x(const float *x, int M, int K, uint16_t *packed) {
+  int chunks = chunks_of(K);
 #pragma omp for schedule(static)
-  for (int bc = 0; bc < blocks * chunks; bc++) { /* a thread fills whole tiles: no cache line is shared */
-    int k = bc % chunks * CHUNK;
-    for (int r = 0; r < T_ROWS; r++) {
-      int m = bc / chunks * T_ROWS + r, left = m < M ? K - k : 0;
+  for (int m = 0; m < blocks_of(M) * T_ROWS; m++)
+    for (int c = 0; c < chunks; c++) {
+      int k = c * CHUNK, left = m < M ? K - k : 0;
       __mmask16 low = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
       __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
       const float *row = x + (long)(m < M ? m : 0) * K + k;
       __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + 16), _mm512_maskz_loadu_ps(low, row));
-      _mm512_i32scatter_epi32(packed + (long)bc * X_TILE_PAIRS + r, to_pair, (__m512i)pairs, 4);
+      _mm512_store_si512(packed + ((long)m * chunks + c) * CHUNK, (__m512i)pairs);
     }
-  }
 }
 
 /* The tiles of `rows` (at most 16) weight rows at w, times the M rows of x packed; the sums added to
    y[m * ldy + r]. Prefetches the stream AHEAD_BYTES on. */
-AMX static void tile_bf16(const uint16_t *w, int rows, const uint32_t *packed, int M, int K, float *y, long ldy) {
-  int chunks = chunks_of(K), blocks = (M + T_ROWS - 1) / T_ROWS;
+AMX static void tile_bf16(const uint16_t *w, int rows, const uint16_t *packed, int M, int K, float *y, long ldy) {
+  int chunks = chunks_of(K), blocks = blocks_of(M), stride = chunks * CHUNK * 2; /* bytes of a row of x packed */
+  long block = (long)T_ROWS * chunks * CHUNK; /* bfloat16 of a block of x packed */
   const char *ahead = (const char *)w + AHEAD_BYTES;
+  __mmask16 outputs = rows >= 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
   float sums[T_ROWS * T_ROWS];
   for (int b = 0; b < blocks; b += 2) { /* two blocks of 16 rows of x at a time */
-    const uint32_t *first = packed + (long)b * chunks * X_TILE_PAIRS, *second = first + (long)chunks * X_TILE_PAIRS;
+    const uint16_t *first = packed + b * block, *second = first + block;
     _tile_zero(3);
     _tile_zero(4);
     for (int c = 0; c < chunks; c++) {
       if (b == 0)
         for (int line = 0; line < TILE_BYTES; line += 64) _mm_prefetch(ahead + (long)c * TILE_BYTES + line, _MM_HINT_T0);
-      _tile_loadd(0, w + (long)c * T_ROWS * CHUNK, 64);
-      _tile_loadd(1, first + c * X_TILE_PAIRS, 64);
-      _tile_dpbf16ps(3, 0, 1);
+      _tile_loadd(2, w + (long)c * T_ROWS * CHUNK, 64);
+      _tile_loadd(0, first + c * CHUNK, stride);
+      _tile_dpbf16ps(3, 0, 2);
       if (b + 1 < blocks) {
-        _tile_loadd(2, second + c * X_TILE_PAIRS, 64);
-        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, second + c * CHUNK, stride);
+        _tile_dpbf16ps(4, 1, 2);
       }
     }
     for (int half = 0; half < 2 && b + half < blocks; half++) {
       if (half == 0) _tile_stored(3, sums, 64);
       else _tile_stored(4, sums, 64);
       int m0 = (b + half) * T_ROWS, mb = M - m0 < T_ROWS ? M - m0 : T_ROWS;
-      for (int r = 0; r < rows; r++)
-        for (int m = 0; m < mb; m++) y[(m0 + m) * ldy + r] += sums[r * T_ROWS + m];
+      for (int m = 0; m < mb; m++) {
+        float *out = y + (m0 + m) * ldy;
+        _mm512_mask_storeu_ps(out, outputs, _mm512_add_ps(_mm512_maskz_loadu_ps(outputs, out), _mm512_loadu_ps(sums + m * T_ROWS)));
+      }
     }
   }
 }
@@ -212,9 +213,9 @@ AMX static void tile_bf16(const uint16_t *w, int rows, const uint32_t *packed, i
 int covey_amx_ready(void) { return -1; }
 #endif
 
-/* room for M rows of K columns of x packed for the tile products */
-static uint32_t *alloc_packed_x(int M, int K) {
-  return malloc(sizeof(uint32_t) * ((M + T_ROWS - 1) / T_ROWS) * chunks_of(K) * X_TILE_PAIRS);
+/* room for M rows of K columns of x packed for the tile products, aligned to cache lines */
+static uint16_t *alloc_packed_x(int M, int K) {
+  return aligned_alloc(64, sizeof(uint16_t) * blocks_of(M) * T_ROWS * chunks_of(K) * CHUNK);
 }
 
 /* y (M x width, width = sum of N) = x times the matrices, plus their biases; with `accumulate`, added
@@ -222,7 +223,7 @@ static uint32_t *alloc_packed_x(int M, int K) {
    the biases float32 either way). Called by every thread of a parallel region: the work is shared among
    them. */
 static void multiply(const float *x, int M, int K, int n_mats, const void *const *W, const float *const *b,
-                     const int *N, float *y, int accumulate, uint32_t *packed_x) {
+                     const int *N, float *y, int accumulate, uint16_t *packed_x) {
   int per_tile = packed_x ? T_ROWS : W_ROWS;
   long width = 0, tiles = 0; /* y's row length; tiles of weight rows over all matrices */
   for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + per_tile - 1) / per_tile;
@@ -263,7 +264,7 @@ static void multiply(const float *x, int M, int K, int n_mats, const void *const
    room for x packed cannot be had. */
 int covey_decode_linear(const float *x, int M, int K, int n_mats, const void *const *W, const float *const *b,
                         const int *N, float *y, int bf16, int threads) {
-  uint32_t *packed_x = bf16 ? alloc_packed_x(M, K) : NULL;
+  uint16_t *packed_x = bf16 ? alloc_packed_x(M, K) : NULL;
   if (bf16 && !packed_x) return -1;
 #pragma omp parallel num_threads(threads)
   multiply(x, M, K, n_mats, W, b, N, y, 0, packed_x);
@@ -299,6 +300,43 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
 }
 
+/* scores[t] = e^(scores[t] - their largest) for t < n, in place; returns their sum */
+static float softmax_unnormalised(float *scores, int n) {
+  float top = -INFINITY;
+  for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < n; t += 16) {
+    __mmask16 lanes = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + t), _mm512_set1_ps(top))));
+    _mm512_mask_storeu_ps(scores + t, lanes, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+/* The `heads` query heads at q (hd each, side by side) of one row attend over the keys and values of their
+   key-value head (hd each, one position after another) at positions 0..position where seen[t]; the heads'
+   outputs to out. The row's keys and values are read once for all its heads, and requested from memory
+   before they are needed (the weight stream has pushed them out of the caches since the last step).
+   scores: room for heads * (position + 1). */
+static void attend_group(const float *q, int heads, const float *k, const float *v, const unsigned char *seen,
+                         int position, int hd, float scale, float *scores, float *out) {
+  int n = position + 1;
+  long bytes = (long)n * hd * sizeof(float);
+  for (long line = 0; line < bytes; line += 64) _mm_prefetch((const char *)k + line, _MM_HINT_T0);
+  for (long line = 0; line < bytes; line += 64) _mm_prefetch((const char *)v + line, _MM_HINT_T1);
+  for (int t = 0; t < n; t++)
+    for (int j = 0; j < heads; j++)
+      scores[(long)j * n + t] = seen[t] ? dot(q + (long)j * hd, k + (long)t * hd, hd) * scale : -INFINITY;
+  for (int j = 0; j < heads; j++) {
+    float *s = scores + (long)j * n, *o = out + (long)j * hd, total = softmax_unnormalised(s, n);
+    for (int d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int t = 0; t < n; t++)
+      if (seen[t]) add_scaled(o, s[t], v + (long)t * hd, hd);
+    for (int d = 0; d < hd; d++) o[d] /= total;
+  }
+}
+
 /* out = x / sqrt(mean(x^2) + eps) * weight, row by row */
 static void rms_norm(const float *x, int M, int H, const float *weight, float eps, float *out) {
 #pragma omp for schedule(static)
@@ -332,17 +370,17 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
   float *qkv = malloc(sizeof(float) * B * qkv_width);
   float *attn = malloc(sizeof(float) * B * q_width);
   float *gate_up = malloc(sizeof(float) * B * 2 * I);
-  long own = position + 1 + hd; /* each thread's scratch: attention scores, a rotated head */
+  long own = (long)per_group * (position + 1) + hd; /* each thread's scratch: a group's attention scores, a rotated head */
   float *scratch = malloc(sizeof(float) * own * threads);
   int widest = H > I ? H : I; /* the products' longest rows of x */
-  uint32_t *x16 = bf16 ? alloc_packed_x(B, widest > q_width ? widest : q_width) : NULL;
+  uint16_t *x16 = bf16 ? alloc_packed_x(B, widest > q_width ? widest : q_width) : NULL;
   if (!normed || !qkv || !attn || !gate_up || !scratch || (bf16 && !x16)) {
     free(normed), free(qkv), free(attn), free(gate_up), free(scratch), free(x16);
     return -1;
   }
 #pragma omp parallel num_threads(threads)
   {
-    float *scores = scratch + own * omp_get_thread_num(), *rotated = scores + position + 1;
+    float *scores = scratch + own * omp_get_thread_num(), *rotated = scores + (long)per_group * (position + 1);
     for (int l = 0; l < n_layers; l++) {
       void *const *p = layers + (long)l * LAYER_POINTERS;
       const void *qkv_w[3] = {p[Q], p[K_], p[V_]};
@@ -365,39 +403,14 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
           memcpy(values + at, t + kv_width, sizeof(float) * hd);
         }
       }
-      /* attention of each query head over its row's cache */
+      /* attention of each group of query heads over its row's cache (of their key-value head) */
 #pragma omp for schedule(static)
-      for (int bh = 0; bh < B * n_heads; bh++) {
-        int b = bh / n_heads, h = bh % n_heads, g = h / per_group;
-        const float *q = qkv + (long)b * qkv_width + (long)h * hd;
+      for (int bg = 0; bg < B * n_kv; bg++) {
+        int b = bg / n_kv, g = bg % n_kv;
         long cache = ((long)slots[b] * n_kv + g) * max_length * hd;
-        const float *k = keys + cache, *v = values + cache;
-        const unsigned char *seen = attend + (long)b * max_length;
-        float top = -INFINITY;
-        for (int t = 0; t <= position; t++) {
-          scores[t] = seen[t] ? dot(q, k + (long)t * hd, hd) * scale : -INFINITY;
-          if (scores[t] > top) top = scores[t];
-        }
-        __m512 sum = _mm512_setzero_ps();
-        int t = 0;
-        for (; t + 16 <= position + 1; t += 16) {
-          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), _mm512_set1_ps(top)));
-          _mm512_storeu_ps(scores + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (t <= position) {
-          __mmask16 tail = (__mmask16)((1u << (position + 1 - t)) - 1);
-          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + t), _mm512_set1_ps(top)));
-          e = _mm512_maskz_mov_ps(tail, e);
-          _mm512_mask_storeu_ps(scores + t, tail, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        float total = _mm512_reduce_add_ps(sum);
-        float *out = attn + (long)b * q_width + (long)h * hd;
-        for (int d = 0; d < hd; d++) out[d] = 0.0f;
-        for (int t = 0; t <= position; t++)
-          if (seen[t]) add_scaled(out, scores[t], v + (long)t * hd, hd);
-        for (int d = 0; d < hd; d++) out[d] /= total;
+        attend_group(qkv + (long)b * qkv_width + (long)g * per_group * hd, per_group, keys + cache, values + cache,
+                     attend + (long)b * max_length, position, hd, scale, scores,
+                     attn + (long)b * q_width + (long)g * per_group * hd);
       }
       const void *o_w[1] = {p[O]};
       const float *o_b[1] = {p[O_BIAS]};

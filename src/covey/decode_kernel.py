@@ -156,13 +156,14 @@ class BF16Tiles:
 
 
 def tile_bf16(weight: torch.Tensor) -> BF16Tiles:
-    """``weight`` (N, K) in bfloat16, in blocks of 16 rows x 32 columns, each block's rows one after the
-    other and the blocks in the order the kernel multiplies them (a block row's blocks left to right),
-    zero-padded to whole blocks: the kernel then streams one run of memory."""
+    """``weight`` (N, K) in bfloat16, in blocks of 16 rows x 32 columns, zero-padded to whole blocks, in the
+    order the kernel multiplies them (a block row's blocks left to right): the kernel then streams one run of
+    memory. Within a block, pair by pair of columns, each row's pair: the layout of an AMX tile product's
+    second operand, so that the sums come out laid out as the outputs are."""
     N, K = weight.shape
     padded = F.pad(weight.to(torch.bfloat16), (0, -K % 32, 0, -N % 16))
-    tiles = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
-    return BF16Tiles(tiles, (N, K))
+    blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16, 2)  # (row block, row, block, pair, 2)
+    return BF16Tiles(blocks.permute(0, 2, 3, 1, 4).contiguous(), (N, K))
 
 
 class _Matrices:
