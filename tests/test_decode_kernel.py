@@ -197,11 +197,17 @@ def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
     skip_without_kernel()
     decoder = LeanDecoder(tiny_model, torch.float32, max_length=8, multiply="kernel")
     decoder.prefill(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[0, 1]]), 2)
+    assert len(decoder.keys[0]) == 3  # the prompt's row, then one per sample
     x = decoder.embed(torch.tensor([7, 8])).float()
     cos, sin = (t[:, 0].contiguous() for t in decoder.rotary(x, torch.tensor([[2], [2]])))
-    for slots in (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1]), torch.tensor([0], dtype=torch.int32)):
-        with pytest.raises(ValueError, match="slots"):
+    cache = decoder.valid_BL, decoder.slots_B, 2, decoder.keys, decoder.values
+    for slots in (torch.tensor([1, 3], dtype=torch.int32), torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="slots must be"):
             decoder.layer_stack.step(x, cos, sin, decoder.valid_BL, slots, 2, decoder.keys, decoder.values)
+        with pytest.raises(ValueError, match="prefix_slots must be"):
+            decoder.layer_stack.step(x, cos, sin, *cache, slots, 2)
+    with pytest.raises(ValueError, match="shared prefix"):
+        decoder.layer_stack.step(x, cos, sin, *cache, decoder.prefix_slots_B, 3)
 
 
 def test_a_kernel_that_disagrees_with_linear_is_turned_away_with_a_warning(fresh_build, monkeypatch):

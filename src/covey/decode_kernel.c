@@ -37,30 +37,35 @@ static inline float dot(const float *a, const float *b, int n) {
   return _mm512_reduce_add_ps(acc);
 }
 
-/* Adds the sums of v[4m + r] (r, m < 4) to y[m * ldy + r] for m < mb: the 16 horizontal sums in one
-   tree of shuffles and adds, each row of x's four sums stored together. */
+/* each 128-bit lane i: the sums of a, b, c, d over their own lane i */
 static inline __m512 lane_sums_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  /* each 128-bit lane i: the sums of a, b, c, d over their own lane i */
   __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
 }
 
-static inline void add_sums_4x4(const __m512 *v, float *y, long ldy, int mb) {
+/* lane i: the sum of v[i]'s lanes, for i < 16, in one tree of shuffles and adds */
+static inline __m512 sums_of_16(const __m512 *v) {
   __m512 u0 = lane_sums_of_4(v[0], v[1], v[2], v[3]), u1 = lane_sums_of_4(v[4], v[5], v[6], v[7]);
   __m512 u2 = lane_sums_of_4(v[8], v[9], v[10], v[11]), u3 = lane_sums_of_4(v[12], v[13], v[14], v[15]);
   __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)),
                            _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
   __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(1, 0, 1, 0)),
                            _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Adds the sums of v[4m + r] (r, m < 4) to y[m * ldy + r] for m < mb, each row of x's four sums stored together. */
+static inline void add_sums_4x4(const __m512 *v, float *y, long ldy, int mb) {
   float out[16];
-  _mm512_storeu_ps(out, sums); /* lane m holds row m of x's sums with weight rows 0-3 */
+  _mm512_storeu_ps(out, sums_of_16(v)); /* lane 4m + r holds row m of x's sum with weight row r */
   for (int m = 0; m < mb; m++)
     for (int r = 0; r < 4; r++) y[m * ldy + r] += out[4 * m + r];
 }
+
+/* the first n lanes (all for n >= 16) */
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 /* The W_ROWS (4) weight rows at w (stride K) times MB rows of x (stride K); the 16 sums are added to
    y[m * ldy + r]. The weight stream's prefetches stand at *ahead and move `lines` cache lines on per
@@ -274,14 +279,6 @@ int covey_decode_linear(const float *x, int M, int K, int n_mats, const void *co
 
 /* ---- a whole decode step of a Llama-family layer stack, one token per row ------------------------------ */
 
-/* y[i] += a * x[i] */
-static inline void add_scaled(float *y, float a, const float *x, int n) {
-  __m512 av = _mm512_set1_ps(a);
-  int i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < n; i++) y[i] += a * x[i];
-}
-
 /* e^x lane by lane, within 2 ulp over float's range; 0 below it (e^-inf included) */
 static inline __m512 exp16(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
@@ -314,26 +311,64 @@ static float softmax_unnormalised(float *scores, int n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-/* The `heads` query heads at q (hd each, side by side) of one row attend over the keys and values of their
-   key-value head (hd each, one position after another) at positions 0..position where seen[t]; the heads'
-   outputs to out. The row's keys and values are read once for all its heads, and requested from memory
-   before they are needed (the weight stream has pushed them out of the caches since the last step).
-   scores: room for heads * (position + 1). */
-static void attend_group(const float *q, int heads, const float *k, const float *v, const unsigned char *seen,
-                         int position, int hd, float scale, float *scores, float *out) {
-  int n = position + 1;
-  long bytes = (long)n * hd * sizeof(float);
-  for (long line = 0; line < bytes; line += 64) _mm_prefetch((const char *)k + line, _MM_HINT_T0);
-  for (long line = 0; line < bytes; line += 64) _mm_prefetch((const char *)v + line, _MM_HINT_T1);
-  for (int t = 0; t < n; t++)
-    for (int j = 0; j < heads; j++)
-      scores[(long)j * n + t] = seen[t] ? dot(q + (long)j * hd, k + (long)t * hd, hd) * scale : -INFINITY;
+/* A row's keys (or values) of one key-value head, hd per position: positions below `shared` in the cache of
+   its prompt (which the rows of its group share), the others in its own. */
+struct rows_of_head { const float *shared, *own; int until; };
+
+static inline const float *at(struct rows_of_head r, int t, int hd) { return (t < r.until ? r.shared : r.own) + (long)t * hd; }
+
+/* asks for positions from..to - 1 of r, into the cache level of `hint` */
+static inline void prefetch_rows(struct rows_of_head r, int from, int to, int hd, int hint) {
+  for (int part = 0; part < 2; part++) {
+    const char *start = (const char *)at(r, part ? (from > r.until ? from : r.until) : from, hd);
+    const char *end = (const char *)at(r, part ? to : (to < r.until ? to : r.until), hd);
+    for (const char *line = start; line < end; line += 64)
+      if (hint == _MM_HINT_T0) _mm_prefetch(line, _MM_HINT_T0);
+      else _mm_prefetch(line, _MM_HINT_T1);
+  }
+}
+
+/* The `heads` query heads at q (hd each, side by side) of one row attend over the keys k and values v of their
+   key-value head at positions 0..position where seen[t]; the heads' outputs to out. The row's keys and values
+   are read once for all its heads, and requested from memory before they are needed (the weight stream has
+   pushed them out of the caches since the last step). Scores 16 positions at a time; each head's output summed
+   in registers. scores: room for heads * (position + 1). */
+static void attend_group(const float *q, int heads, struct rows_of_head k, struct rows_of_head v,
+                         const unsigned char *seen, int position, int hd, float scale, float *scores, float *out) {
+  int n = position + 1, slices = (hd + 15) / 16; /* of 16 lanes across a head */
+  prefetch_rows(k, 0, n, hd, _MM_HINT_T0);
+  prefetch_rows(v, 0, n, hd, _MM_HINT_T1);
+  for (int t = 0; t < n; t += 16) {
+    __mmask16 here = first_lanes(n - t), visible = _mm_test_epi8_mask(_mm_maskz_loadu_epi8(here, seen + t), _mm_set1_epi8(-1));
+    for (int j = 0; j < heads; j++) {
+      __m512 products[16]; /* lane by lane, of q and the keys at positions t to t + 15 */
+      for (int u = 0; u < 16; u++) {
+        products[u] = _mm512_setzero_ps();
+        for (int s = 0; s < slices && t + u < n; s++) {
+          __mmask16 lanes = first_lanes(hd - 16 * s);
+          products[u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + (long)j * hd + 16 * s),
+                                        _mm512_maskz_loadu_ps(lanes, at(k, t + u, hd) + 16 * s), products[u]);
+        }
+      }
+      __m512 dots = _mm512_mul_ps(sums_of_16(products), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + (long)j * n + t, here, _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), dots));
+    }
+  }
   for (int j = 0; j < heads; j++) {
-    float *s = scores + (long)j * n, *o = out + (long)j * hd, total = softmax_unnormalised(s, n);
-    for (int d = 0; d < hd; d++) o[d] = 0.0f;
-    for (int t = 0; t < n; t++)
-      if (seen[t]) add_scaled(o, s[t], v + (long)t * hd, hd);
-    for (int d = 0; d < hd; d++) o[d] /= total;
+    float *s = scores + (long)j * n, total = softmax_unnormalised(s, n); /* 0 where not seen */
+    for (int d0 = 0; d0 < hd; d0 += 16 * 8) { /* 8 slices of the head at a time, in registers */
+      __m512 sums[8];
+      int width = hd - d0 < 16 * 8 ? (hd - d0 + 15) / 16 : 8;
+      for (int i = 0; i < width; i++) sums[i] = _mm512_setzero_ps();
+      for (int t = 0; t < n; t++) {
+        __m512 weight = _mm512_set1_ps(s[t]);
+        for (int i = 0; i < width; i++)
+          sums[i] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(first_lanes(hd - d0 - 16 * i), at(v, t, hd) + d0 + 16 * i), sums[i]);
+      }
+      for (int i = 0; i < width; i++)
+        _mm512_mask_storeu_ps(out + (long)j * hd + d0 + 16 * i, first_lanes(hd - d0 - 16 * i),
+                              _mm512_div_ps(sums[i], _mm512_set1_ps(total)));
+    }
   }
 }
 
@@ -356,22 +391,23 @@ int covey_layer_pointers(void) { return LAYER_POINTERS; }
 
 /* x (B x H): the rows' residual stream, embeddings in, the last layer's output out. Row b's cache is row
    slots[b] of KEYS/VALUES (n x n_kv x max_length x hd): its new key and value go to position `position`
-   there, and it attends to the positions up to it where attend (B x max_length) is nonzero. cos/sin
+   there, and it attends to the positions up to it where attend (B x max_length) is nonzero; positions below
+   prefix_length (its prompt's, shared with the other rows of its group) it reads from row prefix_slots[b]. cos/sin
    (B x hd): the rotary embedding of each row's position. The products' matrices are float32, or bfloat16
    in tiles given `bf16`; everything else is float32. Returns 0, or -1 (and changes nothing) when its scratch memory
    cannot be had. */
 int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int I, int n_layers, float eps,
                        float scale, const float *cos, const float *sin, const unsigned char *attend,
-                       const int *slots, int position, int max_length, void *const *layers, int bf16,
-                       int threads) {
+                       const int *slots, const int *prefix_slots, int prefix_length, int position, int max_length,
+                       void *const *layers, int bf16, int threads) {
   int q_width = n_heads * hd, kv_width = n_kv * hd, qkv_width = q_width + 2 * kv_width, half = hd / 2;
   int per_group = n_heads / n_kv;
   float *normed = malloc(sizeof(float) * B * (H > I ? H : I));
   float *qkv = malloc(sizeof(float) * B * qkv_width);
   float *attn = malloc(sizeof(float) * B * q_width);
   float *gate_up = malloc(sizeof(float) * B * 2 * I);
-  long own = (long)per_group * (position + 1) + hd; /* each thread's scratch: a group's attention scores, a rotated head */
-  float *scratch = malloc(sizeof(float) * own * threads);
+  long per_thread = (long)per_group * (position + 1) + hd; /* each thread's scratch: a group's attention scores, a rotated head */
+  float *scratch = malloc(sizeof(float) * per_thread * threads);
   int widest = H > I ? H : I; /* the products' longest rows of x */
   uint16_t *x16 = bf16 ? alloc_packed_x(B, widest > q_width ? widest : q_width) : NULL;
   if (!normed || !qkv || !attn || !gate_up || !scratch || (bf16 && !x16)) {
@@ -380,7 +416,7 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
   }
 #pragma omp parallel num_threads(threads)
   {
-    float *scores = scratch + own * omp_get_thread_num(), *rotated = scores + (long)per_group * (position + 1);
+    float *scores = scratch + per_thread * omp_get_thread_num(), *rotated = scores + (long)per_group * (position + 1);
     for (int l = 0; l < n_layers; l++) {
       void *const *p = layers + (long)l * LAYER_POINTERS;
       const void *qkv_w[3] = {p[Q], p[K_], p[V_]};
@@ -407,8 +443,10 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
 #pragma omp for schedule(static)
       for (int bg = 0; bg < B * n_kv; bg++) {
         int b = bg / n_kv, g = bg % n_kv;
-        long cache = ((long)slots[b] * n_kv + g) * max_length * hd;
-        attend_group(qkv + (long)b * qkv_width + (long)g * per_group * hd, per_group, keys + cache, values + cache,
+        long own = ((long)slots[b] * n_kv + g) * max_length * hd;
+        long shared = ((long)(prefix_length ? prefix_slots[b] : slots[b]) * n_kv + g) * max_length * hd;
+        struct rows_of_head k = {keys + shared, keys + own, prefix_length}, v = {values + shared, values + own, prefix_length};
+        attend_group(qkv + (long)b * qkv_width + (long)g * per_group * hd, per_group, k, v,
                      attend + (long)b * max_length, position, hd, scale, scores,
                      attn + (long)b * q_width + (long)g * per_group * hd);
       }

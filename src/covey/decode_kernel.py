@@ -106,7 +106,7 @@ def _library() -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     step = library.covey_decode_step
     step.argtypes = [_pointer, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_float, _pointer, _pointer, _pointer,
-                     _pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int, ctypes.c_int]
+                     _pointer, _pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int, ctypes.c_int]
     step.restype = ctypes.c_int
     if not _agrees_with_linear(library, torch.float32):
         warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
@@ -259,20 +259,27 @@ class LayerStack:
         self.pointers = (_pointer * len(pointers))(*pointers)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, slots: torch.Tensor,
-             position: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+             position: int, keys: list[torch.Tensor], values: list[torch.Tensor], prefix_slots: torch.Tensor | None = None,
+             prefix_length: int = 0) -> None:
         """Run every layer on x (B, hidden), in place. Row b's cache is row ``slots[b]`` (int32) of
         ``keys``/``values`` (each (n, kv heads, max length, head dim)): its key and value go to position
         ``position`` there, and it attends to the positions up to that one where ``attend`` (B, max
-        length, bool) is True. cos/sin (B, head dim): the rotary embedding of each row's position."""
+        length, bool) is True; the first ``prefix_length`` of them (its prompt's, shared by its group) it
+        reads from row ``prefix_slots[b]`` (int32) instead. cos/sin (B, head dim): the rotary embedding of
+        each row's position."""
         n_slots = len(keys[0])
-        if slots.dtype != torch.int32 or len(slots) != len(x) or not 0 <= int(slots.min()) <= int(slots.max()) < n_slots:
-            raise ValueError(f"slots must be {len(x)} int32 rows of a cache of {n_slots}")
+        for name, rows in (("slots", slots), ("prefix_slots", prefix_slots if prefix_length else slots)):
+            if rows.dtype != torch.int32 or len(rows) != len(x) or not 0 <= int(rows.min()) <= int(rows.max()) < n_slots:
+                raise ValueError(f"{name} must be {len(x)} int32 rows of a cache of {n_slots}")
+        if not 0 <= prefix_length <= position:
+            raise ValueError(f"the shared prefix ({prefix_length} positions) must end at or before position {position}")
         n_heads, n_kv_heads, head_dim = self.shape
         for i, (k, v) in enumerate(zip(keys, values)):
             self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
             self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
         B, H = x.shape
         if self.function(x.data_ptr(), B, H, n_heads, n_kv_heads, head_dim, self.intermediate, len(keys), self.eps,
-                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(), position,
+                         self.scale, cos.data_ptr(), sin.data_ptr(), attend.data_ptr(), slots.data_ptr(),
+                         prefix_slots.data_ptr() if prefix_length else None, prefix_length, position,
                          attend.shape[1], self.pointers, self.bf16, torch.get_num_threads()) != 0:
             raise MemoryError(f"the decode kernel could not allocate its scratch memory for {B} rows")

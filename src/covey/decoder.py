@@ -184,8 +184,12 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache positions filled
         self.valid_BL: torch.Tensor | None = None  # (B, max_length) which cache positions hold real tokens
-        # with the kernel, row b's cache is row slots_B[b] of keys/values: rows leave without a copy
+        # with the kernel, row b's cache is row slots_B[b] of keys/values: rows leave without a copy; its
+        # prompt's positions (the first prefix_length) are row prefix_slots_B[b], shared by its group, and
+        # the first prompt_slots rows of keys/values are the prompts'
         self.slots_B: torch.Tensor | None = None
+        self.prefix_slots_B: torch.Tensor | None = None
+        self.prefix_length = self.prompt_slots = 0
 
     def _choose_products(self, weights: dict, n_layers: int, head_name: str, model_dtype: torch.dtype,
                          full_model: bool, choice: str) -> list[tuple[int, Products]]:
@@ -230,18 +234,31 @@ class LeanDecoder:
         """Run the N prompts once, then give each ``repeats`` rows of cache. Logits (N * repeats, V)."""
         N, P = ids_NP.shape
         device = ids_NP.device
-        shape = (N, self.n_kv_heads, self.max_length, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
-        self.values = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
+        # with the kernel, the rows of a group read their prompt's positions from its one copy: the cache holds
+        # the N prompts, then a row for each sample (whose positions before P are never read)
+        self.prompt_slots = N if self.layer_stack is not None else 0
+        shape = (self.prompt_slots + N * repeats if self.prompt_slots else N, self.n_kv_heads, self.max_length, self.head_dim)
+        new = torch.empty if self.prompt_slots else torch.zeros
+        self.keys = [new(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
+        self.values = [new(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
+        whole = self.keys, self.values
+        self.keys, self.values = [k[:N] for k in self.keys], [v[:N] for v in self.values]  # the prompts' rows
         self.valid_BL = torch.zeros(N, self.max_length, dtype=torch.bool, device=device)
         self.valid_BL[:, :P] = mask_NP.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         # every query may see itself, so the padding positions never attend to nothing (NaN)
         attend = (causal & self.valid_BL[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
         logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]
-        self.slots_B = torch.arange(N, dtype=torch.int32)
-        if repeats > 1:
-            self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
+        self.keys, self.values = whole
+        if self.prompt_slots:
+            self.prefix_slots_B = torch.arange(N, dtype=torch.int32).repeat_interleave(repeats)
+            self.slots_B = N + torch.arange(N * repeats, dtype=torch.int32)
+            self.prefix_length = P
+            self.valid_BL = self.valid_BL.repeat_interleave(repeats, dim=0)
+        else:
+            self.slots_B = torch.arange(N, dtype=torch.int32)
+            if repeats > 1:
+                self.keep(torch.arange(N, device=device).repeat_interleave(repeats))
         return logits.repeat_interleave(repeats, dim=0)
 
     @torch.no_grad()
@@ -252,7 +269,8 @@ class LeanDecoder:
         if self.layer_stack is not None:
             x = self.embed(ids_B).float()
             cos, sin = (t[:, 0].contiguous() for t in self.rotary(x, positions_B[:, None]))
-            self.layer_stack.step(x, cos, sin, self.valid_BL, self.slots_B, self.length, self.keys, self.values)
+            self.layer_stack.step(x, cos, sin, self.valid_BL, self.slots_B, self.length, self.keys, self.values,
+                                  self.prefix_slots_B, self.prefix_length)
             self.length += 1
             return self.products_for(len(ids_B)).head(self._rms_norm(x, self.norm)).float()
         attend = self.valid_BL[:, None, None, : self.length + 1]
@@ -261,15 +279,18 @@ class LeanDecoder:
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the cache (in this order; an index may repeat)."""
         self.valid_BL = self.valid_BL[rows]
-        if self.layer_stack is not None and len(rows.unique()) == len(rows):
-            # the kernel's steps read each row's cache where it lies (the only forwards that follow;
-            # a prefill starts a new cache)
-            self.slots_B = self.slots_B[rows.cpu()]
-            return
-        rows = self.slots_B.to(rows.device)[rows]
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.slots_B = torch.arange(len(rows), dtype=torch.int32)
+        if self.prompt_slots:
+            self.prefix_slots_B = self.prefix_slots_B[rows.cpu()]
+            if len(rows.unique()) == len(rows):
+                # the kernel's steps read each row's cache where it lies (the only forwards that follow;
+                # a prefill starts a new cache)
+                self.slots_B = self.slots_B[rows.cpu()]
+                return
+        # a copy of the rows kept (the prompts' first, as they are)
+        kept = torch.cat([torch.arange(self.prompt_slots), self.slots_B[rows.cpu()].long()]).to(rows.device)
+        self.keys = [k[kept] for k in self.keys]
+        self.values = [v[kept] for v in self.values]
+        self.slots_B = self.prompt_slots + torch.arange(len(rows), dtype=torch.int32)
 
     # ---- the model ----------------------------------------------------------------------------
 
