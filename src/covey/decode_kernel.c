@@ -333,7 +333,8 @@ static inline void prefetch_rows(struct rows_of_head r, int from, int to, int hd
    are read once for all its heads, and requested from memory before they are needed (the weight stream has
    pushed them out of the caches since the last step). Scores 16 positions at a time; each head's output summed
    in registers. scores: room for heads * (position + 1). */
-static void attend_group(const float *q, int heads, struct rows_of_head k, struct rows_of_head v,
+static inline __attribute__((always_inline)) void attend_group(const float *q, int heads, struct rows_of_head k,
+                                                               struct rows_of_head v,
                          const unsigned char *seen, int position, int hd, float scale, float *scores, float *out) {
   int n = position + 1, slices = (hd + 15) / 16; /* of 16 lanes across a head */
   prefetch_rows(k, 0, n, hd, _MM_HINT_T0);
@@ -446,9 +447,14 @@ int covey_decode_step(float *x, int B, int H, int n_heads, int n_kv, int hd, int
         long own = ((long)slots[b] * n_kv + g) * max_length * hd;
         long shared = ((long)(prefix_length ? prefix_slots[b] : slots[b]) * n_kv + g) * max_length * hd;
         struct rows_of_head k = {keys + shared, keys + own, prefix_length}, v = {values + shared, values + own, prefix_length};
-        attend_group(qkv + (long)b * qkv_width + (long)g * per_group * hd, per_group, k, v,
-                     attend + (long)b * max_length, position, hd, scale, scores,
-                     attn + (long)b * q_width + (long)g * per_group * hd);
+        const float *q = qkv + (long)b * qkv_width + (long)g * per_group * hd;
+        float *out = attn + (long)b * q_width + (long)g * per_group * hd;
+        const unsigned char *seen = attend + (long)b * max_length;
+        switch (hd) { /* the common head sizes compiled for their own */
+          case 64: attend_group(q, per_group, k, v, seen, position, 64, scale, scores, out); break;
+          case 128: attend_group(q, per_group, k, v, seen, position, 128, scale, scores, out); break;
+          default: attend_group(q, per_group, k, v, seen, position, hd, scale, scores, out);
+        }
       }
       const void *o_w[1] = {p[O]};
       const float *o_b[1] = {p[O_BIAS]};
