@@ -161,9 +161,13 @@ def tile_bf16(weight: torch.Tensor) -> BF16Tiles:
     memory. Within a block, pair by pair of columns, each row's pair: the layout of an AMX tile product's
     second operand, so that the sums come out laid out as the outputs are."""
     N, K = weight.shape
-    padded = F.pad(weight.to(torch.bfloat16), (0, -K % 32, 0, -N % 16))
-    blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16, 2)  # (row block, row, block, pair, 2)
-    return BF16Tiles(blocks.permute(0, 2, 3, 1, 4).contiguous(), (N, K))
+    padded = weight.to(torch.bfloat16)
+    if K % 32 or N % 16:
+        padded = F.pad(padded, (0, -K % 32, 0, -N % 16))
+    # each pair of columns moved as one int32 (several times faster than moving bfloat16 two by two)
+    pairs = padded.view(torch.int32).view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16)  # (row block, row, block, pair)
+    blocks = pairs.permute(0, 2, 3, 1).contiguous().view(torch.bfloat16)
+    return BF16Tiles(blocks.view(*blocks.shape[:-1], 16, 2), (N, K))
 
 
 class _Matrices:
