@@ -181,8 +181,9 @@ AMX static void pack_x(const float *x, int M, int K, uint16_t *packed) {
 }
 
 /* The tiles of `rows` (at most 16) weight rows at w, times the M rows of x packed; the sums added to
-   y[m * ldy + r]. Prefetches the stream AHEAD_BYTES on. */
-AMX static void tile_bf16(const uint16_t *w, int rows, const uint16_t *packed, int M, int K, float *y, long ldy) {
+   y[m * ldy + r] (stored there, given `store`). Prefetches the stream AHEAD_BYTES on. */
+AMX static void tile_bf16(const uint16_t *w, int rows, const uint16_t *packed, int M, int K, float *y, long ldy,
+                          int store) {
   int chunks = chunks_of(K), blocks = blocks_of(M), stride = chunks * CHUNK * 2; /* bytes of a row of x packed */
   long block = (long)T_ROWS * chunks * CHUNK; /* bfloat16 of a block of x packed */
   const char *ahead = (const char *)w + AHEAD_BYTES;
@@ -209,7 +210,8 @@ AMX static void tile_bf16(const uint16_t *w, int rows, const uint16_t *packed, i
       int m0 = (b + half) * T_ROWS, mb = M - m0 < T_ROWS ? M - m0 : T_ROWS;
       for (int m = 0; m < mb; m++) {
         float *out = y + (m0 + m) * ldy;
-        _mm512_mask_storeu_ps(out, outputs, _mm512_add_ps(_mm512_maskz_loadu_ps(outputs, out), _mm512_loadu_ps(sums + m * T_ROWS)));
+        __m512 before = store ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(outputs, out);
+        _mm512_mask_storeu_ps(out, outputs, _mm512_add_ps(before, _mm512_loadu_ps(sums + m * T_ROWS)));
       }
     }
   }
@@ -231,12 +233,17 @@ static void multiply(const float *x, int M, int K, int n_mats, const void *const
                      const int *N, float *y, int accumulate, uint16_t *packed_x) {
   int per_tile = packed_x ? T_ROWS : W_ROWS;
   long width = 0, tiles = 0; /* y's row length; tiles of weight rows over all matrices */
-  for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + per_tile - 1) / per_tile;
+  int biased = 0;
+  for (int j = 0; j < n_mats; j++) width += N[j], tiles += (N[j] + per_tile - 1) / per_tile, biased |= b[j] != NULL;
+  /* bfloat16 tiles store whole sums: with no bias and nothing to add to, they are y as they come */
+  int store = packed_x && !accumulate && !biased;
+  if (biased || (!accumulate && !store)) {
 #pragma omp for schedule(static)
-  for (int m = 0; m < M; m++) { /* the bias (or zero) first: the tiles add to it */
-    float *row = y + m * width;
-    for (int j = 0; j < n_mats; row += N[j], j++)
-      for (int n = 0; n < N[j]; n++) row[n] = (accumulate ? row[n] : 0.0f) + (b[j] ? b[j][n] : 0.0f);
+    for (int m = 0; m < M; m++) { /* the bias (or zero) first: the tiles add to it */
+      float *row = y + m * width;
+      for (int j = 0; j < n_mats; row += N[j], j++)
+        for (int n = 0; n < N[j]; n++) row[n] = (accumulate ? row[n] : 0.0f) + (b[j] ? b[j][n] : 0.0f);
+    }
   }
 #ifdef AMX
   if (packed_x) pack_x(x, M, K, packed_x), configure_tiles();
@@ -251,7 +258,7 @@ static void multiply(const float *x, int M, int K, int n_mats, const void *const
 #ifdef AMX
     if (packed_x) {
       const uint16_t *w = (const uint16_t *)W[j] + first * chunks_of(K) * T_ROWS * CHUNK;
-      tile_bf16(w, rows, packed_x, M, K, out, width);
+      tile_bf16(w, rows, packed_x, M, K, out, width, store);
       continue;
     }
 #endif

@@ -2,7 +2,8 @@
 
 What makes it faster than ``generate`` for GRPO:
 
-- each prompt of a group is prefilled once and its cache copied to the G samples;
+- each prompt of a group is prefilled once and its cache shared by the G samples (read from one
+  copy in covey's decode kernel, copied to each sample elsewhere);
 - rows that finished (EOS, stop string) leave the batch, so the tail of a rollout costs only
   what is still running;
 - no per-step logits processors beyond the ones asked for.
