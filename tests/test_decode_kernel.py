@@ -96,6 +96,18 @@ def test_bfloat16_tiles_are_the_matrix_block_by_block():
                 assert torch.equal(tiled.tiles[row_block, column_block, pair], block[:, 2 * pair:2 * pair + 2])
 
 
+@pytest.mark.parametrize("shape", [(20, 40), (16, 32), (1, 5), (33, 576)])
+def test_float32_matrices_are_tiled_by_the_kernel_as_torch_rounds_and_lays_them_out(shape):
+    """The kernel's one-pass tiling of a float32 matrix: torch's rounding to bfloat16 (to nearest even,
+    ties included) and ``tile_bf16``'s layout of the rounded matrix, bit for bit."""
+    skip_without_kernel(torch.bfloat16)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]))
+    weight.view(-1)[::3] = 1 + 2.0 ** -8 * torch.arange(len(weight.view(-1)[::3])).remainder(4)  # ties and neighbours
+    tiled, expected = decode_kernel.tile_bf16(weight), decode_kernel.tile_bf16(weight.bfloat16())
+    assert tiled.shape == expected.shape == shape
+    assert torch.equal(tiled.tiles.view(torch.int16), expected.tiles.view(torch.int16))
+
+
 def test_kernel_refuses_other_dtypes():
     skip_without_kernel()
     with pytest.raises(ValueError, match="float32"):

@@ -164,6 +164,29 @@ AMX static void configure_tiles(void) {
 
 AMX static void release_tiles(void) { _tile_release(); }
 
+/* columns k..k + 31 of row m of x (M x K) rounded to bfloat16 (round to nearest even), as 16 pairs; zero past
+   M and K */
+AMX static inline __m512bh rounded_pairs(const float *x, int M, int K, int m, int k) {
+  int left = m < M ? K - k : 0;
+  const float *row = x + (long)(m < M ? m : 0) * K + k;
+  return _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(first_lanes(left - 16), row + 16), _mm512_maskz_loadu_ps(first_lanes(left), row));
+}
+
+/* w (N x K, float32) rounded to bfloat16 into `tiles`, laid out as decode_kernel.py's `tile_bf16` lays them
+   out (the tile products' second operand): per block of 16 rows and 32 columns, each pair of columns of its
+   16 rows; zero past N and K. */
+AMX int covey_tile_bf16(const float *w, int N, int K, uint32_t *tiles, int threads) {
+  int chunks = chunks_of(K);
+  __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(T_ROWS));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long t = 0; t < (long)blocks_of(N) * chunks; t++) /* a thread fills whole tiles */
+    for (int r = 0; r < T_ROWS; r++)
+      _mm512_i32scatter_epi32(tiles + t * (T_ROWS * CHUNK / 2) + r, pair_offsets,
+                              (__m512i)rounded_pairs(w, N, K, (int)(t / chunks) * T_ROWS + r, (int)(t % chunks) * CHUNK), 4);
+  return 0;
+}
+
 /* x (M x K) rounded to bfloat16 into `packed`, row by row (rows of chunks_of(K) * 64 bytes, whole cache
    lines: no line is written by two threads), rows past M up to a whole tile and columns past K zero. */
 AMX static void pack_x(const float *x, int M, int K, uint16_t *packed) {
@@ -171,12 +194,8 @@ AMX static void pack_x(const float *x, int M, int K, uint16_t *packed) {
 #pragma omp for schedule(static)
   for (int m = 0; m < blocks_of(M) * T_ROWS; m++)
     for (int c = 0; c < chunks; c++) {
-      int k = c * CHUNK, left = m < M ? K - k : 0;
-      __mmask16 low = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-      __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
-      const float *row = x + (long)(m < M ? m : 0) * K + k;
-      __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + 16), _mm512_maskz_loadu_ps(low, row));
-      _mm512_store_si512(packed + ((long)m * chunks + c) * CHUNK, (__m512i)pairs);
+      int k = c * CHUNK;
+      _mm512_store_si512(packed + ((long)m * chunks + c) * CHUNK, (__m512i)rounded_pairs(x, M, K, m, k));
     }
 }
 

@@ -123,6 +123,7 @@ def _amx_library() -> ctypes.CDLL | None:
     if library is None or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(_cpu_flags().split()) \
             or library.covey_amx_ready() != 0:
         return None
+    library.covey_tile_bf16.argtypes = [_pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
     if not _agrees_with_linear(library, torch.bfloat16):
         warnings.warn("covey's decode kernel gave other bfloat16 products than F.linear on this machine, so "
                       "sampling in bfloat16 uses the general matrix products; please report it", RuntimeWarning,
@@ -159,8 +160,15 @@ def tile_bf16(weight: torch.Tensor) -> BF16Tiles:
     """``weight`` (N, K) in bfloat16, in blocks of 16 rows x 32 columns, zero-padded to whole blocks, in the
     order the kernel multiplies them (a block row's blocks left to right): the kernel then streams one run of
     memory. Within a block, pair by pair of columns, each row's pair: the layout of an AMX tile product's
-    second operand, so that the sums come out laid out as the outputs are."""
+    second operand, so that the sums come out laid out as the outputs are. A float32 matrix is rounded
+    (to nearest even) and laid out in one pass by the kernel where it runs in bfloat16."""
     N, K = weight.shape
+    library = _amx_library() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+    if library is not None:
+        source = weight.contiguous()
+        tiles = torch.empty(-(-N // 16), -(-K // 32), 16, 16, 2, dtype=torch.bfloat16)
+        library.covey_tile_bf16(source.data_ptr(), N, K, tiles.data_ptr(), torch.get_num_threads())
+        return BF16Tiles(tiles, (N, K))
     padded = weight.to(torch.bfloat16)
     if K % 32 or N % 16:
         padded = F.pad(padded, (0, -K % 32, 0, -N % 16))

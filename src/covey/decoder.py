@@ -165,15 +165,29 @@ class LeanDecoder:
         self.eps = config.rms_norm_eps
         self.embed, self.rotary = base.get_input_embeddings(), base.model.rotary_emb
         self.scale = base.model.layers[0].self_attn.scaling
+        if multiply not in WAYS_TO_MULTIPLY:
+            raise ValueError(f"multiply must be one of {WAYS_TO_MULTIPLY}, not {multiply!r}")
+        on_cpu = base.model.norm.weight.device.type == "cpu"
+        kernel = on_cpu and multiply in ("fastest", "kernel") and decode_kernel.available(dtype)
+        if multiply == "kernel" and not kernel:
+            raise ValueError(f"covey's decode kernel cannot run here in {dtype} (see covey.decode_kernel)")
+        # in bfloat16 where AMX runs the kernel, matrices are laid out in its tiles (biases in float32)
+        tiles = kernel and dtype == torch.bfloat16
+
+        def cast(t):
+            if t.dim() == 1:
+                return t.float() if tiles else t
+            return decode_kernel.tile_bf16(t) if tiles else t.to(dtype)
         # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32)
-        weights = {name: t.to(dtype) if t.dim() > 1 else t for name, t in policy_weights(model)}
-        n_layers, model_dtype = config.num_hidden_layers, weights["model.norm.weight"].dtype
+        weights = {name: cast(t) for name, t in policy_weights(model)}
+        n_layers, model_dtype = config.num_hidden_layers, base.model.norm.weight.dtype
         self.norms = [tuple(weights.pop(f"model.layers.{i}.{n}.weight").float()
                             for n in ("input_layernorm", "post_attention_layernorm")) for i in range(n_layers)]
         self.norm = weights.pop("model.norm.weight").float()
         head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
         self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
-                                              full_model=plain_model(model) is model, choice=multiply)
+                                              full_model=plain_model(model) is model, on_cpu=on_cpu, kernel=kernel,
+                                              choice=multiply)
         # with covey's kernel, a decode step's layers run in one call of it
         self.layer_stack = (decode_kernel.LayerStack([layer_parts(weights.get, i) for i in range(n_layers)],
                                                      self.norms, self.n_heads, self.n_kv_heads, self.head_dim,
@@ -192,16 +206,11 @@ class LeanDecoder:
         self.prefix_length = self.prompt_slots = 0
 
     def _choose_products(self, weights: dict, n_layers: int, head_name: str, model_dtype: torch.dtype,
-                         full_model: bool, choice: str) -> list[tuple[int, Products]]:
-        """(fewest rows, products) from the most rows down: the first that fits a forward runs it."""
-        if choice not in WAYS_TO_MULTIPLY:
-            raise ValueError(f"multiply must be one of {WAYS_TO_MULTIPLY}, not {choice!r}")
-        on_cpu = self.norm.device.type == "cpu"
-        kernel = on_cpu and choice in ("fastest", "kernel") and decode_kernel.available(self.dtype)
-        if choice == "kernel" and not kernel:
-            raise ValueError(f"covey's decode kernel cannot run here in {self.dtype} (see covey.decode_kernel)")
+                         full_model: bool, on_cpu: bool, kernel: bool, choice: str) -> list[tuple[int, Products]]:
+        """(fewest rows, products) from the most rows down: the first that fits a forward runs it.
+        ``kernel``: whether covey's kernel runs here in this dtype."""
         if kernel and self.dtype == torch.bfloat16:  # AMX sums forwards of any rows at the pace of the stream
-            return [(1, _tiled_products(weights, n_layers, head_name))]
+            return [(1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
         onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
         if self.dtype != model_dtype:
             # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
@@ -329,22 +338,6 @@ class LeanDecoder:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 stream ``x``, handed on in the matrix dtype."""
         return F.rms_norm(x, weight.shape, weight, self.eps).to(self.dtype)
-
-
-def _tiled_products(weights: dict, n_layers: int, head_name: str) -> Products:
-    """The kernel's bfloat16 products, on the matrices of ``weights`` laid out in its tiles (biases in
-    float32). The tiles take the matrices' places in ``weights`` (where the layer stack finds them),
-    one by one, so that the untiled copies are freed as they go."""
-    tiled = {}
-
-    def take(name):
-        if name in weights:
-            t = weights.pop(name)
-            tiled[name] = decode_kernel.tile_bf16(t) if t.dim() > 1 else t.float()
-        return tiled.get(name)
-    products = Products.build(take, n_layers, head_name, decode_kernel.matrices, "kernel")
-    weights.update(tiled)
-    return products
 
 
 class ModelDecoder:
