@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from covey.core import completion_mask
 from covey.decoder import LeanDecoder, ModelDecoder
@@ -51,18 +52,36 @@ def process_logits(logits_BV: torch.Tensor, params: SamplingParams, history_BL: 
     return logits_BV
 
 
+# tokens per block of the sampler's two-level CDF
+CDF_BLOCK = 1024
+
+
 def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row by inverting the CDF with a single uniform number: the same distribution as
-    ``torch.multinomial``, without its per-call exponential noise over the whole vocabulary. (B,)"""
-    cdf_BV = probs_BV.double().cumsum(-1)
-    u_B1 = torch.rand(probs_BV.shape[0], 1, generator=generator, device=probs_BV.device, dtype=torch.float64)
-    # the first token whose CDF exceeds u * total: never one without mass, as the CDF is flat there
-    index_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
-    past_end_B = index_B >= probs_BV.shape[1]  # rounding put u * total on the far edge
-    if past_end_B.any():
-        last_with_mass_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).int().argmax(-1)
-        index_B = torch.where(past_end_B, last_with_mass_B, index_B)
-    return index_B
+    ``torch.multinomial``, without its per-call exponential noise over the whole vocabulary. The CDF is
+    inverted in two levels, so that no chain of additions runs along the vocabulary: the blocks of
+    ``CDF_BLOCK`` tokens by their sums, then, in float64, the tokens of the block the draw falls in, in
+    proportion to their share of it (a token's chance is then exact to float32's rounding of its block's
+    sum). Never a token without mass. (B,)"""
+    B, V = probs_BV.shape
+    rows_B = torch.arange(B, device=probs_BV.device)
+    blocks_BNK = (F.pad(probs_BV, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs_BV).view(B, -1, CDF_BLOCK)
+    sums_BN = blocks_BNK.sum(-1)
+    block_cdf_BN = sums_BN.double().cumsum(-1)
+    u_B1 = torch.rand(B, 1, generator=generator, device=probs_BV.device, dtype=torch.float64)
+    target_B1 = u_B1 * block_cdf_BN[:, -1:]
+    # the first block whose CDF exceeds u * total (rounding may put that on the far edge: the last block with mass)
+    block_B = torch.searchsorted(block_cdf_BN, target_B1, right=True).squeeze(1)
+    last_block_B = sums_BN.shape[1] - 1 - (sums_BN.flip(-1) > 0).int().argmax(-1)
+    block_B = torch.where(block_B < sums_BN.shape[1], block_B, last_block_B)
+    before_B1 = torch.where(block_B > 0, block_cdf_BN[rows_B, (block_B - 1).clamp(min=0)], 0.0)[:, None]
+    # then the first token of that block whose CDF there exceeds the same fraction of it
+    block_BK = blocks_BNK[rows_B, block_B]
+    cdf_BK = block_BK.double().cumsum(-1)
+    fraction_B1 = (target_B1 - before_B1) / sums_BN[rows_B, block_B, None].double()
+    token_B = torch.searchsorted(cdf_BK, fraction_B1 * cdf_BK[:, -1:], right=True).squeeze(1)
+    last_token_B = CDF_BLOCK - 1 - (block_BK.flip(-1) > 0).int().argmax(-1)
+    return block_B * CDF_BLOCK + torch.where(token_B < CDF_BLOCK, token_B, last_token_B)
 
 
 class FastEngine:
