@@ -409,6 +409,26 @@ def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokeni
         assert {p.kind for _, p in decoder.products} <= {"plain", "kernel"}
 
 
+def test_inverse_cdf_sampling_draws_each_token_at_its_probability_across_blocks():
+    """A vocabulary of several CDF blocks (the last one padded): heavy tokens on the blocks' edges and the
+    rest spread thinly, drawn at their probabilities (chi-square over six groups, fixed seed)."""
+    from covey.fast_rollout import CDF_BLOCK, sample_categorical
+
+    V = 2 * CDF_BLOCK + 452
+    probs = torch.full((V,), 0.25 / (V - 3))
+    heavy = [CDF_BLOCK - 1, CDF_BLOCK, V - 1]  # the last of the first block, the first of the next, the very last
+    probs[heavy] = torch.tensor([0.3, 0.2, 0.25])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_categorical(probs.expand(2000, V), generator) for _ in range(20)])
+    block = torch.arange(V) // CDF_BLOCK
+    groups = [torch.arange(V) == h for h in heavy]
+    groups += [(block == b) & ~torch.isin(torch.arange(V), torch.tensor(heavy)) for b in range(3)]
+    observed = torch.tensor([float(g[draws].sum()) for g in groups])
+    expected = torch.tensor([float(probs[g].sum()) for g in groups]) * len(draws)
+    assert observed.sum() == len(draws)
+    assert float(((observed - expected) ** 2 / expected).sum()) < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
 def test_inverse_cdf_sampling_never_picks_a_token_without_mass(monkeypatch):
     from covey.fast_rollout import sample_categorical
 
