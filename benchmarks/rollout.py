@@ -8,7 +8,8 @@ through oneDNN's prepacked linear from ``PREPACKED_FLOAT32_FROM_ROWS`` rows, ``F
 "fast bf16 oneDNN" the bfloat16 one without it (oneDNN's prepacked linear at every row count).
 
 The roofline is computed in the same run from the machine's measured matrix-product rate and copy
-bandwidth, for the dtype the engine runs in: a decode step reads every weight once (memory) and
+bandwidth (measured before each row; the highest of the run are taken, so that a slow moment cannot
+lower the bound), for the dtype the engine runs in: a decode step reads every weight once (memory) and
 does 2 FLOPs per weight per row (compute), whichever is slower. "full batch" assumes every row
 runs for the whole rollout; "as sampled" counts, step by step, only the rows still running in
 the rollouts actually measured (the least work that yields these completions); "stream alone" takes
@@ -61,14 +62,14 @@ def main() -> None:
                "fast oneDNN": FastEngine(model, pad, eos, tokenizer, multiply="prepacked"),
                "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True),
                "fast bf16 oneDNN": FastEngine(model, pad, eos, tokenizer, bf16=True, multiply="prepacked")}
-    weights, gbps = weights_per_step(model), copy_gbps()
-    limits = {"fast": (matmul_gflops(torch.float32), gbps, 4), "fast bf16": (matmul_gflops(torch.bfloat16), gbps, 2)}
-    print(f"machine: {machine()}; measured matmul float32 {limits['fast'][0]:.0f} GFLOP/s, "
-          f"bfloat16 {limits['fast bf16'][0]:.0f} GFLOP/s, copy {gbps:.1f} GB/s\n")
+    weights = weights_per_step(model)
+    print(f"machine: {machine()}\n")
     rows = arithmetic("train")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
-    speed, roof = [], []
+    speed, measured, limits_seen = [], [], []
     for n_prompts, G in ((1, 8), (1, 16), (2, 8), (2, 16)):
+        # the machine's limits, measured before each row: its pace moves within a run
+        limits_seen.append((matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16), copy_gbps()))
         prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[:n_prompts]], 512)
         for engine in engines.values():  # warm-up
             engine.generate(prompts, G, SamplingParams(max_new_tokens=4), seed=0)
@@ -89,17 +90,25 @@ def main() -> None:
                      f"{median['hf bf16']:.0f} | {median['fast bf16']:.0f} | {ratio['fast bf16', 'hf bf16']:.2f}x | "
                      f"{ratio['fast bf16', 'hf']:.2f}x | {median['fast bf16 oneDNN']:.0f} | "
                      f"{ratio['fast bf16', 'fast bf16 oneDNN']:.2f}x | {mean_length:.0f} |")
-        cells = []
-        # bfloat16's products in AMX tiles outrun the measured matrix-product rate: the stream alone bounds them
-        stream_alone = (float("inf"), gbps, 2)
-        for name, limit, as_sampled in (("fast", limits["fast"], False), ("fast", limits["fast"], True),
-                                        ("fast bf16", limits["fast bf16"], False),
-                                        ("fast bf16", limits["fast bf16"], True), ("fast bf16", stream_alone, False)):
-            bounds = [roofline(weights, ls, limit, as_sampled) for ls in lengths[name]]
-            fraction = statistics.median(r / b for r, b in zip(rates[name], bounds))
-            cells.append(f"{statistics.median(bounds):.0f} | {fraction:.0%}")
-        roof.append(f"| {n_prompts} x {G} | " + " | ".join(cells) + " |")
+        measured.append((f"{n_prompts} x {G}", rates, lengths))
         print(speed[-1], flush=True)
+    # the roofline from the highest rates measured in the run: a slow moment cannot lower the bound
+    fp32_rate, bf16_rate, gbps = (max(column) for column in zip(*limits_seen))
+    print("\nmeasured before each row: matmul float32 " + ", ".join(f"{f:.0f}" for f, _, _ in limits_seen)
+          + " GFLOP/s, bfloat16 " + ", ".join(f"{b:.0f}" for _, b, _ in limits_seen)
+          + " GFLOP/s, copy " + ", ".join(f"{c:.1f}" for _, _, c in limits_seen) + " GB/s; the highest are the limits")
+    # bfloat16's products in AMX tiles outrun the measured matrix-product rate: the stream alone bounds them
+    bounds = (("fast", (fp32_rate, gbps, 4), False), ("fast", (fp32_rate, gbps, 4), True),
+              ("fast bf16", (bf16_rate, gbps, 2), False), ("fast bf16", (bf16_rate, gbps, 2), True),
+              ("fast bf16", (float("inf"), gbps, 2), False))
+    roof = []
+    for label, rates, lengths in measured:
+        cells = []
+        for name, limit, as_sampled in bounds:
+            tokens_per_second = [roofline(weights, ls, limit, as_sampled) for ls in lengths[name]]
+            fraction = statistics.median(r / b for r, b in zip(rates[name], tokens_per_second))
+            cells.append(f"{statistics.median(tokens_per_second):.0f} | {fraction:.0%}")
+        roof.append(f"| {label} | " + " | ".join(cells) + " |")
     print("\n| prompts x G | hf tok/s | fast tok/s | fast / hf | fast oneDNN tok/s | fast / fast oneDNN | hf bf16 tok/s "
           "| fast bf16 tok/s | fast bf16 / hf bf16 | fast bf16 / hf | fast bf16 oneDNN tok/s | "
           "fast bf16 / fast bf16 oneDNN | mean length |")

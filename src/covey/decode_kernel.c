@@ -25,13 +25,16 @@
 #define X_ROWS 4   /* rows of x per pass of a tile, at most */
 #define AHEAD 2048 /* floats of the weight stream prefetched ahead of the rows multiplied */
 
+/* the first n lanes (all for n >= 16) */
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
 /* sum of a[i] * b[i] */
 static inline float dot(const float *a, const float *b, int n) {
   __m512 acc = _mm512_setzero_ps();
   int i = 0;
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   if (i < n) {
-    __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+    __mmask16 tail = first_lanes(n - i);
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
@@ -64,9 +67,6 @@ static inline void add_sums_4x4(const __m512 *v, float *y, long ldy, int mb) {
     for (int r = 0; r < 4; r++) y[m * ldy + r] += out[4 * m + r];
 }
 
-/* the first n lanes (all for n >= 16) */
-static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
 /* The W_ROWS (4) weight rows at w (stride K) times MB rows of x (stride K); the 16 sums are added to
    y[m * ldy + r]. The weight stream's prefetches stand at *ahead and move `lines` cache lines on per
    16 columns. */
@@ -92,7 +92,7 @@ static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 
     }                                                                                                    \
     *ahead = p;                                                                                          \
     if (k < K) { /* the last K % 16 columns */                                                           \
-      __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);                                                 \
+      __mmask16 tail = first_lanes(K - k);                                                               \
       _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++) {                                             \
         __m512 xv = _mm512_maskz_loadu_ps(tail, x + (long)m * K + k);                                    \
         _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)                                              \
@@ -206,7 +206,7 @@ AMX static void tile_bf16(const uint16_t *w, int rows, const uint16_t *packed, i
   int chunks = chunks_of(K), blocks = blocks_of(M), stride = chunks * CHUNK * 2; /* bytes of a row of x packed */
   long block = (long)T_ROWS * chunks * CHUNK; /* bfloat16 of a block of x packed */
   const char *ahead = (const char *)w + AHEAD_BYTES;
-  __mmask16 outputs = rows >= 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
+  __mmask16 outputs = first_lanes(rows);
   float sums[T_ROWS * T_ROWS];
   for (int b = 0; b < blocks; b += 2) { /* two blocks of 16 rows of x at a time */
     const uint16_t *first = packed + b * block, *second = first + block;
@@ -329,7 +329,7 @@ static float softmax_unnormalised(float *scores, int n) {
   for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
   __m512 sum = _mm512_setzero_ps();
   for (int t = 0; t < n; t += 16) {
-    __mmask16 lanes = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+    __mmask16 lanes = first_lanes(n - t);
     __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + t), _mm512_set1_ps(top))));
     _mm512_mask_storeu_ps(scores + t, lanes, e);
     sum = _mm512_add_ps(sum, e);
@@ -343,15 +343,12 @@ struct rows_of_head { const float *shared, *own; int until; };
 
 static inline const float *at(struct rows_of_head r, int t, int hd) { return (t < r.until ? r.shared : r.own) + (long)t * hd; }
 
-/* asks for positions from..to - 1 of r, into the cache level of `hint` */
-static inline void prefetch_rows(struct rows_of_head r, int from, int to, int hd, int hint) {
-  for (int part = 0; part < 2; part++) {
-    const char *start = (const char *)at(r, part ? (from > r.until ? from : r.until) : from, hd);
-    const char *end = (const char *)at(r, part ? to : (to < r.until ? to : r.until), hd);
-    for (const char *line = start; line < end; line += 64)
-      if (hint == _MM_HINT_T0) _mm_prefetch(line, _MM_HINT_T0);
-      else _mm_prefetch(line, _MM_HINT_T1);
-  }
+/* asks for positions 0..n - 1 of r from memory, into L1 (else L2) */
+static inline void prefetch_rows(struct rows_of_head r, int n, int hd, int into_l1) {
+  for (int t = 0; t < n; t++)
+    for (int line = 0; line < hd * (int)sizeof(float); line += 64)
+      if (into_l1) _mm_prefetch((const char *)at(r, t, hd) + line, _MM_HINT_T0);
+      else _mm_prefetch((const char *)at(r, t, hd) + line, _MM_HINT_T1);
 }
 
 /* The `heads` query heads at q (hd each, side by side) of one row attend over the keys k and values v of their
@@ -360,11 +357,12 @@ static inline void prefetch_rows(struct rows_of_head r, int from, int to, int hd
    pushed them out of the caches since the last step). Scores 16 positions at a time; each head's output summed
    in registers. scores: room for heads * (position + 1). */
 static inline __attribute__((always_inline)) void attend_group(const float *q, int heads, struct rows_of_head k,
-                                                               struct rows_of_head v,
-                         const unsigned char *seen, int position, int hd, float scale, float *scores, float *out) {
+                                                               struct rows_of_head v, const unsigned char *seen,
+                                                               int position, int hd, float scale, float *scores,
+                                                               float *out) {
   int n = position + 1, slices = (hd + 15) / 16; /* of 16 lanes across a head */
-  prefetch_rows(k, 0, n, hd, _MM_HINT_T0);
-  prefetch_rows(v, 0, n, hd, _MM_HINT_T1);
+  prefetch_rows(k, n, hd, 1);
+  prefetch_rows(v, n, hd, 0);
   for (int t = 0; t < n; t += 16) {
     __mmask16 here = first_lanes(n - t), visible = _mm_test_epi8_mask(_mm_maskz_loadu_epi8(here, seen + t), _mm_set1_epi8(-1));
     for (int j = 0; j < heads; j++) {
