@@ -13,7 +13,9 @@
    per tile product, sums in float32: the products then cost next to nothing beside the stream.
 
    covey_decode_step: one token per row through a whole Llama-family layer stack (norms, products,
-   rotary embedding, cache writes, attention, MLP) in one parallel region. */
+   rotary embedding, cache writes, attention, MLP) in one parallel region.
+
+   covey_tile_bf16: a float32 matrix rounded to bfloat16 and laid out in the tiles, in one pass. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
