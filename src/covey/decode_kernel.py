@@ -184,9 +184,7 @@ class _Matrices:
     def __init__(self, library: ctypes.CDLL, parts: list[tuple[torch.Tensor | BF16Tiles, torch.Tensor | None]]):
         self.function = library.covey_decode_linear
         self.bf16 = isinstance(parts[0][0], BF16Tiles)
-        # the kernel reads the tensors through these pointers: they are held here
-        self.parts = [(w if self.bf16 else w.contiguous(), b.contiguous() if b is not None else None)
-                      for w, b in parts]
+        self.parts = parts  # contiguous; the kernel reads them through these pointers: they are held here
         n = len(self.parts)
         self.weights = (_pointer * n)(*[w.data_ptr() for w, _ in self.parts])
         self.biases = (_pointer * n)(*[b.data_ptr() if b is not None else None for _, b in self.parts])

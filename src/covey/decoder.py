@@ -250,15 +250,12 @@ class LeanDecoder:
         new = torch.empty if self.prompt_slots else torch.zeros
         self.keys = [new(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
         self.values = [new(shape, dtype=self.cache_dtype, device=device) for _ in self.norms]
-        whole = self.keys, self.values
-        self.keys, self.values = [k[:N] for k in self.keys], [v[:N] for v in self.values]  # the prompts' rows
         self.valid_BL = torch.zeros(N, self.max_length, dtype=torch.bool, device=device)
         self.valid_BL[:, :P] = mask_NP.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         # every query may see itself, so the padding positions never attend to nothing (NaN)
         attend = (causal & self.valid_BL[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-        logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]
-        self.keys, self.values = whole
+        logits = self._forward(ids_NP, positions_NP, attend[:, None])[:, -1]  # into the first N rows: the prompts'
         if self.prompt_slots:
             self.prefix_slots_B = torch.arange(N, dtype=torch.int32).repeat_interleave(repeats)
             self.slots_B = N + torch.arange(N * repeats, dtype=torch.int32)
@@ -320,9 +317,9 @@ class LeanDecoder:
             qk = (qk * cos + qk.roll(half, -1) * sin).transpose(1, 2)
             q, k = qk.split([self.n_heads, self.n_kv_heads], 1)
             v = qkv[..., n_qk:].view(B, S, -1, self.head_dim).transpose(1, 2)
-            self.keys[i][:, :, start:end] = k
-            self.values[i][:, :, start:end] = v
-            attn = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
+            self.keys[i][:B, :, start:end] = k  # the first B rows of the cache (all of it but in a prefill with the kernel)
+            self.values[i][:B, :, start:end] = v
+            attn = F.scaled_dot_product_attention(q, self.keys[i][:B, :, :end], self.values[i][:B, :, :end],
                                                   attn_mask=attend, scale=self.scale, enable_gqa=True)
             x = x + layer["o"](attn.transpose(1, 2).reshape(B, S, -1))
             gate, up = layer["gate_up"](self._rms_norm(x, mlp_norm)).chunk(2, -1)
