@@ -16,7 +16,9 @@ the rollouts actually measured (the least work that yields these completions); "
 only the memory bound (bfloat16's AMX tile products outrun the measured bfloat16 rate). A last table
 times a decode step's matrix products alone, with the real weights, at 1 to 32 rows: what each way
 of multiplying allows before any other work (``F.linear``; oneDNN's prepacked linear, in float32
-from ``PREPACKED_FLOAT32_FROM_ROWS`` rows; covey's decode kernel, in bfloat16 where the CPU has AMX).
+from ``PREPACKED_FLOAT32_FROM_ROWS`` rows; covey's decode kernel, in bfloat16 where the CPU has AMX),
+and the share of the roofline's least step time that the kernel's products alone reach: no rollout
+built on them can reach a larger share.
 
     python -m benchmarks.rollout --repeats 3
 """
@@ -120,8 +122,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
     print("\n| rows | float32, F.linear | float32, oneDNN | float32, covey's kernel | kernel / best other "
-          "| bfloat16, F.linear | bfloat16, oneDNN prepacked | bfloat16, covey's kernel | kernel / best other |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| kernel, share of the roofline | bfloat16, F.linear | bfloat16, oneDNN prepacked | bfloat16, covey's kernel "
+          "| kernel / best other | kernel, share of the stream alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    # the least time of a decode step at the run's limits, as in the roofline above: the products alone
+    # already take this share of it, which bounds the share any whole rollout on them can reach
+    least = {torch.float32: (fp32_rate, gbps, 4), torch.bfloat16: (float("inf"), gbps, 2)}
     arms = {dtype: ("plain", "prepacked", "kernel") for dtype in (torch.float32, torch.bfloat16)}
     for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []
@@ -132,8 +138,9 @@ def main() -> None:
                     seconds[name].append(matrix_products_seconds(model, n, dtype, multiply=name))
             best_other = [min(pair) for pair in zip(*(seconds[name] for name in ways[:-1]))]
             ratio = statistics.median(a / b for a, b in zip(best_other, seconds[ways[-1]]))
+            share = decode_step_seconds(weights, n, *least[dtype]) / statistics.median(seconds[ways[-1]])
             cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" for name in ways)
-                         + f" | {ratio:.2f}x")
+                         + f" | {ratio:.2f}x | {share:.0%}")
         print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -290,6 +290,33 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
     assert FastEngine(model, 0, [3], bf16=True).exact_logprobs is False
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_lean_decoder_casts_the_embedding_only_as_a_tied_head(tokenizer, monkeypatch, tied):
+    """The embedding lookup reads the model's own table: an untied model's embedding is never cast to
+    bfloat16 (nor tiled for the kernel), only its head; a tied one is cast once, as the head."""
+    from covey import decode_kernel
+
+    model = make_model(len(tokenizer), seed=2) if tied else qwen2_with_biases(len(tokenizer))
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert (embedding is head) == tied
+    cast = []  # the matrices cast to bfloat16, by pointer, whichever way
+    to, tile = torch.Tensor.to, decode_kernel.tile_bf16
+
+    def spy_to(t, *args, **kwargs):
+        if torch.bfloat16 in args or kwargs.get("dtype") == torch.bfloat16:
+            cast.append(t.data_ptr())
+        return to(t, *args, **kwargs)
+
+    def spy_tile(t):
+        cast.append(t.data_ptr())
+        return tile(t)
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    monkeypatch.setattr(decode_kernel, "tile_bf16", spy_tile)
+    LeanDecoder(model, torch.bfloat16, max_length=16)
+    assert cast.count(head.data_ptr()) == 1
+    assert cast.count(embedding.data_ptr()) == (1 if tied else 0)
+
+
 def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
     from covey.decoder import onednn_linear
     from tests.test_decode_kernel import skip_without_kernel

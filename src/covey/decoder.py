@@ -178,13 +178,20 @@ class LeanDecoder:
             if t.dim() == 1:
                 return t.float() if tiles else t
             return decode_kernel.tile_bf16(t) if tiles else t.to(dtype)
-        # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32)
-        weights = {name: cast(t) for name, t in policy_weights(model)}
+        # matrices are cast as they come (a LoRA policy's merged weights are never all held in float32),
+        # but for the embedding: the lookup reads the model's own table, so the decoder needs it only as
+        # a tied head, which is known once the weights have all come
+        embedding = "model.embed_tokens.weight"
+        weights = {name: t if name == embedding else cast(t) for name, t in policy_weights(model)}
+        if "lm_head.weight" in weights:
+            weights.pop(embedding, None)
+        elif embedding in weights:
+            weights[embedding] = cast(weights[embedding])
         n_layers, model_dtype = config.num_hidden_layers, base.model.norm.weight.dtype
         self.norms = [tuple(weights.pop(f"model.layers.{i}.{n}.weight").float()
                             for n in ("input_layernorm", "post_attention_layernorm")) for i in range(n_layers)]
         self.norm = weights.pop("model.norm.weight").float()
-        head_name = "model.embed_tokens.weight" if "lm_head.weight" not in weights else "lm_head.weight"
+        head_name = embedding if embedding in weights else "lm_head.weight"
         self.products = self._choose_products(weights, n_layers, head_name, model_dtype,
                                               full_model=plain_model(model) is model, on_cpu=on_cpu, kernel=kernel,
                                               choice=multiply)
