@@ -122,6 +122,33 @@ def test_turned_off_it_is_not_built(fresh_build, monkeypatch):
     assert not fresh_build.exists()
 
 
+def test_where_its_cache_folder_cannot_be_written_it_builds_in_a_private_temporary_one(fresh_build, monkeypatch,
+                                                                                      tmp_path):
+    """A cache folder that cannot be written (here a file stands in its way, which stops root too): the
+    library goes to a folder of this user's alone in the temporary directory, and is reused from there.
+    A temporary folder others can write to is never loaded from: a warning says how to give it a folder."""
+    import tempfile
+
+    if not should_run_here():
+        pytest.skip("needs Linux on x86-64 with AVX-512 and a C compiler")
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert decode_kernel.available()
+    private = tmp_path / f"covey-{os.getuid()}"
+    built = list(private.glob("decode_kernel-*.so"))
+    assert len(built) == 1 and private.stat().st_mode & 0o777 == 0o700
+    modified = built[0].stat().st_mtime_ns
+    decode_kernel._library.cache_clear()
+    assert decode_kernel.available() and built[0].stat().st_mtime_ns == modified  # reused, not rebuilt
+
+    private.chmod(0o777)  # now others could have put a library there
+    decode_kernel._library.cache_clear()
+    with pytest.warns(RuntimeWarning, match="(?s)could not be built.*others can write to it.*set XDG_CACHE_HOME"):
+        assert not decode_kernel.available()
+
+
 def test_a_failing_build_warns_and_leaves_the_general_products(fresh_build, monkeypatch, tmp_path, tiny_model):
     if not should_run_here():
         pytest.skip("needs Linux on x86-64 with AVX-512 and a C compiler")

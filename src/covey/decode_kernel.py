@@ -10,8 +10,8 @@ the matrices are laid out once in AMX tiles (``tile_bf16``), x is rounded to bfl
 and everything else (sums, norms, attention, the cache) stays float32.
 
 It is compiled on first use with the system C compiler for this CPU (``-march=native``) into covey's
-cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``), and runs on PyTorch's own OpenMP
-threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot
+cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``; where that cannot be written, a
+folder of the user's own in the temporary directory), and runs on PyTorch's own OpenMP threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot
 run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
 ``COVEY_DECODE_KERNEL=0`` in the environment; ``available(torch.bfloat16)`` besides needs AMX (and
 Linux's leave to use it). Measured in BENCHMARKS.md.
@@ -45,8 +45,18 @@ MAX_ROWS = 32
 _pointer = ctypes.c_void_p
 
 
-def _cache_folder() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "covey"
+def _cache_folders() -> list[tuple[Path, bool]]:
+    """Where the built library is kept, in order of preference, each with whether the folder must be
+    this user's alone: the user's cache folder, then (where that cannot be written, as with a read-only
+    home) a folder of this user's own in the temporary directory, which other users can also write to."""
+    return [(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "covey", False),
+            (Path(tempfile.gettempdir()) / f"covey-{os.getuid()}", True)]
+
+
+def _private(folder: Path) -> bool:
+    """Whether only this user can write into folder (a library there is loaded as code)."""
+    status = folder.stat()
+    return status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 def _cpu_flags() -> str:
@@ -67,22 +77,34 @@ def _build() -> Path:
         raise _NoCompiler(compiler)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBRARIES), version, _cpu_flags()]).encode()).hexdigest()
-    library = _cache_folder() / f"decode_kernel-{key[:16]}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # built under a name of its own, then renamed: processes building at once never load half a file
-        handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    name = f"decode_kernel-{key[:16]}.so"
+    folders = _cache_folders()
+    for folder, must_be_private in folders:
+        if (folder / name).exists() and (not must_be_private or _private(folder)):
+            return folder / name
+    refused = []
+    for folder, must_be_private in folders:
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if must_be_private and not _private(folder):
+                raise PermissionError("others can write to it")
+            # built under a name of its own, then renamed: processes building at once never load half a file
+            handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError as error:
+            refused.append(f"{folder}: {error.strerror or error}")
+            continue
         os.close(handle)
         try:
             done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, *LIBRARIES], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()[-2000:]}")
-            os.replace(partial, library)
+            os.replace(partial, folder / name)
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
-    return library
+        return folder / name
+    raise OSError(f"no folder to build it in ({'; '.join(refused)}): set XDG_CACHE_HOME to a folder this user can write")
 
 
 @functools.cache
