@@ -11,8 +11,8 @@ and everything else (sums, norms, attention, the cache) stays float32.
 
 It is compiled on first use with the system C compiler for this CPU (``-march=native``) into covey's
 cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``; where that cannot be written, a
-folder of the user's own in the temporary directory), and runs on PyTorch's own OpenMP threads. ``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot
-run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
+folder of the user's own in the temporary directory), and runs on PyTorch's own OpenMP threads.
+``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
 ``COVEY_DECODE_KERNEL=0`` in the environment; ``available(torch.bfloat16)`` besides needs AMX (and
 Linux's leave to use it). Measured in BENCHMARKS.md.
 """
@@ -48,7 +48,7 @@ _pointer = ctypes.c_void_p
 def _cache_folders() -> list[tuple[Path, bool]]:
     """Where the built library is kept, in order of preference, each with whether the folder must be
     this user's alone: the user's cache folder, then (where that cannot be written, as with a read-only
-    home) a folder of this user's own in the temporary directory, which other users can also write to."""
+    home) a folder in the temporary directory, where other users could have made it first."""
     return [(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "covey", False),
             (Path(tempfile.gettempdir()) / f"covey-{os.getuid()}", True)]
 
