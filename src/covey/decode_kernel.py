@@ -12,9 +12,10 @@ and everything else (sums, norms, attention, the cache) stays float32.
 It is compiled on first use with the system C compiler for this CPU (``-march=native``) into covey's
 cache folder (``$XDG_CACHE_HOME/covey``, else ``~/.cache/covey``; where that cannot be written, a
 folder of the user's own in the temporary directory), and runs on PyTorch's own OpenMP threads.
-``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot run: not Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or
-``COVEY_DECODE_KERNEL=0`` in the environment; ``available(torch.bfloat16)`` besides needs AMX (and
-Linux's leave to use it). Measured in BENCHMARKS.md.
+``available()`` is False (and the lean decoder uses oneDNN or ``F.linear``) where it cannot run: not
+Linux on x86-64 with AVX-512, no C compiler, a failed build or self-check, or ``COVEY_DECODE_KERNEL=0``
+in the environment; ``available(torch.bfloat16)`` besides needs AMX (and Linux's leave to use it).
+Measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
