@@ -327,8 +327,9 @@ static inline __m512 exp16(__m512 x) {
 
 /* scores[t] = e^(scores[t] - their largest) for t < n, in place; returns their sum */
 static float softmax_unnormalised(float *scores, int n) {
-  float top = -INFINITY;
-  for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
+  __m512 tops = _mm512_set1_ps(-INFINITY); /* 16 lanes at a time: a scalar running maximum waits on each step */
+  for (int t = 0; t < n; t += 16) tops = _mm512_max_ps(tops, _mm512_mask_loadu_ps(tops, first_lanes(n - t), scores + t));
+  float top = _mm512_reduce_max_ps(tops);
   __m512 sum = _mm512_setzero_ps();
   for (int t = 0; t < n; t += 16) {
     __mmask16 lanes = first_lanes(n - t);
