@@ -230,7 +230,8 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
 
 
 def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
-    """The C step indexes the cache by them: a wrong slot is refused before it runs."""
+    """The C step indexes the cache by them: a wrong slot, or a cache unlike the one it was made as, is
+    refused before it runs."""
     from covey.decoder import LeanDecoder
 
     skip_without_kernel()
@@ -247,6 +248,11 @@ def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
             decoder.layer_stack.step(x, cos, sin, *cache, slots, 2)
     with pytest.raises(ValueError, match="shared prefix"):
         decoder.layer_stack.step(x, cos, sin, *cache, decoder.prefix_slots_B, 3)
+    # a cache of another dtype, layout or length than the one it was made as
+    for wrong in (decoder.keys[0].double(), decoder.keys[0].transpose(1, 2), decoder.keys[0][:, :, :4]):
+        with pytest.raises(ValueError, match="the cache must be contiguous float32"):
+            decoder.layer_stack.step(x, cos, sin, decoder.valid_BL, decoder.slots_B, 2, [wrong] + decoder.keys[1:],
+                                     decoder.values, decoder.prefix_slots_B, 2)
 
 
 def test_a_kernel_that_disagrees_with_linear_is_turned_away_with_a_warning(fresh_build, monkeypatch):

@@ -307,6 +307,10 @@ class LayerStack:
         if not 0 <= prefix_length <= position:
             raise ValueError(f"the shared prefix ({prefix_length} positions) must end at or before position {position}")
         n_heads, n_kv_heads, head_dim = self.shape
+        for t in (keys[0], values[0]):  # all made alike by the lean decoder
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1:] != (n_kv_heads, attend.shape[1], head_dim):
+                raise ValueError(f"the cache must be contiguous float32 tensors of (rows, {n_kv_heads}, "
+                                 f"{attend.shape[1]}, {head_dim}), not {t.dtype} {tuple(t.shape)}")
         for i, (k, v) in enumerate(zip(keys, values)):
             self.pointers[(i + 1) * self.per_layer - 2] = k.data_ptr()
             self.pointers[(i + 1) * self.per_layer - 1] = v.data_ptr()
