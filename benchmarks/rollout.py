@@ -99,10 +99,11 @@ def main() -> None:
     print("\nmeasured before each row: matmul float32 " + ", ".join(f"{f:.0f}" for f, _, _ in limits_seen)
           + " GFLOP/s, bfloat16 " + ", ".join(f"{b:.0f}" for _, b, _ in limits_seen)
           + " GFLOP/s, copy " + ", ".join(f"{c:.1f}" for _, _, c in limits_seen) + " GB/s; the highest are the limits")
-    # bfloat16's products in AMX tiles outrun the measured matrix-product rate: the stream alone bounds them
-    bounds = (("fast", (fp32_rate, gbps, 4), False), ("fast", (fp32_rate, gbps, 4), True),
-              ("fast bf16", (bf16_rate, gbps, 2), False), ("fast bf16", (bf16_rate, gbps, 2), True),
-              ("fast bf16", (float("inf"), gbps, 2), False))
+    # (rate, bandwidth, bytes per weight); bfloat16's products in AMX tiles outrun the measured
+    # matrix-product rate: the stream alone bounds them
+    fp32, bf16, bf16_stream = (fp32_rate, gbps, 4), (bf16_rate, gbps, 2), (float("inf"), gbps, 2)
+    bounds = (("fast", fp32, False), ("fast", fp32, True), ("fast bf16", bf16, False), ("fast bf16", bf16, True),
+              ("fast bf16", bf16_stream, False))
     roof = []
     for label, rates, lengths in measured:
         cells = []
@@ -127,7 +128,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     # the least time of a decode step at the run's limits, as in the roofline above: the products alone
     # already take this share of it, which bounds the share any whole rollout on them can reach
-    least = {torch.float32: (fp32_rate, gbps, 4), torch.bfloat16: (float("inf"), gbps, 2)}
+    least = {torch.float32: fp32, torch.bfloat16: bf16_stream}
     arms = {dtype: ("plain", "prepacked", "kernel") for dtype in (torch.float32, torch.bfloat16)}
     for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []

@@ -340,8 +340,8 @@ static float softmax_unnormalised(float *scores, int n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-/* A row's keys (or values) of one key-value head, hd per position: positions below `shared` in the cache of
-   its prompt (which the rows of its group share), the others in its own. */
+/* A row's keys (or values) of one key-value head, hd per position: positions below `until` in the cache of
+   its prompt (`shared`: the rows of its group share it), the others in its own. */
 struct rows_of_head { const float *shared, *own; int until; };
 
 static inline const float *at(struct rows_of_head r, int t, int hd) { return (t < r.until ? r.shared : r.own) + (long)t * hd; }

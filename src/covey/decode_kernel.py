@@ -236,7 +236,7 @@ def _check_matrices(parts: list[tuple], where: str) -> bool:
     bf16 = all(isinstance(w, BF16Tiles) for w, _ in parts)
     float32 = all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous() for w, _ in parts)
     biases = all(b is None or (b.dtype == torch.float32 and b.is_contiguous()) for _, b in parts)
-    on_cpu = all((w.tiles if bf16 else w).device.type == "cpu" for w, _ in parts) if bf16 or float32 else False
+    on_cpu = (bf16 or float32) and all((w.tiles if bf16 else w).device.type == "cpu" for w, _ in parts)
     if not (on_cpu and biases):
         raise ValueError(f"{where} multiplies contiguous float32 matrices or bfloat16 ones laid out by tile_bf16, "
                          "all one or the other, with float32 biases, on the CPU")

@@ -56,6 +56,14 @@ def process_logits(logits_BV: torch.Tensor, params: SamplingParams, history_BL: 
 CDF_BLOCK = 1024
 
 
+def _first_past(cdf_BN: torch.Tensor, target_B1: torch.Tensor, mass_BN: torch.Tensor) -> torch.Tensor:
+    """Per row, the first entry whose CDF exceeds the target; where rounding puts the target on the far
+    edge, the last entry with mass. (B,)"""
+    index_B = torch.searchsorted(cdf_BN, target_B1, right=True).squeeze(1)
+    last_with_mass_B = mass_BN.shape[1] - 1 - (mass_BN.flip(-1) > 0).int().argmax(-1)
+    return torch.where(index_B < mass_BN.shape[1], index_B, last_with_mass_B)
+
+
 def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row by inverting the CDF with a single uniform number: the same distribution as
     ``torch.multinomial``, without its per-call exponential noise over the whole vocabulary. The CDF is
@@ -70,18 +78,13 @@ def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> to
     block_cdf_BN = sums_BN.double().cumsum(-1)
     u_B1 = torch.rand(B, 1, generator=generator, device=probs_BV.device, dtype=torch.float64)
     target_B1 = u_B1 * block_cdf_BN[:, -1:]
-    # the first block whose CDF exceeds u * total (rounding may put that on the far edge: the last block with mass)
-    block_B = torch.searchsorted(block_cdf_BN, target_B1, right=True).squeeze(1)
-    last_block_B = sums_BN.shape[1] - 1 - (sums_BN.flip(-1) > 0).int().argmax(-1)
-    block_B = torch.where(block_B < sums_BN.shape[1], block_B, last_block_B)
+    block_B = _first_past(block_cdf_BN, target_B1, sums_BN)  # the block that u * total falls in
     before_B1 = torch.where(block_B > 0, block_cdf_BN[rows_B, (block_B - 1).clamp(min=0)], 0.0)[:, None]
     # then the first token of that block whose CDF there exceeds the same fraction of it
     block_BK = blocks_BNK[rows_B, block_B]
     cdf_BK = block_BK.double().cumsum(-1)
     fraction_B1 = (target_B1 - before_B1) / sums_BN[rows_B, block_B, None].double()
-    token_B = torch.searchsorted(cdf_BK, fraction_B1 * cdf_BK[:, -1:], right=True).squeeze(1)
-    last_token_B = CDF_BLOCK - 1 - (block_BK.flip(-1) > 0).int().argmax(-1)
-    return block_B * CDF_BLOCK + torch.where(token_B < CDF_BLOCK, token_B, last_token_B)
+    return block_B * CDF_BLOCK + _first_past(cdf_BK, fraction_B1 * cdf_BK[:, -1:], block_BK)
 
 
 class FastEngine:
