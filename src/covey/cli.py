@@ -226,6 +226,24 @@ def cmd_compare(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey export", allow_abbrev=False,
+        description="Write a trained policy as a plain Hugging Face model with its tokenizer, a LoRA adapter merged "
+                    "into its base weights, in a new folder that transformers.pipeline('text-generation', ...) loads.")
+    parser.add_argument("source", metavar="SOURCE", help="a run folder (its final_model/), a checkpoint folder (its "
+                        "model/), or any model: a folder, a saved adapter, a hub id")
+    parser.add_argument("out", metavar="OUT", help="the folder to write (it must not exist)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (hub models)")
+    namespace = parser.parse_args(argv)
+    from covey.export import export_model
+
+    out = export_model(namespace.source, namespace.out, namespace.dtype, namespace.trust_remote_code)
+    print(f"exported to {out}: load it with transformers.pipeline('text-generation', model={str(out)!r})")
+    return 0
+
+
 def cmd_server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey server", allow_abbrev=False,
@@ -250,7 +268,7 @@ def cmd_server(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "compare": cmd_compare, "server": cmd_server}
+            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
               "(covey train --help lists the fields)\n"
               "       covey report RUN_DIR [--out DIR]\n"
               "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"
+              "       covey export SOURCE OUT [--dtype float32|bfloat16|float16]\n"
               "       covey server [CONFIG] [--backend vllm|fast] [--host H] [--port P] [--field value ...]",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

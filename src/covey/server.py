@@ -331,7 +331,8 @@ def _json(body: bytes) -> Any:
 
 def build_backend(args: GRPOConfig, name: str) -> Backend:
     """The backend ``covey server`` hosts for a run's config."""
-    from covey.models import eos_token_ids, is_peft_model, load_policy, load_tokenizer, resolve_model_path
+    from covey.export import merged_model
+    from covey.models import eos_token_ids, load_policy, load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     if name == "vllm":
@@ -352,9 +353,8 @@ def build_backend(args: GRPOConfig, name: str) -> Backend:
         eos = eos_token_ids(SimpleNamespace(generation_config=generation_config), tokenizer)
         return VLLMEngine(args, tokenizer.pad_token_id, eos, model_path=path)
     if name == "fast":
-        model = load_policy(args.model, args.trust_remote_code)
-        if is_peft_model(model):  # a saved adapter: the server holds plain weights, as the trainer pushes them
-            model = model.merge_and_unload()
+        # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
+        model = merged_model(load_policy(args.model, args.trust_remote_code))
         return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
                            args.sample_in_bf16(next(model.parameters()).device))
     raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
