@@ -220,3 +220,24 @@ def test_a_broken_chat_template_fails_the_data_stage(tokenizer, template, check)
     report = run_verify(tokenizer)
     assert report.first_failure == "data"
     assert any(c.status == "FAIL" and check in c.name for c in report.checks)
+
+
+def test_a_model_that_does_not_load_fails_the_setup_stage(tmp_path, tokenizer):
+    report = verify(GRPOConfig(model=str(tmp_path / "no-such-model"), num_generations=4, max_completion_length=6),
+                    processing_class=tokenizer, train_dataset=ROWS, reward_funcs=[variety])
+    assert report.first_failure == "setup"
+    assert any("there is no folder" in c.hint for c in report.checks)
+
+
+def test_a_sampler_that_fails_fails_the_engine_stage_not_the_rewards(tokenizer, monkeypatch):
+    from covey.errors import ModelError
+    from covey.fast_rollout import FastEngine
+
+    def broken(self, *args, **kwargs):
+        raise ModelError("the sampler could not run")
+
+    monkeypatch.setattr(FastEngine, "generate", broken)
+    report = run_verify(tokenizer)
+    assert report.first_failure == "engine"
+    assert [c.stage for c in report.checks if c.status == "FAIL"] == ["engine"]
+    assert any("the sampler could not run" in c.hint for c in report.checks)

@@ -5,6 +5,7 @@ zeroes or inverts the signal. Each stage below is checked against an independent
 written here (not by calling the code under test twice), in the order of the loop, so the first
 FAIL names the broken stage:
 
+    setup       the config, the model and its tokenizer load together
     data        prompts, columns that rewards need, alignment of columns with completions
     decode      the text rewards receive: plain, complete and unterminated reasoning, no special tokens
     rewards     one value per completion, lined up with its completion, not constant, weights applied
@@ -12,7 +13,7 @@ FAIL names the broken stage:
     logprobs    <= 0, equal to a plain log_softmax gather, padding out, EOS in
     loss        value equal to the formula on the first pass (ratio 1), KL >= 0 and 0 at the
                 reference, one step raises the best completion and lowers the worst
-    engine      the sampler's log-probs agree with the trainer's forward
+    engine      the sampler samples a batch, and its log-probs agree with the trainer's forward
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import torch
 
 from covey import core, text
 from covey.config import GRPOConfig
-from covey.errors import CoveyError, DataError, RewardError
+from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
 from covey.rewards import (TRAINER_REWARD_ARGS, call_reward, required_columns, returned_values, reward_name,
                            without_logging)
 
-STAGES = ("data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
+STAGES = ("setup", "data", "decode", "rewards", "advantages", "logprobs", "loss", "engine")
 
 
 @dataclass
@@ -75,14 +76,23 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     except RewardError as e:
         report.add("rewards", "reward functions load", False, "error", str(e))
         return report
+    except (ModelError, ConfigError) as e:
+        report.add("setup", "the model, its tokenizer and the settings load", False, "error", str(e))
+        return report
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    report.add("setup", "the model, its tokenizer and the settings load", True,
+               f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
     check_data(report, trainer)
     check_decode(report, trainer)
     indices = list(range(min(num_prompts, len(trainer.train_rows))))
     calls = _record_reward_calls(trainer)
     try:
         batch, _ = trainer.generate_and_score(indices)
-    except CoveyError as e:
+    except RewardError as e:
         report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
+        return report
+    except CoveyError as e:
+        report.add("engine", f"the {settings.rollout_engine} engine samples a batch", False, "error", str(e))
         return report
     check_columns(report, trainer, indices, calls)
     check_rewarded_text(report, trainer, batch, calls)
