@@ -53,6 +53,26 @@ def test_healthy_run_only_gets_the_loss_note():
     assert len(shown) == 1 and "loss near 0 is expected" in shown[0]
 
 
+def _noise(i):
+    return 0.08 * (((i * 7919) % 11) - 5) / 5  # a deterministic scatter of +-0.08 around 0
+
+
+def _shown_at(rows, phrase):
+    monitor = HealthMonitor()
+    return [i for i in range(1, len(rows) + 1) for m in monitor.check(rows[:i]) if phrase in m]
+
+
+@pytest.mark.parametrize("trend", [0.0, -0.005])
+def test_a_noisy_flat_or_falling_reward_is_reported_once_after_30_logged_steps(trend):
+    rows = history(60, reward=lambda i: 0.3 + trend * i + _noise(i))
+    assert _shown_at(rows, "not clearly above where it started") == [30]
+
+
+def test_a_noisy_rising_reward_is_not_reported():
+    rows = history(60, reward=lambda i: 0.2 + 0.01 * i + _noise(i))
+    assert _shown_at(rows, "not clearly above") == []
+
+
 def _nan_loss_for_steps(monkeypatch, trainer, bad_steps):
     original = core.policy_loss
 

@@ -6,10 +6,13 @@ likely cause and a fix, or None. The monitor shows each kind of warning once per
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
 WINDOW = 5  # logged steps a trend must hold before it is reported
+NO_RISE_AFTER = 30  # logged steps after which a mean reward not clearly above the start's is reported
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,25 @@ def high_kl(history):
 
 
 def flat_reward(history):
+    """The reward has not moved at all, or, after ``NO_RISE_AFTER`` logged steps, the mean of the last
+    ``2 * WINDOW`` is not above the mean of the first ``2 * WINDOW`` by more than twice their noise
+    (the standard error of the difference): flat but noisy, or falling."""
+    check = ("Check that the rewards vary between completions (covey generate) and that the pipeline is sound "
+             "(covey verify)")
     values = _last(history, "reward", 2 * WINDOW)
     if values and max(values) - min(values) < 1e-6:
-        return HealthWarning("reward", f"the mean reward has not moved in {2 * WINDOW} logged steps. Check that the rewards "
-                        "vary between completions (covey generate) and that the pipeline is sound (covey verify).")
+        return HealthWarning("reward", f"the mean reward has not moved in {2 * WINDOW} logged steps. {check}.")
+    rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
+    if len(rewards) < NO_RISE_AFTER:
+        return None
+    first, last = rewards[:2 * WINDOW], rewards[-2 * WINDOW:]
+    rise = statistics.fmean(last) - statistics.fmean(first)
+    noise = 2 * math.sqrt((statistics.variance(first) + statistics.variance(last)) / (2 * WINDOW))
+    if rise <= noise:
+        return HealthWarning("reward", f"after {len(rewards)} logged steps the mean reward is not clearly above where it "
+                             f"started ({statistics.fmean(first):.3f} over the first {2 * WINDOW}, "
+                             f"{statistics.fmean(last):.3f} over the last {2 * WINDOW}, noise +-{noise:.3f}). {check}; "
+                             "then try a higher learning rate or a reward that gives partial credit.")
 
 
 def sustained_above(key: str, threshold: float, steps: int, message: str) -> Callable[[list[dict]], HealthWarning | None]:
