@@ -219,6 +219,24 @@ def test_learning_rate_schedules(tmp_path, tokenizer, tiny_model, schedule, warm
     assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("warmup_steps", [2, 0.5])  # TRL's name: steps, or a fraction of max_steps below 1
+def test_warmup_steps_set_the_warmup_as_in_trl(tmp_path, tokenizer, tiny_model, warmup_steps):
+    args = small_args(tmp_path, max_steps=4, lr_scheduler_type="cosine", warmup_steps=warmup_steps, learning_rate=1.0)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer)
+    assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(warmup_steps=2.5), "warmup_steps=2.5 must be a whole number of steps, or a fraction"),
+    (dict(warmup_steps=-1), "warmup_steps=-1.0 must be a whole number"),
+    (dict(warmup_steps=2, warmup_ratio=0.1), "both set the warmup; keep one"),
+])
+def test_a_warmup_that_cannot_be_meant_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**fields)
+
+
 @pytest.mark.parametrize("policy", ["drop", "truncate_left"])
 def test_prompt_overflow_policies(tmp_path, tokenizer, tiny_model, policy):
     rows = ROWS[:3] + [{"prompt": [{"role": "user", "content": "x" * 200}], "answer": "9"}]

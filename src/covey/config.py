@@ -153,6 +153,7 @@ class GRPOConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     shard_optimizer_state: bool = _f(False, "several processes: each holds and updates the AdamW state of its share of the parameters only, then sends them to the others (ZeRO stage 1); no effect in one process")
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
+    warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
     lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
@@ -235,6 +236,10 @@ class GRPOConfig:
         need(self.beta >= 0, f"beta={self.beta} must be >= 0")
         need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        need(0 <= self.warmup_steps and (self.warmup_steps < 1 or self.warmup_steps == int(self.warmup_steps)),
+             f"warmup_steps={self.warmup_steps} must be a whole number of steps, or a fraction of max_steps in [0, 1)")
+        need(not (self.warmup_steps and self.warmup_ratio),
+             f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} both set the warmup; keep one")
         need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
         need(self.steps_per_generation is None or self.steps_per_generation >= 1,
@@ -287,6 +292,13 @@ class GRPOConfig:
         """Completions sampled per generation round by each process (prompts per round = this /
         num_generations; several processes sample as many each)."""
         return self.per_device_train_batch_size * self.micro_batches_per_generation
+
+    @property
+    def warmup_optimizer_steps(self) -> int:
+        """Optimizer steps of linear warmup, from warmup_steps or warmup_ratio."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
 
     @property
     def optimizer_steps_per_generation(self) -> int:

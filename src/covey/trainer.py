@@ -314,8 +314,8 @@ class GRPOTrainer:
         return policy
 
     def _lr_factor(self, step: int) -> float:
-        """Linear warmup over warmup_ratio * max_steps, then the chosen decay."""
-        warmup = math.ceil(self.args.warmup_ratio * self.args.max_steps)
+        """Linear warmup (warmup_steps or warmup_ratio), then the chosen decay."""
+        warmup = self.args.warmup_optimizer_steps
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, self.args.max_steps - warmup)
