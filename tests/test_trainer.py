@@ -229,12 +229,49 @@ def test_warmup_steps_set_the_warmup_as_in_trl(tmp_path, tokenizer, tiny_model, 
 
 @pytest.mark.parametrize("fields, message", [
     (dict(warmup_steps=2.5), "warmup_steps=2.5 must be a whole number of steps, or a fraction"),
-    (dict(warmup_steps=-1), "warmup_steps=-1.0 must be a whole number"),
+    (dict(warmup_steps=-1), "warmup_steps=-1 must be a whole number"),
     (dict(warmup_steps=2, warmup_ratio=0.1), "both set the warmup; keep one"),
 ])
 def test_a_warmup_that_cannot_be_meant_is_refused(fields, message):
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(**fields)
+
+
+def test_max_steps_minus_one_trains_for_num_train_epochs_as_in_trl(tmp_path, tokenizer, tiny_model):
+    # 8 prompts, 2 a round (4 x 2 completions, groups of 4): 1.5 passes are 6 rounds of one step each
+    args = small_args(tmp_path, max_steps=-1, num_train_epochs=1.5, eval_max_samples=0)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer)
+    assert trainer.args.max_steps == 6 and args.max_steps == -1  # the caller's config is left as it was
+    summary = trainer.train()
+    assert summary["steps"] == 6 and trainer.sampler.progress == pytest.approx(1.5)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["max_steps"] == -1 and saved["num_train_epochs"] == 1.5  # as given: a resume resolves it again
+
+
+@pytest.mark.parametrize("fields, prompts, processes, steps", [
+    (dict(num_train_epochs=1), 10, 1, 5),  # 2 prompts a round
+    (dict(num_train_epochs=1.5), 10, 1, 8),  # whole rounds: 7.5 -> 8
+    (dict(num_train_epochs=1, num_iterations=2), 10, 1, 10),  # each round's batch trained twice
+    (dict(num_train_epochs=1), 10, 2, 3),  # 4 prompts a round over two processes
+    (dict(), 10, 1, 15),  # 3 passes when unset, as in TRL
+])
+def test_steps_for_epochs(fields, prompts, processes, steps):
+    args = GRPOConfig(max_steps=-1, num_generations=4, per_device_train_batch_size=8, **fields)
+    assert args.steps_for_epochs(prompts, processes) == steps
+
+
+def test_num_train_epochs_moves_across_from_a_trl_config(tmp_path):
+    assert GRPOConfig.from_dict({"num_train_epochs": 2}).max_steps == -1  # TRL's default max_steps
+    with pytest.warns(UserWarning, match="num_train_epochs=2 has no effect: max_steps=5 sets the run's length"):
+        args = GRPOConfig.from_dict({"num_train_epochs": 2, "max_steps": 5})
+    assert args.max_steps == 5 and args.num_train_epochs is None
+    with pytest.raises(ConfigError, match="num_train_epochs=2 sets the run's length only with max_steps=-1"):
+        GRPOConfig(num_train_epochs=2)
+    with pytest.raises(ConfigError, match="max_steps=0 must be at least 1, or -1"):
+        GRPOConfig(max_steps=0)
+    with pytest.raises(ConfigError, match="num_train_epochs=0 must be positive"):
+        GRPOConfig(max_steps=-1, num_train_epochs=0)
 
 
 @pytest.mark.parametrize("policy", ["drop", "truncate_left"])

@@ -20,6 +20,7 @@ import functools
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,8 @@ class GRPOConfig:
     per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch (of each process, as in TRL)")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     steps_per_generation: int | None = _f(None, "micro-batches per generation batch (default: gradient_accumulation_steps); a multiple gives several optimizer steps per generation")
-    max_steps: int = _f(30, "optimizer steps to train for")
+    max_steps: int = _f(30, "optimizer steps to train for; -1: num_train_epochs passes over the training prompts instead (as in TRL)")
+    num_train_epochs: float | None = _f(None, "with max_steps -1: passes over the training prompts to train for, in whole generation rounds (3 when unset, as in TRL)")
     num_iterations: int = _f(1, "passes over each generation batch (PPO epochs, mu); each pass takes "
                                 "steps_per_generation / gradient_accumulation_steps optimizer steps (one by default)")
     loss_type: str = _f("dapo", "objective and token aggregation (see docs/algorithms.md)", choices=LOSS_TYPES)
@@ -221,7 +223,15 @@ class GRPOConfig:
         need(not (self.sync_ref_model and self.use_peft), SYNC_WITH_LORA)
         need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
         need(self.reward_timeout is None or self.reward_timeout > 0, f"reward_timeout={self.reward_timeout} must be positive")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_iterations",
+        need(self.max_steps >= 1 or self.max_steps == -1,
+             f"max_steps={self.max_steps} must be at least 1, or -1 to train for num_train_epochs")
+        epochs = "None" if self.num_train_epochs is None else f"{self.num_train_epochs:g}"
+        need(self.num_train_epochs is None or self.num_train_epochs > 0,
+             f"num_train_epochs={epochs} must be positive")
+        need(self.num_train_epochs is None or self.max_steps == -1,
+             f"num_train_epochs={epochs} sets the run's length only with max_steps=-1 (TRL's default); "
+             f"set max_steps=-1, or leave num_train_epochs out to train for max_steps={self.max_steps}")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                      "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
                      "dynamic_sampling_max_rounds", "max_consecutive_bad_steps"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
@@ -237,9 +247,9 @@ class GRPOConfig:
         need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         need(0 <= self.warmup_steps and (self.warmup_steps < 1 or self.warmup_steps == int(self.warmup_steps)),
-             f"warmup_steps={self.warmup_steps} must be a whole number of steps, or a fraction of max_steps in [0, 1)")
+             f"warmup_steps={self.warmup_steps:g} must be a whole number of steps, or a fraction of max_steps in [0, 1)")
         need(not (self.warmup_steps and self.warmup_ratio),
-             f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} both set the warmup; keep one")
+             f"warmup_steps={self.warmup_steps:g} and warmup_ratio={self.warmup_ratio} both set the warmup; keep one")
         need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
         need(self.steps_per_generation is None or self.steps_per_generation >= 1,
@@ -293,6 +303,13 @@ class GRPOConfig:
         num_generations; several processes sample as many each)."""
         return self.per_device_train_batch_size * self.micro_batches_per_generation
 
+    def steps_for_epochs(self, prompts: int, processes: int = 1) -> int:
+        """The optimizer steps of num_train_epochs (3 when unset) passes over ``prompts`` training prompts,
+        in whole generation rounds: the max_steps that -1 stands for."""
+        per_round = self.generation_batch_size // self.num_generations * processes
+        rounds = math.ceil((self.num_train_epochs or 3.0) * prompts / per_round)
+        return max(1, rounds * self.optimizer_steps_per_generation)
+
     @property
     def warmup_optimizer_steps(self) -> int:
         """Optimizer steps of linear warmup, from warmup_steps or warmup_ratio."""
@@ -329,6 +346,13 @@ class GRPOConfig:
                 raise ConfigError(f"{source}: {key!r} is a TRL field that covey does not support; remove it "
                                   "(covey never ignores a setting silently)")
             raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
+        if values.get("num_train_epochs") is not None:  # TRL's rule: a max_steps given wins over the epochs
+            if "max_steps" not in values:
+                values = {**values, "max_steps": -1}
+            elif values["max_steps"] != -1:
+                warnings.warn(f"{source}: num_train_epochs={values['num_train_epochs']} has no effect: "
+                              f"max_steps={values['max_steps']} sets the run's length (as in TRL)", stacklevel=2)
+                values = {**values, "num_train_epochs": None}
         return cls(**values)
 
     @classmethod

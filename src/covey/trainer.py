@@ -136,7 +136,9 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
 
 def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
     """``args`` for sampling and scoring one batch of ``num_prompts`` prompts without training: nothing
-    is written (no run folder unless train() runs, no evaluation)."""
+    is written (no run folder unless train() runs, no evaluation). A length in epochs becomes one step."""
+    if args.max_steps == -1:
+        changes = {"max_steps": 1, "num_train_epochs": None, **changes}
     return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
                                gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
                                steps_per_generation=None, **changes)
@@ -172,6 +174,7 @@ class GRPOTrainer:
         self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
         self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         self._load_rows(train_dataset, eval_dataset)
+        args = self.args  # max_steps resolved where it counted epochs
         check_trackers(args.report_to)
         if rollout_engine is None and args.rollout_engine == "vllm" and args.vllm_mode == "colocate":
             check_vllm_installed()
@@ -245,6 +248,9 @@ class GRPOTrainer:
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
+        if args.max_steps == -1:  # num_train_epochs passes over these prompts, as a number of steps from here on
+            self.args = args = dataclasses.replace(
+                args, max_steps=args.steps_for_epochs(len(self.train_rows), self.world.size), num_train_epochs=None)
         check_reward_columns(self.train_rows, reward_funcs, self.dataset_name)
         preflight_check(reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
                         args.max_steps)
