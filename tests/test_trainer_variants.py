@@ -239,11 +239,47 @@ def test_a_trl_style_config_runs_unchanged(tmp_path, tiny_model_dir):
     assert steps == [2, 4]
 
 
-@pytest.mark.parametrize("field", ["use_liger_kernel", "push_to_hub", "num_train_epochs", "vllm_enable_sleep_mode", "sapo_temperature_pos"])
+@pytest.mark.parametrize("field", ["eval_steps", "num_generations_eval", "vllm_enable_sleep_mode", "sapo_temperature_pos"])
 def test_unsupported_trl_fields_are_rejected_by_name(tmp_path, field):
     config = tmp_path / "c.yaml"
     config.write_text(f"{field}: 1\n")
     with pytest.raises(ConfigError, match=f"'{field}' is a TRL field that covey does not support"):
+        GRPOConfig.from_yaml(config)
+
+
+# settings TRL recipes write whose values are what covey does anyway
+AS_COVEY_DOES = """\
+optim: adamw_torch
+logging_strategy: steps
+save_strategy: steps
+eval_strategy: "no"
+do_eval: false
+push_to_hub: false
+hub_model_id: someone/some-model
+hub_strategy: every_save
+remove_unused_columns: false
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+"""
+
+
+def test_trl_settings_that_describe_what_covey_does_are_accepted(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(AS_COVEY_DOES + "learning_rate: 3.0e-6\n")
+    assert GRPOConfig.from_yaml(config, overrides={"torch_compile": "false"}).learning_rate == 3.0e-6
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("push_to_hub: true", "push_to_hub: True is a TRL setting covey does not support \\(covey works as push_to_hub: False\\)"),
+    ("optim: adamw_8bit", "optim: 'adamw_8bit' is a TRL setting .* 'adamw_torch' or 'adamw_torch_fused'"),
+    ("eval_strategy: steps", "eval_strategy: 'steps' is a TRL setting"),
+    ("gradient_checkpointing_kwargs: {use_reentrant: true}", "gradient_checkpointing_kwargs: .*use_reentrant.*True"),
+    ("do_train: 1", "do_train: 1 is a TRL setting"),  # a number is not the boolean it looks like
+])
+def test_trl_settings_that_ask_for_something_else_are_refused(tmp_path, setting, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(setting + "\n")
+    with pytest.raises(ConfigError, match=message):
         GRPOConfig.from_yaml(config)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from covey.errors import ConfigError
-from covey.trl_fields import TRL_FIELDS
+from covey.trl_fields import AS_COVEY_DOES, TRL_FIELDS, as_covey_does
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -340,12 +340,16 @@ class GRPOConfig:
             if not isinstance(key, str):
                 raise ConfigError(f"{source}: config key {key!r} is not a name; keys are field names such as "
                                   "learning_rate")
-            if key in known:
+            if key in known or as_covey_does(key, values[key]):
                 continue
+            if key in AS_COVEY_DOES:
+                raise ConfigError(f"{source}: {key}: {values[key]!r} is a TRL setting covey does not support (covey "
+                                  f"works as {key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
             if key in TRL_FIELDS:
                 raise ConfigError(f"{source}: {key!r} is a TRL field that covey does not support; remove it "
                                   "(covey never ignores a setting silently)")
             raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
+        values = {key: value for key, value in values.items() if key in known}  # the TRL settings covey matches go
         if values.get("num_train_epochs") is not None:  # TRL's rule: a max_steps given wins over the epochs
             if "max_steps" not in values:
                 values = {**values, "max_steps": -1}
