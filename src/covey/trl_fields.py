@@ -6,7 +6,7 @@ apart: a TRL field covey lacks, and a typo. ``AS_COVEY_DOES`` names the TRL sett
 describes what covey does anyway: those are accepted (and have nothing more to do).
 """
 
-ANY = object()  # any value: the setting configures a feature that is off (push_to_hub) or sizes nothing covey runs
+ANY = object()  # any value: the setting configures a feature that is off (pushing to the hub)
 
 AS_COVEY_DOES = {
     "optim": ("adamw_torch", "adamw_torch_fused"),  # covey's optimizer is torch's AdamW
