@@ -165,7 +165,7 @@ def print_summary(console: Console, before: dict | None, after: dict | None, run
     for row in before_after_rows(before, after):
         table.add_row(*row)
     console.print(table)
-    console.print(f"run folder: {run_dir}")
+    console.print(f"run folder: {run_dir}  (a plain model of it for transformers: covey export {run_dir} OUT)")
 
 
 def model_card(base_model: str, dataset: str, reward_names: list[str], reward_weights: list[float],
