@@ -75,6 +75,10 @@ def _no_gradient_step(self):
     return 0.0
 
 
+def _optimistic_clip(ratio, logp, adv, s):
+    return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
+
+
 MUTATIONS = {
     "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
         logprobs, "token_logprobs",
@@ -88,6 +92,8 @@ MUTATIONS = {
         lambda t: t.split("<think>", 1)[1] if "<think>" in t and "</think>" not in t else _ORIGINAL_AFTER(t))),
     "ratio against the reference instead of old": ("loss", lambda mp: mp.setattr(
         core, "policy_loss", _ratio_against_reference(core.policy_loss))),
+    "clipping takes the optimistic bound (max for min)": ("loss", lambda mp: mp.setitem(
+        core.POLICY_OBJECTIVES, "clipped", _optimistic_clip)),
     "KL sign flipped": ("loss", lambda mp: mp.setitem(
         core.KL_ESTIMATORS, "k3", lambda logp, ref: -(torch.exp(ref - logp) - (ref - logp) - 1))),
     "padding included in the loss mask": ("logprobs", lambda mp: mp.setattr(
@@ -192,6 +198,22 @@ def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
                     train_dataset=ROWS, reward_funcs=rewards)
     failures = [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
     assert not failures, failures
+
+
+@pytest.mark.parametrize("settings", [
+    dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"), dict(loss_type="cispo", epsilon_high=4.0),
+    dict(epsilon=0.1, epsilon_high=0.3), dict(delta=1.5), dict(clip_ratio_c=1.5),
+    dict(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1, loss_type="grpo"),
+    dict(beta=0.1, kl_estimator="k2", use_bias_correction_kl=True),
+    dict(beta=0.1, kl_estimator="k1", importance_sampling_level="sequence", use_bias_correction_kl=True),
+])
+def test_every_loss_variant_equals_the_formula_away_from_ratio_one(tokenizer, settings):
+    args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3), **settings})
+    report = verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                    train_dataset=ROWS, reward_funcs=[variety])
+    [check] = [c for c in report.checks if c.name == "value equals the formula away from ratio 1"]
+    assert check.status == "PASS", check
+    assert not check.value.endswith(" 0% of token ratios outside the clip range"), check  # clipping was exercised
 
 
 def test_a_row_cut_at_the_length_limit_keeps_a_sampled_pad_token():

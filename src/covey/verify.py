@@ -11,8 +11,9 @@ FAIL names the broken stage:
     rewards     one value per completion, lined up with its completion, not constant, weights applied
     advantages  group sums ~0, order follows reward, eps small, constant groups zero
     logprobs    <= 0, equal to a plain log_softmax gather, padding out, EOS in
-    loss        value equal to the formula on the first pass (ratio 1), KL >= 0 and 0 at the
-                reference, one step raises the best completion and lowers the worst
+    loss        value equal to the formula on the first pass (ratio 1) and away from it (clipping
+                active), KL >= 0 and 0 at the reference, one step raises the best completion and
+                lowers the worst
     engine      the sampler samples a batch, and its log-probs agree with the trainer's forward
 """
 
@@ -100,6 +101,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     check_advantages(report, trainer, batch)
     logp_BT = check_logprobs(report, trainer, batch)
     check_loss(report, trainer, batch, logp_BT)
+    check_loss_away_from_ratio_one(report, trainer, batch, logp_BT)
     check_engine(report, trainer, batch, logp_BT)
     return report
 
@@ -333,7 +335,7 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
     # the reference is moved away from the policy first, so a ratio taken against it would show
     if batch.ref_logp_BT is not None:
         batch.ref_logp_BT = batch.ref_logp_BT - 0.1
-    expected = formula_loss_at_ratio_one(batch, logp_BT, s, args.max_completion_length)
+    expected = formula_loss(batch, logp_BT, logp_BT, s, args.max_completion_length)  # ratio exactly 1
     checkable = s.top_entropy_quantile == 1.0 and batch.engine_weights is None
     B = batch.loss_mask_BT.shape[0]
 
@@ -388,17 +390,33 @@ def check_loss(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
                    "log-prob rose (a step too small to tell; a LoRA adapter's first)", warn_only=True)
 
 
-def formula_loss_at_ratio_one(batch, logp_BT: torch.Tensor, s: core.LossSettings, max_completion_length: int):
-    """The first-pass loss written out from the papers (ratio exactly 1, so clipping is inactive)."""
+def formula_loss(batch, logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, s: core.LossSettings,
+                 max_completion_length: int) -> torch.Tensor:
+    """The loss written out from the papers (docs/algorithms.md), in float64: the clipped surrogate
+    (with delta's cap and dual-clip's floor) or CISPO's weighted log-prob, on the token ratio or GSPO's
+    sequence ratio, plus beta times the KL estimator (times that ratio with use_bias_correction_kl),
+    aggregated as loss_type says."""
     mask = batch.loss_mask_BT.double()
     adv = batch.advantages_B.double()[:, None]
     T = mask.shape[1]
-    logp = logp_BT[:, :T].double()
-    per_token = -adv * logp if s.loss_type == "cispo" else -adv.expand_as(mask)
+    logp, old = logp_BT[:, :T].double(), old_logp_BT[:, :T].double()
+    if s.importance_sampling_level == "sequence":
+        mean_log_ratio = ((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        w = torch.exp(mean_log_ratio).expand_as(logp)
+    else:
+        w = torch.exp(logp - old)
+    if s.loss_type == "cispo":
+        per_token = -torch.clamp(w, max=1 + s.epsilon_high) * adv * logp
+    else:
+        unclipped = w if s.delta is None else torch.clamp(w, max=s.delta)
+        objective = torch.minimum(unclipped * adv, torch.clamp(w, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
+        if s.clip_ratio_c is not None:
+            objective = torch.where(adv < 0, torch.maximum(objective, s.clip_ratio_c * adv), objective)
+        per_token = -objective
     if s.beta > 0:
         d = batch.ref_logp_BT[:, :T].double() - logp
         kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
-        per_token = per_token + s.beta * kl
+        per_token = per_token + s.beta * (kl * w if s.use_bias_correction_kl else kl)
     B = mask.shape[0]
     token_mean = (per_token * mask).sum() / mask.sum().clamp(min=1)
     return {
@@ -408,6 +426,32 @@ def formula_loss_at_ratio_one(batch, logp_BT: torch.Tensor, s: core.LossSettings
         "dapo": token_mean,
         "cispo": token_mean,
     }[s.loss_type]
+
+
+def check_loss_away_from_ratio_one(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
+    """covey's loss with this run's settings, at ratios up to e^0.5 from 1 either way (old log-probs
+    moved at random, as after a few optimizer steps), against the formula: clipping is active here,
+    as it never is on a first pass."""
+    s = trainer.loss_settings
+    if s.top_entropy_quantile < 1.0:
+        report.add("loss", "value equals the formula away from ratio 1", False, "not checked",
+                   "top_entropy_quantile < 1 trains a subset of tokens; the formula check covers every token",
+                   warn_only=True)
+        return
+    mask = batch.loss_mask_BT.double()
+    T = mask.shape[1]
+    logp = logp_BT[:, :T].double()
+    old = logp + torch.rand(logp.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 0.5
+    counts = core.BatchCounts(sequences=mask.shape[0], tokens=float(mask.sum()), micro_batches=1,
+                              max_completion_length=trainer.args.max_completion_length)
+    ref = batch.ref_logp_BT[:, :T].double() if s.beta > 0 else None
+    loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts, s, ref)
+    expected = formula_loss(batch, logp, old, s, trainer.args.max_completion_length)
+    outside = ((logp - old).exp() - 1).clamp(-s.epsilon_low, s.epsilon_high) != (logp - old).exp() - 1
+    value = f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of token ratios outside the clip range"
+    report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
+               value, "the ratio, its clipping or the KL weight is wrong: see core.POLICY_OBJECTIVES and "
+               "core.IMPORTANCE_LEVELS")
 
 
 def sequence_logprobs(trainer, batch) -> torch.Tensor:
