@@ -213,7 +213,7 @@ def test_every_loss_variant_equals_the_formula_away_from_ratio_one(tokenizer, se
                     train_dataset=ROWS, reward_funcs=[variety])
     [check] = [c for c in report.checks if c.name == "value equals the formula away from ratio 1"]
     assert check.status == "PASS", check
-    assert not check.value.endswith(" 0% of token ratios outside the clip range"), check  # clipping was exercised
+    assert not check.value.endswith(" 0% of ratios outside the clip range"), check  # clipping was exercised
 
 
 def test_a_row_cut_at_the_length_limit_keeps_a_sampled_pad_token():

@@ -400,11 +400,7 @@ def formula_loss(batch, logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, s: cor
     adv = batch.advantages_B.double()[:, None]
     T = mask.shape[1]
     logp, old = logp_BT[:, :T].double(), old_logp_BT[:, :T].double()
-    if s.importance_sampling_level == "sequence":
-        mean_log_ratio = ((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-        w = torch.exp(mean_log_ratio).expand_as(logp)
-    else:
-        w = torch.exp(logp - old)
+    w = _formula_ratio(logp, old, mask, s.importance_sampling_level)
     if s.loss_type == "cispo":
         per_token = -torch.clamp(w, max=1 + s.epsilon_high) * adv * logp
     else:
@@ -428,6 +424,13 @@ def formula_loss(batch, logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, s: cor
     }[s.loss_type]
 
 
+def _formula_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Each token's importance ratio: its own, or (GSPO) its sequence's length-normalised one."""
+    if level == "sequence":
+        return torch.exp(((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    return torch.exp(logp - old)
+
+
 def check_loss_away_from_ratio_one(report: Report, trainer, batch, logp_BT: torch.Tensor) -> None:
     """covey's loss with this run's settings, at ratios up to e^0.5 from 1 either way (old log-probs
     moved at random, as after a few optimizer steps), against the formula: clipping is active here,
@@ -447,8 +450,10 @@ def check_loss_away_from_ratio_one(report: Report, trainer, batch, logp_BT: torc
     ref = batch.ref_logp_BT[:, :T].double() if s.beta > 0 else None
     loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts, s, ref)
     expected = formula_loss(batch, logp, old, s, trainer.args.max_completion_length)
-    outside = ((logp - old).exp() - 1).clamp(-s.epsilon_low, s.epsilon_high) != (logp - old).exp() - 1
-    value = f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of token ratios outside the clip range"
+    w = _formula_ratio(logp, old, mask, s.importance_sampling_level)
+    outside = (w < 1 - s.epsilon_low) | (w > 1 + s.epsilon_high)
+    value = (f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of "
+             "ratios outside the clip range")
     report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
                value, "the ratio, its clipping or the KL weight is wrong: see core.POLICY_OBJECTIVES and "
                "core.IMPORTANCE_LEVELS")
