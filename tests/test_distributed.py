@@ -247,6 +247,52 @@ def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str)
     torch.distributed.destroy_process_group()
 
 
+def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import covey.checkpoint as checkpoint
+
+    as_launched(rank, port)
+    world = World.from_environment()
+    model = make_model(len(make_tokenizer()), seed=1)
+    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    whole = world.gather_optimizer_state(optimizer)
+    path = world.on_main(lambda: checkpoint.save_checkpoint(Path(folder), 1, model, whole, {}))
+    read, original = [], checkpoint._read_tensors
+
+    def recording(file, wanted):
+        tensors = original(file, wanted)
+        read.extend(tensors)
+        return tensors
+
+    checkpoint._read_tensors = recording
+    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    checkpoint.load_checkpoint(path, model, optimizer, process=rank)
+    held = {id(p) for p in optimizer.optim.state}
+    params = list(model.parameters())
+    loaded_as_saved = all(torch.equal(optimizer.optim.state[p][key], whole["state"][i][key]) if world.is_main else True
+                          for i, p in enumerate(params) if id(p) in held for key in ("exp_avg", "exp_avg_sq"))
+    torch.save({"read": sorted(read), "held": sorted(i for i, p in enumerate(params) if id(p) in held),
+                "loaded_as_saved": loaded_as_saved}, f"{results}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_each_process_reads_only_its_part_of_a_sharded_optimizer_state_on_resume(tmp_path):
+    results = str(tmp_path / "parts")
+    run_in_two_processes(_read_own_part_on_resume, (free_port(), str(tmp_path), results), seconds=120)
+    parts = [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)]
+    read = [{int(key.split(".")[0]) for key in part["read"]} for part in parts]
+    assert read[0] == set(parts[0]["held"]) and read[1] == set(parts[1]["held"])  # its own parameters' state
+    assert read[0] and read[1] and not read[0] & read[1]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "checkpoints" / "checkpoint-1" / "optimizer.safetensors"), framework="pt") as f:
+        assert sorted(parts[0]["read"] + parts[1]["read"]) == sorted(f.keys())  # each tensor read once in all
+    assert parts[0]["loaded_as_saved"]
+
+
 def test_a_sharded_optimizer_state_resumes_into_a_model_of_another_dtype(tmp_path):
     results = str(tmp_path / "dtypes")
     run_in_two_processes(_resume_sharded_in_bfloat16, (free_port(), str(tmp_path), results), seconds=120)

@@ -22,9 +22,10 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from covey.distributed import sharded_part
@@ -210,11 +211,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state.
     ``process``: the RNGs are that process's where the checkpoint has them (else the first one's)."""
     _load_model(path / "model", model)
-    tensors = load_file(path / "optimizer.safetensors")
+    share = sharded_part(optimizer)
+    # a process that holds a part of the optimizer state reads that part only: reading the whole file in
+    # each process would hold every process's state in each, at once
+    held = None if share is None else _indices_held(optimizer, share)
+    tensors = _read_tensors(path / "optimizer.safetensors", lambda index: held is None or index in held)
     rest = json.loads((path / "optimizer.json").read_text())
     state = {}
     for index, plain in rest["state"].items():
-        state[int(index)] = dict(plain)
+        if held is None or int(index) in held:
+            state[int(index)] = dict(plain)
     for key, value in tensors.items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
@@ -224,7 +230,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
               for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-    share = sharded_part(optimizer)
     if share is not None:
         optimizer.state.clear()  # a copy of the whole state beside the parts, which the update never reads
         # its part as a plain optimizer loads it: the moments in the parameter's dtype, and the fused
@@ -246,6 +251,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if process:  # written by fewer processes: streams of its own, drawn from the first process's
             _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
     return trainer_state
+
+
+def _indices_held(optimizer: torch.optim.Optimizer, share: torch.optim.Optimizer) -> set[int]:
+    """The indices (in the whole optimizer's state_dict) of the parameters whose state ``share`` holds."""
+    mine = {id(p) for group in share.param_groups for p in group["params"]}
+    return {i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]) if id(p) in mine}
+
+
+def _read_tensors(file: Path, wanted: Callable[[int], bool]) -> dict[str, torch.Tensor]:
+    """The optimizer tensors (named ``<index>.<name>``) of ``file`` whose parameter index is ``wanted``,
+    read one by one: the others are never read."""
+    with safe_open(str(file), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys() if wanted(int(key.split(".", 1)[0]))}
 
 
 def _load_model(folder: Path, model: torch.nn.Module) -> None:
