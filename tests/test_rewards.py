@@ -13,8 +13,8 @@ from covey.errors import RewardError
 from covey.core import weighted_reward_sum
 from covey.answers import is_correct, last_number, parse_number
 from covey.reward_pool import RewardPool
-from covey.rewards import (SoftOverlongPenalty, answer_correct, answer_format, check_reward_signature, load_reward_func,
-                           preflight_check, score_completions)
+from covey.rewards import (SoftOverlongPenalty, answer_correct, answer_format, check_reward_signature, json_format,
+                           load_reward_func, preflight_check, reasoning_format, score_completions)
 
 
 def chat(text):
@@ -24,6 +24,20 @@ def chat(text):
 def test_answer_format_gives_partial_credit():
     texts = ["no tags", "<answer>", "<answer>x</answer> more", "<answer>12</answer> more", "7 + 5 = 12\n<answer>12</answer>"]
     assert answer_format(completions=[chat(t) for t in texts]) == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_reasoning_format_gives_a_quarter_for_each_part():
+    texts = ["<think>because 2 + 2 = 4</think> 4", "<think></think> 4", "<think>because", "because</think> 4", "4",
+             "<think>because</think>"]
+    assert reasoning_format(completions=[chat(t) for t in texts]) == [1.0, 0.75, 0.25, 0.75, 0.0, 0.75]
+
+
+def test_json_format_gives_full_credit_to_json_alone_and_half_to_json_within_text():
+    texts = ['{"city": "Paris", "population": 2.1}', '<think>a list</think> [1, 2, 3]',
+             'Here it is:\n```json\n{"city": "Paris"}\n```', 'The answer is {"city": "Paris"}. Done.',
+             '"Paris"', "42", '{"city": "Paris"', "no JSON here", '<think>{"draft": 1}</think> Paris']
+    assert json_format(completions=[chat(t) for t in texts]) == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert load_reward_func("json_format") is json_format and load_reward_func("reasoning_format") is reasoning_format
 
 
 def test_answer_correct_reads_tags_then_last_number():

@@ -21,7 +21,9 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import math
+import re
 import sys
 import threading
 import warnings
@@ -35,6 +37,7 @@ from covey.answers import NUMBER, completion_text, last_number, parse_number, re
 from covey.config import in_memory, why_unloadable
 from covey.errors import RewardError
 from covey.reward_pool import RewardPool, WorkerFault
+from covey.text import THINK_CLOSE, THINK_OPEN, answer_after_reasoning
 
 RewardFunc = Callable[..., list]
 
@@ -76,6 +79,55 @@ def answer_correct(completions: list, answer: list, **_: Any) -> list[float | No
     return scores
 
 
+def reasoning_format(completions: list, **_: Any) -> list[float]:
+    """Partial credit for '<think>reasoning</think> answer': a quarter each for the opening tag, the
+    closing tag, reasoning inside the block, and an answer after it. (Where the chat template opens the
+    block in the prompt, every completion misses the first quarter alike: the advantages are the same.)"""
+    scores = []
+    for completion in completions:
+        text = completion_text(completion)
+        opened, closed = THINK_OPEN in text, THINK_CLOSE in text
+        inside = text.split(THINK_OPEN, 1)[1] if opened else text
+        inside = inside.split(THINK_CLOSE, 1)[0] if closed else ""
+        after = answer_after_reasoning(text) if closed else ""
+        scores.append(0.25 * opened + 0.25 * closed + 0.25 * bool(inside.strip()) + 0.25 * bool(after))
+    return scores
+
+
+def json_format(completions: list, **_: Any) -> list[float]:
+    """1 if the answer (what follows any reasoning block) is a JSON object or array and nothing else;
+    0.5 if one can be read from it (a ```json fence, or from its first '{' or '[' on); 0 otherwise."""
+    scores = []
+    for completion in completions:
+        answer = answer_after_reasoning(completion_text(completion)).strip()
+        if isinstance(_json_value(answer), (dict, list)):
+            scores.append(1.0)
+            continue
+        fence = _JSON_FENCE.search(answer)
+        start = min((i for i in (answer.find("{"), answer.find("[")) if i >= 0), default=-1)
+        found = _json_value(fence.group(1)) if fence else _json_prefix(answer[start:]) if start >= 0 else None
+        scores.append(0.5 if isinstance(found, (dict, list)) else 0.0)
+    return scores
+
+
+_JSON_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _json_prefix(text: str) -> Any:
+    """The JSON value at the start of ``text`` (what follows it ignored), or None."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except ValueError:
+        return None
+
+
 class SoftOverlongPenalty:
     """DAPO's soft overlong punishment (eq. 13): 0 up to max_length - cache_length tokens, then a
     linear ramp down to -1 at max_length, and -1 beyond. Penalises length without rewarding brevity."""
@@ -93,7 +145,8 @@ class SoftOverlongPenalty:
                 for ids in completion_ids]
 
 
-BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct}
+BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct,
+                                           "reasoning_format": reasoning_format, "json_format": json_format}
 
 
 def code_tests(**settings: Any) -> RewardFunc:
