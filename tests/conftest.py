@@ -44,6 +44,18 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2):
     return LlamaForCausalLM(config).eval()
 
 
+def trained_lora(model, targets, r: int = 4):
+    """``model`` with a LoRA adapter on ``targets`` whose B matrices are nonzero, as after training."""
+    from covey.models import add_lora
+
+    policy = add_lora(model, r=r, alpha=2 * r, dropout=0.0, target_modules=targets)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name or "lora_embedding_" in name:  # one of each pair starts at zero: give it an effect
+                param.normal_(0.0, 0.3)
+    return policy.eval()
+
+
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()

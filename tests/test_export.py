@@ -10,19 +10,15 @@ import torch
 from covey.cli import main
 from covey.errors import ConfigError
 from covey.export import export_model
-from covey.models import add_lora, load_policy
+from covey.errors import ModelError
+from covey.models import load_policy
 
-from tests.conftest import make_model
+from tests.conftest import make_model, trained_lora
 
 
 def trained_adapter(base_dir, targets):
-    """A LoRA policy on the model saved in ``base_dir``, its B matrices nonzero as after training."""
-    policy = add_lora(load_policy(str(base_dir)), r=4, alpha=8, dropout=0.0, target_modules=targets)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.3)
-    return policy.eval()
+    """A LoRA policy on the model saved in ``base_dir``, as after training."""
+    return trained_lora(load_policy(str(base_dir)), targets)
 
 
 def logits(model, ids):
@@ -51,10 +47,11 @@ def test_a_saved_adapter_exports_merged_into_a_model_that_pipeline_loads(tmp_pat
     assert text.startswith("abc") and len(text) > 3
 
 
-def test_an_adapter_on_a_tied_head_exports_with_the_head_untied(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("side", ["lm_head", "embed_tokens"])
+def test_an_adapter_on_one_side_of_a_tied_head_exports_with_the_two_untied(tmp_path, tiny_model_dir, side):
     from transformers import AutoModelForCausalLM
 
-    policy = trained_adapter(tiny_model_dir, ["q_proj", "lm_head"])
+    policy = trained_adapter(tiny_model_dir, ["q_proj", side])
     policy.save_pretrained(tmp_path / "adapter")
 
     out = export_model(str(tmp_path / "adapter"), tmp_path / "exported")
@@ -63,9 +60,21 @@ def test_an_adapter_on_a_tied_head_exports_with_the_head_untied(tmp_path, tiny_m
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.allclose(logits(exported, IDS), logits(policy, IDS), atol=1e-5, rtol=0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    # the input embedding is the base's: the adapter changed the head alone
-    assert torch.equal(exported.get_input_embeddings().weight, base.get_input_embeddings().weight)
-    assert not torch.allclose(exported.get_output_embeddings().weight, base.get_output_embeddings().weight, atol=1e-3)
+    # the side the adapter is on changed; the other is the base's
+    kept, changed = ((exported.get_input_embeddings(), exported.get_output_embeddings()) if side == "lm_head"
+                     else (exported.get_output_embeddings(), exported.get_input_embeddings()))
+    assert torch.equal(kept.weight, base.get_input_embeddings().weight)
+    assert not torch.allclose(changed.weight, base.get_input_embeddings().weight, atol=1e-3)
+
+
+def test_an_adapter_other_than_lora_is_refused_by_name(tmp_path, tiny_model_dir):
+    from peft import LoHaConfig, get_peft_model
+
+    get_peft_model(load_policy(str(tiny_model_dir)), LoHaConfig(target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(ModelError, match="is LOHA, not LoRA: covey merges plain LoRA adapters only"):
+        export_model(str(tmp_path / "adapter"), tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
 
 
 def test_a_run_folder_exports_its_final_model_and_a_checkpoint_its_model(tmp_path, tokenizer):

@@ -62,15 +62,18 @@ def _shown_at(rows, phrase):
     return [i for i in range(1, len(rows) + 1) for m in monitor.check(rows[:i]) if phrase in m]
 
 
-@pytest.mark.parametrize("trend", [0.0, -0.005])
-def test_a_noisy_flat_or_falling_reward_is_reported_once_after_30_logged_steps(trend):
+@pytest.mark.parametrize("trend, phrase", [(0.0, "not clearly above where it started"),
+                                           (-0.005, "has fallen (0.284 over the first 10")])
+def test_a_noisy_flat_or_falling_reward_is_reported_once_after_30_logged_steps(trend, phrase):
     rows = history(60, reward=lambda i: 0.3 + trend * i + _noise(i))
-    assert _shown_at(rows, "not clearly above where it started") == [30]
+    assert _shown_at(rows, phrase) == [30]
 
 
-def test_a_noisy_rising_reward_is_not_reported():
-    rows = history(60, reward=lambda i: 0.2 + 0.01 * i + _noise(i))
-    assert _shown_at(rows, "not clearly above") == []
+@pytest.mark.parametrize("changes", [dict(reward=lambda i: 0.2 + 0.01 * i + _noise(i)),  # rising
+                                     dict(reward=lambda i: 1.9 + _noise(i), frac_reward_zero_std=0.8)])  # solved
+def test_a_rising_or_already_solved_reward_is_not_reported(changes):
+    rows = history(60, **changes)
+    assert _shown_at(rows, "mean reward") == []
 
 
 def _nan_loss_for_steps(monkeypatch, trainer, bad_steps):

@@ -37,6 +37,9 @@ def test_json_format_gives_full_credit_to_json_alone_and_half_to_json_within_tex
              'Here it is:\n```json\n{"city": "Paris"}\n```', 'The answer is {"city": "Paris"}. Done.',
              '"Paris"', "42", '{"city": "Paris"', "no JSON here", '<think>{"draft": 1}</think> Paris']
     assert json_format(completions=[chat(t) for t in texts]) == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # JSON after another code fence, or after a stray brace; nesting too deep to read is no JSON, not an error
+    texts = ['```python\nx = 1\n```\nthen {"city": "Paris"}', 'a { then {"city": "Paris"}', "[" * 5000]
+    assert json_format(completions=[chat(t) for t in texts]) == [0.5, 0.5, 0.0]
     assert load_reward_func("json_format") is json_format and load_reward_func("reasoning_format") is reasoning_format
 
 

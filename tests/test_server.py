@@ -332,16 +332,13 @@ def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_
 
 def test_fast_backend_holds_a_saved_adapter_merged(tmp_path, tiny_model_dir, tokenizer):
     from covey.models import is_peft_model, load_policy
+    from tests.conftest import trained_lora
 
-    policy = add_lora(load_policy(str(tiny_model_dir)), 2, 4, 0.0, ["all-linear"])
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.3)
+    policy = trained_lora(load_policy(str(tiny_model_dir)), ["all-linear"], r=2)
     policy.save_pretrained(tmp_path / "adapter")
     tokenizer.save_pretrained(tmp_path / "adapter")
     backend = build_backend(GRPOConfig(model=str(tmp_path / "adapter")), "fast")
     assert not is_peft_model(backend.model)
     ids = torch.tensor([[5, 17, 30, 41]])
     with torch.no_grad():
-        assert torch.allclose(backend.model(ids).logits, policy.eval()(ids).logits, atol=1e-5, rtol=0)
+        assert torch.allclose(backend.model(ids).logits, policy(ids).logits, atol=1e-5, rtol=0)

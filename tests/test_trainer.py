@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -249,6 +250,15 @@ def test_max_steps_minus_one_trains_for_num_train_epochs_as_in_trl(tmp_path, tok
     assert saved["max_steps"] == -1 and saved["num_train_epochs"] == 1.5  # as given: a resume resolves it again
 
 
+def test_epochs_count_the_prompts_kept(tmp_path, tokenizer, tiny_model):
+    long = {"prompt": [{"role": "user", "content": "x" * 200}], "answer": "9"}
+    args = small_args(tmp_path, max_steps=-1, num_train_epochs=1.5, max_prompt_length=40, prompt_overflow="drop")
+    with pytest.warns(UserWarning, match="1 training prompts were longer"):
+        trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS + [long],
+                              processing_class=tokenizer)
+    assert trainer.args.max_steps == 6  # 1.5 passes over the 8 prompts kept, 2 a round (7 over all 9)
+
+
 @pytest.mark.parametrize("fields, prompts, processes, steps", [
     (dict(num_train_epochs=1), 10, 1, 5),  # 2 prompts a round
     (dict(num_train_epochs=1.5), 10, 1, 8),  # whole rounds: 7.5 -> 8
@@ -266,6 +276,10 @@ def test_num_train_epochs_moves_across_from_a_trl_config(tmp_path):
     with pytest.warns(UserWarning, match="num_train_epochs=2 has no effect: max_steps=5 sets the run's length"):
         args = GRPOConfig.from_dict({"num_train_epochs": 2, "max_steps": 5})
     assert args.max_steps == 5 and args.num_train_epochs is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = GRPOConfig.from_dict({"num_train_epochs": "2", "max_steps": "-1"})  # as text from the command line
+    assert args.max_steps == -1 and args.num_train_epochs == 2
     with pytest.raises(ConfigError, match="num_train_epochs=2 sets the run's length only with max_steps=-1"):
         GRPOConfig(num_train_epochs=2)
     with pytest.raises(ConfigError, match="max_steps=0 must be at least 1, or -1"):

@@ -303,11 +303,14 @@ class GRPOConfig:
         num_generations; several processes sample as many each)."""
         return self.per_device_train_batch_size * self.micro_batches_per_generation
 
+    def prompts_per_round(self, processes: int = 1) -> int:
+        """Prompts drawn for one generation round, over all ``processes``."""
+        return self.generation_batch_size // self.num_generations * processes
+
     def steps_for_epochs(self, prompts: int, processes: int = 1) -> int:
         """The optimizer steps of num_train_epochs (3 when unset) passes over ``prompts`` training prompts,
         in whole generation rounds: the max_steps that -1 stands for."""
-        per_round = self.generation_batch_size // self.num_generations * processes
-        rounds = math.ceil((self.num_train_epochs or 3.0) * prompts / per_round)
+        rounds = math.ceil((self.num_train_epochs or 3.0) * prompts / self.prompts_per_round(processes))
         return max(1, rounds * self.optimizer_steps_per_generation)
 
     @property
@@ -353,7 +356,7 @@ class GRPOConfig:
         if values.get("num_train_epochs") is not None:  # TRL's rule: a max_steps given wins over the epochs
             if "max_steps" not in values:
                 values = {**values, "max_steps": -1}
-            elif values["max_steps"] != -1:
+            elif _coerce("max_steps", values["max_steps"], (int, False)) != -1:  # text from the command line
                 warnings.warn(f"{source}: num_train_epochs={values['num_train_epochs']} has no effect: "
                               f"max_steps={values['max_steps']} sets the run's length (as in TRL)", stacklevel=2)
                 values = {**values, "num_train_epochs": None}

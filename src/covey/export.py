@@ -20,8 +20,8 @@ import torch
 
 from covey.checkpoint import written_whole
 from covey.errors import ConfigError, ModelError
-from covey.models import (is_peft_model, load_policy, load_tokenizer, policy_weights, quiet_transformers,
-                          tokenizer_as_loaded)
+from covey.models import (is_peft_model, load_policy, load_tokenizer, lora_merge_blocker, policy_weights,
+                          quiet_transformers, tokenizer_as_loaded)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,15 +46,20 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     tied input embedding and output head, the two are untied (the head gets its own matrix)."""
     if not is_peft_model(model):
         return model
+    if blocker := lora_merge_blocker(model):
+        raise ModelError(f"{blocker}: covey merges plain LoRA adapters only into a model's weights")
     weights = dict(policy_weights(model))  # the merged copies are new tensors; the rest are the base's own
     plain = model.unload()  # the base model, its adapter layers taken out, weights unchanged
-    if "lm_head.weight" in weights and getattr(plain.config, "tie_word_embeddings", False):
+    head = plain.get_output_embeddings()
+    head_name = next(name for name, module in plain.named_modules() if module is head) + ".weight"
+    if getattr(plain.config, "tie_word_embeddings", False) and head_name in weights:  # the adapter untied them
         plain.config.tie_word_embeddings = False
-        plain.lm_head.weight = torch.nn.Parameter(weights["lm_head.weight"].clone())
+        # a matrix of its own, set here: the other side's entry may be the very tensor loaded into below
+        head.weight = torch.nn.Parameter(weights.pop(head_name).clone())
     missing, unexpected = plain.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if getattr(plain.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise ModelError(f"the merged weights do not fit the base model (missing {sorted(set(missing) - tied)}, "
+    missing = set(missing) - {head_name}  # set above, or tied to the embedding
+    if unexpected or missing:
+        raise ModelError(f"the merged weights do not fit the base model (missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)})")
     return plain
 

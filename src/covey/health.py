@@ -46,25 +46,31 @@ def high_kl(history):
 
 
 def flat_reward(history):
-    """The reward has not moved at all, or, after ``NO_RISE_AFTER`` logged steps, the mean of the last
-    ``2 * WINDOW`` is not above the mean of the first ``2 * WINDOW`` by more than twice their noise
-    (the standard error of the difference): flat but noisy, or falling."""
-    check = ("Check that the rewards vary between completions (covey generate) and that the pipeline is sound "
-             "(covey verify)")
+    """The reward has not moved at all; or, after ``NO_RISE_AFTER`` logged steps, the mean of the last
+    ``2 * WINDOW`` has fallen below the mean of the first ``2 * WINDOW``, or is not above it, by more
+    than twice their noise (the standard error of the difference). A flat reward whose groups are
+    mostly constant (a task already solved, or a reward too harsh) is left to ``constant_groups``."""
+    check = "covey verify checks the pipeline, covey generate shows the rewards of sampled completions"
     values = _last(history, "reward", 2 * WINDOW)
     if values and max(values) - min(values) < 1e-6:
-        return HealthWarning("reward", f"the mean reward has not moved in {2 * WINDOW} logged steps. {check}.")
+        return HealthWarning("reward", f"the mean reward has not moved in {2 * WINDOW} logged steps: check that the "
+                             f"rewards vary between completions ({check}).")
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     if len(rewards) < NO_RISE_AFTER:
         return None
-    first, last = rewards[:2 * WINDOW], rewards[-2 * WINDOW:]
-    rise = statistics.fmean(last) - statistics.fmean(first)
-    noise = 2 * math.sqrt((statistics.variance(first) + statistics.variance(last)) / (2 * WINDOW))
-    if rise <= noise:
-        return HealthWarning("reward", f"after {len(rewards)} logged steps the mean reward is not clearly above where it "
-                             f"started ({statistics.fmean(first):.3f} over the first {2 * WINDOW}, "
-                             f"{statistics.fmean(last):.3f} over the last {2 * WINDOW}, noise +-{noise:.3f}). {check}; "
-                             "then try a higher learning rate or a reward that gives partial credit.")
+    first, last = statistics.fmean(rewards[:2 * WINDOW]), statistics.fmean(rewards[-2 * WINDOW:])
+    noise = 2 * math.sqrt((statistics.variance(rewards[:2 * WINDOW]) + statistics.variance(rewards[-2 * WINDOW:]))
+                          / (2 * WINDOW))
+    where = (f"{first:.3f} over the first {2 * WINDOW} logged steps, {last:.3f} over the last {2 * WINDOW}, "
+             f"noise +-{noise:.3f}")
+    if last - first < -noise:
+        return HealthWarning("reward", f"after {len(rewards)} logged steps the mean reward has fallen ({where}): the "
+                             f"updates are making the policy worse. Lower the learning rate and watch kl ({check}).")
+    constant = _last(history, "frac_reward_zero_std", 2 * WINDOW)
+    if last - first <= noise and not (constant and statistics.fmean(constant) > 0.5):
+        return HealthWarning("reward", f"after {len(rewards)} logged steps the mean reward is not clearly above where "
+                             f"it started ({where}). Try a higher learning rate or a reward that gives partial "
+                             f"credit ({check}).")
 
 
 def sustained_above(key: str, threshold: float, steps: int, message: str) -> Callable[[list[dict]], HealthWarning | None]:

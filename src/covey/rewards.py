@@ -21,6 +21,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import re
@@ -96,27 +97,29 @@ def reasoning_format(completions: list, **_: Any) -> list[float]:
 
 def json_format(completions: list, **_: Any) -> list[float]:
     """1 if the answer (what follows any reasoning block) is a JSON object or array and nothing else;
-    0.5 if one can be read from it (a ```json fence, or from its first '{' or '[' on); 0 otherwise."""
+    0.5 if one can be read from it (in a code fence, or starting at one of its first 16 '{' or '['); 0
+    otherwise."""
     scores = []
     for completion in completions:
         answer = answer_after_reasoning(completion_text(completion)).strip()
         if isinstance(_json_value(answer), (dict, list)):
             scores.append(1.0)
             continue
-        fence = _JSON_FENCE.search(answer)
-        start = min((i for i in (answer.find("{"), answer.find("[")) if i >= 0), default=-1)
-        found = _json_value(fence.group(1)) if fence else _json_prefix(answer[start:]) if start >= 0 else None
-        scores.append(0.5 if isinstance(found, (dict, list)) else 0.0)
+        fenced = (_json_value(m.group(1)) for m in _CODE_FENCE.finditer(answer))
+        opened = (_json_prefix(answer[m.start():]) for m in itertools.islice(_JSON_OPENING.finditer(answer), 16))
+        scores.append(0.5 if any(isinstance(v, (dict, list)) for v in (*fenced, *opened)) else 0.0)
     return scores
 
 
-_JSON_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+_CODE_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+_JSON_OPENING = re.compile(r"[{\[]")
 
 
 def _json_value(text: str) -> Any:
+    """``text`` read as JSON, or None (nesting too deep to read included)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -124,7 +127,7 @@ def _json_prefix(text: str) -> Any:
     """The JSON value at the start of ``text`` (what follows it ignored), or None."""
     try:
         return json.JSONDecoder().raw_decode(text)[0]
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

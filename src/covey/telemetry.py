@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,8 @@ def print_summary(console: Console, before: dict | None, after: dict | None, run
     for row in before_after_rows(before, after):
         table.add_row(*row)
     console.print(table)
-    console.print(f"run folder: {run_dir}  (a plain model of it for transformers: covey export {run_dir} OUT)")
+    console.print(f"run folder: {run_dir}  (a plain model of it for transformers: covey export "
+                  f"{shlex.quote(str(run_dir))} OUT)")
 
 
 def model_card(base_model: str, dataset: str, reward_names: list[str], reward_weights: list[float],

@@ -174,12 +174,21 @@ class GRPOTrainer:
         self.reward_pool = RewardPool(self.reward_funcs, args.reward_num_workers, args.num_generations)  # starts on first use
         self.reward_weights_F = torch.tensor(self.reward_weights, dtype=torch.float64)
         self._load_rows(train_dataset, eval_dataset)
-        args = self.args  # max_steps resolved where it counted epochs
         check_trackers(args.report_to)
         if rollout_engine is None and args.rollout_engine == "vllm" and args.vllm_mode == "colocate":
             check_vllm_installed()
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
+        if processing_class is not None:
+            self.tokenizer = processing_class
+            prepare_tokenizer(self.tokenizer)
+        else:
+            source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+            self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
+        self._encode_train_prompts()
+        if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
+            self.args = args = dataclasses.replace(
+                args, max_steps=args.steps_for_epochs(len(self.train_rows), self.world.size), num_train_epochs=None)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > args.max_steps:
@@ -188,14 +197,6 @@ class GRPOTrainer:
                               "checkpoint")
         self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
         torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
-
-        if processing_class is not None:
-            self.tokenizer = processing_class
-            prepare_tokenizer(self.tokenizer)
-        else:
-            source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-            self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
-        self._encode_train_prompts()
 
         self.model = self._build_policy(model, peft_config)
         self.world.check_device(next(self.model.parameters()).device)
@@ -219,8 +220,7 @@ class GRPOTrainer:
         self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         # the prompts of every process, drawn together; each takes its share (World.share)
-        self.sampler = PromptSampler(len(self.train_rows), args.generation_batch_size // args.num_generations
-                                     * self.world.size, args.seed)
+        self.sampler = PromptSampler(len(self.train_rows), args.prompts_per_round(self.world.size), args.seed)
         self.loss_settings = core.LossSettings(
             loss_type=args.loss_type, epsilon_low=args.epsilon,
             epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
@@ -248,12 +248,11 @@ class GRPOTrainer:
         dataset = train_dataset if train_dataset is not None else args.dataset
         self.dataset_name = dataset if isinstance(dataset, str) else "an in-memory dataset"
         self.train_rows = load_rows(dataset, split=args.dataset_split)
-        if args.max_steps == -1:  # num_train_epochs passes over these prompts, as a number of steps from here on
-            self.args = args = dataclasses.replace(
-                args, max_steps=args.steps_for_epochs(len(self.train_rows), self.world.size), num_train_epochs=None)
         check_reward_columns(self.train_rows, reward_funcs, self.dataset_name)
+        # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
+        steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(self.train_rows), self.world.size)
         preflight_check(reward_funcs, [r["prompt"] for r in self.train_rows[:2]], extra_columns(self.train_rows[:2]),
-                        args.max_steps)
+                        steps)
         self.eval_rows = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                                       args.eval_max_samples, args.eval_split)
         if self.eval_rows and (shared := shared_prompts(self.train_rows, self.eval_rows)):
@@ -310,9 +309,10 @@ class GRPOTrainer:
                 policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
         if shared := adapted_shared_matrix(policy):
             warnings.warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
-                          "share: the adapter trains and saves exactly, but merging it (merge_and_unload) changes "
-                          f"both, so a merged model would differ from it; leave {shared.rpartition('.')[2]} out of "
-                          "lora_target_modules to be able to merge", stacklevel=3)
+                          "share: the adapter trains and saves exactly, and covey export gives a model with the two "
+                          "untied, but peft's merge_and_unload changes both, and vLLM or a covey server (which hold "
+                          f"them tied) cannot sample with it; leave {shared.rpartition('.')[2]} out of "
+                          "lora_target_modules to avoid both", stacklevel=3)
         if args.disable_dropout:
             disable_dropout(policy)
         if args.gradient_checkpointing:

@@ -12,12 +12,12 @@ AS_COVEY_DOES = {
     "optim": ("adamw_torch", "adamw_torch_fused"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
     "save_strategy": ("steps",),  # a checkpoint every save_steps
-    "eval_strategy": ("no",),  # no evaluation during training (covey's is before and after)
+    "eval_strategy": ("no", False),  # no evaluation during training (covey's is before and after); YAML reads no as false
     "logging_first_step": (False,),
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "shuffle_dataset": (True,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default
-    "fp16": (False,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None,),
+    "fp16": (False,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None, False),
     "torch_compile": (False,), "use_liger_kernel": (False,), "disable_tqdm": (None, False),
     "save_only_model": (False,), "ignore_data_skip": (False,), "data_seed": (None,),
     "push_to_hub": (False,), "hub_model_id": ANY, "hub_strategy": ANY, "hub_private_repo": ANY,
@@ -30,7 +30,7 @@ AS_COVEY_DOES = {
 def as_covey_does(name: str, value) -> bool:
     """Whether TRL's setting ``name: value`` describes what covey does anyway."""
     allowed = AS_COVEY_DOES.get(name)
-    if isinstance(value, str):  # from the command line
+    if isinstance(value, str):  # a boolean written as text
         value = {"true": True, "false": False, "none": None, "null": None}.get(value.lower(), value)
     return allowed is ANY or (allowed is not None and any(value == a and type(value) is type(a) for a in allowed))
 

@@ -92,6 +92,9 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     except RewardError as e:
         report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
         return report
+    except DataError as e:
+        report.add("data", "the prompts of a batch are sampled", False, "error", str(e))
+        return report
     except CoveyError as e:
         report.add("engine", f"the {settings.rollout_engine} engine samples a batch", False, "error", str(e))
         return report
@@ -451,7 +454,7 @@ def check_loss_away_from_ratio_one(report: Report, trainer, batch, logp_BT: torc
     loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts, s, ref)
     expected = formula_loss(batch, logp, old, s, trainer.args.max_completion_length)
     w = _formula_ratio(logp, old, mask, s.importance_sampling_level)
-    outside = (w < 1 - s.epsilon_low) | (w > 1 + s.epsilon_high)
+    outside = (w > 1 + s.epsilon_high) | ((w < 1 - s.epsilon_low) if s.loss_type != "cispo" else False)
     value = (f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of "
              "ratios outside the clip range")
     report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
