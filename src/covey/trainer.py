@@ -179,6 +179,13 @@ class GRPOTrainer:
             check_vllm_installed()
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
+        self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+                            if args.resume_from_checkpoint else None)
+        if args.max_steps != -1:
+            self._check_resumed_step()
+        self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
+        torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
+
         if processing_class is not None:
             self.tokenizer = processing_class
             prepare_tokenizer(self.tokenizer)
@@ -189,14 +196,7 @@ class GRPOTrainer:
         if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
             self.args = args = dataclasses.replace(
                 args, max_steps=args.steps_for_epochs(len(self.train_rows), self.world.size), num_train_epochs=None)
-        self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-                            if args.resume_from_checkpoint else None)
-        if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > args.max_steps:
-            raise ConfigError(f"{self.resume_from} is at step {resumed_at}, beyond max_steps="
-                              f"{args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
-                              "checkpoint")
-        self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
-        torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
+            self._check_resumed_step()
 
         self.model = self._build_policy(model, peft_config)
         self.world.check_device(next(self.model.parameters()).device)
@@ -241,6 +241,12 @@ class GRPOTrainer:
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this round
         if self.resume_from is not None:
             self._restore(self.resume_from)
+
+    def _check_resumed_step(self) -> None:
+        if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > self.args.max_steps:
+            raise ConfigError(f"{self.resume_from} is at step {resumed_at}, beyond max_steps="
+                              f"{self.args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
+                              "checkpoint")
 
     def _load_rows(self, train_dataset: Any, eval_dataset: Any) -> None:
         """The training and held-out rows, checked against what the reward functions need."""
