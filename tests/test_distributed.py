@@ -224,21 +224,32 @@ def test_a_sharded_optimizer_state_makes_the_same_updates_from_half_the_memory_a
                     assert torch.equal(a, b), (run, step)
 
 
-def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from covey.checkpoint import load_checkpoint, save_checkpoint
+def _sharded_step_saved(rank: int, port: int, folder: str) -> tuple[torch.nn.Module, Path]:
+    """In process ``rank`` of two: one AdamW step with the state sharded, saved as a checkpoint in ``folder``."""
+    from covey.checkpoint import save_checkpoint
 
     as_launched(rank, port)
     world = World.from_environment()
     model = make_model(len(make_tokenizer()), seed=1)
-    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    optimizer = _sharded_adamw(model)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
     whole = world.gather_optimizer_state(optimizer)
-    path = world.on_main(lambda: save_checkpoint(Path(folder), 1, model, whole, {}))
+    return model, world.on_main(lambda: save_checkpoint(Path(folder), 1, model, whole, {}))
+
+
+def _sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+
+def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str) -> None:
+    from covey.checkpoint import load_checkpoint
+
+    model, path = _sharded_step_saved(rank, port, folder)
     half = model.to(torch.bfloat16)  # the same run resumed in another dtype
-    optimizer = ZeroRedundancyOptimizer(list(half.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    optimizer = _sharded_adamw(half)
     load_checkpoint(path, half, optimizer, process=rank)
     half(torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
     optimizer.step()  # moments left in float32 would fail here
@@ -248,18 +259,9 @@ def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str)
 
 
 def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     import covey.checkpoint as checkpoint
 
-    as_launched(rank, port)
-    world = World.from_environment()
-    model = make_model(len(make_tokenizer()), seed=1)
-    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    optimizer.step()
-    whole = world.gather_optimizer_state(optimizer)
-    path = world.on_main(lambda: checkpoint.save_checkpoint(Path(folder), 1, model, whole, {}))
+    model, path = _sharded_step_saved(rank, port, folder)
     read, original = [], checkpoint._read_tensors
 
     def recording(file, wanted):
@@ -268,7 +270,7 @@ def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) ->
         return tensors
 
     checkpoint._read_tensors = recording
-    optimizer = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    optimizer = _sharded_adamw(model)
     checkpoint.load_checkpoint(path, model, optimizer, process=rank)
     loaded = {f"{i}.{key}": optimizer.optim.state[p][key] for i, p in enumerate(model.parameters())
               if p in optimizer.optim.state for key in ("exp_avg", "exp_avg_sq")}
