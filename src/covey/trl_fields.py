@@ -34,6 +34,7 @@ def as_covey_does(name: str, value) -> bool:
         value = {"true": True, "false": False, "none": None, "null": None}.get(value.lower(), value)
     return allowed is ANY or (allowed is not None and any(value == a and type(value) is type(a) for a in allowed))
 
+
 TRL_FIELDS = frozenset({
     'accelerator_config', 'activation_checkpointing', 'activation_checkpointing_kwargs', 'adam_beta1',
     'adam_beta2', 'adam_epsilon', 'auto_find_batch_size', 'average_tokens_across_devices',
