@@ -470,3 +470,18 @@ def test_a_folder_whose_replacement_fails_to_move_in_keeps_the_old_one(tmp_path,
         with written_whole(final, "final_model-*") as tmp:
             (tmp / "weights").write_text("new")
     assert (final / "weights").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["final_model"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_saved_weights_are_as_readable_as_the_other_files_the_umask_allows(tmp_path, tokenizer):
+    old = os.umask(0o027)
+    try:
+        trainer_for(run_args(tmp_path / "run", max_steps=1, save_steps=1), tokenizer).train()
+    finally:
+        os.umask(old)
+    run = tmp_path / "run"
+    for folder in (run / "final_model", run / "checkpoints" / "checkpoint-1"):
+        weights = list(folder.rglob("*.safetensors"))
+        assert weights, folder
+        for path in weights:  # not the 0o600 safetensors writes its files with
+            assert path.stat().st_mode & 0o777 == 0o640 == (run / "config.yaml").stat().st_mode & 0o777, path

@@ -137,6 +137,7 @@ def written_whole(final: Path, kind: str) -> Iterator[Path]:
     try:
         tmp.mkdir()
         yield tmp
+        _modes_as_umask_gives(tmp)
         _fsync_tree(tmp)
         if final.exists():
             final.rename(old)
@@ -179,6 +180,25 @@ def rng_states() -> tuple[dict[str, torch.Tensor], dict]:
 
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value))
+
+
+def _modes_as_umask_gives(root: Path) -> None:
+    """Give the safetensors files under ``root`` the mode an ordinary new file gets (0o666 less the
+    umask): safetensors writes them 0o600, unreadable to the other users a model is shared with."""
+    mask = _umask()
+    for path in root.rglob("*.safetensors"):
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where the system says it (Linux)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o077)  # elsewhere: set and put back at once, the strictest value meanwhile
+    os.umask(mask)
+    return mask
 
 
 def _fsync_tree(root: Path) -> None:
