@@ -106,7 +106,8 @@ def json_format(completions: list, **_: Any) -> list[float]:
             scores.append(1.0)
             continue
         fenced = (_json_value(m.group(1)) for m in _CODE_FENCE.finditer(answer))
-        opened = (_json_prefix(answer[m.start():]) for m in itertools.islice(_JSON_OPENING.finditer(answer), 16))
+        opened = (_json_value(answer[m.start():], prefix=True)
+                  for m in itertools.islice(_JSON_OPENING.finditer(answer), 16))
         scores.append(0.5 if any(isinstance(v, (dict, list)) for v in (*fenced, *opened)) else 0.0)
     return scores
 
@@ -115,18 +116,11 @@ _CODE_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 _JSON_OPENING = re.compile(r"[{\[]")
 
 
-def _json_value(text: str) -> Any:
-    """``text`` read as JSON, or None (nesting too deep to read included)."""
+def _json_value(text: str, prefix: bool = False) -> Any:
+    """``text`` read as JSON (with ``prefix``, the value it starts with, what follows ignored), or None:
+    not JSON, or nested too deep to read."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _json_prefix(text: str) -> Any:
-    """The JSON value at the start of ``text`` (what follows it ignored), or None."""
-    try:
-        return json.JSONDecoder().raw_decode(text)[0]
+        return json.JSONDecoder().raw_decode(text)[0] if prefix else json.loads(text)
     except (ValueError, RecursionError):
         return None
 
