@@ -7,7 +7,7 @@
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError
-from covey.trainer import GRPOTrainer
+from covey.train.trainer import GRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "ConfigError", "CoveyError"]
 __version__ = "0.1.0"

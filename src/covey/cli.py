@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.config import GRPOConfig, config_fields, suggest_field
-from covey.distributed import World
+from covey.train.distributed import World
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
 
 
@@ -108,7 +108,7 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 def cmd_train(argv: list[str]) -> int:
     namespace, overrides = _parse_command("covey train", "Train a model with GRPO.", argv)
     args = _load_config(namespace.config, overrides)
-    from covey.trainer import GRPOTrainer
+    from covey.train.trainer import GRPOTrainer
 
     try:
         GRPOTrainer(args=args).train()
@@ -123,7 +123,7 @@ def cmd_eval(argv: list[str]) -> int:
     config_path = namespace.config
     run_dir = Path(config_path) if config_path and Path(config_path).is_dir() else None
     if run_dir is not None:  # a run folder: its config (the last resume's, if it changed any), its final model
-        from covey.run_folder import latest_run_config
+        from covey.telemetry.runlog import latest_run_config
 
         if not (run_dir / "config.yaml").is_file() or not (run_dir / "final_model").is_dir():
             raise ConfigError(f"{run_dir} is not a finished run folder (needs config.yaml and final_model/)")
@@ -135,10 +135,10 @@ def cmd_eval(argv: list[str]) -> int:
     from rich.console import Console
 
     from covey.data import heldout_rows
-    from covey.evaluation import evaluate, percent
     from covey.models import eos_token_ids, load_policy, load_tokenizer
-    from covey.rollout import make_engine
-    from covey.trainer import load_rewards
+    from covey.telemetry.tables import percent
+    from covey.train.evaluation import evaluate
+    from covey.train.setup import build_engine, load_rewards
 
     rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9, args.eval_split)
     if not rows:
@@ -146,7 +146,7 @@ def cmd_eval(argv: list[str]) -> int:
     reward_funcs, reward_weights = load_rewards(args)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_policy(args.model, args.trust_remote_code).eval()
-    engine = make_engine(args.rollout_engine, model, tokenizer, eos_token_ids(model, tokenizer), args=args)
+    engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
     Console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
                     f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
@@ -175,16 +175,20 @@ def cmd_generate(argv: list[str]) -> int:
 
     from rich.console import Console
 
-    from covey.telemetry import completions_table
-    from covey.trainer import GRPOTrainer, one_batch_settings
+    from covey.telemetry.tables import completions_table
+    from covey.train.batch import Progress
+    from covey.train.setup import one_batch_settings
+    from covey.train.step import generate_and_score, with_advantages
+    from covey.train.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(args=one_batch_settings(args, namespace.num_prompts), quiet=True)
-    indices = list(range(min(namespace.num_prompts, len(trainer.train_rows))))
-    batch, _ = trainer.generate_and_score(indices)
-    table = completions_table(batch.records, title=f"{len(batch.records)} completions of {len(indices)} prompts")
+    parts = GRPOTrainer(args=one_batch_settings(args, namespace.num_prompts), quiet=True).parts
+    indices = list(range(min(namespace.num_prompts, len(parts.prompts.rows))))
+    batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
+    records = batch.records()
+    table = completions_table(records, title=f"{len(records)} completions of {len(indices)} prompts")
     Console().print(table)
     if namespace.json:
-        lines = "".join(json.dumps(r) + "\n" for r in batch.records)
+        lines = "".join(json.dumps(r) + "\n" for r in records)
         if namespace.json == "-":
             sys.stdout.write(lines)
         else:
@@ -200,7 +204,7 @@ def cmd_report(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output_dir of covey train)")
     parser.add_argument("--out", metavar="DIR", help="folder for report.html and the PNGs (default: RUN_DIR/report)")
     namespace = parser.parse_args(argv)
-    from covey.report import write_report
+    from covey.telemetry.report import write_report
 
     page = write_report(namespace.run_dir, namespace.out)
     print(f"report: {page}")
@@ -216,7 +220,7 @@ def cmd_compare(argv: list[str]) -> int:
     parser.add_argument("--out", metavar="FILE", help="the PNG to write (default: compare-<metric>.png here)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     namespace = parser.parse_args(argv)
-    from covey.report import compare_file_name, compare_runs
+    from covey.telemetry.report import compare_file_name, compare_runs
 
     if len(namespace.run_dirs) < 2:
         raise ConfigError("covey compare needs at least two run folders (covey report shows one run)")
@@ -237,7 +241,7 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (hub models)")
     namespace = parser.parse_args(argv)
-    from covey.export import export_model
+    from covey.train.export import export_model
 
     out = export_model(namespace.source, namespace.out, namespace.dtype, namespace.trust_remote_code)
     print(f"exported to {out}: load it with transformers.pipeline('text-generation', model={str(out)!r})")
@@ -261,10 +265,12 @@ def cmd_server(argv: list[str]) -> int:
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     args = _load_config(namespace.config, overrides)
-    from covey.server import run_server
+    from covey.rollout.server import run_server
+    from covey.train.setup import server_backend
 
     port = args.vllm_server_port if namespace.port is None else namespace.port
-    return run_server(args, namespace.backend, namespace.host or args.vllm_server_host, port, namespace.insecure)
+    return run_server(lambda: server_backend(args, namespace.backend), f"{namespace.backend} backend for {args.model}",
+                      namespace.host or args.vllm_server_host, port, namespace.insecure)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from covey.errors import ConfigError
+from covey.sources import EMBEDDED_MODEL
 from covey.trl_fields import AS_COVEY_DOES, TRL_FIELDS, as_covey_does
 
 
@@ -46,28 +47,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
                   "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
-# how a run's saved config notes what a file cannot name (``in_memory``)
-IN_MEMORY = "<in-memory "
-
-
-def in_memory(what: str) -> str:
-    """How a run's saved config notes what a file cannot name: a model object, rows or a function passed
-    in memory."""
-    return f"{IN_MEMORY}{what}>"
-
-
-def why_unloadable(value: Any, field: str) -> str | None:
-    """For a value a saved config notes as passed in memory (``in_memory``), why it cannot be loaded;
-    else None."""
-    if isinstance(value, str) and value.startswith(IN_MEMORY):
-        return (f"{field} {value!r} is how a run's config.yaml notes what was passed in memory, not something to "
-                "load: give a file, folder, hub id or name in its place (for covey eval: --eval-dataset FILE)")
-    return None
 
 
 @dataclass

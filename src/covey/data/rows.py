@@ -1,0 +1,125 @@
+"""Datasets: where prompts come from, what a valid row is, and the order they are used in.
+
+A row is a dict with a ``prompt`` (a chat as a list of {"role", "content"} messages, or a plain
+string) and any extra columns, which are passed to the reward functions by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from covey.data import tasks
+from covey.errors import DataError
+from covey.sources import why_unloadable
+
+# what every reward call receives from the trainer beside the dataset's columns, which pass by name: no
+# column may be called so
+TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"})
+# file name endings (in any case) and the loader of each; datasets' loaders read gzip-compressed text files as they are
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                 ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
+
+
+def load_rows(spec: Any, split: str = "train") -> list[dict]:
+    """Rows from a built-in task name, a local JSONL/JSON/CSV/Parquet file (JSONL, JSON and CSV also
+    gzip-compressed, .gz), a Hugging Face dataset id, or an in-memory list / ``datasets.Dataset``.
+    GSM8K-format data (question, answer with '####') is turned into chat prompts automatically,
+    keeping its other columns."""
+    if isinstance(spec, str):
+        if reason := why_unloadable(spec, "dataset"):
+            raise DataError(reason)
+        if spec in tasks.TASKS:
+            return tasks.TASKS[spec]("test" if split == "test" else "train")
+        path, file_format = Path(spec), local_format(spec)
+        if file_format is not None:
+            if not path.is_file():
+                raise DataError(f"dataset file {path} does not exist")
+            rows = _load_with_datasets(file_format, data_files=str(path), split="train")
+        else:
+            rows = _load_with_datasets(spec, split=split)
+        source = spec
+    else:
+        rows, source = [dict(r) for r in spec], "train_dataset"
+    if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
+        rows = tasks.gsm8k_rows(rows, source)
+    check_rows(rows, source)
+    return rows
+
+
+def local_format(name: str) -> str | None:
+    """The datasets loader for a local file of this name ("json", "csv", "parquet"), by its ending
+    in any case (data.JSONL, data.csv.gz); None for a name that is not a local file format."""
+    lowered = name.lower()
+    return next((loader for ending, loader in LOCAL_FORMATS.items() if lowered.endswith(ending)), None)
+
+
+def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
+    import datasets
+
+    datasets.disable_progress_bars()  # a local file loads in a blink; a bar per load is noise
+    try:
+        return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
+    except Exception as e:  # datasets raises many types; all mean "could not get this data"
+        raise DataError(f"could not load dataset {args[0]!r}: {e}. Use a built-in task ({', '.join(tasks.TASKS)}), "
+                        "a local .jsonl/.json/.csv/.parquet file (the first three also .gz), or a Hugging Face "
+                        "dataset id") from e
+
+
+def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test") -> list[dict] | None:
+    """Rows for the before/after evaluation: ``eval_dataset`` if given (its ``eval_split`` when it
+    is a built-in task or a Hugging Face id), else the held-out split of a built-in task, else None
+    (no evaluation). At most ``max_samples`` rows."""
+    if max_samples == 0:
+        return None
+    if eval_dataset is not None:
+        rows = load_rows(eval_dataset, split=eval_split)
+    elif isinstance(dataset, str) and dataset in tasks.TASKS:
+        rows = load_rows(dataset, split="test")
+    else:
+        return None
+    return rows[:max_samples]
+
+
+def shared_prompts(train_rows: list[dict], eval_rows: list[dict]) -> int:
+    """How many held-out rows have a prompt that is also a training prompt."""
+    seen = {repr(row["prompt"]) for row in train_rows}
+    return sum(repr(row["prompt"]) in seen for row in eval_rows)
+
+
+def check_rows(rows: list[dict], source: str) -> None:
+    """Every row has a non-empty prompt in chat or plain format, and the same columns, none of them
+    named like an argument the trainer itself passes to reward functions."""
+    if not rows:
+        raise DataError(f"{source}: the dataset is empty")
+    if "prompt" not in rows[0]:
+        raise DataError(f"{source}: no 'prompt' column (columns: {', '.join(rows[0]) or 'none'}); rename the column "
+                        "holding the prompts to 'prompt', or give GSM8K-style 'question'/'answer' columns")
+    reserved = next((column for column in rows[0] if column in TRAINER_REWARD_ARGS), None)
+    if reserved is not None:
+        raise DataError(f"{source}: column {reserved!r} has the name of an argument the trainer passes to every reward "
+                        f"function ({', '.join(sorted(TRAINER_REWARD_ARGS))}); rename the column, and the reward "
+                        "function parameter that reads it")
+    columns = set(rows[0])
+    for i, row in enumerate(rows):
+        if set(row) != columns:
+            raise DataError(f"{source}, row {i}: columns {sorted(row)} differ from the first row's {sorted(columns)}")
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            ok = bool(prompt.strip())
+        else:
+            ok = isinstance(prompt, list) and len(prompt) > 0 and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt) and any(m["content"].strip() for m in prompt)
+        if not ok:
+            raise DataError(f"{source}, row {i}: 'prompt' must be a non-empty string or a list of "
+                            f"{{'role': ..., 'content': ...}} messages, got {prompt!r:.120}")
+
+
+def is_conversational(rows: list[dict]) -> bool:
+    return isinstance(rows[0]["prompt"], list)
+
+
+def extra_columns(rows: list[dict]) -> dict[str, list]:
+    """The columns passed to reward functions: everything but the prompt."""
+    return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}

@@ -1,0 +1,48 @@
+"""The order prompts are used in: shuffled passes over the training rows, a fixed number at a time."""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+
+class PromptSampler:
+    """Row indices in shuffled passes over the dataset, a fixed number at a time, forever (seeded)."""
+
+    def __init__(self, num_rows: int, prompts_per_step: int, seed: int):
+        self.num_rows, self.prompts_per_step = num_rows, prompts_per_step
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        batch = []
+        while len(batch) < self.prompts_per_step:
+            if not self.order:
+                self.order = list(range(self.num_rows))
+                self.rng.shuffle(self.order)
+                self.epoch += 1
+            batch.append(self.order.pop())
+        return batch
+
+    @property
+    def progress(self) -> float:
+        """Passes over the data done, a fraction within the current one (0.0 before the first draw)."""
+        return max(self.epoch - 1, 0) + (self.num_rows - len(self.order)) / self.num_rows if self.epoch else 0.0
+
+    def state_dict(self) -> dict:
+        """The position in the data (JSON-able), for checkpoints."""
+        return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(python_random_state(state["rng"]))
+        self.order, self.epoch = list(state["order"]), state["epoch"]
+
+
+def python_random_state(saved: list) -> tuple:
+    """A ``random.getstate()`` value back from its JSON form (lists where it had tuples)."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss

@@ -1,0 +1,27 @@
+"""Rewards: the TRL calling convention, scoring a batch, the built-ins, loading the user's own
+(``file.py:function``), the worker pool and the sandboxed code runner. Rewards know nothing of the
+trainer: they receive text, token ids and dataset columns.
+
+    convention.py  the call, its names and the checks that a function and a dataset fit it
+    scoring.py     every function on a batch; failures retried one completion at a time
+    builtin.py     answer_format, answer_correct, reasoning_format, json_format, soft_overlong_penalty, code_tests
+    loading.py     a function from its name or reference
+    answers.py     reading the answer a completion gives
+    pool.py        worker processes for slow synchronous functions
+    code.py, sandbox.py, sandbox_boot.py   running a completion's program contained
+"""
+
+from covey.rewards.builtin import (BUILTIN_REWARD_FACTORIES, BUILTIN_REWARDS, SoftOverlongPenalty, answer_correct,
+                                   answer_format, json_format, reasoning_format)
+from covey.rewards.convention import (TRAINER_REWARD_ARGS, RewardFunc, TrainerState, check_reward_columns,
+                                      check_reward_signature, required_columns, reward_context, reward_name,
+                                      without_logging)
+from covey.rewards.loading import load_reward_func, reward_reference
+from covey.rewards.pool import RewardPool
+from covey.rewards.scoring import call_reward, preflight_check, returned_values, score_completions
+
+__all__ = ["BUILTIN_REWARD_FACTORIES", "BUILTIN_REWARDS", "SoftOverlongPenalty", "answer_correct", "answer_format",
+           "json_format", "reasoning_format", "TRAINER_REWARD_ARGS", "RewardFunc", "TrainerState",
+           "check_reward_columns", "check_reward_signature", "required_columns", "reward_context", "reward_name",
+           "without_logging", "load_reward_func", "reward_reference", "RewardPool", "call_reward", "preflight_check",
+           "returned_values", "score_completions"]

@@ -1,0 +1,232 @@
+"""Worker processes for the synchronous reward functions (``reward_num_workers``).
+
+Workers are forked from the trainer's process, so they inherit the reward functions as they are:
+lambdas, closures and functions loaded from a file (registered in ``sys.modules`` under a generated
+name) all work, because no function is ever pickled; only the keyword arguments of a call and its
+scores cross the pipe. Consequences of forking, and how they are handled:
+
+* Forking happens after torch has run its CPU thread pool. The pool's threads do not exist in the
+  child, and torch's OpenMP runtime hangs in a forked child that runs a multi-threaded op; so a
+  worker first sets torch to one thread (as PyTorch's own DataLoader workers do). The worker loop
+  itself never calls torch; a reward function that does (a small CPU model) then runs without
+  hanging, and N workers do not oversubscribe the cores. CUDA cannot be used in a forked child:
+  keep GPU reward models at ``reward_num_workers: 0``.
+* CPython re-initialises its own locks in the child and glibc's allocator is fork-safe, so the
+  pure-Python worker loop cannot inherit a held lock; Python 3.12+'s warning about forking a
+  multi-threaded process is silenced for that reason.
+* State does not flow back: a reward function that counts calls or caches counts in its worker.
+
+A call that exceeds the timeout is really stopped: its worker is killed (a hung thread in the
+trainer's process could only be abandoned) and a fresh one is forked for the next call. Each worker
+closes its copies of the trainer's pipe ends, so it sees end-of-file and exits if the trainer's
+process dies without closing the pool (killed by the out-of-memory killer, say).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+import multiprocessing
+import pickle
+import signal
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
+from multiprocessing.util import Finalize
+from typing import Any, Callable, Sequence
+
+import torch
+
+from covey.errors import ConfigError, RewardError
+from covey.rewards.convention import reward_name
+
+
+class WorkerFault(Exception):
+    """A reward call that failed in a worker; ``str()`` says how, worded as for a call in the
+    trainer's process ("raised ValueError: ..."), and the worker's traceback is its cause."""
+
+    def __init__(self, description: str, worker_traceback: str = ""):
+        super().__init__(description)
+        if worker_traceback:
+            self.__cause__ = _WorkerTraceback(worker_traceback)
+
+
+class _WorkerTraceback(Exception):
+    """The traceback of an exception raised in a worker, shown in the chain of the trainer's error."""
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    conn: Connection  # the trainer's end of the pipe to this worker
+
+
+class RewardPool:
+    """``num_workers`` processes running the synchronous functions of ``reward_funcs``.
+
+        with RewardPool(reward_funcs, 4) as pool:
+            score_completions(reward_funcs, ..., pool=pool)
+
+    Workers are started on first use, replaced when one is killed or dies, and stopped by
+    ``close()`` (the pool can be used again afterwards; it then starts new workers). With
+    ``num_workers=0`` the pool runs nothing and every function stays in the trainer's process.
+    """
+
+    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1):
+        if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
+            raise ConfigError(f"reward_num_workers={num_workers} needs processes started by fork, which this "
+                              "platform lacks; set reward_num_workers: 0")
+        self.reward_funcs, self.num_workers = tuple(reward_funcs), num_workers  # fixed: the workers inherit them
+        self.group_size = group_size  # the batch is split between groups, so a call sees whole groups
+        self._workers: list[_Worker] = []
+        # a pool dropped, or left open at exit, still stops its workers (before exit waits for child processes)
+        Finalize(self, _stop, (self._workers,), exitpriority=10)
+
+    def runs(self, func: Callable) -> bool:
+        """Whether ``func`` runs in the workers: one of this pool's functions and not ``async``."""
+        return self.num_workers > 0 and not inspect.iscoroutinefunction(func) and any(f is func for f in self.reward_funcs)
+
+    def run(self, calls: list[tuple[Callable, dict]], timeout: float | None) -> list:
+        """The outcome of each (function, keyword arguments) call, in order, spread over the workers:
+        the return value, or the exception standing for the failure: a WorkerFault (the function
+        raised, returned something that cannot be sent back, or its process died) or TimeoutError
+        (the call ran over ``timeout`` seconds; its worker was killed)."""
+        outcomes: list[Any] = [None] * len(calls)
+        waiting = collections.deque(enumerate(calls))
+        busy: dict[Connection, tuple[_Worker, int, float]] = {}  # per worker: call index, deadline
+        try:
+            while waiting or busy:
+                self._start_missing()
+                for worker in list(self._workers):  # a worker found dead is dropped from the list
+                    if waiting and worker.conn not in busy:
+                        i, (func, kwargs) = waiting.popleft()
+                        if self._send(worker, func, kwargs):
+                            busy[worker.conn] = (worker, i, time.monotonic() + (timeout or math.inf))
+                        else:
+                            outcomes[i] = self._lost(worker)
+                if not busy:
+                    continue
+                deadline = min(d for _, _, d in busy.values())
+                for conn in wait(list(busy), None if deadline == math.inf else max(0.0, deadline - time.monotonic())):
+                    worker, i, _ = busy.pop(conn)
+                    outcomes[i] = self._receive(worker)
+                for conn, (worker, i, deadline) in list(busy.items()):
+                    if time.monotonic() >= deadline:
+                        del busy[conn]
+                        self._discard(worker)
+                        outcomes[i] = TimeoutError(f"no answer within {timeout}s; its worker process was killed")
+        finally:  # interrupted: a busy worker's late reply would answer the wrong call
+            for worker, _, _ in busy.values():
+                self._discard(worker)
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the workers; one that does not stop within a second is killed."""
+        _stop(self._workers)
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- workers --------------------------------------------------------------------------------
+
+    def _start_missing(self) -> None:
+        context = multiprocessing.get_context("fork")
+        while len(self._workers) < self.num_workers:
+            mine, theirs = context.Pipe()
+            inherited = [w.conn for w in self._workers] + [mine]
+            # not daemonic: a reward function may start processes of its own (daemons may not)
+            process = context.Process(target=_serve, args=(self.reward_funcs, theirs, inherited),
+                                      name="covey-reward-worker")
+            with warnings.catch_warnings():  # see the module docstring: the child never takes those threads' locks
+                warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+                process.start()
+            theirs.close()  # only the worker holds its end: its death reads as end-of-file here
+            self._workers.append(_Worker(process, mine))
+
+    def _send(self, worker: _Worker, func: Callable, kwargs: dict) -> bool:
+        """Hand a call to an idle worker; False if the worker is gone."""
+        index = next(j for j, f in enumerate(self.reward_funcs) if f is func)
+        try:
+            payload = ForkingPickler.dumps((index, kwargs))
+        except Exception as e:  # pickling fails in many ways; all mean "this column cannot travel"
+            raise RewardError(f"the batch for reward function {reward_name(func)!r} cannot be sent to "
+                              f"a worker process ({type(e).__name__}: {e}); a dataset column holds values that do "
+                              "not pickle: convert them, or set reward_num_workers: 0") from e
+        try:
+            worker.conn.send_bytes(payload)
+        except OSError:
+            return False
+        return True
+
+    def _receive(self, worker: _Worker) -> Any:
+        try:
+            reply = worker.conn.recv()
+        except (EOFError, OSError):
+            return self._lost(worker)
+        return reply[1] if reply[0] == "ok" else WorkerFault(reply[1], reply[2])
+
+    def _lost(self, worker: _Worker) -> WorkerFault:
+        """The fault of a call whose worker process died under it."""
+        worker.process.join(1)
+        self._discard(worker)
+        code = worker.process.exitcode
+        how = f"signal {-code}: {signal.strsignal(-code)}" if code is not None and code < 0 else f"exit code {code}"
+        return WorkerFault(f"ended its worker process ({how})")
+
+    def _discard(self, worker: _Worker) -> None:
+        _kill(worker)
+        self._workers.remove(worker)
+
+
+def _stop(workers: list[_Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except OSError:
+            pass
+    for worker in workers:
+        worker.process.join(1)
+        _kill(worker)
+    workers.clear()
+
+
+def _kill(worker: _Worker) -> None:
+    if worker.process.is_alive():
+        worker.process.kill()
+        worker.process.join()
+    worker.conn.close()
+
+
+def _serve(reward_funcs: Sequence[Callable], conn: Connection, inherited: list[Connection]) -> None:
+    """A worker's loop: answer (function index, keyword arguments) calls until told to stop."""
+    for other in inherited:  # the trainer's pipe ends, copied by the fork
+        other.close()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # meant for the trainer, which then closes the pool
+        signal.signal(signum, signal.SIG_IGN)
+    torch.set_num_threads(1)  # see the module docstring
+    try:
+        while (call := conn.recv()) is not None:
+            conn.send(_answer(reward_funcs[call[0]], call[1]))
+    except (EOFError, OSError):  # the trainer's process is gone
+        pass
+
+
+def _answer(func: Callable, kwargs: dict) -> tuple:
+    """("ok", value), or ("fault", description, traceback) for a raise or a value that does not pickle."""
+    try:
+        value = func(**kwargs)
+    except Exception as e:  # the user's code: any exception is a reward fault, judged by the trainer
+        return "fault", f"raised {type(e).__name__}: {e}", traceback.format_exc()
+    try:
+        pickle.dumps(value)
+    except Exception as e:  # as above: many exception types, one meaning
+        return "fault", f"returned a {type(value).__name__} that cannot be sent back from its worker process ({e})", ""
+    return "ok", value

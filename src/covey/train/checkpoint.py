@@ -1,0 +1,329 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+A checkpoint is a folder ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
+
+    model/                  the policy (Hugging Face folder, or the LoRA adapter), safetensors
+    optimizer.safetensors   AdamW's tensors; optimizer.json the rest of its state
+    reference.safetensors   the reference model, only when sync_ref_model moves it
+    rng.safetensors         the torch RNG states; state.json the python / numpy RNG states, the
+                            scheduler, the data position, the step counters and the metric history
+    rng-<n>.safetensors     the RNG states of process n (with rng-<n>.json) of a run of several
+
+It is written into a hidden temporary folder, flushed to disk, then renamed into place, so a crash
+or a full disk never leaves a half-written ``checkpoint-<step>`` behind and never harms the
+previous one. No file is a pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from covey.data.sampler import python_random_state
+from covey.errors import CheckpointError, ConfigError
+from covey.models import is_peft_model
+from covey.train.distributed import sharded_part
+
+CHECKPOINTS = "checkpoints"
+PREFIX = "checkpoint-"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / "state.json").is_file()]
+    return sorted(found, key=step_of)
+
+
+def step_of(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint folder was written at, from its name."""
+    return int(checkpoint.name[len(PREFIX):])
+
+
+def saved_step(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint folder was written at, from its state (whatever the folder's name)."""
+    return int(json.loads((checkpoint / "state.json").read_text())["step"])
+
+
+def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
+    """The checkpoint folder named by ``resume_from_checkpoint``: 'auto' or a path."""
+    if spec == "auto":
+        if output_dir is None:
+            raise ConfigError("resume_from_checkpoint: auto needs output_dir, the run folder to continue")
+        found = checkpoint_dirs(Path(output_dir))
+        if not found:
+            raise ConfigError(f"resume_from_checkpoint: auto found no checkpoint in {Path(output_dir) / CHECKPOINTS}; "
+                              "was save_steps 0, or did the run stop before its first save?")
+        return found[-1].resolve()
+    path = Path(spec).resolve()
+    if not (path / "state.json").is_file():
+        raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint folder (it has no state.json); "
+                          f"give a {CHECKPOINTS}/{PREFIX}<step> folder of a run, or 'auto'")
+    return path
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any],
+                    state: dict[str, Any], reference: torch.nn.Module | None = None,
+                    total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = ()) -> Path:
+    """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
+    ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes);
+    ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history);
+    ``tokenizer``, saved beside the model, makes its folder a model that loads on its own;
+    ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
+    folder = Path(run_dir) / CHECKPOINTS
+    final = folder / f"{PREFIX}{step}"
+    try:
+        with written_whole(final, f"{PREFIX}*") as tmp:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "model")
+            tensors, rest = _split_optimizer_state(optimizer_state)
+            save_file(tensors, tmp / "optimizer.safetensors")
+            _write_json(tmp / "optimizer.json", rest)
+            if reference is not None:
+                save_model(reference, str(tmp / "reference.safetensors"))
+            torch_states, other_states = rng_states()
+            save_file(torch_states, tmp / "rng.safetensors")
+            _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
+            for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
+                save_file(torch_states, tmp / f"rng-{process}.safetensors")
+                _write_json(tmp / f"rng-{process}.json", other_states)
+    except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
+        previous = [p.name for p in checkpoint_dirs(run_dir)]
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {final}: "
+                              f"{getattr(e, 'strerror', None) or e} ({type(e).__name__}); {kept}. Free disk space or "
+                              "fix the folder's permissions, then resume with --resume-from-checkpoint auto") from e
+    if total_limit is not None:
+        others = [p for p in checkpoint_dirs(run_dir) if p != final]  # the one just written always stays
+        for older in others[: max(0, len(others) + 1 - total_limit)]:
+            shutil.rmtree(older, ignore_errors=True)
+    return final
+
+
+
+@contextlib.contextmanager
+def written_whole(final: Path, kind: str) -> Iterator[Path]:
+    """A folder written in full or not at all. Yields a hidden empty folder beside ``final`` to write
+    into; when the block succeeds it is flushed to disk and renamed to ``final``. A ``final`` already
+    there (the same step saved again) is moved aside until the new one is in place, so that a crash
+    at any moment leaves one of the two whole. On an error the partial folder is deleted and ``final``
+    stays as it was. ``kind``: a glob of the names whose leftovers (of a writer killed midway) are
+    cleared first, or put back where they are the only copy."""
+    parent = final.parent
+    tmp, old = parent / f".tmp-{final.name}-{os.getpid()}", parent / f".old-{final.name}-{os.getpid()}"
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".tmp-{kind}"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in parent.glob(f".old-{kind}"):
+        whole = parent / stale.name[len(".old-"):].rsplit("-", 1)[0]
+        if whole.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.rename(whole)
+    try:
+        tmp.mkdir()
+        yield tmp
+        _modes_as_umask_gives(tmp)
+        _fsync_tree(tmp)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the new folder is in place: a failed flush of its name is no failed write
+        _fsync_dir(parent)
+
+
+def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors of the optimizer state (for safetensors) and everything else (for JSON)."""
+    tensors, rest = {}, {"param_groups": state_dict["param_groups"], "state": {}}
+    for index, param_state in state_dict["state"].items():
+        rest["state"][str(index)] = {}
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach().contiguous()
+            else:
+                rest["state"][str(index)][key] = value
+    return tensors, rest
+
+
+def rng_states() -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's torch (and CUDA) RNG states, and its python and numpy ones (JSON-able)."""
+    import numpy as np
+
+    torch_states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            torch_states[f"cuda.{i}"] = s
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return torch_states, {"python": random.getstate(),  # JSON writes its tuples as lists
+                          "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+
+
+def _modes_as_umask_gives(root: Path) -> None:
+    """Give the safetensors files under ``root`` the mode an ordinary new file gets (0o666 less the
+    umask): safetensors writes them 0o600, unreadable to the other users a model is shared with."""
+    mask = _umask()
+    for path in root.rglob("*.safetensors"):
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where the system says it (Linux)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o077)  # elsewhere: set and put back at once, the strictest value meanwhile
+    os.umask(mask)
+    return mask
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(path)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+# optimizer settings a resumed run takes from its own config rather than from the checkpoint
+RUN_OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay", "fused", "foreach")
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    reference: torch.nn.Module | None = None, process: int = 0) -> dict[str, Any]:
+    """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state.
+    ``process``: the RNGs are that process's where the checkpoint has them (else the first one's)."""
+    _load_model(path / "model", model)
+    share = sharded_part(optimizer)
+    # a process that holds a part of the optimizer state reads that part only: reading the whole file in
+    # each process would hold every process's state in each, at once
+    held = None if share is None else _indices_held(optimizer, share)
+    tensors = _read_tensors(path / "optimizer.safetensors", lambda index: held is None or index in held)
+    rest = json.loads((path / "optimizer.json").read_text())
+    state = {}
+    for index, plain in rest["state"].items():
+        if held is None or int(index) in held:
+            state[int(index)] = dict(plain)
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    # the update's settings (betas, eps, weight decay) are this run's config, as is which kernel runs it
+    # (by device): given before loading, so that the state is placed for that kernel (the fused one keeps
+    # its step counts on the device)
+    groups = [{**saved, **{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS}}
+              for saved, group in zip(rest["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if share is not None:
+        optimizer.state.clear()  # a copy of the whole state beside the parts, which the update never reads
+        # its part as a plain optimizer loads it: the moments in the parameter's dtype, and the fused
+        # kernel's step counts beside the parameters (torch's sharded loader leaves them on the CPU)
+        for param, param_state in share.state.items():
+            for key, value in param_state.items():
+                if key == "step" and share.defaults.get("fused"):
+                    param_state[key] = value.to(param.device, torch.float32)
+                elif key != "step" and value.is_floating_point() and param.is_floating_point():
+                    param_state[key] = value.to(param.dtype)
+    if reference is not None and (path / "reference.safetensors").is_file():
+        load_model(reference, str(path / "reference.safetensors"))
+    trainer_state = json.loads((path / "state.json").read_text())
+    first_process_rng = trainer_state.pop("rng")
+    if process and (path / f"rng-{process}.safetensors").is_file():
+        _restore_rng(load_file(path / f"rng-{process}.safetensors"), json.loads((path / f"rng-{process}.json").read_text()))
+    else:
+        _restore_rng(load_file(path / "rng.safetensors"), first_process_rng)
+        if process:  # written by fewer processes: streams of its own, drawn from the first process's
+            _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
+    return trainer_state
+
+
+def _indices_held(optimizer: torch.optim.Optimizer, share: torch.optim.Optimizer) -> set[int]:
+    """The indices (in the whole optimizer's state_dict) of the parameters whose state ``share`` holds."""
+    mine = {id(p) for group in share.param_groups for p in group["params"]}
+    return {i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]) if id(p) in mine}
+
+
+def _read_tensors(file: Path, wanted: Callable[[int], bool]) -> dict[str, torch.Tensor]:
+    """The optimizer tensors (named ``<index>.<name>``) of ``file`` whose parameter index is ``wanted``,
+    read one by one: the others are never read."""
+    with safe_open(str(file), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys() if wanted(int(key.split(".", 1)[0]))}
+
+
+def _load_model(folder: Path, model: torch.nn.Module) -> None:
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if missing:
+            raise CheckpointError(f"{folder}: the adapter lacks {len(missing)} LoRA weights (first: {missing[0]}); "
+                                  "was it saved with different lora_r / lora_target_modules?")
+        return
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded = {t.data_ptr() for name, t in model.state_dict().items() if name in state}
+    untied = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise CheckpointError(f"{folder} does not match the model of this run (missing {untied[:3]}, unexpected "
+                              f"{unexpected[:3]}); resume with the same model as the run that saved it")
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+
+    torch.manual_seed(seed)  # and every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+
+
+def _restore_rng(torch_states: dict[str, torch.Tensor], other: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(torch_states["torch"])
+    cuda = [torch_states[f"cuda.{i}"] for i in range(sum(k.startswith("cuda.") for k in torch_states))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python_random_state(other["python"]))
+    kind, keys, pos, has_gauss, cached = other["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,71 @@
+"""The metrics of an optimizer step, under TRL's names, and their mean over a logging interval."""
+
+from __future__ import annotations
+
+import math
+
+from covey import core
+from covey.train.batch import ScoredBatch, Update
+
+# metrics that are a state or a running count: the last value of a logging interval, not its mean
+LAST_OF_INTERVAL = ("learning_rate", "bad_steps", "rewards/errors")
+
+
+def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], reward_weights_F,
+                 reward_metrics: dict[str, list[float]], dynamic_sampling: dict[str, float], reward_errors: int,
+                 with_kl: bool) -> dict[str, float]:
+    """TRL's metric names for ``update``, computed over its generation batch (of every process) and the
+    step's loss statistics; ``tokens_per_second``: the batch's completion tokens per second of its round
+    so far (its generation and the optimizer steps on it up to this one)."""
+    samples, stats = batch.samples, update.totals
+    lengths_B = samples.sequences.completion_mask_BT.sum(1).float()
+    tokens = max(stats["tokens"], 1.0)
+    rewards_B = core.weighted_reward_sum(samples.rewards_BF, reward_weights_F)
+    metrics = {
+        "reward": float(rewards_B.nanmean()),
+        "reward_std": float(core.nanstd(rewards_B)),  # NaN (logged as null) where no reward is defined
+        "frac_reward_zero_std": float(batch.zero_std_N.float().mean()),
+    }
+    for j, name in enumerate(reward_names):
+        column = samples.rewards_BF[:, j]
+        metrics[f"rewards/{name}/mean"] = float(column.nanmean())
+        metrics[f"rewards/{name}/std"] = float(core.nanstd(column))
+    metrics.update({name: sum(values) / len(values) for name, values in reward_metrics.items()})
+    if with_kl:
+        metrics["kl"] = stats["kl_sum"] / tokens
+    if "engine_counted" in stats:
+        n = max(stats["engine_counted"], 1.0)
+        metrics["engine_is/mean_weight"] = stats["engine_weight_sum"] / n
+        metrics["engine_is/masked_fraction"] = stats["engine_masked"] / n
+    metrics.update({
+        "loss": stats["loss"],
+        "policy_loss": stats["policy_loss"],
+        "entropy": stats["entropy_sum"] / tokens,
+        "clip_ratio/low_mean": stats["clip_low_sum"] / tokens,
+        "clip_ratio/high_mean": stats["clip_high_sum"] / tokens,
+        "clip_ratio/region_mean": (stats["clip_low_sum"] + stats["clip_high_sum"]) / tokens,
+        "completions/mean_length": float(lengths_B.mean()),
+        "completions/min_length": float(lengths_B.min()),
+        "completions/max_length": float(lengths_B.max()),
+        "completions/clipped_ratio": sum(r == "length" for r in samples.finish_reasons) / samples.size,
+        "learning_rate": update.learning_rate,
+        "grad_norm": update.grad_norm,
+        "bad_steps": float(update.bad_steps),
+        "rewards/errors": float(reward_errors),
+        "step_time": update.step_time,
+        **update.timings,
+        **dynamic_sampling,
+        "tokens_per_second": float(lengths_B.sum()) / update.round_time,
+    })
+    return metrics
+
+
+def interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of the steps since the last logged one, as TRL logs them: each the mean of its
+    finite values over those steps (NaN where it had none), but state and counts as of the last."""
+    merged = {}
+    for key in dict.fromkeys(k for step in steps for k in step):
+        values = [step[key] for step in steps if key in step]
+        finite = [v for v in values if math.isfinite(v)]
+        merged[key] = values[-1] if key in LAST_OF_INTERVAL else sum(finite) / len(finite) if finite else math.nan
+    return merged

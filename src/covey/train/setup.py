@@ -1,0 +1,246 @@
+"""What a run is built from its config: the reward functions, the training and held-out rows, the
+prompts' token ids, the policy, its optimizer and learning-rate schedule, the rollout engine and the
+settings of each stage. Each is a function of the config (and what the user handed over), so the
+trainer, ``covey eval``, ``covey server`` and ``covey verify`` build the same things the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from covey import core
+from covey.config import GRPOConfig
+from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
+from covey.data.text import encode_prompts
+from covey.errors import ConfigError, DataError
+from covey.models import (adapted_shared_matrix, add_lora, disable_dropout, eos_token_ids, is_peft_model, load_policy,
+                          load_tokenizer, merged_model, resolve_model_path)
+from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, preflight_check, reward_name
+from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, VLLMEngine, make_engine
+from covey.rollout.server import Backend, FastBackend
+from covey.train.distributed import World
+
+# ---- rewards and data -----------------------------------------------------------------------------
+
+
+def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
+    """Keyword arguments of the built-in rewards that take settings, from the config."""
+    overlong_max = args.overlong_max_length or args.max_completion_length
+    return {"soft_overlong_penalty": {"max_length": overlong_max,
+                                      "cache_length": args.overlong_cache_length or max(1, overlong_max // 4)},
+            "code_tests": {"timeout": args.code_timeout, "memory_limit_mb": args.code_memory_limit_mb}}
+
+
+def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | None = None
+                 ) -> tuple[list[RewardFunc], list[float]]:
+    """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0)."""
+    funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+    names = [reward_name(f) for f in funcs]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ConfigError(f"two reward functions are both named {repeated[0]!r}: their metrics and recorded rewards "
+                          "would overwrite each other; give each its own name (a def of its own, or set __name__)")
+    weights = args.reward_weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions; "
+                          "give one weight per function")
+    return funcs, weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The rows a run trains and evaluates on, checked against what its reward functions need."""
+
+    source: str  # the dataset's name as the user gave it, or "an in-memory dataset"
+    train: list[dict]
+    heldout: list[dict] | None  # None: no before/after evaluation
+
+
+def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, reward_funcs: list[RewardFunc],
+                  processes: int) -> Rows:
+    """The training and held-out rows, checked against the reward functions, which are also called once
+    on placeholder completions (``preflight_check``) before any model loads."""
+    dataset = train_dataset if train_dataset is not None else args.dataset
+    source = dataset if isinstance(dataset, str) else "an in-memory dataset"
+    train = load_rows(dataset, split=args.dataset_split)
+    check_reward_columns(train, reward_funcs, source)
+    # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
+    steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
+    preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], extra_columns(train[:2]), steps)
+    heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
+                           args.eval_max_samples, args.eval_split)
+    if heldout and (shared := shared_prompts(train, heldout)):
+        warnings.warn(f"{shared} of the {len(heldout)} held-out prompts are training prompts too, so the "
+                      "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
+                      "not train on", stacklevel=3)
+    if heldout:
+        check_reward_columns(heldout, reward_funcs, "eval_dataset")
+    return Rows(source, train, heldout)
+
+
+def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], source: str
+                            ) -> tuple[list[dict], list[list[int]], int]:
+    """(the rows kept, their prompts' token ids, how many were over max_prompt_length): rows over it
+    follow prompt_overflow."""
+    overflowed: list[int] = []
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_length, source,
+                                args.prompt_overflow, overflowed)
+    kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
+    if not kept:
+        raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
+    if overflowed:
+        action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
+        warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
+                      f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=3)
+    return [rows[i] for i in kept], [prompt_ids[i] for i in kept], len(overflowed)
+
+
+# ---- the policy and its optimizer -----------------------------------------------------------------
+
+
+def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Module:
+    """The model to train: loaded if given by name, wrapped in LoRA when asked."""
+    policy = model if isinstance(model, torch.nn.Module) else load_policy(model or args.model, args.trust_remote_code)
+    if (args.use_peft or peft_config is not None) and not is_peft_model(policy):
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            policy = get_peft_model(policy, peft_config)
+        else:
+            policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    if shared := adapted_shared_matrix(policy):
+        warnings.warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
+                      "share: the adapter trains and saves exactly, and covey export gives a model with the two "
+                      "untied, but peft's merge_and_unload changes both, and vLLM or a covey server (which hold "
+                      f"them tied) cannot sample with it; leave {shared.rpartition('.')[2]} out of "
+                      "lora_target_modules to avoid both", stacklevel=3)
+    if args.disable_dropout:
+        disable_dropout(policy)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    return policy
+
+
+def make_optimizer(args: GRPOConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; under shard_optimizer_state with several processes, each
+    process keeps the state of (and updates) a share of them, and sends its updated share to the others."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # the fused kernel updates each tensor in one pass over its memory (the same numbers, a quarter of the time)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trainable)
+    settings = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                    weight_decay=args.weight_decay, fused=fused or None)
+    if args.shard_optimizer_state and world.size > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if len(kinds := {(p.dtype, p.device) for p in trainable}) > 1:
+            raise ConfigError(f"shard_optimizer_state needs every trained parameter in one dtype on one device; "
+                              f"this model's are {sorted(map(str, kinds))}: cast the model to one dtype, or turn "
+                              "shard_optimizer_state off")
+        return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, **settings)
+    return torch.optim.AdamW(trainable, **settings)
+
+
+def lr_schedule(args: GRPOConfig) -> Callable[[int], float]:
+    """The learning rate's factor at each optimizer step: linear warmup (warmup_steps or warmup_ratio),
+    then the chosen decay."""
+    warmup = args.warmup_optimizer_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, args.max_steps - warmup)
+        return {"constant": 1.0, "linear": 1.0 - progress,
+                "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[args.lr_scheduler_type]
+
+    return factor
+
+
+# ---- the settings of the stages ---------------------------------------------------------------------
+
+
+def sampling_params(args: GRPOConfig) -> SamplingParams:
+    """How the training rounds sample."""
+    return SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p or 0.0,
+                          args.repetition_penalty, tuple(args.stop_strings or ()))
+
+
+def loss_settings(args: GRPOConfig) -> core.LossSettings:
+    return core.LossSettings(
+        loss_type=args.loss_type, epsilon_low=args.epsilon,
+        epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
+        clip_ratio_c=args.clip_ratio_c, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
+        kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
+        top_entropy_quantile=args.top_entropy_quantile)
+
+
+def engine_correction(args: GRPOConfig) -> core.EngineCorrection | None:
+    """The engine/trainer importance-sampling correction for engines whose log-probs are not exact
+    (None where the config turns it off)."""
+    if not args.vllm_importance_sampling_correction:
+        return None
+    return core.EngineCorrection.from_mode(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
+                                           args.vllm_importance_sampling_clip_min)
+
+
+def engine_name(args: GRPOConfig) -> str:
+    """The key of ``covey.rollout.ENGINES`` the config asks for."""
+    if args.rollout_engine == "vllm" and args.vllm_mode == "server":
+        return "server"
+    return args.rollout_engine
+
+
+def engine_settings(args: GRPOConfig, device: torch.device) -> EngineSettings:
+    """What the engines are built with, for a policy on ``device``."""
+    return EngineSettings(bf16=args.sample_in_bf16(device), dtype="bfloat16" if args.bf16 else "float32",
+                          seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
+                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                          trust_remote_code=args.trust_remote_code, server_host=args.vllm_server_host,
+                          server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout)
+
+
+def build_engine(args: GRPOConfig, policy: torch.nn.Module, tokenizer: Any, eos_ids: list[int]) -> RolloutEngine:
+    """The rollout engine the config asks for, over ``policy``."""
+    settings = engine_settings(args, next(policy.parameters()).device)
+    return make_engine(engine_name(args), settings, policy, tokenizer, eos_ids)
+
+
+def server_backend(args: GRPOConfig, name: str) -> Backend:
+    """The backend ``covey server`` hosts for a run's config: vLLM, or the fast engine."""
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    if name == "vllm":
+        from transformers import GenerationConfig
+
+        path = resolve_model_path(args.model)
+        args.check_vllm_seed()
+        if (Path(path) / "adapter_config.json").is_file():
+            raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
+                              "the adapter's base model as `model` (the trainer pushes the merged weights)")
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # a folder without generation_config.json: the tokenizer's EOS alone
+            generation_config = None
+        # no transformers model is loaded here: the EOS ids come from the folder's generation config
+        eos = eos_token_ids(SimpleNamespace(generation_config=generation_config), tokenizer)
+        return VLLMEngine(engine_settings(args, torch.device("cuda")), tokenizer.pad_token_id, eos, model_path=path)
+    if name == "fast":
+        # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
+        model = merged_model(load_policy(args.model, args.trust_remote_code))
+        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
+                           args.sample_in_bf16(next(model.parameters()).device))
+    raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
+
+
+def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
+    """``args`` for sampling and scoring one batch of ``num_prompts`` prompts without training: nothing
+    is written (no run folder unless train() runs, no evaluation). A length in epochs becomes one step."""
+    if args.max_steps == -1:
+        changes = {"max_steps": 1, "num_train_epochs": None, **changes}
+    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
+                               gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
+                               steps_per_generation=None, **changes)
+

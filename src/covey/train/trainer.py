@@ -1,0 +1,411 @@
+"""The GRPO trainer: set-up, the loop of steps, checkpoints and what a run writes.
+
+Each step is ``covey.train.step.grpo_step``: generate, score, advantages, log-probs, loss,
+optimizer step. The trainer builds its parts once (``StepParts``), keeps where the run stands
+(``Progress``) between steps, logs what each step returns, checkpoints between steps and writes
+the run folder. Under several processes (``covey.train.distributed``) the first records the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import yaml
+
+from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
+from covey.data import PromptSampler
+from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
+from covey.models import Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer
+from covey.models import tokenizer_as_loaded
+from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
+from covey.rollout import RolloutEngine
+from covey.rollout.vllm_engine import check_vllm_installed
+from covey.telemetry.runlog import RunLog, latest_run_config, write_json
+from covey.telemetry.tables import accuracy_change, model_card, percent, print_summary
+from covey.telemetry.trackers import check_trackers, make_trackers
+from covey.train import setup
+from covey.train.batch import Progress, ScoredBatch, StepResult
+from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step,
+                                    written_whole)
+from covey.train.distributed import World, sharded_part
+from covey.train.evaluation import evaluate, merge_evaluations
+from covey.train.metrics import interval_mean, step_metrics
+from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
+from covey.train.step import Prompts, Rewards, StepParts, grpo_step, push_shared_policy
+
+# hyperparameters the model card lists, as the run used them
+MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
+                     "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
+
+
+class GRPOTrainer:
+    """Train ``model`` with GRPO on ``train_dataset`` scored by ``reward_funcs``.
+
+        trainer = GRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=[my_reward],
+                              args=GRPOConfig(max_steps=50), train_dataset=rows)
+        trainer.train()
+
+    ``model``: hub id, folder or loaded model (default: ``args.model``). ``reward_funcs``: callables or
+    names (default: ``args.reward_funcs``). ``train_dataset``: rows, a ``datasets.Dataset`` or a dataset
+    spec (default: ``args.dataset``). Everything is checked before any model is loaded.
+    """
+
+    def __init__(self, model: Any = None, reward_funcs: Sequence[RewardFunc | str] | RewardFunc | None = None,
+                 args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, peft_config: Any = None, rollout_engine: RolloutEngine | None = None,
+                 quiet: bool = False):
+        self.args = args = args or GRPOConfig()
+        if ((processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm"
+                and args.vllm_mode == "colocate"):
+            raise ConfigError(f"rollout_engine: vllm with vllm_mode: colocate runs in a single process, and this run "
+                              f"has {processes} (WORLD_SIZE); with several processes use vllm_mode: server (one "
+                              "`covey server` for all of them) or rollout_engine: fast, or train in one process")
+        self.world = World.from_environment()
+        if callable(reward_funcs) or isinstance(reward_funcs, str):
+            reward_funcs = [reward_funcs]
+        funcs, weights = setup.load_rewards(args, reward_funcs)
+        self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config)
+        rewards = Rewards(funcs, weights, RewardPool(funcs, args.reward_num_workers, args.num_generations))
+        rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size)
+        self.dataset_name, self.eval_rows = rows.source, rows.heldout
+        check_trackers(args.report_to)
+        if rollout_engine is None and setup.engine_name(args) == "vllm":
+            check_vllm_installed()
+        if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+            raise ConfigError(SYNC_WITH_LORA)
+        self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+                            if args.resume_from_checkpoint else None)
+        if args.max_steps != -1:
+            self._check_resumed_step()
+        self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
+        torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
+
+        if processing_class is not None:
+            self.tokenizer = processing_class
+            prepare_tokenizer(self.tokenizer)
+        else:
+            source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+            self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
+        train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
+            args, self.tokenizer, rows.train, rows.source)
+        if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
+            self.args = args = dataclasses.replace(
+                args, max_steps=args.steps_for_epochs(len(train_rows), self.world.size), num_train_epochs=None)
+            self._check_resumed_step()
+
+        self.model = setup.build_policy(args, model, peft_config)
+        self.world.check_device(next(self.model.parameters()).device)
+        self.world.broadcast_parameters(self.model)
+        if args.sync_ref_model and is_peft_model(self.model):  # a folder that held a LoRA adapter
+            raise ConfigError(SYNC_WITH_LORA)
+        if model is None or isinstance(model, str):
+            self.model_name = model or args.model
+        else:
+            self.model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
+        self.reference = Reference(self.model) if args.beta > 0 else None
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.engine = rollout_engine or setup.build_engine(args, self.model, self.tokenizer, self.eos_ids)
+        self.optimizer = setup.make_optimizer(args, self.model, self.world)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, setup.lr_schedule(args))
+        # the prompts of every process, drawn together; each takes its share (World.share)
+        self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
+        self.parts = StepParts(args, self.world, self.model, self.reference, self.engine, self.tokenizer,
+                               Prompts(train_rows, prompt_ids), rewards, self.optimizer, self.scheduler,
+                               setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args))
+        self.quiet = quiet or not self.world.is_main
+        self.progress = Progress()
+        self.before: dict | None = None  # the evaluation before training
+        self.history: list[dict] = []  # logged metrics, restored on resume
+        self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
+        self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this step
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.progress.global_step
+
+    def _check_resumed_step(self) -> None:
+        if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > self.args.max_steps:
+            raise ConfigError(f"{self.resume_from} is at step {resumed_at}, beyond max_steps="
+                              f"{self.args.max_steps}: raise max_steps to continue the run, or resume from an earlier "
+                              "checkpoint")
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Run max_steps optimizer steps; returns the summary that is also written to summary.json."""
+        args = self.args
+        if args.keep_freed_memory:
+            keep_freed_memory()
+        self.run_dir = self.world.on_main(self._open_run_dir)
+        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
+                                 first_step=self.global_step + 1) if self.world.is_main else []
+        with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
+                                              record=self.world.is_main) as log,
+              self._stop_on_signals(log)):
+            if self.resume_from is not None:
+                log.resume(self.history, self.global_step)
+                log.info(f"resumed from {self.resume_from} at step {self.global_step}")
+            elif self.eval_rows:
+                self.before = self.evaluate()
+                log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
+                         f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
+            while self.global_step < args.max_steps:
+                first_step = self.global_step
+                result = grpo_step(self.parts, self.sampler, self.progress)
+                self.progress = result.progress
+                whole = self._log_step(log, result)
+                self._end_step(log, first_step, whole.records() if whole is not None else [])
+            final = self._save_final_model()  # before anything else can fail
+            after = self.evaluate() if self.eval_rows else None
+        summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
+        if not self.quiet:
+            print_summary(log.console, self.before, after, self.run_dir)
+        return summary
+
+    def _open_run_dir(self) -> Path:
+        """The run folder, taken for this run (or reopened to resume it), with the run's config saved."""
+        if self.resume_from is None:
+            self.run_dir = claim_run_dir(self.run_dir, self.args)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._save_config()
+        return self.run_dir
+
+    def _log_step(self, log: RunLog, result: StepResult) -> ScoredBatch | None:
+        """The metrics of each of the step's optimizer steps, over the batch of every process (gathered on
+        the first, which returns it; None on the others), logged as logging_steps says. A step that ended
+        on too many skipped optimizer steps in a row stops the run, once its metrics are written."""
+        args = self.args
+        merged = self._merged_on_main(result)
+        for update in result.updates:
+            if merged is not None:
+                whole, reward_metrics, dynamic_sampling = merged
+                self.unlogged_metrics.append(step_metrics(
+                    whole, update, self.parts.rewards.names, self.parts.rewards.weights_F, reward_metrics,
+                    dynamic_sampling, result.progress.reward_errors, args.beta > 0))
+            if update.step % args.logging_steps == 0 or update.step == args.max_steps:
+                log.log_metrics(update.step, interval_mean(self.unlogged_metrics))
+                self.unlogged_metrics = []
+        self.history = log.history
+        if (bad := result.progress.consecutive_bad_steps) >= args.max_consecutive_bad_steps:
+            raise NumericsError(f"{bad} steps in a row had NaN/inf gradients (step {result.progress.global_step}); "
+                                "lower the learning rate, check the rewards for NaN/inf, or try bf16: false")
+        return None if merged is None else merged[0]
+
+    def _merged_on_main(self, result: StepResult) -> tuple[ScoredBatch, dict, dict] | None:
+        """The step's batch of every process in rank order, what their reward functions logged and their
+        dynamic-sampling counts, on the first process (None on the others)."""
+        parts = self.world.gather_on_main((result.batch, result.reward_metrics, result.dynamic_sampling))
+        if parts is None:
+            return None
+        reward_metrics: dict[str, list[float]] = {}
+        for _, logged, _ in parts:
+            for name, values in logged.items():
+                reward_metrics.setdefault(name, []).extend(values)
+        dynamic_sampling = {  # every process runs the same number of extra rounds
+            key: (max if key == "dynamic_sampling/extra_rounds" else sum)(counts[key] for _, _, counts in parts)
+            for key in result.dynamic_sampling}
+        return ScoredBatch.concat([batch for batch, _, _ in parts], self.tokenizer.pad_token_id), reward_metrics, \
+            dynamic_sampling
+
+    def _end_step(self, log: RunLog, first_step: int, records: list[dict]) -> None:
+        """After a step's optimizer steps: record its completions when due, then checkpoint when due or
+        asked to stop. Checkpoints fall between steps, where the state is small and complete."""
+        args, step = self.args, self.global_step
+        if args.log_completions and (first_step == 0 or step == args.max_steps
+                                     or _crossed(first_step, step, args.log_completions_steps)):
+            log.log_completions(step, records, args.num_completions_to_print)
+        # a signal to any process stops them all; one in the last step: just finish
+        stop_signal = next((s for s in self.world.gather(self.stop_signal) if s is not None), None)
+        stopping = stop_signal is not None and step < args.max_steps
+        if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
+            return
+        path = self._checkpoint_every_process()
+        log.info(f"checkpoint saved: {path}")
+        if stopping:
+            raise TrainingInterrupted(
+                f"stopped by {signal.Signals(stop_signal).name} at step {step}; checkpoint saved in {path}. "
+                f"Continue with: covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto",
+                stop_signal)
+
+    def evaluate(self, rows: list[dict] | None = None) -> dict:
+        """Greedy accuracy and mean reward on held-out rows (default: the configured eval split)."""
+        rows = rows if rows is not None else self.eval_rows
+        if not rows:
+            raise ConfigError("no held-out data to evaluate on: set eval_dataset")
+        push_shared_policy(self.parts)
+        rewards = self.parts.rewards
+        state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
+        # every process evaluates its share of the rows
+        parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs,
+                                           rewards.weights, self.args, rewards.pool, reward_context(state)))
+        return merge_evaluations(parts)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def _checkpoint_every_process(self) -> Path:
+        """A checkpoint, written by the first process with what the others send it: their random states
+        (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
+        sharded = sharded_part(self.optimizer) is not None
+        optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
+        process_rngs = self.world.gather(rng_states())
+        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
+
+    def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None) -> Path:
+        """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
+        ``other_processes_rng``: the random states of the other processes, which it then holds too;
+        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own)."""
+        state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
+                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
+        with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+            return save_checkpoint(self.run_dir, self.global_step, self.model,
+                                   optimizer_state or self.optimizer.state_dict(), state,
+                                   self._moving_reference(), self.args.save_total_limit, tokenizer,
+                                   other_processes_rng)
+
+    def _restore(self, path: Path) -> None:
+        try:
+            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference(), self.world.rank)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress)})
+            self.history, self.before = state["history"], state["before"]
+            self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
+            saved_processes = state.get("processes", 1)
+        except CheckpointError:
+            raise
+        except Exception as e:  # a damaged checkpoint, or one a different setup wrote
+            raise CheckpointError(f"could not resume from {path}: {type(e).__name__}: {e}. It is damaged or was "
+                                  "written by a different setup (model, LoRA settings); resume from an earlier "
+                                  "checkpoint or start a new run") from None
+        if saved_processes != self.world.size:
+            warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
+                          f"{self.world.size}: each optimizer step now takes the prompts of {self.world.size}, so "
+                          "the run does not continue as it would have", stacklevel=3)
+        if any(i >= len(self.parts.prompts.rows) for i in self.sampler.order):
+            raise CheckpointError(f"{path} was written while training on a larger dataset than this run's "
+                                  f"{len(self.parts.prompts.rows)} rows; resume with the same dataset")
+        # the learning rate is this run's config too (max_steps and the schedule already are)
+        self.scheduler.base_lrs = [self.args.learning_rate for _ in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.args.learning_rate
+            group["lr"] = self.args.learning_rate * setup.lr_schedule(self.args)(self.scheduler.last_epoch)
+
+    def _moving_reference(self) -> torch.nn.Module | None:
+        """The reference model when sync_ref_model moves it (then a checkpoint must carry it), else None."""
+        return self.reference.frozen if self.reference is not None and self.args.sync_ref_model else None
+
+    def _save_config(self) -> None:
+        """config.yaml of the run (``config_as_used``); a resume whose settings differ from the last
+        saved ones writes config.resumed-at-N.yaml beside them."""
+        path, now = self.run_dir / "config.yaml", self.config_as_used
+        if path.exists() and self.resume_from is not None:
+            latest = latest_run_config(self.run_dir)
+            saved = yaml.safe_load(latest.read_text()) or {}
+            if ({k: v for k, v in saved.items() if k not in RESUME_FIELDS}
+                    == {k: v for k, v in now.items() if k not in RESUME_FIELDS}):
+                return
+            path = self.run_dir / f"config.resumed-at-{self.global_step}.yaml"
+        write_run_config(path, now)
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self, log: RunLog):
+        """SIGINT / SIGTERM: finish the current step, save a checkpoint, stop. A second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            log.info(f"[yellow]{signal.Signals(signum).name} received: saving a checkpoint after this step "
+                     "(send it again to stop at once, without saving)[/]")
+            if self.world.size > 1:
+                log.info("[yellow]a signal sent to torchrun reaches the processes, but torchrun kills them "
+                         "30 s later unless started with a longer --shutdown-timeout[/]")
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    # ---- the run's outputs ------------------------------------------------------------------
+
+    def _save_final_model(self) -> Path:
+        """final_model/, whole or not at all (written beside it, then renamed into place). When it cannot
+        be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
+        final = self.run_dir / "final_model"
+
+        def write() -> Path:
+            with written_whole(final, "final_model-*") as tmp:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                    tokenizer.save_pretrained(tmp)
+            return final
+
+        try:
+            return self.world.on_main(write)
+        except Exception as e:  # OSError, or safetensors' own error type for a full disk (in every process)
+            try:
+                kept = (f"the trained weights are in {self._checkpoint_every_process()}; free space, then "
+                        f"finish the run with --output-dir {self.run_dir} --resume-from-checkpoint auto")
+            except CheckpointError:
+                kept = "a checkpoint could not be written either"
+            raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
+                                  f"({type(e).__name__}); {kept}") from e
+
+    def _write_outputs(self, final: Path, before: dict | None, after: dict | None, history: list[dict]) -> dict:
+        """summary.json in the run folder and the model card beside the final model; the summary."""
+        summary = {
+            "steps": self.global_step,
+            "model": self.model_name,
+            "dataset": self.dataset_name,
+            "processes": self.world.size,
+            "prompts_over_max_prompt_length": self.prompt_overflow_count,
+            "final_model": str(final),
+            "before": _without_samples(before),
+            "after": _without_samples(after),
+            "final_metrics": history[-1] if history else None,
+        }
+        if before and after:
+            summary["accuracy_change"] = accuracy_change(before, after)
+            summary["eval_samples"] = {"before": before["samples"][:8], "after": after["samples"][:8]}
+        write_json(self.run_dir / "summary.json", summary)
+        adapter = is_peft_model(self.model)
+        hyperparameters = {k: self.config_as_used[k] for k in MODEL_CARD_FIELDS}  # as the run used them
+        hyperparameters["use_peft"] = adapter
+        base = self.model_name
+        if adapter:  # the adapter's own settings (those of a saved adapter trained further too)
+            lora = self.model.peft_config[self.model.active_adapter]
+            targets = lora.target_modules
+            hyperparameters.update(lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_target_modules=sorted(targets)
+                                   if isinstance(targets, (set, list)) else targets)
+            if (Path(base) / "adapter_config.json").is_file():  # training went on from a saved adapter
+                base = lora.base_model_name_or_path or base
+        (final / "README.md").write_text(model_card(
+            base, self.dataset_name, self.parts.rewards.names, self.parts.rewards.weights,
+            hyperparameters, self.global_step, before, after, adapter=adapter))
+        return summary
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in (before, after]."""
+    return after // every > before // every
+
+
+def _without_samples(result: dict | None) -> dict | None:
+    return None if result is None else {k: v for k, v in result.items() if k != "samples"}

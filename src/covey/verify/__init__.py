@@ -1,0 +1,121 @@
+"""covey verify: run every stage of a pipeline on one small real batch and check its invariant.
+
+A GRPO run that does not learn usually has several independent defects, each of which silently
+zeroes or inverts the signal. Each stage below is checked against an independent computation
+written here (not by calling the code under test twice), in the order of the loop, so the first
+FAIL names the broken stage:
+
+    setup       the config, the model and its tokenizer load together
+    data        prompts, columns that rewards need, alignment of columns with completions
+    decode      the text rewards receive: plain, complete and unterminated reasoning, no special tokens
+    rewards     one value per completion, lined up with its completion, not constant, weights applied
+    advantages  group sums ~0, order follows reward, eps small, constant groups zero
+    logprobs    <= 0, equal to a plain log_softmax gather, padding out, EOS in
+    loss        value equal to the formula on the first pass (ratio 1) and away from it (clipping
+                active), KL >= 0 and 0 at the reference, one step raises the best completion and
+                lowers the worst
+    engine      the sampler samples a batch, and its log-probs agree with the trainer's forward
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+
+from covey.config import GRPOConfig
+from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
+from covey.models import eos_token_ids
+from covey.rewards import reward_name
+from covey.train.batch import Progress
+from covey.train.setup import one_batch_settings
+from covey.train.step import Rewards, fixed_logprobs, generate_and_score, with_advantages
+from covey.train.trainer import GRPOTrainer
+from covey.verify import stages
+from covey.verify.report import STAGES, Check, Report, print_report
+
+__all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
+
+
+def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
+           reward_funcs=None) -> Report:
+    """Check the pipeline ``args`` describes (or the given objects) stage by stage, on one batch that
+    the step's own functions sample, score and train on."""
+    report = Report()
+    settings = one_batch_settings(args, num_prompts, max_steps=1, log_completions=False, num_iterations=1,
+                                  dynamic_sampling=False)
+    try:
+        trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
+                              args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True)
+    except DataError as e:
+        report.add("data", "dataset loads", False, "error", str(e))
+        return report
+    except RewardError as e:
+        report.add("rewards", "reward functions load", False, "error", str(e))
+        return report
+    except (ModelError, ConfigError) as e:
+        report.add("setup", "the model, its tokenizer and the settings load", False, "error", str(e))
+        return report
+    parts = trainer.parts
+    parameters = sum(p.numel() for p in parts.model.parameters())
+    report.add("setup", "the model, its tokenizer and the settings load", True,
+               f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
+    eos_ids = eos_token_ids(parts.model, parts.tokenizer)
+    stages.check_data(report, parts)
+    stages.check_decode(report, parts, eos_ids)
+    indices = list(range(min(num_prompts, len(parts.prompts.rows))))
+    rewards, calls = _recording_calls(parts.rewards)
+    parts = dataclasses.replace(parts, rewards=rewards)
+    try:
+        batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
+        fixed = fixed_logprobs(parts, batch)
+    except RewardError as e:
+        report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
+        return report
+    except DataError as e:
+        report.add("data", "the prompts of a batch are sampled", False, "error", str(e))
+        return report
+    except CoveyError as e:
+        report.add("engine", f"the {settings.rollout_engine} engine samples a batch", False, "error", str(e))
+        return report
+    stages.check_columns(report, parts, indices, calls)
+    stages.check_rewarded_text(report, parts, batch, calls)
+    stages.check_rewards(report, parts, batch, calls)
+    stages.check_advantages(report, parts, batch)
+    logp_BT = stages.check_logprobs(report, parts, batch, eos_ids)
+    stages.check_loss(report, parts, batch, fixed, logp_BT)
+    stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
+    stages.check_engine(report, parts, batch, logp_BT)
+    return report
+
+
+def _recording_calls(rewards: Rewards) -> tuple[Rewards, list[dict]]:
+    """The rewards with each function wrapped so that its calls' arguments are recorded (in the list
+    returned beside them); an async function stays async, so that score_completions awaits it as it
+    would the function itself."""
+    calls: list[dict] = []
+
+    def failed(func, e: Exception) -> RewardError:  # a user function's own bug: report it as the rewards stage
+        return RewardError(f"reward function {reward_name(func)!r} raised {type(e).__name__}: {e}")
+
+    def recording(func):
+        if inspect.iscoroutinefunction(func):
+            async def wrapper(**kwargs):
+                calls.append(kwargs)
+                try:
+                    return await func(**kwargs)
+                except Exception as e:
+                    raise failed(func, e) from e
+        else:
+            def wrapper(**kwargs):
+                calls.append(kwargs)
+                try:
+                    return func(**kwargs)
+                except Exception as e:
+                    raise failed(func, e) from e
+        wrapper.__name__ = reward_name(func)
+        return wrapper
+
+    return dataclasses.replace(rewards, funcs=[recording(f) for f in rewards.funcs]), calls
+
+

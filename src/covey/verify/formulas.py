@@ -1,0 +1,77 @@
+"""The quantities covey verify checks the step against, written out here from the papers and the
+SPEC (docs/algorithms.md), independently of the code under test."""
+
+from __future__ import annotations
+
+import torch
+
+from covey import core
+from covey.train.batch import ScoredBatch
+
+
+def advantages_written_out(rewards_NG: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """GRPO's advantages of G completions per row, each group centred on its mean and divided by its
+    (unbiased) std, the whole batch's, or nothing."""
+    spread = {"group": rewards_NG.std(1, keepdim=True), "batch": rewards_NG.std(),
+              "none": torch.tensor(1.0, dtype=torch.float64)}[scale_rewards]
+    eps = 0.0 if scale_rewards == "none" else core.ADVANTAGE_EPS
+    return (rewards_NG - rewards_NG.mean(1, keepdim=True)) / (spread + eps)
+
+
+def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: torch.Tensor,
+                 old_logp_BT: torch.Tensor, s: core.LossSettings, max_completion_length: int) -> torch.Tensor:
+    """The loss written out from the papers (docs/algorithms.md), in float64: the clipped surrogate
+    (with delta's cap and dual-clip's floor) or CISPO's weighted log-prob, on the token ratio or GSPO's
+    sequence ratio, plus beta times the KL estimator (times that ratio with use_bias_correction_kl),
+    aggregated as loss_type says."""
+    mask = batch.samples.loss_mask_BT.double()
+    adv = batch.advantages_B.double()[:, None]
+    T = mask.shape[1]
+    logp, old = logp_BT[:, :T].double(), old_logp_BT[:, :T].double()
+    w = formula_ratio(logp, old, mask, s.importance_sampling_level)
+    if s.loss_type == "cispo":
+        per_token = -torch.clamp(w, max=1 + s.epsilon_high) * adv * logp
+    else:
+        unclipped = w if s.delta is None else torch.clamp(w, max=s.delta)
+        objective = torch.minimum(unclipped * adv, torch.clamp(w, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
+        if s.clip_ratio_c is not None:
+            objective = torch.where(adv < 0, torch.maximum(objective, s.clip_ratio_c * adv), objective)
+        per_token = -objective
+    if s.beta > 0:
+        d = ref_logp_BT[:, :T].double() - logp
+        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
+        per_token = per_token + s.beta * (kl * w if s.use_bias_correction_kl else kl)
+    B = mask.shape[0]
+    token_mean = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return {
+        "grpo": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / B,
+        "bnpo": token_mean,
+        "dr_grpo": (per_token * mask).sum() / (B * max_completion_length),
+        "dapo": token_mean,
+        "cispo": token_mean,
+    }[s.loss_type]
+
+
+def formula_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Each token's importance ratio: its own, or (GSPO) its sequence's length-normalised one."""
+    if level == "sequence":
+        return torch.exp(((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    return torch.exp(logp - old)
+
+
+def eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int, finish_reasons: list[str],
+             max_length: int) -> torch.Tensor:
+    """1 up to and including the first EOS of each row; a row cut at the length limit: all of its
+    max_length tokens (the pad token may be among them, sampled); a row ended by a stop string:
+    everything before its trailing padding."""
+    mask = torch.zeros_like(ids_BT)
+    for row, (ids, reason) in enumerate(zip(ids_BT.tolist(), finish_reasons)):
+        end = next((t + 1 for t, tok in enumerate(ids) if tok in eos_ids), None)
+        if end is None and reason == "length":
+            end = max_length
+        elif end is None:
+            end = len(ids)
+            while end > 0 and ids[end - 1] == pad_id:
+                end -= 1
+        mask[row, :end] = 1
+    return mask
