@@ -55,8 +55,8 @@ def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtyp
                             multiply: str = "fastest") -> float:
     """Time of one decode step's matrix products alone (the lean decoder's own weights for a step of
     ``rows`` rows, read from memory as in a real step): what the machine's matrix library allows,
-    before any other work. ``multiply``: how they multiply (``covey.decoder.WAYS_TO_MULTIPLY``)."""
-    from covey.decoder import LeanDecoder
+    before any other work. ``multiply``: how they multiply (``covey.rollout.fast.decoder.WAYS_TO_MULTIPLY``)."""
+    from covey.rollout.fast.decoder import LeanDecoder
 
     decoder = LeanDecoder(model, dtype, max_length=1, multiply=multiply)
     hidden = model.config.hidden_size

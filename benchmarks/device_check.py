@@ -20,12 +20,12 @@ import time
 import torch
 
 from benchmarks.common import load_default
-from covey.fast_rollout import FastEngine
-from covey.logprobs import SequenceBatch, completion_logprobs
+from covey.rollout.fast.engine import FastEngine
+from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.models import autocast
 from covey.rollout import HFEngine, SamplingParams, left_pad
-from covey.tasks import arithmetic
-from covey.text import encode_prompts
+from covey.data.tasks import arithmetic
+from covey.data.text import encode_prompts
 
 
 def logprob_gap(model, prompts, rollout, pad, bf16: bool) -> float:

@@ -33,10 +33,10 @@ import torch
 
 from benchmarks.common import (copy_gbps, decode_step_seconds, load_default, machine, matmul_gflops,
                                matrix_products_seconds, weights_per_step)
-from covey.fast_rollout import FastEngine
+from covey.rollout.fast.engine import FastEngine
 from covey.rollout import HFEngine, SamplingParams
-from covey.tasks import arithmetic
-from covey.text import encode_prompts
+from covey.data.tasks import arithmetic
+from covey.data.text import encode_prompts
 
 
 def run(engine, prompts, G, params, seed):

@@ -28,7 +28,7 @@ VARIANTS = {"whole": False, "sharded": True}
 
 def worker(variant: str, steps: int, out_dir: str) -> None:
     from covey import GRPOConfig, GRPOTrainer
-    from covey.distributed import sharded_part
+    from covey.train.distributed import sharded_part
 
     torch.set_num_threads(1)
     args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,

@@ -58,7 +58,7 @@ def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     from covey.config import EMBEDDED_MODEL
     from covey.models import embedded_model_folder
     from covey.rewards import answer_correct, answer_format
-    from covey.tasks import arithmetic
+    from covey.data.tasks import arithmetic
 
     class Timer(TrainerCallback):
         def __init__(self):

@@ -21,12 +21,12 @@ import time
 import torch
 
 from benchmarks.common import load_default, machine
-from covey.fast_rollout import FastEngine
-from covey.logprobs import SequenceBatch, completion_logprobs
+from covey.rollout.fast.engine import FastEngine
+from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.models import autocast
 from covey.rollout import SamplingParams, left_pad
-from covey.tasks import arithmetic
-from covey.text import encode_prompts
+from covey.data.tasks import arithmetic
+from covey.data.text import encode_prompts
 
 WAYS = {"every row in full": dict(share_prompt=False), "shared prompt, padded": dict(pack=False),
         "shared prompt, packed": dict(pack=True)}

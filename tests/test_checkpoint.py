@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -19,8 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.checkpoint import checkpoint_dirs, written_whole
 from covey.errors import CheckpointError, ConfigError
+from covey.train import step
+from covey.train.checkpoint import checkpoint_dirs, written_whole
 from tests.conftest import make_model
 from tests.test_trainer import ROWS, count_a
 
@@ -128,16 +130,16 @@ def test_a_damaged_checkpoint_or_another_dataset_is_a_clear_error(tmp_path, toke
                     processing_class=tokenizer, quiet=True)
 
 
-def test_a_stop_signal_in_the_last_step_lets_the_run_finish(tmp_path, tokenizer):
+def test_a_stop_signal_in_the_last_step_lets_the_run_finish(tmp_path, tokenizer, monkeypatch):
     trainer = trainer_for(run_args(tmp_path / "run", max_steps=2, save_steps=0), tokenizer)
-    optimize = trainer.optimize
+    optimizer_step = step.optimizer_step
 
     def signalled_in_the_last_step(*a, **k):
         if trainer.global_step == 1:
             trainer.stop_signal = signal.SIGINT
-        return optimize(*a, **k)
+        return optimizer_step(*a, **k)
 
-    trainer.optimize = signalled_in_the_last_step
+    monkeypatch.setattr(step, "optimizer_step", signalled_in_the_last_step)
     trainer.train()
     assert (tmp_path / "run" / "final_model").is_dir() and (tmp_path / "run" / "summary.json").is_file()
 
@@ -160,7 +162,7 @@ def test_save_total_limit_keeps_the_newest_and_none_keeps_all(tmp_path, tokenize
                                    SafetensorError("I/O error: No space left on device (os error 28)")],
                          ids=["disk-full", "permission", "disk-full-in-safetensors"])
 def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, tokenizer, monkeypatch, error):
-    import covey.checkpoint as checkpoint
+    import covey.train.checkpoint as checkpoint
 
     real_save_file, calls = checkpoint.save_file, []
 
@@ -277,11 +279,11 @@ def test_overwrite_output_dir_never_replaces_a_config_the_user_wrote(tmp_path, t
 
 
 def test_two_runs_set_up_at_once_never_share_a_folder(tmp_path, tokenizer, monkeypatch):
-    import covey.run_folder
+    import covey.train.run_folder
 
     monkeypatch.chdir(tmp_path)
-    moment = covey.run_folder.datetime(2026, 1, 2, 3, 4, 5)
-    monkeypatch.setattr(covey.run_folder, "datetime", type("Frozen", (), {"now": staticmethod(lambda: moment)}))
+    moment = covey.train.run_folder.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(covey.train.run_folder, "datetime", type("Frozen", (), {"now": staticmethod(lambda: moment)}))
     first, second = (trainer_for(run_args(None, max_steps=1, save_steps=0), tokenizer) for _ in range(2))
     assert first.run_dir == second.run_dir  # set up in the same second: the same name so far
     first.train()
@@ -390,14 +392,16 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, cli_run):
 
 def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
     """The saved configs say which settings held from which step: a resume that changes them back is one more."""
-    from covey.run_folder import resumed_configs, write_run_config
+    from covey.telemetry.runlog import resumed_configs
+    from covey.train.run_folder import write_run_config
 
     trainer = trainer_for(run_args(tmp_path / "run", max_steps=6), tokenizer)
     trainer.run_dir.mkdir(parents=True)
     first = dict(trainer.config_as_used)
     write_run_config(trainer.run_dir / "config.yaml", first)
     write_run_config(trainer.run_dir / "config.resumed-at-2.yaml", {**first, "learning_rate": 0.5})
-    trainer.resume_from, trainer.global_step = trainer.run_dir / "checkpoints" / "checkpoint-4", 4
+    trainer.resume_from = trainer.run_dir / "checkpoints" / "checkpoint-4"
+    trainer.progress = dataclasses.replace(trainer.progress, global_step=4)
     trainer._save_config()  # the first settings again, after the changed ones
     assert [step for step, _ in resumed_configs(trainer.run_dir)] == [2, 4]
 

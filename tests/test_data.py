@@ -5,7 +5,7 @@ import pytest
 
 from covey.data import PromptSampler, heldout_rows, load_rows
 from covey.errors import DataError
-from covey.tasks import arithmetic, gsm8k_final_answer
+from covey.data.tasks import arithmetic, gsm8k_final_answer
 
 DATA = Path(__file__).parent / "data"
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -106,7 +106,7 @@ def test_hub_dataset_ids_go_to_datasets_with_the_split(monkeypatch):
 
 
 def test_a_column_a_reward_needs_is_checked_by_name_and_row(tmp_path):
-    from covey.data import check_reward_columns
+    from covey.rewards import check_reward_columns
     from covey.rewards import answer_correct
 
     def needs_tests(completions, tests, **kwargs):
@@ -134,7 +134,7 @@ def test_a_column_a_reward_needs_is_checked_by_name_and_row(tmp_path):
     ("4", "4"),
 ])
 def test_the_answer_after_reasoning_is_what_follows_the_last_closing_tag(completion, answer):
-    from covey.text import answer_after_reasoning
+    from covey.data.text import answer_after_reasoning
 
     assert answer_after_reasoning(completion) == answer
 
@@ -178,7 +178,7 @@ def test_file_endings_in_any_case_and_gzip_compressed(tmp_path):
 
 
 def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tokenizer):
-    from covey.text import encode_prompts
+    from covey.data.text import encode_prompts
 
     tokenizer.chat_template = None  # a base model's tokenizer
     assert encode_prompts(tokenizer, ["1+1="], 16) == [tokenizer("1+1=", add_special_tokens=False)["input_ids"]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from covey import decode_kernel
+from covey.rollout.fast import decode_kernel
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_a_failing_build_warns_and_leaves_the_general_products(fresh_build, monk
     with pytest.warns(RuntimeWarning, match="(?s)could not be built.*no luck"):
         assert not decode_kernel.available()
     assert list(fresh_build.iterdir()) == []  # no half-built library left behind
-    from covey.decoder import LeanDecoder
+    from covey.rollout.fast.decoder import LeanDecoder
 
     assert LeanDecoder(tiny_model, torch.float32, max_length=8).products_for(8).kind != "kernel"
     with pytest.raises(ValueError, match="decode kernel cannot run here"):
@@ -195,7 +195,7 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
     """Prompts of different lengths (padding), rows leaving (the kernel then reads each row's cache
     where it lies) and repeating (a copy of the cache) between steps (``keep``). In bfloat16, against
     float32 on the same (rounded) matrices: what differs is x rounded to bfloat16 at each product."""
-    from covey.decoder import LeanDecoder
+    from covey.rollout.fast.decoder import LeanDecoder
     from covey.rollout import left_pad
     from tests.conftest import make_model
 
@@ -232,7 +232,7 @@ def test_whole_decode_steps_give_the_logits_of_the_plain_lean_decoder(tokenizer,
 def test_the_decode_step_refuses_slots_outside_the_cache(tiny_model):
     """The C step indexes the cache by them: a wrong slot, or a cache unlike the one it was made as, is
     refused before it runs."""
-    from covey.decoder import LeanDecoder
+    from covey.rollout.fast.decoder import LeanDecoder
 
     skip_without_kernel()
     decoder = LeanDecoder(tiny_model, torch.float32, max_length=8, multiply="kernel")

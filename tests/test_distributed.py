@@ -23,9 +23,9 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
-from covey.distributed import World, sharded_part
+from covey.train.distributed import World, sharded_part
 from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
-from covey.rollout import Rollout
+from covey.rollout import Rollout, SamplesWithPolicy
 from tests.conftest import make_model, make_tokenizer
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
@@ -38,9 +38,11 @@ def count_a(completions, **kwargs):
     return [(len(set(c[0]["content"])) + c[0]["content"].count("a")) / 8 for c in completions]
 
 
-class ScriptedEngine:
+class ScriptedEngine(SamplesWithPolicy):
     """Completions that depend on the prompt and the sample's place in its group only, so that they
     are the same whichever process draws the prompt and however the batch is split."""
+
+    exact_logprobs = True
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -97,7 +99,7 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     except TrainingInterrupted as e:
         stopped_by = e.signal_number
     held = (sharded_part(trainer.optimizer) or trainer.optimizer).state.values()  # this process's part, if sharded
-    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.rounds_sampled),
+    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.progress.rounds_sampled),
             "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
 
@@ -226,7 +228,7 @@ def test_a_sharded_optimizer_state_makes_the_same_updates_from_half_the_memory_a
 
 def _sharded_step_saved(rank: int, port: int, folder: str) -> tuple[torch.nn.Module, Path]:
     """In process ``rank`` of two: one AdamW step with the state sharded, saved as a checkpoint in ``folder``."""
-    from covey.checkpoint import save_checkpoint
+    from covey.train.checkpoint import save_checkpoint
 
     as_launched(rank, port)
     world = World.from_environment()
@@ -245,7 +247,7 @@ def _sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str) -> None:
-    from covey.checkpoint import load_checkpoint
+    from covey.train.checkpoint import load_checkpoint
 
     model, path = _sharded_step_saved(rank, port, folder)
     half = model.to(torch.bfloat16)  # the same run resumed in another dtype
@@ -259,7 +261,7 @@ def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str)
 
 
 def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) -> None:
-    import covey.checkpoint as checkpoint
+    import covey.train.checkpoint as checkpoint
 
     model, path = _sharded_step_saved(rank, port, folder)
     read, original = [], checkpoint._read_tensors
@@ -338,7 +340,7 @@ def test_a_process_a_checkpoint_has_no_random_state_for_draws_streams_of_its_own
     """A checkpoint of one process resumed in several: the others do not all copy the first one's streams."""
     import random
 
-    from covey.checkpoint import load_checkpoint, save_checkpoint
+    from covey.train.checkpoint import load_checkpoint, save_checkpoint
 
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1)
@@ -411,7 +413,7 @@ def _train_with_server(rank: int, port: int, server_port: int, output_dir: str, 
 def serve(backend, failing_push: int | None = None):
     """A covey server in this process that counts the pushes it finishes; ``failing_push``: that
     push (1 for the first) fails, as when the server goes away."""
-    from covey.server import RolloutServer
+    from covey.rollout.server import RolloutServer
 
     server = RolloutServer(backend, "127.0.0.1", 0).start()
     server.pushes, load = [], server.load_weights
@@ -432,7 +434,8 @@ def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
     one the first pushed to (a restart) cannot put the policy back, and says how to go on."""
     from covey.errors import ModelError
     from covey.rollout import SamplingParams
-    from covey.server import FastBackend, RolloutServer, ServerEngine
+    from covey.rollout import ServerEngine
+    from covey.rollout.server import FastBackend, RolloutServer
 
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=5).eval()
@@ -452,7 +455,7 @@ def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_
     and the last evaluation samples from the trained weights."""
     from safetensors.torch import load_file
 
-    from covey.server import FastBackend
+    from covey.rollout.server import FastBackend
 
     tokenizer = make_tokenizer()
     backend = FastBackend(make_model(len(tokenizer), seed=5).eval(), tokenizer, [tokenizer.eos_token_id])
@@ -473,7 +476,7 @@ def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_
 
 
 def test_a_push_that_fails_comes_after_the_checkpoint_of_the_round_before(tmp_path):
-    from covey.server import FastBackend
+    from covey.rollout.server import FastBackend
 
     tokenizer = make_tokenizer()
     server = serve(FastBackend(make_model(len(tokenizer), seed=5).eval(), tokenizer, [tokenizer.eos_token_id]),

@@ -8,8 +8,8 @@ import torch
 from covey.config import EMBEDDED_MODEL
 from covey.models import eos_token_ids, load_policy, load_tokenizer
 from covey.rollout import HFEngine, SamplingParams
-from covey.tasks import arithmetic
-from covey.text import encode_prompts
+from covey.data.tasks import arithmetic
+from covey.data.text import encode_prompts
 
 
 def test_embedded_model_loads_as_a_plain_trainable_model_and_answers():

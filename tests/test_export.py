@@ -9,7 +9,7 @@ import torch
 
 from covey.cli import main
 from covey.errors import ConfigError
-from covey.export import export_model
+from covey.train.export import export_model
 from covey.errors import ModelError
 from covey.models import load_policy
 

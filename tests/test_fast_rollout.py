@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from covey.decoder import LeanDecoder
-from covey.fast_rollout import FastEngine, process_logits
+from covey.rollout.fast.decoder import LeanDecoder
+from covey.rollout.fast.engine import FastEngine, process_logits
 from covey.rollout import HFEngine, SamplingParams
 from tests.conftest import make_model
 from tests.test_rollout_and_logprobs import _always_emit, _full_forward_logprobs, _prompts
@@ -210,8 +210,8 @@ def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):
 def test_fast_greedy_matches_transformers_on_the_default_model():
     from covey.config import EMBEDDED_MODEL
     from covey.models import eos_token_ids, load_policy, load_tokenizer
-    from covey.tasks import arithmetic
-    from covey.text import encode_prompts
+    from covey.data.tasks import arithmetic
+    from covey.data.text import encode_prompts
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     model = load_policy(EMBEDDED_MODEL).eval()
@@ -257,7 +257,7 @@ def decode_with(decoder, prompts, steps_BS, repeats):
 
 @pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
 def test_lean_decoder_computes_the_models_logits(tokenizer, build):
-    from covey.decoder import ModelDecoder
+    from covey.rollout.fast.decoder import ModelDecoder
 
     model = build(len(tokenizer))
     assert LeanDecoder.supports(model, torch.float32)
@@ -294,7 +294,7 @@ def test_bf16_lean_decoder_stays_close_to_float32_and_is_marked_inexact(tokenize
 def test_bf16_lean_decoder_casts_the_embedding_only_as_a_tied_head(tokenizer, monkeypatch, tied):
     """The embedding lookup reads the model's own table: an untied model's embedding is never cast to
     bfloat16 (nor tiled for the kernel), only its head; a tied one is cast once, as the head."""
-    from covey import decode_kernel
+    from covey.rollout.fast import decode_kernel
 
     model = make_model(len(tokenizer), seed=2) if tied else qwen2_with_biases(len(tokenizer))
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -318,7 +318,7 @@ def test_bf16_lean_decoder_casts_the_embedding_only_as_a_tied_head(tokenizer, mo
 
 
 def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
-    from covey.decoder import onednn_linear
+    from covey.rollout.fast.decoder import onednn_linear
     from tests.test_decode_kernel import skip_without_kernel
 
     if products == "prepacked" and onednn_linear(dtype) is None:
@@ -333,8 +333,8 @@ def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
                                                         ("kernel", torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("build", [lambda V: make_model(V, seed=5), qwen2_with_biases], ids=["llama", "qwen2"])
 def test_lean_decoder_on_faster_products_matches_plain_ones(tokenizer, build, products, dtype, tolerance):
-    from covey.decode_kernel import MAX_ROWS
-    from covey.decoder import PREPACKED_FLOAT32_FROM_ROWS
+    from covey.rollout.fast.decode_kernel import MAX_ROWS
+    from covey.rollout.fast.decoder import PREPACKED_FLOAT32_FROM_ROWS
 
     _skip_unless_it_runs(products, dtype)
     model = build(len(tokenizer))
@@ -357,8 +357,8 @@ def test_lean_decoder_on_faster_products_matches_plain_ones(tokenizer, build, pr
 
 
 def test_float32_decode_steps_take_the_fastest_products_that_run_here(tiny_model):
-    from covey import decode_kernel
-    from covey.decoder import onednn_linear
+    from covey.rollout.fast import decode_kernel
+    from covey.rollout.fast.decoder import onednn_linear
 
     decoder = LeanDecoder(tiny_model, torch.float32, max_length=16)
     expected = "kernel" if decode_kernel.available() else "prepacked" if onednn_linear(torch.float32) else "plain"
@@ -439,7 +439,7 @@ def test_float32_lora_policy_samples_without_a_second_copy_of_its_weights(tokeni
 def test_inverse_cdf_sampling_draws_each_token_at_its_probability_across_blocks():
     """A vocabulary of several CDF blocks (the last one padded): heavy tokens on the blocks' edges and the
     rest spread thinly, drawn at their probabilities (chi-square over six groups, fixed seed)."""
-    from covey.fast_rollout import CDF_BLOCK, sample_categorical
+    from covey.rollout.fast.engine import CDF_BLOCK, sample_categorical
 
     V = 2 * CDF_BLOCK + 452
     probs = torch.full((V,), 0.25 / (V - 3))
@@ -457,7 +457,7 @@ def test_inverse_cdf_sampling_draws_each_token_at_its_probability_across_blocks(
 
 
 def test_inverse_cdf_sampling_never_picks_a_token_without_mass(monkeypatch):
-    from covey.fast_rollout import sample_categorical
+    from covey.rollout.fast.engine import sample_categorical
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0, 0.0, 0.0]])
     generator = torch.Generator().manual_seed(0)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError
-from covey.answers import is_correct, last_number, parse_number, tagged_answer
+from covey.rewards.answers import is_correct, last_number, parse_number, tagged_answer
 from covey.rewards import answer_correct, answer_format
-from covey.tasks import gsm8k_final_answer, gsm8k_rows
-from covey.text import answer_after_reasoning
+from covey.data.tasks import gsm8k_final_answer, gsm8k_rows
+from covey.data.text import answer_after_reasoning
 from covey.trl_fields import TRL_FIELDS
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None)

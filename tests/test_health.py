@@ -7,7 +7,8 @@ import torch
 
 import covey.core as core
 from covey.errors import NumericsError
-from covey.health import HealthMonitor
+from covey.telemetry.health import HealthMonitor
+from tests.conftest import optimize, scored_batch
 from tests.test_trainer_variants import trainer_for
 
 HEALTHY = {"reward": 0.5, "reward_std": 0.3, "frac_reward_zero_std": 0.1, "kl": 0.05, "completions/clipped_ratio": 0.1}
@@ -90,12 +91,12 @@ def test_a_nan_step_is_skipped_and_counted(tmp_path, tokenizer, monkeypatch):
     trainer = trainer_for(tmp_path, tokenizer, max_steps=3)
     _nan_loss_for_steps(monkeypatch, trainer, bad_steps={1})
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
-    batch, _ = trainer.generate_and_score([0, 1])
-    trainer.optimize(batch)
-    assert trainer.bad_steps == 1 and all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    trainer.global_step = 1
-    trainer.optimize(batch)
-    assert trainer.consecutive_bad_steps == 0 and any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    batch, fixed = scored_batch(trainer, [0, 1])
+    optimize(trainer, batch, fixed)  # step 1
+    assert trainer.progress.bad_steps == 1 and all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    optimize(trainer, batch, fixed)  # step 2
+    assert trainer.progress.consecutive_bad_steps == 0 and any(not torch.equal(before[n], p)
+                                                               for n, p in trainer.model.named_parameters())
 
 
 def test_the_run_stops_after_too_many_bad_steps_in_a_row(tmp_path, tokenizer, monkeypatch):

@@ -13,7 +13,7 @@ from PIL import Image
 from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.errors import ConfigError, DataError
-from covey.report import COLORS, compare_runs, moving_average, write_report
+from covey.telemetry.report import COLORS, compare_runs, moving_average, write_report
 from tests.test_trainer import ROWS, count_a, small_args
 
 FUNCTIONS = ("answer_format", "answer_correct")
@@ -288,7 +288,7 @@ def test_a_folder_of_other_files_is_never_written_into(tmp_path):
 
 
 def test_the_model_card_names_a_hub_model_but_never_a_local_folder(tmp_path, monkeypatch):
-    from covey.telemetry import model_card
+    from covey.telemetry.tables import model_card
 
     def front(base):
         return model_card(base, "arithmetic", ["r"], [1.0], {}, 1, None, None, adapter=False).split("---")[1]

@@ -13,7 +13,7 @@ import torch
 
 from covey import GRPOTrainer
 from covey.errors import RewardError
-from covey.reward_pool import RewardPool
+from covey.rewards.pool import RewardPool
 from covey.rewards import load_reward_func, score_completions
 from tests.conftest import make_model
 from tests.test_trainer import ROWS, count_a, small_args
@@ -210,18 +210,18 @@ def test_a_trainer_with_two_workers_logs_the_same_metrics_as_without(tmp_path, t
         args = small_args(out, eval_max_samples=0, reward_num_workers=workers)
         trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a, "answer_format"], args=args,
                               train_dataset=ROWS, processing_class=tokenizer, quiet=True)
-        pooled_calls, worker_pids, run = [], set(), trainer.reward_pool.run
+        pooled_calls, worker_pids, run = [], set(), trainer.parts.rewards.pool.run
 
         def recording_run(calls, timeout):
             pooled_calls.append(len(calls))
             outcomes = run(calls, timeout)
-            worker_pids.update(w.process.pid for w in trainer.reward_pool._workers)
+            worker_pids.update(w.process.pid for w in trainer.parts.rewards.pool._workers)
             return outcomes
 
-        trainer.reward_pool.run = recording_run
+        trainer.parts.rewards.pool.run = recording_run
         trainer.train()
         assert pooled_calls == ([4, 4] if workers else [])  # two functions in two chunks, once per generation round
-        assert len(worker_pids) == workers and not alive(worker_pids) and not trainer.reward_pool._workers
+        assert len(worker_pids) == workers and not alive(worker_pids) and not trainer.parts.rewards.pool._workers
         metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         runs.append([{k: v for k, v in m.items() if "time" not in k and k != "tokens_per_second"} for m in metrics])
     assert len(runs[0]) == 2 and runs[0] == runs[1]

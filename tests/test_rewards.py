@@ -8,11 +8,11 @@ import numpy
 import pytest
 import torch
 
-from covey.code_reward import program_of
+from covey.rewards.code import program_of
 from covey.errors import RewardError
 from covey.core import weighted_reward_sum
-from covey.answers import is_correct, last_number, parse_number
-from covey.reward_pool import RewardPool
+from covey.rewards.answers import is_correct, last_number, parse_number
+from covey.rewards.pool import RewardPool
 from covey.rewards import (SoftOverlongPenalty, answer_correct, answer_format, check_reward_signature, json_format,
                            load_reward_func, preflight_check, reasoning_format, score_completions)
 
@@ -204,7 +204,7 @@ def test_preflight_refuses_a_reward_without_kwargs_before_any_model_is_loaded():
 
 
 def test_preflight_passes_the_rewards_that_take_the_call():
-    from covey.code_reward import CodeTests
+    from covey.rewards.code import CodeTests
 
     def with_bonus(completions, answer, bonus, **kwargs):
         return [bonus] * len(completions)

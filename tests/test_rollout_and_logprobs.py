@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from covey.core import completion_mask
-from covey.logprobs import SequenceBatch, completion_logprobs
+from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.rollout import HFEngine, SamplingParams, left_pad
 
 
@@ -159,7 +159,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tokenizer, 
     """Running each group's prompt once and sharing its keys/values, with the group's completions
     packed end to end (or padded, for models that take no packing mask), is exact, gradients
     included."""
-    from covey import logprobs
+    from covey.train import forward as logprobs
 
     model = _tiny(architecture, len(tokenizer))
     model.config._attn_implementation = attention
@@ -208,7 +208,7 @@ def test_each_rows_prompt_keys_and_values_come_through_index_select(tokenizer):
     """Whose backward adds the repeats of a shared prompt in a fixed order. Indexing (the cache's own
     batch_select_indices) accumulates them in parallel on CPU, in an order that varied between runs
     of the same training (gradients a few 1e-10 apart, so runs drifted apart)."""
-    from covey.logprobs import _SharedPrompts
+    from covey.train.forward import _SharedPrompts
 
     model = _tiny("llama", len(tokenizer)).train()
     prompt_ids, prompt_mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
@@ -220,7 +220,7 @@ def test_each_rows_prompt_keys_and_values_come_through_index_select(tokenizer):
         assert layer.keys.grad_fn.name() == layer.values.grad_fn.name() == "IndexSelectBackward0"
 
 def test_packing_keeps_groups_apart_and_fills_rows_longest_first():
-    from covey.logprobs import _first_fit
+    from covey.train.forward import _first_fit
 
     rows, offsets, row_groups = _first_fit([5, 2, 1, 0, 3, 4, 2], [0, 0, 0, 0, 1, 1, 1], capacity=5)
     assert row_groups == [0, 0, 1, 1]
@@ -233,7 +233,7 @@ def test_packing_keeps_groups_apart_and_fills_rows_longest_first():
 def test_packing_is_used_only_where_a_custom_mask_is_applied_as_given(tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from covey.logprobs import _packable
+    from covey.train.forward import _packable
     from tests.conftest import make_model
 
     llama = make_model(len(tokenizer))

@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
-from covey import sandbox
-from covey.code_reward import CodeTests, program_of, code_of_tests
+from covey.rewards import sandbox
+from covey.rewards.code import CodeTests, program_of, code_of_tests
 from covey.errors import RewardError
 from covey.rewards import load_reward_func
-from covey.rollout import Rollout
-from covey.sandbox import Isolation, available_isolation, run_python
-from covey.trainer import builtin_reward_settings
+from covey.rollout import Rollout, SamplesWithPolicy
+from covey.rewards.sandbox import Isolation, available_isolation, run_python
+from covey.train.setup import builtin_reward_settings
 from tests.conftest import make_model
 
 TIMEOUT = 1.5
@@ -483,7 +483,7 @@ def test_a_program_under_its_own_uid_leaves_no_files_or_shared_memory(monkeypatc
 # ---- the trainer keeps running ----------------------------------------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(SamplesWithPolicy):
     """A rollout engine whose completions are fixed programs, cycled through the batch."""
 
     exact_logprobs = True

@@ -15,10 +15,13 @@ import torch
 from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.errors import ConfigError, ModelError
-from covey.fast_rollout import FastEngine
+from covey.rollout.fast.engine import FastEngine
 from covey.models import add_lora
 from covey.rollout import SamplingParams
-from covey.server import FastBackend, RolloutServer, ServerEngine, build_backend, weight_chunks
+from covey.rollout import ServerEngine
+from covey.rollout.server import FastBackend, RolloutServer
+from covey.rollout.wire import weight_chunks
+from covey.train.setup import server_backend
 from tests.conftest import make_model
 from tests.test_rollout_and_logprobs import _prompts
 
@@ -73,7 +76,7 @@ def test_rollouts_over_http_equal_the_in_process_engine(server, model, tokenizer
     assert client.exact_logprobs is True and here.completion_mask_BT.sum() > 0
 
 
-def test_sync_weights_makes_the_server_follow_the_trainer(server, model, tokenizer):
+def test_push_policy_makes_the_server_follow_the_trainer(server, model, tokenizer):
     client = connect(server, tokenizer, chunk_bytes=20_000)  # several /weights requests
     local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
     prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=16)
@@ -84,7 +87,7 @@ def test_sync_weights_makes_the_server_follow_the_trainer(server, model, tokeniz
     assert_same_rollout(client.generate(prompts, 2, params, seed=3), before)  # the server still has the old weights
 
     assert len(list(weight_chunks(model.named_parameters(), torch.float32, 20_000))) > 2
-    client.sync_weights(model)
+    client.push_policy(model)
     assert_same_rollout(client.generate(prompts, 2, params, seed=3), after)
     server_params = dict(server.backend.model.named_parameters())
     assert all(torch.equal(p, server_params[n]) for n, p in model.named_parameters())
@@ -98,7 +101,7 @@ def test_lora_policy_is_pushed_merged_and_left_untouched(server, model, tokenize
                 p.normal_(0.0, 0.3)
     snapshot = {n: p.detach().clone() for n, p in policy.state_dict().items()}
     client = connect(server, tokenizer)
-    client.sync_weights(policy)
+    client.push_policy(policy)
 
     assert {n: p for n, p in policy.state_dict().items()}.keys() == snapshot.keys()
     assert all(torch.equal(p, snapshot[n]) for n, p in policy.state_dict().items())  # bitwise unchanged
@@ -155,7 +158,7 @@ def test_server_errors_come_back_as_covey_errors(server, model, tokenizer):
     other = make_model(len(tokenizer), layers=3)
     with pytest.raises(ModelError, match=r"covey server at .*/weights: the server's model has no weight "
                                          r"'model\.layers\.2\."):
-        client.sync_weights(other)
+        client.push_policy(other)
     request = {"prompt_ids": [[5, 6]], "num_generations": 1, "params": {"max_new_tokens": 4, "temperature": 0}}
     with pytest.raises(ConfigError, match=r"covey server at .*/generate: sampling settings .* temperature must be positive"):
         client._post("/generate", json.dumps(request).encode(), "application/json")
@@ -186,7 +189,7 @@ def test_a_server_with_a_token_serves_only_trainers_that_carry_it(model, tokeniz
         client = connect(server, tokenizer)
         local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
         assert_same_rollout(client.generate(prompts, 2, greedy), local.generate(prompts, 2, greedy))
-        client.sync_weights(other)  # pushes carry it too
+        client.push_policy(other)  # pushes carry it too
         moved = FastEngine(other, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
         assert_same_rollout(client.generate(prompts, 2, greedy), moved.generate(prompts, 2, greedy))
     finally:
@@ -302,10 +305,10 @@ def test_cli_server_starts_the_fast_backend_on_the_config_model(tiny_model_dir, 
     assert "fast backend for" in capsys.readouterr().err
     assert isinstance(served[0].backend, FastBackend) and served[0].server_address[0] == "127.0.0.1"
 
-    backend = build_backend(GRPOConfig(model=str(tiny_model_dir)), "fast")
+    backend = server_backend(GRPOConfig(model=str(tiny_model_dir)), "fast")
     assert backend.weight_dtype == "float32" and backend.exact_logprobs
     with pytest.raises(ConfigError, match="not one of vllm, fast"):
-        build_backend(GRPOConfig(model=str(tiny_model_dir)), "hf")
+        server_backend(GRPOConfig(model=str(tiny_model_dir)), "hf")
 
 
 def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir, capsys):
@@ -317,7 +320,7 @@ def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir
 
 def test_vllm_backend_refuses_a_seed_vllm_cannot_take(tiny_model_dir):
     with pytest.raises(ConfigError, match="vLLM takes seeds from 0 to 2\\*\\*32 - 1"):
-        build_backend(GRPOConfig(model=str(tiny_model_dir), seed=-1), "vllm")
+        server_backend(GRPOConfig(model=str(tiny_model_dir), seed=-1), "vllm")
 
 
 def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_dir, tokenizer):
@@ -327,7 +330,7 @@ def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_
     add_lora(load_policy(str(tiny_model_dir)), 2, 4, 0.0, ["all-linear"]).save_pretrained(adapter)
     tokenizer.save_pretrained(adapter)
     with pytest.raises(ConfigError, match="is a LoRA adapter, which vLLM cannot load as a model"):
-        build_backend(GRPOConfig(model=str(adapter)), "vllm")
+        server_backend(GRPOConfig(model=str(adapter)), "vllm")
 
 
 def test_fast_backend_holds_a_saved_adapter_merged(tmp_path, tiny_model_dir, tokenizer):
@@ -337,7 +340,7 @@ def test_fast_backend_holds_a_saved_adapter_merged(tmp_path, tiny_model_dir, tok
     policy = trained_lora(load_policy(str(tiny_model_dir)), ["all-linear"], r=2)
     policy.save_pretrained(tmp_path / "adapter")
     tokenizer.save_pretrained(tmp_path / "adapter")
-    backend = build_backend(GRPOConfig(model=str(tmp_path / "adapter")), "fast")
+    backend = server_backend(GRPOConfig(model=str(tmp_path / "adapter")), "fast")
     assert not is_peft_model(backend.model)
     ids = torch.tensor([[5, 17, 30, 41]])
     with torch.no_grad():

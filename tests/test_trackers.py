@@ -16,8 +16,8 @@ import pytest
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError
-from covey.telemetry import RunLog
-from covey.trackers import check_trackers, make_trackers, wandb_key_configured
+from covey.telemetry.runlog import RunLog
+from covey.telemetry.trackers import check_trackers, make_trackers, wandb_key_configured
 
 CONFIG = GRPOConfig(learning_rate=3e-6, reward_funcs=["answer_format", "answer_correct"]).to_dict()
 # values a float32 holds exactly (TensorBoard stores float32); a NaN at step 2 must pass without a crash
@@ -233,7 +233,7 @@ TRACKIO_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from trackio.sqlite_storage import SQLiteStorage
-    from covey.trackers import make_trackers
+    from covey.telemetry.trackers import make_trackers
 
     steps = {int(k): v for k, v in json.loads(sys.argv[1]).items()}
     [tracker] = make_trackers(["trackio"], Path("run"), "run-1", json.loads(sys.argv[2]))
@@ -391,7 +391,7 @@ def test_a_missing_tracker_stops_the_trainer_before_the_model_loads(tmp_path, mo
 
 
 def test_summary_json_is_strict_json_written_in_one_rename(tmp_path):
-    from covey.telemetry import write_json
+    from covey.telemetry.runlog import write_json
 
     path = tmp_path / "summary.json"
     path.write_text("{\"the previous\": \"summary\"}")

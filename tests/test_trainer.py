@@ -15,7 +15,10 @@ import yaml
 
 from covey import GRPOConfig, GRPOTrainer
 from covey.errors import ConfigError, DataError, ModelError, RewardError
-from tests.conftest import make_model, make_tokenizer
+import covey.train.step as step_module
+from covey.train.setup import lr_schedule
+from covey.train.step import logprobs_no_grad
+from tests.conftest import make_model, make_tokenizer, optimize, scored_batch
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
 
@@ -128,10 +131,10 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tokenizer):
                           max_steps=1, eval_max_samples=0)
         trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                               processing_class=tokenizer, quiet=True)
-        batch, _ = trainer.generate_and_score([0, 1])
+        batch, fixed = scored_batch(trainer, [0, 1])
         trainer.optimizer.step = lambda: None  # keep the gradient for inspection
         trainer.optimizer.zero_grad = lambda set_to_none=True: None
-        trainer.optimize(batch)
+        optimize(trainer, batch, fixed)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
@@ -147,13 +150,14 @@ def test_a_run_folder_is_never_overwritten(tmp_path, tokenizer, tiny_model):
 
 
 def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
-    import covey.trainer
+    import covey.train.setup
+    import covey.train.trainer
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(covey.trainer, "load_policy", no_loading)
-    monkeypatch.setattr(covey.trainer, "load_tokenizer", no_loading)
+    monkeypatch.setattr(covey.train.setup, "load_policy", no_loading)
+    monkeypatch.setattr(covey.train.trainer, "load_tokenizer", no_loading)
     with pytest.raises(DataError, match="no 'prompt' column"):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=[{"text": "x"}])
 
@@ -217,7 +221,7 @@ def test_learning_rate_schedules(tmp_path, tokenizer, tiny_model, schedule, warm
     args = small_args(tmp_path, max_steps=4, lr_scheduler_type=schedule, warmup_ratio=warmup, learning_rate=1.0)
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
-    assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx(expected)
+    assert [lr_schedule(trainer.args)(s) for s in range(4)] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("warmup_steps", [2, 0.5])  # TRL's name: steps, or a fraction of max_steps below 1
@@ -225,7 +229,7 @@ def test_warmup_steps_set_the_warmup_as_in_trl(tmp_path, tokenizer, tiny_model, 
     args = small_args(tmp_path, max_steps=4, lr_scheduler_type="cosine", warmup_steps=warmup_steps, learning_rate=1.0)
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
-    assert [trainer._lr_factor(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+    assert [lr_schedule(trainer.args)(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -296,10 +300,11 @@ def test_prompt_overflow_policies(tmp_path, tokenizer, tiny_model, policy):
         trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=rows,
                               processing_class=tokenizer)
     assert trainer.prompt_overflow_count == 1
-    assert len(trainer.train_rows) == (3 if policy == "drop" else 4)
-    assert max(len(ids) for ids in trainer.prompt_ids) <= 40
+    prompts = trainer.parts.prompts
+    assert len(prompts.rows) == (3 if policy == "drop" else 4)
+    assert max(len(ids) for ids in prompts.ids) <= 40
     if policy == "truncate_left":  # the end of the prompt, where the assistant turn opens, is kept
-        assert tokenizer.decode(trainer.prompt_ids[3]).endswith("assistant\n")
+        assert tokenizer.decode(prompts.ids[3]).endswith("assistant\n")
 
 
 def test_completions_are_recorded_every_log_completions_steps_and_shown_as_a_table(tmp_path, tokenizer, capsys):
@@ -347,13 +352,13 @@ def test_old_and_reference_logprobs_never_see_dropout_and_disable_dropout_turns_
     args = small_args(tmp_path, use_peft=True, lora_r=4, lora_dropout=0.5, beta=0.1, disable_dropout=disable)
     trainer = GRPOTrainer(model=_model_with_dropout(tokenizer), reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer, quiet=True)
-    batch, _ = trainer.generate_and_score([0, 1])
+    sequences = scored_batch(trainer, [0, 1])[0].samples.sequences
     trainer.model.train()  # as after an optimizer step
-    old = [trainer._logprobs_no_grad(trainer.model, batch.sequences) for _ in range(2)]
+    old = [logprobs_no_grad(trainer.parts, trainer.model, sequences) for _ in range(2)]
     assert torch.equal(old[0], old[1]) and trainer.model.training
-    from covey.logprobs import completion_logprobs
+    from covey.train.forward import completion_logprobs
 
-    micro = batch.sequences.rows(slice(0, 4))
+    micro = sequences.rows(slice(0, 4))
     with torch.no_grad():
         train_mode = [completion_logprobs(trainer.model, micro, 1.0)[0] for _ in range(2)]
     assert torch.equal(train_mode[0], train_mode[1]) == disable
@@ -383,7 +388,7 @@ def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenize
     no_answers = [{"prompt": r["prompt"]} for r in ROWS[:2]]
     result = trainer.evaluate(no_answers)
     assert result["accuracy"] is None  # nothing to check against: not 0%
-    from covey.evaluation import before_after_rows
+    from covey.telemetry.tables import before_after_rows
 
     assert before_after_rows(result, result)[0][1] == "n/a" and before_after_rows(result, result)[2][1] == "n/a"
     # rows whose answer holds no number are not counted as wrong; a mean reward of none at all is n/a
@@ -405,7 +410,7 @@ def _answering(text: str, tokenizer, rows: int):
     return Rollout(ids_BT, torch.ones_like(ids_BT), torch.zeros(ids_BT.shape), ["eos"] * rows)
 
 
-def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path, tokenizer, tiny_model):
+def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path, tokenizer, tiny_model, monkeypatch):
     trained = tmp_path / "trained"  # a file: reward workers may run in processes of their own
 
     def breaks_after_training(completions, **kwargs):
@@ -416,14 +421,14 @@ def test_the_trained_model_is_saved_before_the_last_evaluation_can_fail(tmp_path
     args = small_args(tmp_path, max_steps=1)
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[breaks_after_training], args=args, train_dataset=ROWS,
                           eval_dataset=ROWS[:2], processing_class=tokenizer, quiet=True)
-    optimize = trainer.optimize
+    optimizer_step = step_module.optimizer_step
 
     def optimize_then_break(*a, **k):
-        stats = optimize(*a, **k)
+        stats = optimizer_step(*a, **k)
         trained.touch()
         return stats
 
-    trainer.optimize = optimize_then_break
+    monkeypatch.setattr(step_module, "optimizer_step", optimize_then_break)
     with pytest.raises(RewardError, match="breaks_after_training"):
         trainer.train()
     saved = tmp_path / "run" / "final_model"
@@ -517,10 +522,11 @@ def test_keep_freed_memory_spares_the_page_faults_of_allocating_large_tensors_ag
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_training_keeps_freed_memory_as_configured(tmp_path, tokenizer, tiny_model, monkeypatch, keep):
-    import covey.trainer
+    import covey.train.setup
+    import covey.train.trainer
 
     calls = []
-    monkeypatch.setattr(covey.trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(covey.train.trainer, "keep_freed_memory", lambda: calls.append(1) or True)
     args = small_args(tmp_path, max_steps=1, eval_max_samples=0, keep_freed_memory=keep)
     GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS, processing_class=tokenizer,
                 quiet=True).train()

@@ -1,5 +1,6 @@
 """The variants wired through the trainer, on a tiny random Llama."""
 
+import dataclasses
 import json
 import warnings
 
@@ -8,12 +9,15 @@ import torch
 import yaml
 
 from covey import GRPOConfig, GRPOTrainer, core
+from covey.train import step
+from covey.train.batch import Update
+from covey.train.metrics import step_metrics
 from covey.cli import main
 from covey.errors import ConfigError
 from covey.models import add_lora, load_policy
 from covey.rewards import SoftOverlongPenalty, load_reward_func
 from covey.rollout import HFEngine
-from tests.conftest import make_model
+from tests.conftest import make_model, optimize, scored_batch
 from tests.test_trainer import ROWS, count_a, small_args
 
 
@@ -23,12 +27,13 @@ def trainer_for(tmp_path, tokenizer, seed=0, **overrides):
                        train_dataset=ROWS, processing_class=tokenizer, quiet=True)
 
 
-def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_computed_once(tmp_path, tokenizer):
+def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_computed_once(tmp_path, tokenizer,
+                                                                                            monkeypatch):
     trainer = trainer_for(tmp_path, tokenizer, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                           steps_per_generation=2, max_steps=2)
     calls = []
-    original = trainer._logprobs_no_grad
-    trainer._logprobs_no_grad = lambda model, seq: calls.append(1) or original(model, seq)
+    original = step.logprobs_no_grad
+    monkeypatch.setattr(step, "logprobs_no_grad", lambda parts, model, seq: calls.append(1) or original(parts, model, seq))
     ratios = []
     real_loss = core.policy_loss
 
@@ -41,7 +46,7 @@ def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_co
         trainer.train()
     finally:
         core.policy_loss = saved
-    assert trainer.global_step == 2 and trainer.rounds_sampled == 1 and len(calls) == 1
+    assert trainer.global_step == 2 and trainer.progress.rounds_sampled == 1 and len(calls) == 1
     assert torch.equal(ratios[0], torch.ones_like(ratios[0]))  # first pass: ratio exactly 1
     assert not torch.allclose(ratios[1], torch.ones_like(ratios[1]))  # the second window sees a moved policy
 
@@ -49,7 +54,7 @@ def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_co
 def test_num_iterations_reuses_the_generation_batch(tmp_path, tokenizer):
     trainer = trainer_for(tmp_path, tokenizer, num_iterations=3, max_steps=3)
     trainer.train()
-    assert trainer.global_step == 3 and trainer.rounds_sampled == 1
+    assert trainer.global_step == 3 and trainer.progress.rounds_sampled == 1
 
 
 def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path, tokenizer):
@@ -69,10 +74,10 @@ def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path, tokenizer)
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, tokenizer):
     trainer = trainer_for(tmp_path, tokenizer, mask_truncated_completions=True, max_completion_length=3)
-    batch, _ = trainer.generate_and_score([0, 1])
-    for row, reason in enumerate(batch.finish_reasons):
-        assert bool(batch.loss_mask_BT[row].any()) == (reason == "eos")
-    assert "length" in batch.finish_reasons
+    samples = scored_batch(trainer, [0, 1])[0].samples
+    for row, reason in enumerate(samples.finish_reasons):
+        assert bool(samples.loss_mask_BT[row].any()) == (reason == "eos")
+    assert "length" in samples.finish_reasons
 
 
 def test_reference_sync_mixes_policy_into_reference(tmp_path, tokenizer):
@@ -133,46 +138,53 @@ class InexactEngine(HFEngine):
 
     def generate(self, *args, **kwargs):
         rollout = super().generate(*args, **kwargs)
-        rollout.sampling_logp_BT = rollout.sampling_logp_BT - 0.05 * rollout.completion_mask_BT
-        return rollout
+        return dataclasses.replace(rollout, sampling_logp_BT=rollout.sampling_logp_BT - 0.05 * rollout.completion_mask_BT)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tokenizer, mode, num_iterations):
+def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tokenizer, mode, num_iterations,
+                                                                    monkeypatch):
     model = make_model(len(tokenizer))
     args = small_args(tmp_path, eval_max_samples=0, max_steps=1, vllm_importance_sampling_mode=mode,
                       vllm_importance_sampling_clip_max=1.5, num_iterations=num_iterations)
     engine = InexactEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer, rollout_engine=engine, quiet=True)
-    batch, _ = trainer.generate_and_score([0, 1])
-    sampler_logp_BT = trainer._logprobs_no_grad(trainer.model, batch.sequences)  # the policy that sampled
-    expected = core.engine_importance_weights(sampler_logp_BT, batch.sampling_logp_BT, batch.loss_mask_BT.float(),
-                                              mode, 1.5)
+    batch, fixed = scored_batch(trainer, [0, 1])
+    samples = batch.samples
+    sampler_logp_BT = step.logprobs_no_grad(trainer.parts, trainer.model, samples.sequences)  # the policy that sampled
+    expected = core.engine_importance_weights(sampler_logp_BT, samples.sampling_logp_BT, samples.loss_mask_BT.float(),
+                                              core.EngineCorrection.from_mode(mode, 1.5))
+    used = []  # the weights each micro-batch's loss was given
+    real_loss = core.policy_loss
+    monkeypatch.setattr(core, "policy_loss", lambda *a, **k: used.append(a[8]) or real_loss(*a, **k))
     if num_iterations == 1:  # the policy does not move before it trains: the training forward gives the weights
-        assert batch.old_logp_BT is None and batch.engine_weights_pending
-        stats = trainer.optimize(batch)
+        assert fixed.old_BT is None and fixed.correction is not None and fixed.engine_weights is None
+        stats = optimize(trainer, batch, fixed)
     else:  # a separate pass before the policy moves
-        assert batch.old_logp_BT is not None and not batch.engine_weights_pending
-        assert torch.allclose(batch.engine_weights, expected, atol=1e-5)
-        stats = trainer.optimize(batch)
-    assert torch.allclose(batch.engine_weights, expected, atol=1e-5)
-    token_w = torch.exp(sampler_logp_BT - batch.sampling_logp_BT)[batch.loss_mask_BT == 1]
+        assert fixed.old_BT is not None and fixed.engine_weights is not None
+        assert torch.allclose(fixed.engine_weights, expected, atol=1e-5)
+        stats = optimize(trainer, batch, fixed)
+    first = 0
+    for weights in used:
+        assert torch.allclose(weights.cpu(), expected[first:first + len(weights), :weights.shape[1]], atol=1e-5)
+        first += len(weights)
+    assert first == samples.size
+    token_w = torch.exp(sampler_logp_BT - samples.sampling_logp_BT)[samples.loss_mask_BT == 1]
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
     if mode == "token_truncate":  # logged over the trained tokens only, each weighing exp(0.05)
-        batch.loss_mask_BT[:, -2:] = 0  # as padding: whatever weights stand there are not counted
-        batch.engine_weights[:, -2:] = 0.0
-        metrics = trainer._metrics(batch, stats, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
+        update = Update(1, stats, stats["grad_norm"], 1e-3, 0, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
+        metrics = step_metrics(batch, update, ["count_a"], torch.ones(1, dtype=torch.float64), {}, {}, 0, False)
         assert metrics["engine_is/mean_weight"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), abs=1e-4)
         assert metrics["engine_is/masked_fraction"] == 0.0
 
 
-def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, tokenizer):
+def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, tokenizer, monkeypatch):
     trainer = trainer_for(tmp_path, tokenizer, rollout_bf16=True, max_steps=2)
     assert trainer.engine.exact_logprobs is False
     passes = []
-    trainer._logprobs_no_grad = lambda *a, **k: passes.append(1)  # the separate scoring pass
+    monkeypatch.setattr(step, "logprobs_no_grad", lambda *a, **k: passes.append(1))  # the separate scoring pass
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and not passes
@@ -182,8 +194,8 @@ def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, to
 
 
 def test_exact_engine_needs_no_correction(tmp_path, tokenizer):
-    batch, _ = trainer_for(tmp_path, tokenizer).generate_and_score([0, 1])
-    assert batch.engine_weights is None and batch.old_logp_BT is None
+    _, fixed = scored_batch(trainer_for(tmp_path, tokenizer), [0, 1])
+    assert fixed.engine_weights is None and fixed.correction is None and fixed.old_BT is None
 
 
 TRL_STYLE = """

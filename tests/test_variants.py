@@ -221,7 +221,7 @@ def test_engine_importance_weights(mode):
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]], dtype=torch.float64)
     engine = torch.tensor([[-1.5, -1.0, -0.5], [-1.1, -0.9, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
-    w = core.engine_importance_weights(trainer, engine, mask, mode, clip_max=1.5, clip_min=0.5)
+    w = core.engine_importance_weights(trainer, engine, mask, core.EngineCorrection.from_mode(mode, clip_max=1.5, clip_min=0.5))
     token = [[math.exp(0.5), math.exp(-1.0), 1.0], [math.exp(0.1), math.exp(-0.1), 1.0]]
     if mode.startswith("sequence"):
         token = [[math.prod(row)] for row in token]  # product of token ratios = exp(sum of log-ratios)

@@ -4,14 +4,16 @@ Each mutation monkeypatches one of covey's own functions the way a real bug woul
 pipeline is a tiny random Llama with two rewards (one reading the `answer` column) and a KL term.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import covey.core as core
-import covey.fast_rollout as fast_rollout
-import covey.logprobs as logprobs
-import covey.text as text
-import covey.trainer as trainer_module
+import covey.rollout.fast.engine as fast_rollout
+import covey.train.forward as logprobs
+import covey.data.text as text
+import covey.train.step as step_module
 from covey import GRPOConfig
 from covey.verify import STAGES, verify
 from tests.conftest import make_model
@@ -70,9 +72,9 @@ def _ratio_against_reference(original):
     return loss
 
 
-def _no_gradient_step(self):
-    self.optimizer.zero_grad(set_to_none=True)
-    return 0.0
+def _no_gradient_step(parts, progress):
+    parts.optimizer.zero_grad(set_to_none=True)
+    return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
 
 
 def _optimistic_clip(ratio, logp, adv, s):
@@ -101,20 +103,20 @@ MUTATIONS = {
     "EOS excluded from the mask": ("logprobs", lambda mp: mp.setattr(
         fast_rollout, "completion_mask", _without_eos(core.completion_mask))),
     "rewards shifted by one sample": ("rewards", lambda mp: mp.setattr(
-        trainer_module, "score_completions", _shifted_rewards(trainer_module.score_completions))),
+        step_module, "score_completions", _shifted_rewards(step_module.score_completions))),
     "answer column misaligned with prompts": ("data", lambda mp: mp.setattr(
-        trainer_module, "extra_columns", _misaligned_columns(trainer_module.extra_columns))),
+        step_module, "extra_columns", _misaligned_columns(step_module.extra_columns))),
     "loss normalised by the wrong count": ("loss", lambda mp: mp.setitem(
         core.LOSS_NORMALISERS, "generation_token_mean", lambda loss, mask, n: (loss * mask).sum() / n.sequences)),
     "gradients not applied": ("loss", lambda mp: mp.setattr(
-        trainer_module.GRPOTrainer, "apply_gradients", _no_gradient_step)),
+        step_module, "apply_gradients", _no_gradient_step)),
     "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(
-        trainer_module, "completion_logprobs",
+        step_module, "completion_logprobs",
         lambda model, batch, temperature=1.0, **k: logprobs.completion_logprobs(model, batch, 1.0, **k))),
     "reward weights ignored": ("rewards", lambda mp: mp.setattr(
         core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
     "completions decoded with their prompt": ("decode", lambda mp: mp.setattr(
-        trainer_module, "decode_completions",
+        step_module, "decode_completions",
         lambda tok, ids, mask, conv, strip=False: (lambda out: (
             [[{"role": "assistant", "content": "user: " + c[0]["content"]}] for c in out[0]], out[1]))(
             text.decode_completions(tok, ids, mask, conv, strip)))),
@@ -217,10 +219,10 @@ def test_every_loss_variant_equals_the_formula_away_from_ratio_one(tokenizer, se
 
 
 def test_a_row_cut_at_the_length_limit_keeps_a_sampled_pad_token():
-    from covey.verify import _eos_mask
+    from covey.verify.formulas import eos_mask
 
     ids = torch.tensor([[5, 6, 0, 0], [5, 3, 0, 0], [5, 7, 8, 0]])  # pad 0, EOS 3
-    mask = _eos_mask(ids, [3], 0, ["length", "eos", "stop"], max_length=4)
+    mask = eos_mask(ids, [3], 0, ["length", "eos", "stop"], max_length=4)
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]
 
 
@@ -253,7 +255,7 @@ def test_a_model_that_does_not_load_fails_the_setup_stage(tmp_path, tokenizer):
 
 def test_a_sampler_that_fails_fails_the_engine_stage_not_the_rewards(tokenizer, monkeypatch):
     from covey.errors import ModelError
-    from covey.fast_rollout import FastEngine
+    from covey.rollout.fast.engine import FastEngine
 
     def broken(self, *args, **kwargs):
         raise ModelError("the sampler could not run")

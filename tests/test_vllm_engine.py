@@ -13,9 +13,10 @@ from torch import nn
 from covey import GRPOConfig
 from covey.errors import ConfigError, ModelError
 from covey.models import add_lora, base_parameter_name, load_policy, policy_weights
-from covey.rollout import HFEngine, SamplingParams, make_engine
-from covey.vllm_engine import (VLLMEngine, finish_reason, llm_kwargs, model_source,
-                               request_seeds, rollout_from_outputs, vllm_sampling_kwargs)
+from covey.rollout import EngineSettings, HFEngine, SamplingParams, make_engine
+from covey.rollout.vllm_engine import (VLLMEngine, finish_reason, llm_kwargs, model_source, request_seeds,
+                                       rollout_from_outputs, vllm_sampling_kwargs)
+from covey.train.setup import build_engine, engine_settings
 from tests.conftest import make_model, make_tokenizer
 from tests.test_rollout_and_logprobs import _full_forward_logprobs, _prompts
 
@@ -208,11 +209,11 @@ def test_dora_is_refused(tokenizer):
 
 def test_llm_settings_follow_the_config(tmp_path):
     args = GRPOConfig(max_prompt_length=100, max_completion_length=28, seed=7, vllm_gpu_memory_utilization=0.45)
-    kwargs = llm_kwargs(args, str(tmp_path))
+    kwargs = llm_kwargs(engine_settings(args, torch.device("cpu")), str(tmp_path))
     assert kwargs == dict(model=str(tmp_path), dtype="float32", seed=7, gpu_memory_utilization=0.45, max_model_len=128,
                           trust_remote_code=False, logprobs_mode="processed_logprobs",
                           distributed_executor_backend="external_launcher", enable_prefix_caching=True)
-    assert llm_kwargs(GRPOConfig(bf16=True), "m")["dtype"] == "bfloat16"
+    assert llm_kwargs(engine_settings(GRPOConfig(bf16=True), torch.device("cpu")), "m")["dtype"] == "bfloat16"
 
 
 def test_model_source_is_where_the_policy_came_from(tiny_model_dir, tokenizer):
@@ -263,8 +264,8 @@ def fake_vllm(monkeypatch):
 
 def test_engine_glue_pushes_the_policy_first_and_after_each_sync(fake_vllm, tokenizer, tiny_model_dir):
     policy = load_policy(str(tiny_model_dir))
-    args = GRPOConfig(vllm_gpu_memory_utilization=0.5)
-    engine = make_engine("vllm", policy, tokenizer, [tokenizer.eos_token_id], args=args)
+    args = GRPOConfig(rollout_engine="vllm", vllm_gpu_memory_utilization=0.5)
+    engine = build_engine(args, policy, tokenizer, [tokenizer.eos_token_id])
     assert isinstance(engine, VLLMEngine) and engine.exact_logprobs is False
     assert engine.llm.kwargs["model"] == str(tiny_model_dir) and engine.llm.kwargs["gpu_memory_utilization"] == 0.5
     assert engine.llm.loaded == {}
@@ -282,7 +283,7 @@ def test_engine_glue_pushes_the_policy_first_and_after_each_sync(fake_vllm, toke
     assert engine.llm.resets == 1  # no push without a sync
     with torch.no_grad():
         policy.model.norm.weight.add_(1.0)
-    engine.sync_weights(policy)
+    engine.push_policy(policy)
     assert engine.llm.resets == 2 and torch.equal(engine.llm.loaded["model.norm.weight"], policy.model.norm.weight)
     assert engine.load_weights(iter([("a", torch.zeros(1)), ("b", torch.ones(1))])) == 2
 
@@ -290,14 +291,12 @@ def test_engine_glue_pushes_the_policy_first_and_after_each_sync(fake_vllm, toke
         engine.generate([[5]], 2, SamplingParams(max_new_tokens=4, temperature=3.0))
 
 
-def test_vllm_needs_the_config_and_the_package(tokenizer, monkeypatch):
+def test_vllm_needs_the_package(tokenizer, monkeypatch):
     model = make_model(len(tokenizer))
-    with pytest.raises(ConfigError, match="needs the run's config"):
-        make_engine("vllm", model, tokenizer, [3])
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed; install it with pip install "
                                           r"'covey\[vllm\]'"):
-        make_engine("vllm", model, tokenizer, [3], args=GRPOConfig(rollout_engine="vllm"))
+        make_engine("vllm", EngineSettings(), model, tokenizer, [3])
 
 
 # ---- the real thing (CUDA GPU with vLLM installed) -----------------------------------------------------------
@@ -325,7 +324,7 @@ def test_real_vllm_matches_hf_greedy_and_reports_processed_logprobs(tmp_path):
     policy = load_policy(str(tmp_path / "tiny")).cuda()  # vLLM loads the folder the policy came from
     eos = [tokenizer.eos_token_id]
     args = GRPOConfig(model=str(tmp_path / "tiny"), max_prompt_length=48, max_completion_length=16, seed=0)
-    engine = VLLMEngine(args, tokenizer.pad_token_id, eos, policy=policy)
+    engine = VLLMEngine(engine_settings(args, policy.device), tokenizer.pad_token_id, eos, policy=policy)
     hf = HFEngine(policy, tokenizer.pad_token_id, eos)
     prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=16, greedy=True)
 
@@ -347,5 +346,5 @@ def test_real_vllm_matches_hf_greedy_and_reports_processed_logprobs(tmp_path):
 
     with torch.no_grad():  # the trainer's policy moves; vLLM follows after a sync
         policy.load_state_dict(_vllm_ready_model(tokenizer, seed=1).state_dict())
-    engine.sync_weights(policy)
+    engine.push_policy(policy)
     assert_greedy_agrees()

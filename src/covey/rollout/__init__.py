@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from covey.rollout.client import ServerEngine
-from covey.rollout.engine import EngineSettings, Rollout, RolloutEngine, SamplingParams, left_pad
+from covey.rollout.engine import (EngineSettings, OwnWeights, Rollout, RolloutEngine, SamplesWithPolicy, SamplingParams,
+                                  left_pad)
 from covey.rollout.fast import FastEngine
 from covey.rollout.hf import HFEngine
 from covey.rollout.vllm_engine import VLLMEngine
@@ -31,5 +32,6 @@ def make_engine(name: str, settings: EngineSettings, policy: torch.nn.Module, to
     return ENGINES[name].build(settings, policy, tokenizer, eos_token_ids)
 
 
-__all__ = ["ENGINES", "EngineSettings", "Rollout", "RolloutEngine", "SamplingParams", "left_pad", "make_engine",
+__all__ = ["ENGINES", "EngineSettings", "OwnWeights", "Rollout", "RolloutEngine", "SamplesWithPolicy", "SamplingParams",
+           "left_pad", "make_engine",
            "FastEngine", "HFEngine", "VLLMEngine", "ServerEngine"]

@@ -107,6 +107,13 @@ class RolloutEngine(Protocol):
         pushed to the copy ``holder``."""
 
 
+def missing_members(engine: object) -> list[str]:
+    """The members of ``RolloutEngine`` that ``engine`` lacks (none for an engine the trainer can use)."""
+    declared = [*RolloutEngine.__annotations__, *(name for name, member in vars(RolloutEngine).items()
+                                                   if not name.startswith("_") and (callable(member) or isinstance(member, property)))]
+    return [name for name in declared if not hasattr(engine, name)]
+
+
 class SamplesWithPolicy:
     """For engines that sample with the policy module itself: nothing to push, ever."""
 

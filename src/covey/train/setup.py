@@ -23,6 +23,7 @@ from covey.models import (adapted_shared_matrix, add_lora, disable_dropout, eos_
                           load_tokenizer, merged_model, resolve_model_path)
 from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, preflight_check, reward_name
 from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, VLLMEngine, make_engine
+from covey.rollout.engine import missing_members
 from covey.rollout.server import Backend, FastBackend
 from covey.train.distributed import World
 
@@ -201,6 +202,14 @@ def engine_settings(args: GRPOConfig, device: torch.device) -> EngineSettings:
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                           trust_remote_code=args.trust_remote_code, server_host=args.vllm_server_host,
                           server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout)
+
+
+def check_engine(engine: RolloutEngine) -> None:
+    """An engine handed to the trainer has every member of the interface the trainer uses."""
+    if missing := missing_members(engine):
+        raise ConfigError(f"rollout_engine {type(engine).__name__} lacks {', '.join(missing)} of covey.rollout.RolloutEngine; "
+                          "derive it from covey.rollout.SamplesWithPolicy (an engine that samples with the policy module "
+                          "itself) or covey.rollout.OwnWeights (one with a copy of the weights, pushed to it)")
 
 
 def build_engine(args: GRPOConfig, policy: torch.nn.Module, tokenizer: Any, eos_ids: list[int]) -> RolloutEngine:

@@ -76,7 +76,9 @@ class GRPOTrainer:
         rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size)
         self.dataset_name, self.eval_rows = rows.source, rows.heldout
         check_trackers(args.report_to)
-        if rollout_engine is None and setup.engine_name(args) == "vllm":
+        if rollout_engine is not None:
+            setup.check_engine(rollout_engine)
+        elif setup.engine_name(args) == "vllm":
             check_vllm_installed()
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
