@@ -1,0 +1,143 @@
+"""The import graph of covey's own modules: no cycles, and every import runs down the layers.
+
+Every import statement counts, those inside functions and under ``TYPE_CHECKING`` too (an import
+inside a function hides a cycle rather than removing it). The layers, from the top:
+
+    cli                          the command line (only ``python -m covey`` imports it)
+    verify                       the pipeline doctor
+    train                        the step, the trainer, checkpoints, several processes
+    rewards | rollout | telemetry  independent of one another
+    data | models | config       what those stand on
+    core | errors | sources | trl_fields   the maths (nothing of covey), and leaves
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "src" / "covey"
+
+# each part of covey, and the parts it may import (besides itself)
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(), "sources": set(), "trl_fields": set(),
+    "core": set(),  # the maths import nothing of covey
+    "config": {"errors", "sources", "trl_fields"},
+    "data": {"errors", "sources"},
+    "models": {"errors", "sources"},
+    "rewards": {"errors", "sources", "data"},  # rewards know no trainer
+    "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
+    "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
+    "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry"},
+    "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "train"},
+    "cli": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "train",
+            "verify"},
+    "__init__": {"config", "errors", "train"},  # the package itself: its public names
+    "__main__": {"cli"},
+}
+
+
+def module_names(root: Path = SOURCE) -> dict[str, Path]:
+    """covey's modules by dotted name (a package by its own name)."""
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = ("covey", *path.relative_to(root).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The covey modules that the module ``name`` at ``path`` imports, wherever the import stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:  # a name that is a module of its own is an import of that module
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph(root: Path = SOURCE) -> dict[str, set[str]]:
+    modules = module_names(root)
+    return {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def part(module: str) -> str:
+    """The part of covey a module belongs to: ``covey.train.step`` -> ``train``, ``covey`` -> ``__init__``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a part that its importer's part may not import, as 'importer -> imported'."""
+    return sorted(f"{importer} -> {imported}" for importer, targets in graph.items() for imported in targets
+                  if part(imported) != part(importer) and part(imported) not in MAY_IMPORT[part(importer)])
+
+
+def test_every_part_of_covey_has_a_layer():
+    assert {part(m) for m in import_graph()} == set(MAY_IMPORT)
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_every_import_runs_down_the_layers():
+    assert against_the_layers(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_an_upward_import_and_a_hidden_one(tmp_path):
+    """On a small package written here: a cycle through an import inside a function, and an engine
+    that imports the run's config, are both found."""
+    root = tmp_path / "covey"
+    (root / "rollout").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "config.py").write_text("from covey.rollout import engine\n")
+    (root / "rollout" / "__init__.py").write_text("from covey.rollout.engine import Engine\n")
+    (root / "rollout" / "engine.py").write_text("class Engine:\n    def settings(self):\n"
+                                                "        from covey.config import GRPOConfig\n")
+    graph = import_graph(root)
+    assert graph["covey.rollout.engine"] == {"covey.config"} and graph["covey.config"] == {"covey.rollout.engine"}
+    assert cycles(graph) == [["covey.config", "covey.rollout.engine"]]
+    assert against_the_layers(graph) == ["covey.config -> covey.rollout.engine", "covey.rollout.engine -> covey.config"]
