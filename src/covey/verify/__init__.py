@@ -35,6 +35,7 @@ from covey.verify import stages
 from covey.verify.report import STAGES, Check, Report, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
+SETUP = "the model, its tokenizer and the settings load"
 
 
 def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
@@ -47,18 +48,13 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     try:
         trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
                               args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True)
-    except DataError as e:
-        report.add("data", "dataset loads", False, "error", str(e))
-        return report
-    except RewardError as e:
-        report.add("rewards", "reward functions load", False, "error", str(e))
-        return report
-    except (ModelError, ConfigError) as e:
-        report.add("setup", "the model, its tokenizer and the settings load", False, "error", str(e))
-        return report
+    except CoveyError as e:
+        return _failed(report, e, ((DataError, "data", "dataset loads"),
+                                   (RewardError, "rewards", "reward functions load"),
+                                   ((ModelError, ConfigError), "setup", SETUP)))
     parts = trainer.parts
     parameters = sum(p.numel() for p in parts.model.parameters())
-    report.add("setup", "the model, its tokenizer and the settings load", True,
+    report.add("setup", SETUP, True,
                f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
     eos_ids = eos_token_ids(parts.model, parts.tokenizer)
     stages.check_data(report, parts)
@@ -69,15 +65,10 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     try:
         batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
         fixed = fixed_logprobs(parts, batch)
-    except RewardError as e:
-        report.add("rewards", "reward functions run on a sampled batch", False, "error", str(e))
-        return report
-    except DataError as e:
-        report.add("data", "the prompts of a batch are sampled", False, "error", str(e))
-        return report
     except CoveyError as e:
-        report.add("engine", f"the {settings.rollout_engine} engine samples a batch", False, "error", str(e))
-        return report
+        return _failed(report, e, ((RewardError, "rewards", "reward functions run on a sampled batch"),
+                                   (DataError, "data", "the prompts of a batch are sampled"),
+                                   (CoveyError, "engine", f"the {settings.rollout_engine} engine samples a batch")))
     stages.check_columns(report, parts, indices, calls)
     stages.check_rewarded_text(report, parts, batch, calls)
     stages.check_rewards(report, parts, batch, calls)
@@ -87,6 +78,16 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     stages.check_engine(report, parts, batch, logp_BT)
     return report
+
+
+def _failed(report: Report, error: CoveyError, stages: tuple) -> Report:
+    """``report`` with ``error`` as the failure of the first stage whose kinds of error it is one of
+    (``stages``: (kinds, stage, check) in order); an error of no such kind is raised as it is."""
+    for kinds, stage, check in stages:
+        if isinstance(error, kinds):
+            report.add(stage, check, False, "error", str(error))
+            return report
+    raise error
 
 
 def _recording_calls(rewards: Rewards) -> tuple[Rewards, list[dict]]:
