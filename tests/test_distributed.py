@@ -442,7 +442,7 @@ def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
     server = RolloutServer(FastBackend(model, tokenizer, [tokenizer.eos_token_id]), "127.0.0.1", 0).start()
     try:
         engine = ServerEngine("127.0.0.1", server.server_address[1], tokenizer.pad_token_id, policy=model)
-        engine.pushes, engine.pushed_to = False, "the instance before a restart"
+        engine.follow_pushes("the instance before a restart")  # as in a process that is not the first
         with pytest.raises(ModelError, match="restarted during the run.*resume it from its last checkpoint"):
             engine.generate([tokenizer.encode("say a")], 2, SamplingParams(max_new_tokens=4))
     finally:

@@ -128,6 +128,7 @@ _ORIGINAL_GROUP_ADV = core.group_advantages
 _ORIGINAL_ADV = core.advantages_from_rewards
 _ORIGINAL_AFTER = text.answer_after_reasoning
 _ORIGINAL_SUM = core.weighted_reward_sum
+_ORIGINAL_TOKEN_RATIO = core.IMPORTANCE_LEVELS["token"]
 
 
 @pytest.mark.parametrize("defect", list(MUTATIONS))
@@ -136,6 +137,27 @@ def test_planted_defect_fails_at_the_right_stage(defect, tokenizer, monkeypatch)
     plant(monkeypatch)
     report = run_verify(tokenizer)
     assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def test_a_kl_term_without_its_bias_correction_weight_fails_the_loss_stage(tokenizer, monkeypatch):
+    """use_bias_correction_kl multiplies the KL term by the importance ratio: at ratio 1 the weight is 1,
+    so only the check away from ratio 1, against a reference apart from the policy, can see it dropped."""
+    def without_kl_weight(logp, old, mask):
+        log_ratio, _ = _ORIGINAL_TOKEN_RATIO(logp, old, mask)
+        return log_ratio, torch.zeros_like(log_ratio)
+
+    args = GRPOConfig(num_generations=4, max_completion_length=10, beta=0.1, use_bias_correction_kl=True,
+                      temperature=0.7, reward_weights=[1.0, 2.0], seed=3)
+
+    def run():
+        return verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                      train_dataset=ROWS, reward_funcs=[variety, mentions_answer])
+
+    assert run().first_failure is None
+    monkeypatch.setitem(core.IMPORTANCE_LEVELS, "token", without_kl_weight)
+    report = run()
+    assert report.first_failure == "loss"
+    assert [c.name for c in report.checks if c.status == "FAIL"] == ["value equals the formula away from ratio 1"]
 
 
 def test_a_reward_function_that_raises_fails_the_rewards_stage(tokenizer):

@@ -176,15 +176,13 @@ def cmd_generate(argv: list[str]) -> int:
     from rich.console import Console
 
     from covey.telemetry.tables import completions_table
-    from covey.train.batch import Progress
     from covey.train.setup import one_batch_settings
-    from covey.train.step import generate_and_score, with_advantages
+    from covey.train.step import score_prompts
     from covey.train.trainer import GRPOTrainer
 
     parts = GRPOTrainer(args=one_batch_settings(args, namespace.num_prompts), quiet=True).parts
     indices = list(range(min(namespace.num_prompts, len(parts.prompts.rows))))
-    batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
-    records = batch.records()
+    records = score_prompts(parts, indices).records()
     table = completions_table(records, title=f"{len(records)} completions of {len(indices)} prompts")
     Console().print(table)
     if namespace.json:
@@ -253,8 +251,8 @@ def cmd_server(argv: list[str]) -> int:
         prog="covey server", allow_abbrev=False,
         description="Serve rollouts to trainers run with rollout_engine: vllm and vllm_mode: server, from vLLM on "
                     "this machine's GPU (or covey's fast engine). Give it the run's config; the trainer pushes "
-                    "its weights after every optimizer step. With COVEY_SERVER_TOKEN set in the environment, "
-                    "only trainers with the same value are served.")
+                    "its weights before each round that follows optimizer steps. With COVEY_SERVER_TOKEN set in the "
+                    "environment, only trainers with the same value are served.")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm",
                         help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
     parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")

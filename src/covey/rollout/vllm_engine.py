@@ -1,6 +1,6 @@
 """vLLM as a rollout engine, in the trainer's process (``vllm_mode: colocate``).
 
-vLLM holds its own copy of the weights, so after every optimizer step the trainer pushes the
+vLLM holds its own copy of the weights, so before each generation that follows optimizer steps the trainer pushes the
 policy into it (``push_policy``); a LoRA policy is pushed as merged weights W + scale * B @ A,
 computed beside the training model without touching it. vLLM is asked for the log-prob of each
 sampled token under the *processed* distribution (after repetition penalty, temperature, top-k,

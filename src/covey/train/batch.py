@@ -111,7 +111,7 @@ class FixedLogprobs:
 class Update:
     """One optimizer step on a batch, as its metrics report it."""
 
-    step: int  # the optimizer step it was, counted from 1
+    global_step: int  # the optimizer step it was, counted from 1
     totals: dict[str, float]  # summed over micro-batches and processes: loss, policy_loss, tokens, entropy_sum, ...
     grad_norm: float  # before clipping; NaN or inf for a step that was skipped
     learning_rate: float  # for the next step (after this one's schedule step)

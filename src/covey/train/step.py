@@ -20,6 +20,7 @@ gradients are summed over the processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -57,11 +58,11 @@ class Rewards:
     weights: list[float]
     pool: RewardPool | None = None
 
-    @property
+    @functools.cached_property
     def weights_F(self) -> torch.Tensor:
         return torch.tensor(self.weights, dtype=torch.float64)
 
-    @property
+    @functools.cached_property
     def names(self) -> list[str]:
         return [reward_name(f) for f in self.funcs]
 
@@ -165,6 +166,13 @@ def generate_and_score(parts: StepParts, sampler: PromptSampler | None, progress
                                         lambda rows, k: sample(rows, progress.rounds_sampled + k))
         rounds += extra
     return Generated(samples, rounds, calls.errors, calls.metrics, counts, timings)
+
+
+def score_prompts(parts: StepParts, indices: list[int]) -> ScoredBatch:
+    """Steps 1-3 on the training rows at ``indices``, outside the training loop (``covey generate``,
+    ``covey verify``): G completions each, their rewards and advantages."""
+    batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
+    return batch
 
 
 def next_prompts(parts: StepParts, sampler: PromptSampler) -> list[int]:

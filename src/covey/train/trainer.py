@@ -22,8 +22,8 @@ import yaml
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
-from covey.models import Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer
-from covey.models import tokenizer_as_loaded
+from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
+                          tokenizer_as_loaded)
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
 from covey.rollout import RolloutEngine
 from covey.rollout.vllm_engine import check_vllm_installed
@@ -90,36 +90,38 @@ class GRPOTrainer:
         torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
 
         if processing_class is not None:
-            self.tokenizer = processing_class
-            prepare_tokenizer(self.tokenizer)
+            tokenizer = processing_class
+            prepare_tokenizer(tokenizer)
         else:
             source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-            self.tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
+            tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
         train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
-            args, self.tokenizer, rows.train, rows.source)
+            args, tokenizer, rows.train, rows.source)
         if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
             self.args = args = dataclasses.replace(
                 args, max_steps=args.steps_for_epochs(len(train_rows), self.world.size), num_train_epochs=None)
             self._check_resumed_step()
 
-        self.model = setup.build_policy(args, model, peft_config)
-        self.world.check_device(next(self.model.parameters()).device)
-        self.world.broadcast_parameters(self.model)
-        if args.sync_ref_model and is_peft_model(self.model):  # a folder that held a LoRA adapter
+        policy = setup.build_policy(args, model, peft_config)
+        self.world.check_device(next(policy.parameters()).device)
+        self.world.broadcast_parameters(policy)
+        if args.sync_ref_model and is_peft_model(policy):  # a folder that held a LoRA adapter
             raise ConfigError(SYNC_WITH_LORA)
         if model is None or isinstance(model, str):
             self.model_name = model or args.model
         else:
             self.model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
-        self.reference = Reference(self.model) if args.beta > 0 else None
-        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.engine = rollout_engine or setup.build_engine(args, self.model, self.tokenizer, self.eos_ids)
-        self.optimizer = setup.make_optimizer(args, self.model, self.world)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, setup.lr_schedule(args))
+        reference = Reference(policy) if args.beta > 0 else None
+        self.eos_ids = eos_token_ids(policy, tokenizer)
+        engine = rollout_engine or setup.build_engine(args, policy, tokenizer, self.eos_ids)
+        if self.world.size > 1 and engine.shared_by_processes:
+            engine.policy_changed(policy)  # whatever it holds, the first process pushes the policy before sampling
+        optimizer = setup.make_optimizer(args, policy, self.world)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
         # the prompts of every process, drawn together; each takes its share (World.share)
         self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
-        self.parts = StepParts(args, self.world, self.model, self.reference, self.engine, self.tokenizer,
-                               Prompts(train_rows, prompt_ids), rewards, self.optimizer, self.scheduler,
+        self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer,
+                               Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
                                setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress()
@@ -134,6 +136,14 @@ class GRPOTrainer:
     def global_step(self) -> int:
         """Optimizer steps taken so far."""
         return self.progress.global_step
+
+    # the run's parts, as the step holds them
+    model = property(lambda self: self.parts.model, doc="The policy being trained.")
+    reference = property(lambda self: self.parts.reference, doc="The reference model (None when beta == 0).")
+    engine = property(lambda self: self.parts.engine, doc="The rollout engine.")
+    tokenizer = property(lambda self: self.parts.tokenizer)
+    optimizer = property(lambda self: self.parts.optimizer)
+    scheduler = property(lambda self: self.parts.scheduler)
 
     def _check_resumed_step(self) -> None:
         if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > self.args.max_steps:
@@ -162,11 +172,11 @@ class GRPOTrainer:
                 log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             while self.global_step < args.max_steps:
-                first_step = self.global_step
+                steps_before = self.global_step
                 result = grpo_step(self.parts, self.sampler, self.progress)
                 self.progress = result.progress
                 whole = self._log_step(log, result)
-                self._end_step(log, first_step, whole.records() if whole is not None else [])
+                self._after_step(log, steps_before, whole.records() if whole is not None else [])
             final = self._save_final_model()  # before anything else can fail
             after = self.evaluate() if self.eval_rows else None
         summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
@@ -195,13 +205,15 @@ class GRPOTrainer:
                 self.unlogged_metrics.append(step_metrics(
                     whole, update, self.parts.rewards.names, self.parts.rewards.weights_F, reward_metrics,
                     dynamic_sampling, result.progress.reward_errors, args.beta > 0))
-            if update.step % args.logging_steps == 0 or update.step == args.max_steps:
-                log.log_metrics(update.step, interval_mean(self.unlogged_metrics))
+            if update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps:
+                log.log_metrics(update.global_step, interval_mean(self.unlogged_metrics))
                 self.unlogged_metrics = []
-        self.history = log.history
         if (bad := result.progress.consecutive_bad_steps) >= args.max_consecutive_bad_steps:
+            if self.unlogged_metrics:  # the steps up to the failing one, whatever logging_steps says
+                log.log_metrics(result.progress.global_step, interval_mean(self.unlogged_metrics))
             raise NumericsError(f"{bad} steps in a row had NaN/inf gradients (step {result.progress.global_step}); "
                                 "lower the learning rate, check the rewards for NaN/inf, or try bf16: false")
+        self.history = log.history
         return None if merged is None else merged[0]
 
     def _merged_on_main(self, result: StepResult) -> tuple[ScoredBatch, dict, dict] | None:
@@ -220,17 +232,18 @@ class GRPOTrainer:
         return ScoredBatch.concat([batch for batch, _, _ in parts], self.tokenizer.pad_token_id), reward_metrics, \
             dynamic_sampling
 
-    def _end_step(self, log: RunLog, first_step: int, records: list[dict]) -> None:
-        """After a step's optimizer steps: record its completions when due, then checkpoint when due or
-        asked to stop. Checkpoints fall between steps, where the state is small and complete."""
+    def _after_step(self, log: RunLog, steps_before: int, records: list[dict]) -> None:
+        """After a step's optimizer steps (``steps_before`` were taken before it): record its completions
+        when due, then checkpoint when due or asked to stop. Checkpoints fall between steps, where the
+        state is small and complete."""
         args, step = self.args, self.global_step
-        if args.log_completions and (first_step == 0 or step == args.max_steps
-                                     or _crossed(first_step, step, args.log_completions_steps)):
+        if args.log_completions and (steps_before == 0 or step == args.max_steps
+                                     or _crossed(steps_before, step, args.log_completions_steps)):
             log.log_completions(step, records, args.num_completions_to_print)
         # a signal to any process stops them all; one in the last step: just finish
         stop_signal = next((s for s in self.world.gather(self.stop_signal) if s is not None), None)
         stopping = stop_signal is not None and step < args.max_steps
-        if not (args.save_steps and _crossed(first_step, step, args.save_steps) or stopping):
+        if not (args.save_steps and _crossed(steps_before, step, args.save_steps) or stopping):
             return
         path = self._checkpoint_every_process()
         log.info(f"checkpoint saved: {path}")

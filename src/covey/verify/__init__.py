@@ -25,11 +25,9 @@ import inspect
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
-from covey.models import eos_token_ids
 from covey.rewards import reward_name
-from covey.train.batch import Progress
 from covey.train.setup import one_batch_settings
-from covey.train.step import Rewards, fixed_logprobs, generate_and_score, with_advantages
+from covey.train.step import Rewards, fixed_logprobs, score_prompts
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages
 from covey.verify.report import STAGES, Check, Report, print_report
@@ -56,14 +54,14 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     parameters = sum(p.numel() for p in parts.model.parameters())
     report.add("setup", SETUP, True,
                f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
-    eos_ids = eos_token_ids(parts.model, parts.tokenizer)
+    eos_ids = trainer.eos_ids
     stages.check_data(report, parts)
     stages.check_decode(report, parts, eos_ids)
     indices = list(range(min(num_prompts, len(parts.prompts.rows))))
     rewards, calls = _recording_calls(parts.rewards)
     parts = dataclasses.replace(parts, rewards=rewards)
     try:
-        batch, _ = with_advantages(parts, generate_and_score(parts, None, Progress(), indices).samples)
+        batch = score_prompts(parts, indices)
         fixed = fixed_logprobs(parts, batch)
     except CoveyError as e:
         return _failed(report, e, ((RewardError, "rewards", "reward functions run on a sampled batch"),
@@ -73,6 +71,8 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_rewarded_text(report, parts, batch, calls)
     stages.check_rewards(report, parts, batch, calls)
     stages.check_advantages(report, parts, batch)
+    if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
+        fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
     logp_BT = stages.check_logprobs(report, parts, batch, eos_ids)
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)

