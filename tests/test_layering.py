@@ -6,6 +6,7 @@ inside a function hides a cycle rather than removing it). The layers, from the t
     cli                          the command line (only ``python -m covey`` imports it)
     verify                       the pipeline doctor
     train                        the step, the trainer, checkpoints, several processes
+    agents                       tools, environments and episodes (the code sandbox of rewards)
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
     core | errors | sources | trl_fields   the maths (nothing of covey), and leaves
@@ -28,10 +29,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rewards": {"errors", "sources", "data"},  # rewards know no trainer
     "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
     "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
-    "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry"},
-    "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "train"},
-    "cli": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "train",
-            "verify"},
+    "agents": {"errors", "sources", "rewards"},  # tools, environments, episodes: no engine, no trainer
+    "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
+    "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+               "train"},
+    "cli": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+            "train", "verify"},
     "__init__": {"config", "errors", "train"},  # the package itself: its public names
     "__main__": {"cli"},
 }

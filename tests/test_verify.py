@@ -13,6 +13,7 @@ import covey.core as core
 import covey.rollout.fast.engine as fast_rollout
 import covey.train.forward as logprobs
 import covey.data.text as text
+import covey.train.generation as generation_module
 import covey.train.step as step_module
 from covey import GRPOConfig
 from covey.verify import STAGES, verify
@@ -116,7 +117,7 @@ MUTATIONS = {
     "reward weights ignored": ("rewards", lambda mp: mp.setattr(
         core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
     "completions decoded with their prompt": ("decode", lambda mp: mp.setattr(
-        step_module, "decode_completions",
+        generation_module, "decode_completions",
         lambda tok, ids, mask, conv, strip=False: (lambda out: (
             [[{"role": "assistant", "content": "user: " + c[0]["content"]}] for c in out[0]], out[1]))(
             text.decode_completions(tok, ids, mask, conv, strip)))),

@@ -103,6 +103,12 @@ class GRPOConfig:
     mask_truncated_completions: bool = _f(False, "leave completions that hit max_completion_length out of the loss (DAPO)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
     dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")
+    # --- agents: tools and environments (docs/agents.md) ---------------------------------------
+    tools: list = _f([], "tools the model may call over several turns: built-in names (calculate, run_python) or 'file.py:function' / 'package.module:function'")
+    environment_factory: str | None = _f(None, "an environment class in TRL's convention, as 'file.py:Class': one instance per episode, reset(**row), its methods are tools")
+    max_tool_calling_iterations: int | None = _f(None, "rounds of tool calls an episode may make (None: until a turn makes none or the completion budget ends it), as in TRL")
+    tool_call_parser: str = _f("hermes", "how tool calls are written in the model's text: <tool_call>{json}</tool_call> (Hermes, Qwen)", choices=("hermes",))
+    tool_timeout: float = _f(10.0, "seconds one tool call may take before its result is an error message for the model")
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "peak learning rate of AdamW")
     per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch (of each process, as in TRL)")
@@ -256,6 +262,9 @@ class GRPOConfig:
         need(self.vllm_importance_sampling_clip_min is None or self.vllm_importance_sampling_clip_min >= 0,
              f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be >= 0")
         need(self.reward_num_workers >= 0, f"reward_num_workers={self.reward_num_workers} must be >= 0")
+        need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
+             f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be at least 1 (None: no limit)")
+        need(self.tool_timeout > 0, f"tool_timeout={self.tool_timeout} must be positive")
         need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
              "code_timeout must be positive and code_memory_limit_mb at least 16")
         need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")

@@ -14,8 +14,9 @@ from covey.errors import DataError
 from covey.sources import why_unloadable
 
 # what every reward call receives from the trainer beside the dataset's columns, which pass by name: no
-# column may be called so
-TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"})
+# column may be called so (``environments``: the episodes' environment instances, where there are any)
+TRAINER_REWARD_ARGS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                                 "environments"})
 # file name endings (in any case) and the loader of each; datasets' loaders read gzip-compressed text files as they are
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                  ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}

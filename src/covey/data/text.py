@@ -10,18 +10,21 @@ from covey.errors import DataError
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
-                   overflow: str = "error", overflowed: list[int] | None = None) -> list[list[int] | None]:
+                   overflow: str = "error", overflowed: list[int] | None = None,
+                   tools: list[dict] | None = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
-    turn opened), plain strings as they are. A prompt over ``max_prompt_length`` is an error
-    (``overflow="error"``), None (``"drop"``), or keeps its last max_prompt_length tokens
-    (``"truncate_left"``); the indices of such prompts are appended to ``overflowed``."""
+    turn opened, and ``tools`` for a template that renders them), plain strings as they are. A prompt
+    over ``max_prompt_length`` is an error (``overflow="error"``), None (``"drop"``), or keeps its last
+    max_prompt_length tokens (``"truncate_left"``); the indices of such prompts are appended to
+    ``overflowed``."""
     check_chat_template(tokenizer, prompts, source)
     encoded: list[list[int] | None] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            extra = {} if tools is None else {"tools": tools}
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             if overflow == "error":

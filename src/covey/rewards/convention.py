@@ -117,10 +117,13 @@ def _signature_problems(signature: inspect.Signature, keywords: list[str], name:
     return problems
 
 
-def check_reward_columns(rows: list[dict], reward_funcs: list, source: str) -> None:
-    """Every column a reward function requires by name exists and has a value in every row."""
+def check_reward_columns(rows: list[dict], reward_funcs: list, source: str, others_may_come: bool = False) -> None:
+    """Every column a reward function requires by name exists and has a value in every row
+    (``others_may_come``: a column the data lacks may come from elsewhere, a rollout_func's output)."""
     for func in reward_funcs:
         for column in sorted(required_columns(func)):
+            if column not in rows[0] and others_may_come:
+                continue
             if column not in rows[0]:
                 raise DataError(f"{source}: reward function {reward_name(func)!r} needs a column {column!r}, which "
                                 f"the data lacks (columns: {', '.join(rows[0])}); add it or give the parameter a default")

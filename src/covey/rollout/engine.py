@@ -10,8 +10,9 @@ their behaviour, and any object of the ``RolloutEngine`` shape can be handed to 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -63,6 +64,15 @@ class Rollout:
         return self.completion_mask_BT.sum(1)
 
 
+# What an episode's environment does when the model ends a turn: given the row (the episode's place in the
+# batch), the ids the model sampled in that turn (up to its end token) and how many more tokens the episode
+# may hold, the ids to append before the model's next turn (tool results, an environment's message, the
+# opening of the next assistant turn), fewer than that many; or None: the episode is over.
+Respond = Callable[[int, list[int], int], "list[int] | None"]
+# how far apart the seeds of an episode's later turns are, when an engine samples them one call at a time
+TURN_SEED_STRIDE = 1_000_003
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What an engine is built with: the part of a run's settings the engines read (each its own fields)."""
@@ -91,6 +101,12 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout: ...
 
+    def generate_episodes(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                          seed: int | None, respond: Respond) -> Rollout:
+        """Episodes of several turns: after each turn the model ends, ``respond`` gives the tokens to
+        append (never sampled, so ``sampled_mask_BT`` is 0 there) or ends the episode.
+        ``params.max_new_tokens`` bounds each episode's tokens after its prompt, all of them."""
+
     def policy_changed(self, model: torch.nn.Module) -> None:
         """After every optimizer step: an engine with a copy of the weights takes the new ones before it
         next samples."""
@@ -114,7 +130,76 @@ def missing_members(engine: object) -> list[str]:
     return [name for name in declared if not hasattr(engine, name)]
 
 
-class SamplesWithPolicy:
+class TurnByTurn:
+    """Episodes for an engine that samples one turn per call: ``episodes_by_turns``."""
+
+    pad_token_id: int = 0  # what pads the rows of a rollout past their end
+
+    def generate_episodes(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                          seed: int | None, respond: Respond) -> Rollout:
+        return episodes_by_turns(self, prompt_ids, num_generations, params, seed, respond, self.pad_token_id)
+
+
+def episodes_by_turns(engine: RolloutEngine, prompt_ids: list[list[int]], num_generations: int,
+                      params: SamplingParams, seed: int | None, respond: Respond, pad_token_id: int) -> Rollout:
+    """Episodes with an engine's ``generate``, one turn per call: each later turn is sampled from the
+    whole episode so far (its prompt, the model's turns and the tokens appended between them), so every
+    turn costs a prefill of the episode (an engine with a prefix cache, such as vLLM, reuses it). A turn
+    that runs past its episode's budget is cut there."""
+    budget, G = params.max_new_tokens, num_generations
+    prompts = [list(p) for p in prompt_ids for _ in range(G)]
+    B = len(prompts)
+    ids: list[list[int]] = [[] for _ in range(B)]
+    sampled: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    reasons = ["length"] * B
+    active, turn, calls = list(range(B)), engine.generate(prompt_ids, G, params, seed), 0
+    while True:
+        still = []
+        for j, row in enumerate(active):
+            n = min(int(turn.completion_mask_BT[j].sum()), budget - len(ids[row]))
+            turn_ids = turn.completion_ids_BT[j, :n].tolist()
+            ids[row] += turn_ids
+            sampled[row] += [1] * n
+            logps[row] += turn.sampling_logp_BT[j, :n].tolist()
+            if n < int(turn.completion_mask_BT[j].sum()) or turn.finish_reasons[j] == "length":
+                continue  # the budget is spent: "length"
+            room = budget - len(ids[row])
+            appended = respond(row, turn_ids, room)
+            if appended is None or len(appended) >= room:
+                reasons[row] = turn.finish_reasons[j]
+                continue
+            ids[row] += list(appended)
+            sampled[row] += [0] * len(appended)
+            logps[row] += [0.0] * len(appended)
+            still.append(row)
+        if not still:
+            break
+        active, calls = still, calls + 1
+        room = max(budget - len(ids[row]) for row in active)
+        turn = engine.generate([prompts[row] + ids[row] for row in active], 1,
+                               dataclasses.replace(params, max_new_tokens=room),
+                               None if seed is None else seed + calls * TURN_SEED_STRIDE)
+    return padded_rollout(ids, sampled, logps, reasons, pad_token_id)
+
+
+def padded_rollout(ids: list[list[int]], sampled: list[list[int]], logps: list[list[float]], reasons: list[str],
+                   pad_token_id: int) -> Rollout:
+    """A ``Rollout`` of episodes given row by row: their ids, which of them the model sampled, and the
+    sampled ones' log-probs (0 elsewhere)."""
+    B, T = len(ids), max(len(row) for row in ids)
+    ids_BT = torch.full((B, T), pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros(B, T, dtype=torch.long)
+    sampled_BT = torch.zeros(B, T, dtype=torch.long)
+    logp_BT = torch.zeros(B, T)
+    for b in range(B):
+        n = len(ids[b])
+        ids_BT[b, :n], mask_BT[b, :n] = torch.tensor(ids[b], dtype=torch.long), 1
+        sampled_BT[b, :n], logp_BT[b, :n] = torch.tensor(sampled[b], dtype=torch.long), torch.tensor(logps[b])
+    return Rollout(ids_BT, mask_BT, logp_BT, list(reasons), sampled_BT)
+
+
+class SamplesWithPolicy(TurnByTurn):
     """For engines that sample with the policy module itself: nothing to push, ever."""
 
     shared_by_processes = False
@@ -131,7 +216,7 @@ class SamplesWithPolicy:
         """Nothing is pushed."""
 
 
-class OwnWeights:
+class OwnWeights(TurnByTurn):
     """For engines that keep their own copy of the weights: after ``policy_changed(model)`` the weights
     are pushed once, at the next ``generate`` (however many optimizer steps came before it).
     Subclasses implement ``_push_weights(model)`` and call ``_push_if_stale()`` first in ``generate``."""

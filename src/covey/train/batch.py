@@ -23,6 +23,14 @@ from covey.train.forward import SequenceBatch
 
 
 @dataclass(frozen=True)
+class Prompts:
+    """The training prompts: their rows and, in the same order, their token ids."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+
+
+@dataclass(frozen=True)
 class Samples:
     """A generation round's completions and their rewards, one row per completion; the G rows of a
     prompt are contiguous. A row may hold several model turns with tokens that a tool or the

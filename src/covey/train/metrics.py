@@ -48,6 +48,7 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
         "completions/min_length": float(lengths_B.min()),
         "completions/max_length": float(lengths_B.max()),
         "completions/clipped_ratio": sum(r == "length" for r in samples.finish_reasons) / samples.size,
+        **episode_metrics(samples.records),
         "learning_rate": update.learning_rate,
         "grad_norm": update.grad_norm,
         "bad_steps": float(update.bad_steps),
@@ -69,3 +70,20 @@ def interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
         finite = [v for v in values if math.isfinite(v)]
         merged[key] = values[-1] if key in LAST_OF_INTERVAL else sum(finite) / len(finite) if finite else math.nan
     return merged
+
+
+def episode_metrics(records: list[dict]) -> dict[str, float]:
+    """Over a batch of episodes (none for single completions): model turns per episode, tool calls per
+    episode, the share of calls that failed (TRL's names for the two), malformed calls per episode, and
+    the shares of episodes cut by the turn limit and by the length limit (tool results that did not
+    fit, or a turn the budget ended)."""
+    episodes = [(r["episode"], r["finish_reason"]) for r in records if "episode" in r]
+    if not episodes:
+        return {}
+    n, calls = len(episodes), sum(e["tool_calls"] for e, _ in episodes)
+    return {"episodes/turns": sum(e["turns"] for e, _ in episodes) / n,
+            "tools/call_frequency": calls / n,
+            "tools/failure_frequency": sum(e["tool_errors"] for e, _ in episodes) / calls if calls else 0.0,
+            "tools/malformed_frequency": sum(e["malformed_calls"] for e, _ in episodes) / n,
+            "episodes/cut_by_turn_limit": sum(e["cut"] == "turns" for e, _ in episodes) / n,
+            "episodes/cut_by_length": sum(e["cut"] == "length" or reason == "length" for e, reason in episodes) / n}

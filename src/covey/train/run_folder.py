@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from covey.agents import BUILTIN_TOOLS
 from covey.config import GRPOConfig, config_fields
 from covey.errors import ConfigError
 from covey.rewards import reward_reference
@@ -19,11 +20,12 @@ from covey.train.checkpoint import CHECKPOINTS, checkpoint_dirs, saved_step, ste
 
 
 def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any,
-                   reward_funcs: Sequence | None, peft_config: Any) -> dict:
+                   reward_funcs: Sequence | None, peft_config: Any, tools: Sequence | None = None,
+                   environment_factory: Any = None) -> dict:
     """The config a run saves: ``args`` with what the trainer was handed in their place (model,
-    datasets, reward functions, a LoRA config). What a file cannot name (a model object, in-memory
-    rows, a function defined in a script) becomes a marker that says so and loads nothing, rather than
-    the default the run did not use."""
+    datasets, reward functions, a LoRA config, tools, an environment class). What a file cannot name (a
+    model object, in-memory rows, a function defined in a script) becomes a marker that says so and
+    loads nothing, rather than the default the run did not use."""
     values = args.to_dict()
     if model is not None:
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -34,6 +36,11 @@ def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_datase
             values[key] = given if isinstance(given, str) else in_memory("dataset")
     if reward_funcs is not None:
         values["reward_funcs"] = [reward_reference(f) for f in reward_funcs]
+    if tools is not None:  # by name, reference, or a marker (as reward functions are)
+        values["tools"] = [t if isinstance(t, str) else next((name for name, f in BUILTIN_TOOLS.items() if f is t),
+                                                             None) or reward_reference(t) for t in tools]
+    if environment_factory is not None:
+        values["environment_factory"] = reward_reference(environment_factory)
     if peft_config is not None:
         values["use_peft"] = True
         if all(hasattr(peft_config, key) for key in ("r", "lora_alpha", "lora_dropout")):  # a LoRA config

@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from covey import core
+from covey.agents import FORMATS, Agent, ToolCallFormat, load_tool
+from covey.agents.environments import EnvironmentKind
 from covey.config import GRPOConfig
 from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
@@ -25,6 +27,7 @@ from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, pr
 from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, VLLMEngine, make_engine
 from covey.rollout.engine import missing_members
 from covey.rollout.server import Backend, FastBackend
+from covey.sources import load_reference
 from covey.train.distributed import World
 
 # ---- rewards and data -----------------------------------------------------------------------------
@@ -63,16 +66,22 @@ class Rows:
 
 
 def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, reward_funcs: list[RewardFunc],
-                  processes: int) -> Rows:
+                  processes: int, environment: EnvironmentKind | None = None, own_rollouts: bool = False) -> Rows:
     """The training and held-out rows, checked against the reward functions, which are also called once
-    on placeholder completions (``preflight_check``) before any model loads."""
+    on placeholder completions (``preflight_check``; with fresh ``environment`` instances, not reset)
+    before any model loads. ``own_rollouts``: a rollout_func makes the completions, and may give the
+    rewards columns of its own, so the first batch checks those."""
     dataset = train_dataset if train_dataset is not None else args.dataset
     source = dataset if isinstance(dataset, str) else "an in-memory dataset"
     train = load_rows(dataset, split=args.dataset_split)
-    check_reward_columns(train, reward_funcs, source)
+    check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
     # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
     steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
-    preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], extra_columns(train[:2]), steps)
+    columns = extra_columns(train[:2])
+    if environment is not None:
+        columns["environments"] = [environment.factory() for _ in train[:2]]
+    if not own_rollouts:
+        preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps)
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                            args.eval_max_samples, args.eval_split)
     if heldout and (shared := shared_prompts(train, heldout)):
@@ -80,17 +89,24 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
                       "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
                       "not train on", stacklevel=3)
     if heldout:
-        check_reward_columns(heldout, reward_funcs, "eval_dataset")
+        check_reward_columns(heldout, reward_funcs, "eval_dataset", others_may_come=own_rollouts)
     return Rows(source, train, heldout)
 
 
-def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], source: str
-                            ) -> tuple[list[dict], list[list[int]], int]:
+def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], source: str,
+                            agent: Agent | None = None) -> tuple[list[dict], list[list[int]], int]:
     """(the rows kept, their prompts' token ids, how many were over max_prompt_length): rows over it
-    follow prompt_overflow."""
+    follow prompt_overflow. With an ``agent``, the prompts show the model its tools."""
     overflowed: list[int] = []
-    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_length, source,
-                                args.prompt_overflow, overflowed)
+    prompts, tools = [r["prompt"] for r in rows], None
+    if agent is not None:
+        if (plain := next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)) is not None:
+            raise DataError(f"{source}, row {plain}: tools and environments need chat prompts (a list of messages): "
+                            "a tool's result is a message of the conversation")
+        shown = [agent.prompt(p) for p in prompts]
+        prompts, tools = [messages for messages, _ in shown], shown[0][1]
+    prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, source, args.prompt_overflow,
+                                overflowed, tools)
     kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
     if not kept:
         raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
@@ -99,6 +115,30 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
         warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
                       f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=3)
     return [rows[i] for i in kept], [prompt_ids[i] for i in kept], len(overflowed)
+
+
+# ---- tools and environments ---------------------------------------------------------------------------
+
+
+def load_environment(args: GRPOConfig, environment_factory: Callable | None) -> EnvironmentKind | None:
+    """The environment of the run's episodes (given, else ``args.environment_factory``), probed: one
+    instance is made to read its tools, as TRL does."""
+    factory = environment_factory
+    if factory is None and args.environment_factory:
+        factory = load_reference(args.environment_factory, "environment_factory", ConfigError)
+    return EnvironmentKind.probe(factory) if factory is not None else None
+
+
+def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, environment: EnvironmentKind | None,
+                tool_call_format: ToolCallFormat | None = None) -> Agent | None:
+    """What the run's episodes run with: its tools (given, else ``args.tools``) and environment; None for
+    a run of single completions."""
+    specs = list(tools) if tools is not None else list(args.tools)
+    if not specs and environment is None:
+        return None
+    return Agent.build(tokenizer, [tokenizer.eos_token_id], [load_tool(spec) for spec in specs], environment,
+                       tool_call_format or FORMATS[args.tool_call_parser], args.max_tool_calling_iterations,
+                       args.tool_timeout)
 
 
 # ---- the policy and its optimizer -----------------------------------------------------------------

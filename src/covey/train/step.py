@@ -25,29 +25,21 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from covey import core
 from covey.config import GRPOConfig
-from covey.data import PromptSampler, extra_columns, is_conversational
-from covey.data.text import decode_completions
+from covey.agents import Agent
+from covey.data import PromptSampler, extra_columns
 from covey.models import Reference, autocast
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context, reward_name, score_completions
-from covey.rewards.answers import completion_text
 from covey.rollout import RolloutEngine, SamplingParams, left_pad
-from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch, StepResult, Update
+from covey.train import generation
+from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
 from covey.train.forward import SequenceBatch, completion_logprobs
-
-
-@dataclass(frozen=True)
-class Prompts:
-    """The training prompts: their rows and, in the same order, their token ids."""
-
-    rows: list[dict]
-    ids: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -84,6 +76,8 @@ class StepParts:
     sampling: SamplingParams  # how the training rounds sample
     loss_settings: core.LossSettings
     correction: core.EngineCorrection | None  # for an engine whose log-probs are not exact (None: turned off)
+    agent: Agent | None = None  # tools and an environment: episodes of several turns (None: one completion)
+    rollout_func: Callable[[list], dict] | None = None  # the user's own generation, TRL's rollout_func
 
     @property
     def device(self) -> torch.device:
@@ -185,14 +179,14 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
     """One generation round of the training rows at ``indices``: G completions each, decoded and scored."""
     args, G = parts.args, parts.args.num_generations
     t0 = time.perf_counter()
-    prompt_ids = [parts.prompts.ids[i] for i in indices]
-    rollout = parts.engine.generate(prompt_ids, G, parts.sampling, seed=seed)
-    t1 = time.perf_counter()
     rows = [parts.prompts.rows[i] for i in indices for _ in range(G)]
-    completions, completion_ids = decode_completions(parts.tokenizer, rollout.completion_ids_BT,
-                                                     rollout.completion_mask_BT, is_conversational(rows),
-                                                     args.strip_reasoning)
-    rewards_BF, logged_columns = score(parts, rows, completions, completion_ids, state, calls)
+    made = generation.generate(parts.engine, parts.tokenizer, rows, [parts.prompts.ids[i] for i in indices], G,
+                               parts.sampling, seed, args.strip_reasoning, parts.agent,
+                               [i for i in indices for _ in range(G)], parts.rollout_func, args.max_prompt_length,
+                               args.prompt_overflow)
+    rollout = made.rollout
+    t1 = time.perf_counter()
+    rewards_BF, logged_columns = score(parts, rows, made.completions, made.completion_ids, state, calls, made.columns)
     timings["time/generate"] += t1 - t0
     timings["time/score"] += time.perf_counter() - t1
     loss_mask_BT = rollout.sampled_mask_BT.clone()
@@ -200,13 +194,16 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
         truncated_B = torch.tensor([reason == "length" for reason in rollout.finish_reasons])
         loss_mask_BT[truncated_B] = 0
     totals_B = core.weighted_reward_sum(rewards_BF, parts.rewards.weights_F).tolist()
-    records = [{"prompt": r["prompt"], "completion": completion_text(c), "answer": r.get("answer"),
+    records = [{"prompt": r["prompt"], "completion": text, "answer": r.get("answer"),
                 "rewards": {name: _none_if_nan(v) for name, v in zip(parts.rewards.names, rewards_BF[i].tolist())},
                 "reward": _none_if_nan(totals_B[i]), "finish_reason": rollout.finish_reasons[i]}
-               for i, (r, c) in enumerate(zip(rows, completions))]
-    for i, record in enumerate(records):  # what reward functions logged with log_extra, beside (never over) them
+               for i, (r, text) in enumerate(zip(rows, made.texts))]
+    for i, record in enumerate(records):
+        if made.episodes is not None:
+            record["episode"] = made.episodes[i]
+        # what reward functions logged with log_extra, beside (never over) what is recorded already
         record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
-    prompt_ids_BP, prompt_mask_BP = left_pad([ids for ids in prompt_ids for _ in range(G)], parts.tokenizer.pad_token_id)
+    prompt_ids_BP, prompt_mask_BP = left_pad(made.prompt_ids, parts.tokenizer.pad_token_id)
     sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT)
     policy_version_B = torch.full((len(rows),), state.global_step, dtype=torch.long)
     return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, policy_version_B, rewards_BF,
@@ -214,9 +211,10 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
 
 
 def score(parts: StepParts, rows: list[dict], completions: list, completion_ids: list, state: TrainerState,
-          calls: _RewardCalls) -> tuple[torch.Tensor, dict[str, list]]:
+          calls: _RewardCalls, columns: dict[str, list] | None = None) -> tuple[torch.Tensor, dict[str, list]]:
     """Every reward function on the batch, (B, F); and the columns they logged with ``log_extra`` (a
-    value per completion). Failures under reward_errors: skip are counted."""
+    value per completion). ``columns``: given beside the dataset's (``environments``, a rollout_func's
+    own). Failures under reward_errors: skip are counted."""
     args, errors, logged_columns = parts.args, [], {}
 
     def log_extra(column: str, values: list) -> None:
@@ -226,7 +224,7 @@ def score(parts: StepParts, rows: list[dict], completions: list, completion_ids:
 
     context = reward_context(state, calls.log_metric, log_extra)
     rewards_BF = score_completions(parts.rewards.funcs, [r["prompt"] for r in rows], completions, completion_ids,
-                                   extra_columns(rows), args.reward_errors, args.reward_timeout, errors,
+                                   {**extra_columns(rows), **(columns or {})}, args.reward_errors, args.reward_timeout, errors,
                                    parts.rewards.pool, context)
     calls.errors += len(errors)
     if errors and calls.warn:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import yaml
 
+from covey.agents import ToolCallFormat
 from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
@@ -31,14 +33,14 @@ from covey.telemetry.runlog import RunLog, latest_run_config, write_json
 from covey.telemetry.tables import accuracy_change, model_card, percent, print_summary
 from covey.telemetry.trackers import check_trackers, make_trackers
 from covey.train import setup
-from covey.train.batch import Progress, ScoredBatch, StepResult
+from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step,
                                     written_whole)
 from covey.train.distributed import World, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
-from covey.train.step import Prompts, Rewards, StepParts, grpo_step, push_shared_policy
+from covey.train.step import Rewards, StepParts, grpo_step, push_shared_policy
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
@@ -54,13 +56,20 @@ class GRPOTrainer:
 
     ``model``: hub id, folder or loaded model (default: ``args.model``). ``reward_funcs``: callables or
     names (default: ``args.reward_funcs``). ``train_dataset``: rows, a ``datasets.Dataset`` or a dataset
-    spec (default: ``args.dataset``). Everything is checked before any model is loaded.
+    spec (default: ``args.dataset``). Episodes of several turns, in TRL's conventions (docs/agents.md):
+    ``tools`` (functions, default: ``args.tools``), ``environment_factory`` (a class, default:
+    ``args.environment_factory``), or the user's own ``rollout_func(prompts, trainer)``;
+    ``tool_call_format`` replaces ``args.tool_call_parser``. Everything is checked before any model is
+    loaded.
     """
 
     def __init__(self, model: Any = None, reward_funcs: Sequence[RewardFunc | str] | RewardFunc | None = None,
                  args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, peft_config: Any = None, rollout_engine: RolloutEngine | None = None,
-                 quiet: bool = False):
+                 quiet: bool = False, tools: Sequence[Callable | str] | None = None,
+                 environment_factory: Callable[[], Any] | None = None,
+                 rollout_func: Callable[[list, GRPOTrainer], dict] | None = None,
+                 tool_call_format: ToolCallFormat | None = None):
         self.args = args = args or GRPOConfig()
         if ((processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm"
                 and args.vllm_mode == "colocate"):
@@ -71,9 +80,17 @@ class GRPOTrainer:
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         funcs, weights = setup.load_rewards(args, reward_funcs)
-        self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config)
+        environment = setup.load_environment(args, environment_factory)
+        if environment is not None and environment.has_reward:  # the environment scores episodes too (TRL's)
+            funcs, weights = [*funcs, environment.reward_function()], [*weights, 1.0]
+        if rollout_func is not None and (tools or args.tools or environment is not None):
+            raise ConfigError("rollout_func generates the completions itself, so tools and environment_factory would "
+                              "go unused: give one or the other")
+        self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config,
+                                             tools, environment_factory)
         rewards = Rewards(funcs, weights, RewardPool(funcs, args.reward_num_workers, args.num_generations))
-        rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size)
+        rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size, environment,
+                                   own_rollouts=rollout_func is not None)
         self.dataset_name, self.eval_rows = rows.source, rows.heldout
         check_trackers(args.report_to)
         if rollout_engine is not None:
@@ -95,8 +112,9 @@ class GRPOTrainer:
         else:
             source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
             tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
+        agent = setup.build_agent(args, tokenizer, tools, environment, tool_call_format)
         train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
-            args, tokenizer, rows.train, rows.source)
+            args, tokenizer, rows.train, rows.source, agent)
         if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
             self.args = args = dataclasses.replace(
                 args, max_steps=args.steps_for_epochs(len(train_rows), self.world.size), num_train_epochs=None)
@@ -113,6 +131,8 @@ class GRPOTrainer:
             self.model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
         reference = Reference(policy) if args.beta > 0 else None
         self.eos_ids = eos_token_ids(policy, tokenizer)
+        if agent is not None:  # a turn ends at any of the model's end tokens
+            agent = dataclasses.replace(agent, eos_ids=self.eos_ids)
         engine = rollout_engine or setup.build_engine(args, policy, tokenizer, self.eos_ids)
         if self.world.size > 1 and engine.shared_by_processes:
             engine.policy_changed(policy)  # whatever it holds, the first process pushes the policy before sampling
@@ -122,7 +142,8 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
-                               setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args))
+                               setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args),
+                               agent, None if rollout_func is None else functools.partial(rollout_func, trainer=self))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress()
         self.before: dict | None = None  # the evaluation before training
@@ -142,6 +163,7 @@ class GRPOTrainer:
     reference = property(lambda self: self.parts.reference, doc="The reference model (None when beta == 0).")
     engine = property(lambda self: self.parts.engine, doc="The rollout engine.")
     tokenizer = property(lambda self: self.parts.tokenizer)
+    processing_class = tokenizer  # TRL's name, which rollout functions read
     optimizer = property(lambda self: self.parts.optimizer)
     scheduler = property(lambda self: self.parts.scheduler)
 
@@ -263,7 +285,8 @@ class GRPOTrainer:
         state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
         # every process evaluates its share of the rows
         parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs,
-                                           rewards.weights, self.args, rewards.pool, reward_context(state)))
+                                           rewards.weights, self.args, rewards.pool, reward_context(state),
+                                           agent=self.parts.agent))
         return merge_evaluations(parts)
 
     # ---- checkpoints ------------------------------------------------------------------------

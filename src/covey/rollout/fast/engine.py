@@ -19,9 +19,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from covey.core import completion_mask
+from covey.core import completion_mask, length_mask
 from covey.models import autocast
-from covey.rollout.engine import EngineSettings, Rollout, SamplesWithPolicy, SamplingParams, left_pad
+from covey.rollout.engine import EngineSettings, Respond, Rollout, SamplesWithPolicy, SamplingParams, left_pad
 from covey.rollout.fast.decoder import LeanDecoder, ModelDecoder
 
 
@@ -120,9 +120,20 @@ class FastEngine(SamplesWithPolicy):
             return LeanDecoder(self.model, dtype, max_length, self.multiply)
         return ModelDecoder(self.model)
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
+        return self._sample(prompt_ids, num_generations, params, seed, None)
+
+    def generate_episodes(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                          seed: int | None, respond: Respond) -> Rollout:
+        """Episodes in one decode loop: a row whose turn ends stays in the batch with its KV cache, and
+        the tokens ``respond`` appends are fed through it one step at a time (never recomputing the
+        episode), while the other rows go on sampling."""
+        return self._sample(prompt_ids, num_generations, params, seed, respond)
+
+    @torch.no_grad()
+    def _sample(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams, seed: int | None,
+                respond: Respond | None) -> Rollout:
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -143,12 +154,13 @@ class FastEngine(SamplesWithPolicy):
                 # the repetition penalty's tokens: the prompt's (its padding made a repeat of its last token)
                 prompt_BP = ids_NP.where(mask_NP.bool(), ids_NP[:, -1:]).repeat_interleave(G, dim=0).cpu()
                 rollout = self._decode(decoder, logits_BV, positions_NP[:, -1].repeat_interleave(G) + 1, params,
-                                       generator, device, prompt_BP)
+                                       generator, device, prompt_BP, respond)
         finally:
             model.train(was_training)
         return rollout
 
-    def _decode(self, decoder, logits_BV, next_position_B, params, generator, device, prompt_BP) -> Rollout:
+    def _decode(self, decoder, logits_BV, next_position_B, params, generator, device, prompt_BP,
+                respond: Respond | None) -> Rollout:
         B, T = logits_BV.shape[0], params.max_new_tokens
         tokens_BT = torch.full((B, T), self.pad_token_id, dtype=torch.long)
         logp_BT = torch.zeros(B, T)
@@ -156,6 +168,11 @@ class FastEngine(SamplesWithPolicy):
         reasons = ["length"] * B
         active = torch.arange(B)  # original row of each row still in the batch
         eos = torch.tensor(self.eos_token_ids, device=device)
+        # episodes: the tokens still to feed of what the environment appended, by row; where each row's
+        # current turn began; and which tokens the model sampled
+        appended: dict[int, list[int]] = {}
+        turn_start = [0] * B
+        sampled_BT = torch.zeros(B, T, dtype=torch.long)
         for t in range(T):
             history = None
             if params.repetition_penalty != 1.0:  # penalised: every token of the prompt and of the completion so far
@@ -164,15 +181,35 @@ class FastEngine(SamplesWithPolicy):
             logp_BV = torch.log_softmax(processed_BV, -1)
             next_B = processed_BV.argmax(-1) if params.greedy else sample_categorical(logp_BV.exp(), generator)
             logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1)
+            forced = {row for row in active.tolist() if row in appended} if appended else set()
+            for j, row in enumerate(active.tolist() if forced else ()):  # the environment's tokens, not a draw
+                if row in forced:
+                    next_B[j], logp_B[j] = appended[row].pop(0), 0.0
+                    if not appended[row]:
+                        del appended[row]
+                        turn_start[row] = t + 1
             tokens_BT[active, t] = next_B.cpu()
             logp_BT[active, t] = logp_B.float().cpu()
             lengths_B[active] = t + 1
+            sampled_BT[active, t] = 1
             finished_B = torch.isin(next_B, eos).cpu()
             for row, done in zip(active.tolist(), finished_B.tolist()):
+                if row in forced:
+                    sampled_BT[row, t] = 0
+                    continue
                 if done:
-                    reasons[row] = "eos"
-                elif params.stop and self._hits_stop(tokens_BT[row, : t + 1], params.stop):
-                    reasons[row] = "stop"
+                    end = "eos"
+                elif params.stop and self._hits_stop(tokens_BT[row, turn_start[row]: t + 1], params.stop):
+                    end = "stop"
+                else:
+                    continue
+                if respond is not None:  # the turn ended: the environment answers, or the episode is over
+                    room = T - (t + 1)
+                    more = respond(row, tokens_BT[row, turn_start[row]: t + 1].tolist(), room)
+                    if more is not None and 0 < len(more) < room:
+                        appended[row] = list(more)
+                        continue
+                reasons[row] = end
             keep_B = torch.tensor([reasons[row] == "length" for row in active.tolist()])
             if t == T - 1 or not keep_B.any():
                 break
@@ -184,9 +221,12 @@ class FastEngine(SamplesWithPolicy):
             next_position_B = next_position_B + 1
         width = int(lengths_B.max())  # as wide as the longest completion, like generate's output
         tokens_BT, logp_BT = tokens_BT[:, :width], logp_BT[:, :width]
-        mask_BT = completion_mask(tokens_BT, self.eos_token_ids, lengths_B)
+        # an episode holds EOS tokens inside it, at the ends of its earlier turns
+        mask_BT = completion_mask(tokens_BT, self.eos_token_ids, lengths_B) if respond is None else \
+            length_mask(lengths_B, width)
         tokens_BT = tokens_BT.masked_fill(mask_BT == 0, self.pad_token_id)
-        return Rollout(tokens_BT, mask_BT, logp_BT.masked_fill(mask_BT == 0, 0.0), reasons)
+        return Rollout(tokens_BT, mask_BT, logp_BT.masked_fill(mask_BT == 0, 0.0), reasons,
+                       sampled_BT[:, :width] * mask_BT)
 
     def _hits_stop(self, tokens_T: torch.Tensor, stop: tuple[str, ...]) -> bool:
         # a stop string spans at most one token per byte of it, plus the token it may begin inside;

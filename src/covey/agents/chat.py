@@ -1,0 +1,71 @@
+"""Between an episode's messages and its token ids, through the model's chat template: the prompt with
+its tools, and the ids a tool's message adds after a model turn.
+
+Only the ids the environment adds are ever rendered from text; the model's own turns stay the ids it
+sampled (token-in, token-out). A tool message's ids are read off the template by rendering a short
+conversation with and without it, so they are what the template writes between the end of a model
+turn and the opening of the next one, whatever the model wrote in its turn.
+"""
+
+from __future__ import annotations
+
+from covey.agents.formats import ToolCallFormat
+from covey.errors import ConfigError
+
+_PROBE = "covey_probe_tool"
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows the model the ``tools=`` it is given (the default
+    model's does not: then the tools go into the system prompt, ``with_tools``)."""
+    probe = {"type": "function", "function": {"name": _PROBE, "description": "a probe",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that fails on tools= renders none
+        return False
+    return _PROBE in text
+
+
+def with_tools(messages: list[dict], schemas: list[dict], tool_format: ToolCallFormat,
+               renders_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """(the prompt's messages, the ``tools=`` for its chat template): the template's own rendering where
+    it has one, else the format's instructions at the end of the system message (a new one if the
+    prompt has none)."""
+    if not schemas:
+        return messages, None
+    if renders_tools:
+        return messages, schemas
+    text = tool_format.instructions(schemas)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], None
+    return [{"role": "system", "content": text}, *messages], None
+
+
+def with_reset_text(messages: list[dict], text: str | None) -> list[dict]:
+    """The prompt with what an environment's ``reset`` returned appended to its last message, as TRL
+    appends it."""
+    if not text:
+        return messages
+    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + text}]
+
+
+def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -> list[int]:
+    """The ids the template writes after a model turn that ended in EOS: the tool messages, then the
+    opening of the model's next turn."""
+    call = [{"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]
+    turn = [{"role": "user", "content": "covey"}, {"role": "assistant", "content": "", "tool_calls": call}]
+
+    def ids(messages: list[dict], opened: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    before, after = ids(turn, False), ids(turn + tool_messages, True)
+    ends = [i for i, token in enumerate(before) if token in eos_ids]
+    before = before[: ends[-1] + 1] if ends else before  # a turn ends at its EOS; what follows it is added here
+    if after[: len(before)] != before:
+        raise ConfigError("the chat template renders a conversation with a tool message in a way that does not "
+                          "extend the conversation without it, so the ids a tool's result adds cannot be told; "
+                          "use a chat template whose turns are rendered one after another (ChatML, Qwen, Llama 3)")
+    return after[len(before):]
