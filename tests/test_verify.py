@@ -15,7 +15,11 @@ import covey.train.forward as logprobs
 import covey.data.text as text
 import covey.train.generation as generation_module
 import covey.train.step as step_module
+import covey.rollout.engine as engine_module
 from covey import GRPOConfig
+from covey.agents import HermesFormat, ParsedTurn, ToolCall
+from covey.rollout import FastEngine
+from covey.rollout.engine import TurnByTurn, padded_rollout
 from covey.verify import STAGES, verify
 from tests.conftest import make_model
 
@@ -288,3 +292,86 @@ def test_a_sampler_that_fails_fails_the_engine_stage_not_the_rewards(tokenizer, 
     assert report.first_failure == "engine"
     assert [c.stage for c in report.checks if c.status == "FAIL"] == ["engine"]
     assert any("the sampler could not run" in c.hint for c in report.checks)
+
+
+# ---- episodes with tools: token-in, token-out ------------------------------------------------------------
+
+
+class EveryTurnCalls(HermesFormat):
+    """Reads a call to ``echo`` of the whole turn in every model turn, so a random model makes episodes."""
+
+    def parse(self, text):
+        return ParsedTurn([ToolCall("echo", {"text": text})])
+
+    def render(self, call):
+        return str(next(iter(call.arguments.values()), ""))
+
+
+def echo(text: str) -> str:
+    """Say the start of it back.
+
+    Args:
+        text: what to say
+    """
+    return f"echo {text[:3]}"
+
+
+def run_agent_verify(tokenizer):
+    args = GRPOConfig(num_generations=4, max_completion_length=40, temperature=0.7, seed=3, stop_strings=list("aeio"),
+                      max_tool_calling_iterations=2, reward_weights=[1.0, 2.0], max_prompt_length=1024)
+    return verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                  train_dataset=ROWS, reward_funcs=[variety, mentions_answer], tools=[echo],
+                  tool_call_format=EveryTurnCalls())
+
+
+def _re_encoded(original, tokenizer):
+    """The engine's episodes with each turn of the model's ids replaced by its text encoded anew."""
+    def generate_episodes(self, *args, **kwargs):
+        rollout = original(self, *args, **kwargs)
+        ids, sampled, logps = [], [], []
+        for row in range(len(rollout.finish_reasons)):
+            n = int(rollout.completion_mask_BT[row].sum())
+            segments, start = [], 0
+            flags = rollout.sampled_mask_BT[row, :n].tolist()
+            for t in range(1, n + 1):
+                if t == n or flags[t] != flags[start]:
+                    segments.append((flags[start], rollout.completion_ids_BT[row, start:t].tolist()))
+                    start = t
+            row_ids, row_sampled = [], []
+            for flag, segment in segments:
+                if flag:
+                    segment = tokenizer.encode(tokenizer.decode(segment, skip_special_tokens=True),
+                                               add_special_tokens=False)
+                row_ids += segment
+                row_sampled += [flag] * len(segment)
+            ids.append(row_ids)
+            sampled.append(row_sampled)
+            logps.append([0.0] * len(row_ids))
+        return padded_rollout(ids, sampled, logps, rollout.finish_reasons, tokenizer.pad_token_id)
+    return generate_episodes
+
+
+def test_a_clean_pipeline_of_episodes_passes(tokenizer):
+    report = run_agent_verify(tokenizer)
+    assert not [c for c in report.checks if c.status == "FAIL"], [c for c in report.checks if c.status == "FAIL"]
+    episodes = {c.name: c for c in report.checks if c.stage == "episodes"}
+    assert {"tool calls round-trip through their format", "the trained ids are the ids the model sampled, turn after turn",
+            "tokens a tool or the environment wrote are attended to, never trained"} <= set(episodes)
+    assert "an episode called a tool" not in episodes  # it did: there were tokens between turns to check
+
+
+@pytest.mark.parametrize("defect, stage", [
+    ("tool-result tokens left in the loss mask", "episodes"),
+    ("the assistant turn re-encoded from its text", "episodes"),
+    ("a turn's prefix dropped before the next generation", "engine"),
+])
+def test_a_defect_of_episodes_fails_at_its_stage(defect, stage, tokenizer, monkeypatch):
+    if defect == "tool-result tokens left in the loss mask":
+        monkeypatch.setattr(step_module, "loss_mask", lambda rollout, masked: rollout.completion_mask_BT.clone())
+    elif defect == "the assistant turn re-encoded from its text":
+        monkeypatch.setattr(FastEngine, "generate_episodes", _re_encoded(FastEngine.generate_episodes, tokenizer))
+    else:  # the engine samples each later turn from what followed the prompt only
+        monkeypatch.setattr(FastEngine, "generate_episodes", TurnByTurn.generate_episodes)
+        monkeypatch.setattr(engine_module, "continuation", lambda prompt, episode: episode)
+    report = run_agent_verify(tokenizer)
+    assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]

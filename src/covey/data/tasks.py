@@ -6,6 +6,7 @@ column that the built-in rewards (``answer_format``, ``answer_correct``) read.
 
 from __future__ import annotations
 
+import json
 import random
 
 from covey.errors import DataError
@@ -42,6 +43,37 @@ def arithmetic(split: str) -> list[dict]:
             for a, b, t in chosen]
 
 
+MULTIPLICATION_SYSTEM_PROMPT = "Multiply the two numbers with the calculate tool, then give its result in answer tags."
+
+
+def _worked_exchange(a: int, b: int) -> list[dict]:
+    """One question answered with the tool: the call, its result, and the answer."""
+    call = {"name": "calculate", "arguments": {"expression": f"{a} * {b}"}}
+    return [{"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
+            {"role": "tool", "name": "calculate", "content": str(a * b)},
+            {"role": "assistant", "content": f"<answer>{a * b}</answer>"}]
+
+
+# two worked exchanges before the question: the model sees the tool called, its result, and the answer
+MULTIPLICATION_EXAMPLES = _worked_exchange(12, 345)
+MULTIPLICATION_TEMPLATES = ("What is {a} * {b}? Use the tool.", "Compute {a} * {b}. Use the tool.", "{a} * {b} = ? Use the tool.")
+MULTIPLICATION_HELDOUT = 64
+
+
+def multiplication(split: str) -> list[dict]:
+    """Products a * b of a 2-digit a and a 3-digit b, which a small model cannot work out in its head
+    but can with the ``calculate`` tool (``examples/multiplication_tool.yaml``). The held-out split is
+    64 products whose pairs never occur in training; training draws from the other 80,936."""
+    rng = random.Random(SPLIT_SEED)
+    pairs = [(a, b) for a in range(10, 100) for b in range(100, 1000)]
+    rng.shuffle(pairs)
+    chosen = pairs[:MULTIPLICATION_HELDOUT] if split == "test" else pairs[MULTIPLICATION_HELDOUT:]
+    return [{"prompt": [{"role": "system", "content": MULTIPLICATION_SYSTEM_PROMPT}, *MULTIPLICATION_EXAMPLES,
+                        {"role": "user", "content": MULTIPLICATION_TEMPLATES[i % 3].format(a=a, b=b)}],
+             "answer": str(a * b)} for i, (a, b) in enumerate(chosen)]
+
+
 def gsm8k_final_answer(solution: str) -> str:
     """GSM8K writes the final number after '####'."""
     if not isinstance(solution, str) or "####" not in solution:
@@ -70,4 +102,4 @@ def gsm8k_rows(records: list[dict], source: str = "gsm8k") -> list[dict]:
     return rows
 
 
-TASKS = {"arithmetic": arithmetic}
+TASKS = {"arithmetic": arithmetic, "multiplication": multiplication}

@@ -94,6 +94,20 @@ def _json_value(text: str, prefix: bool = False) -> Any:
         return None
 
 
+def tool_use(completions: list, **_: Any) -> list[float]:
+    """For episodes with tools: 0.5 for a turn with a tool call the format could read, 1 when besides
+    every call made got a result rather than an error (covey's tool errors start with "error:"); 0 for
+    an episode without a call, and for plain completions."""
+    scores = []
+    for completion in completions:
+        messages = completion if isinstance(completion, list) else []
+        called = any(m.get("tool_calls") for m in messages if m.get("role") == "assistant")
+        results = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
+        answered = bool(results) and not any(r.startswith("error:") for r in results)
+        scores.append(0.5 * called + 0.5 * (called and answered))
+    return scores
+
+
 class SoftOverlongPenalty:
     """DAPO's soft overlong punishment (eq. 13): 0 up to max_length - cache_length tokens, then a
     linear ramp down to -1 at max_length, and -1 beyond. Penalises length without rewarding brevity."""
@@ -112,7 +126,8 @@ class SoftOverlongPenalty:
 
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_format": answer_format, "answer_correct": answer_correct,
-                                           "reasoning_format": reasoning_format, "json_format": json_format}
+                                           "reasoning_format": reasoning_format, "json_format": json_format,
+                                           "tool_use": tool_use}
 
 
 def code_tests(**settings: Any) -> RewardFunc:

@@ -177,10 +177,15 @@ def episodes_by_turns(engine: RolloutEngine, prompt_ids: list[list[int]], num_ge
             break
         active, calls = still, calls + 1
         room = max(budget - len(ids[row]) for row in active)
-        turn = engine.generate([prompts[row] + ids[row] for row in active], 1,
+        turn = engine.generate([continuation(prompts[row], ids[row]) for row in active], 1,
                                dataclasses.replace(params, max_new_tokens=room),
                                None if seed is None else seed + calls * TURN_SEED_STRIDE)
     return padded_rollout(ids, sampled, logps, reasons, pad_token_id)
+
+
+def continuation(prompt_ids: list[int], episode_ids: list[int]) -> list[int]:
+    """What the model's next turn continues: the whole episode so far, its prompt first."""
+    return prompt_ids + episode_ids
 
 
 def padded_rollout(ids: list[list[int]], sampled: list[list[int]], logps: list[list[float]], reasons: list[str],

@@ -35,7 +35,7 @@ from covey.agents import Agent
 from covey.data import PromptSampler, extra_columns
 from covey.models import Reference, autocast
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context, reward_name, score_completions
-from covey.rollout import RolloutEngine, SamplingParams, left_pad
+from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from covey.train import generation
 from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
@@ -189,10 +189,7 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
     rewards_BF, logged_columns = score(parts, rows, made.completions, made.completion_ids, state, calls, made.columns)
     timings["time/generate"] += t1 - t0
     timings["time/score"] += time.perf_counter() - t1
-    loss_mask_BT = rollout.sampled_mask_BT.clone()
-    if args.mask_truncated_completions:
-        truncated_B = torch.tensor([reason == "length" for reason in rollout.finish_reasons])
-        loss_mask_BT[truncated_B] = 0
+    loss_mask_BT = loss_mask(rollout, args.mask_truncated_completions)
     totals_B = core.weighted_reward_sum(rewards_BF, parts.rewards.weights_F).tolist()
     records = [{"prompt": r["prompt"], "completion": text, "answer": r.get("answer"),
                 "rewards": {name: _none_if_nan(v) for name, v in zip(parts.rewards.names, rewards_BF[i].tolist())},
@@ -208,6 +205,15 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
     policy_version_B = torch.full((len(rows),), state.global_step, dtype=torch.long)
     return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, policy_version_B, rewards_BF,
                    rollout.finish_reasons, records)
+
+
+def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> torch.Tensor:
+    """The tokens the loss trains: those the model sampled (never what a tool or the environment wrote),
+    less every token of a completion cut at the length limit under mask_truncated_completions. (B, T)"""
+    mask_BT = rollout.sampled_mask_BT.clone()
+    if mask_truncated_completions:
+        mask_BT[torch.tensor([reason == "length" for reason in rollout.finish_reasons])] = 0
+    return mask_BT
 
 
 def score(parts: StepParts, rows: list[dict], completions: list, completion_ids: list, state: TrainerState,

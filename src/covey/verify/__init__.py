@@ -37,15 +37,16 @@ SETUP = "the model, its tokenizer and the settings load"
 
 
 def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
-           reward_funcs=None) -> Report:
-    """Check the pipeline ``args`` describes (or the given objects) stage by stage, on one batch that
-    the step's own functions sample, score and train on."""
+           reward_funcs=None, tools=None, environment_factory=None, tool_call_format=None) -> Report:
+    """Check the pipeline ``args`` describes (or the given objects, as ``GRPOTrainer`` takes them) stage
+    by stage, on one batch that the step's own functions sample, score and train on."""
     report = Report()
     settings = one_batch_settings(args, num_prompts, max_steps=1, log_completions=False, num_iterations=1,
                                   dynamic_sampling=False)
     try:
         trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
-                              args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True)
+                              args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True,
+                              tools=tools, environment_factory=environment_factory, tool_call_format=tool_call_format)
     except CoveyError as e:
         return _failed(report, e, ((DataError, "data", "dataset loads"),
                                    (RewardError, "rewards", "reward functions load"),
@@ -59,7 +60,8 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_decode(report, parts, eos_ids)
     indices = list(range(min(num_prompts, len(parts.prompts.rows))))
     rewards, calls = _recording_calls(parts.rewards)
-    parts = dataclasses.replace(parts, rewards=rewards)
+    engine = _Recording(parts.engine)
+    parts = dataclasses.replace(parts, rewards=rewards, engine=engine)
     try:
         batch = score_prompts(parts, indices)
         fixed = fixed_logprobs(parts, batch)
@@ -68,15 +70,16 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
                                    (DataError, "data", "the prompts of a batch are sampled"),
                                    (CoveyError, "engine", f"the {settings.rollout_engine} engine samples a batch")))
     stages.check_columns(report, parts, indices, calls)
-    stages.check_rewarded_text(report, parts, batch, calls)
+    stages.check_rewarded_text(report, parts, batch, calls, engine.turns)
+    stages.check_episodes(report, parts, batch, eos_ids, engine.turns)
     stages.check_rewards(report, parts, batch, calls)
     stages.check_advantages(report, parts, batch)
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
-    logp_BT = stages.check_logprobs(report, parts, batch, eos_ids)
+    logp_BT = stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
-    stages.check_engine(report, parts, batch, logp_BT)
+    stages.check_engine(report, parts, logp_BT, engine.rollout)
     return report
 
 
@@ -120,3 +123,26 @@ def _recording_calls(rewards: Rewards) -> tuple[Rewards, list[dict]]:
     return dataclasses.replace(rewards, funcs=[recording(f) for f in rewards.funcs]), calls
 
 
+class _Recording:
+    """The run's engine as verify watches it: the rollout it returned, and each episode's turns as it
+    handed them to the environment (the ids the model sampled, then what was appended, None where the
+    episode ended)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.rollout, self.turns = engine, None, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.rollout = self.engine.generate(*args, **kwargs)
+        return self.rollout
+
+    def generate_episodes(self, prompt_ids, num_generations, params, seed, respond):
+        def recorded(row: int, ids: list[int], room: int):
+            appended = respond(row, ids, room)
+            self.turns.setdefault(row, []).append((list(ids), None if appended is None else list(appended)))
+            return appended
+
+        self.rollout = self.engine.generate_episodes(prompt_ids, num_generations, params, seed, recorded)
+        return self.rollout

@@ -75,3 +75,19 @@ def eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int, finish_reaso
                 end -= 1
         mask[row, :end] = 1
     return mask
+
+
+def episode_layout(turns: list[tuple[list[int], list[int] | None]], max_length: int
+                   ) -> tuple[list[int], list[int], int]:
+    """From an episode's turns as the engine handed them over (the ids the model sampled, then what the
+    environment appended, None where the episode ended there): (the ids they make, 1 where the model
+    sampled each, the episode's length). Without a last turn that ended it, the budget did: the episode
+    holds max_length tokens."""
+    ids, sampled = [], []
+    for turn, appended in turns:
+        ids += turn
+        sampled += [1] * len(turn)
+        ids += appended or []
+        sampled += [0] * len(appended or [])
+    ended = bool(turns) and turns[-1][1] is None
+    return ids, sampled, len(ids) if ended else max_length

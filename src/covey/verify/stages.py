@@ -12,10 +12,12 @@ import torch
 from covey import core
 from covey.data import text
 from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, returned_values, reward_name, without_logging
+from covey.agents import ToolCall
+from covey.rollout import Rollout
 from covey.train import step
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.step import StepParts
-from covey.verify.formulas import advantages_written_out, eos_mask, formula_loss, formula_ratio
+from covey.verify.formulas import advantages_written_out, eos_mask, episode_layout, formula_loss, formula_ratio
 from covey.verify.report import Report
 
 
@@ -60,21 +62,32 @@ def _check_chat_template(report: Report, tokenizer, messages: list[dict]) -> Non
                "the chat template drops assistant messages: fix the tokenizer's chat template")
 
 
-def check_rewarded_text(report: Report, parts: StepParts, batch: ScoredBatch, calls: list[dict]) -> None:
+def check_rewarded_text(report: Report, parts: StepParts, batch: ScoredBatch, calls: list[dict],
+                        turns: dict[int, list] | None = None) -> None:
     """What the reward functions were given is the text of each row's own sampled tokens (no prompt,
-    no special tokens), decoded here independently of the trainer."""
+    no special tokens), decoded here independently of the trainer; for an episode, each of the model's
+    turns (``turns`` as the engine handed them over, then what the budget cut) in its own message."""
     if not calls:
         return
     seq = batch.samples.sequences
     wrong = None
     for i, completion in enumerate(calls[0]["completions"]):
         ids = seq.completion_ids_BT[i, : int(seq.completion_mask_BT[i].sum())].tolist()
-        want = parts.tokenizer.decode(ids, skip_special_tokens=True)
+        if parts.agent is None:
+            pieces = [ids]
+        else:
+            pieces = [turn for turn, _ in turns.get(i, [])]
+            done = sum(len(turn) + len(appended or []) for turn, appended in turns.get(i, []))
+            pieces += [ids[done:]] if len(ids) > done else []
+        want = [parts.tokenizer.decode(piece, skip_special_tokens=True) for piece in pieces]
         if parts.args.strip_reasoning:
-            want = text.answer_after_reasoning(want)
-        got = completion[0]["content"] if isinstance(completion, list) else completion
+            want = [text.answer_after_reasoning(w) for w in want]
+        if parts.agent is None:
+            got = [completion[0]["content"] if isinstance(completion, list) else completion]
+        else:
+            got = [m["content"] for m in completion if m.get("role") == "assistant"]
         if got != want:
-            wrong = (i, got, want)
+            wrong = (i, " | ".join(got), " | ".join(want))
             break
     report.add("decode", "rewards see each sampled completion's text", wrong is None,
                f"{len(calls[0]['completions'])} completions compared",
@@ -189,8 +202,10 @@ def check_advantages(report: Report, parts: StepParts, batch: ScoredBatch) -> No
                        f"max diff {off:.2g}", "the trainer's advantages are not the formula's: see core.group_advantages")
 
 
-def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids: list[int]) -> torch.Tensor:
-    """Compare the trainer's log-probs with a plain full forward and a log_softmax gather."""
+def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids: list[int],
+                   turns: dict[int, list] | None = None) -> torch.Tensor:
+    """Compare the trainer's log-probs with a plain full forward and a log_softmax gather (over a whole
+    episode, for episodes: ``turns`` as the engine handed them over)."""
     args, model, seq = parts.args, parts.model, batch.samples.sequences
     with torch.no_grad():
         got, _ = step.completion_logprobs(model, seq, args.temperature)  # as the step calls it
@@ -203,8 +218,13 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
         P = seq.prompt_ids_BP.shape[1]
         reference = torch.log_softmax(logits[:, P - 1:-1] / args.temperature, -1)
         want = reference.gather(-1, seq.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
-    expected_mask = eos_mask(seq.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
-                             batch.samples.finish_reasons, args.max_completion_length)
+    if parts.agent is None:
+        expected_mask = eos_mask(seq.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
+                                 batch.samples.finish_reasons, args.max_completion_length)
+    else:  # an episode holds the EOS of each turn: it is as long as its turns and what was appended
+        lengths = [episode_layout(turns.get(row, []), args.max_completion_length)[2]
+                   for row in range(batch.samples.size)]
+        expected_mask = core.length_mask(torch.tensor(lengths), seq.completion_ids_BT.shape[1])
     on = expected_mask == 1
     got = got.float().cpu()
     report.add("logprobs", "all <= 0", bool((got[on] <= 1e-6).all()), f"max {float(got[on].max()):.3g}",
@@ -326,17 +346,74 @@ def sequence_logprobs(parts: StepParts, samples: Samples) -> torch.Tensor:
     return (logp.float().cpu()[:, :T] * samples.loss_mask_BT).sum(1)
 
 
-def check_engine(report: Report, parts: StepParts, batch: ScoredBatch, logp_BT: torch.Tensor) -> None:
-    args, samples = parts.args, batch.samples
+def check_engine(report: Report, parts: StepParts, logp_BT: torch.Tensor, rollout: Rollout) -> None:
+    """The engine's log-probs of the tokens it sampled (``rollout``, as it returned them) against the
+    trainer's, in the batch: a turn sampled from a context other than the episode's own shows here."""
+    args = parts.args
     if args.top_k or args.top_p < 1 or args.min_p or args.repetition_penalty != 1:
         report.add("engine", "engine log-probs = trainer log-probs", False, "not comparable",
                    "top_k / top_p / min_p / repetition_penalty change the sampled distribution", warn_only=True)
         return
-    on = samples.sequences.completion_mask_BT == 1
-    diff = float((samples.sampling_logp_BT[on] - logp_BT.float()[on]).abs().max())
+    on = rollout.sampled_mask_BT == 1
+    T = min(on.shape[1], logp_BT.shape[1])
+    on = on[:, :T]
+    diff = float((rollout.sampling_logp_BT[:, :T][on] - logp_BT.float()[:, :T][on]).abs().max())
     exact = parts.engine.exact_logprobs
     report.add("engine", "engine log-probs = trainer log-probs", diff < (1e-3 if exact else 0.1), f"max diff {diff:.2g}",
                "the rollout engine samples from a different distribution than the trainer scores: check the "
                "temperature and the engine's dtype", warn_only=not exact)
 
 
+def check_episodes(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids: list[int],
+                   turns: dict[int, list]) -> None:
+    """Token-in, token-out: the ids trained are the ids the model sampled, turn after turn; what a tool or
+    the environment wrote between turns is attended to but never trained; tool calls round-trip through
+    their format. ``turns``: each episode's turns as the engine handed them to the environment."""
+    samples, args = batch.samples, parts.args
+    if parts.agent is None:  # one turn each: all of it the model's, and all of it trained
+        want = eos_mask(samples.sequences.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
+                        samples.finish_reasons, args.max_completion_length)
+        if args.mask_truncated_completions:
+            want[torch.tensor([reason == "length" for reason in samples.finish_reasons])] = 0
+        report.add("episodes", "the loss trains every completion token (one turn each, the model's own)",
+                   torch.equal(samples.loss_mask_BT, want), f"{int(want.sum())} tokens",
+                   "tokens the model did not sample are trained, or sampled ones are left out: see "
+                   "covey.train.step.loss_mask")
+        return
+    tool_format, schemas = parts.agent.tool_format, parts.agent.schemas
+    calls = [ToolCall(s["function"]["name"], _example_arguments(s["function"].get("parameters", {}))) for s in schemas]
+    lost = next((c for c in calls if tool_format.parse(tool_format.render(c)).calls != [c]), None)
+    report.add("episodes", "tool calls round-trip through their format", lost is None, f"{len(calls)} tool(s)",
+               f"{lost.name}'s call, written and read back, is not itself: see covey.agents.formats" if lost else "")
+    drifted = untrained = trained_env = 0
+    environment_tokens = 0
+    for row in range(samples.size):
+        ids, sampled, _ = episode_layout(turns.get(row, []), args.max_completion_length)
+        n = len(ids)
+        got = samples.sequences.completion_ids_BT[row, :n].tolist()
+        drifted += got != ids
+        mask = samples.loss_mask_BT[row, :n].tolist()
+        attended = samples.sequences.completion_mask_BT[row, :n].tolist()
+        cut = args.mask_truncated_completions and samples.finish_reasons[row] == "length"
+        untrained += any(s and not m for s, m in zip(sampled, mask)) and not cut
+        trained_env += any(m or not a for s, m, a in zip(sampled, mask, attended) if not s)
+        environment_tokens += sampled.count(0)
+    report.add("episodes", "the trained ids are the ids the model sampled, turn after turn", not drifted,
+               f"{samples.size} episodes, {sum(len(t) for t in turns.values())} turns",
+               f"{drifted} episode(s) train other ids than the model sampled (a turn re-encoded from its text?): "
+               "the ids must travel as sampled, see covey.train.generation")
+    report.add("episodes", "tokens a tool or the environment wrote are attended to, never trained", not trained_env,
+               f"{environment_tokens} such tokens", f"{trained_env} episode(s) train (or drop) tokens the model did "
+               "not write: see covey.train.step.loss_mask")
+    report.add("episodes", "every token the model sampled is trained", not untrained, "checked",
+               f"{untrained} episode(s) leave tokens the model sampled out of the loss: see covey.train.step.loss_mask")
+    if not environment_tokens:
+        report.add("episodes", "an episode called a tool", False, "none in this batch",
+                   "no episode of the batch called a tool, so nothing between turns was checked: sample more "
+                   "prompts (--num-prompts)", warn_only=True)
+
+
+def _example_arguments(parameters: dict) -> dict:
+    """Arguments of each type a schema names, for a round trip through a tool-call format."""
+    examples = {"string": "2 + 3", "integer": 7, "number": 1.5, "boolean": True, "array": [1, 2], "object": {"k": 1}}
+    return {name: examples.get(spec.get("type"), "x") for name, spec in parameters.get("properties", {}).items()}
