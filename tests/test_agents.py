@@ -379,3 +379,87 @@ def test_an_agent_needs_a_chat_template_and_chat_prompts(tmp_path, tokenizer):
         Agent.build(plain, [3], [as_tool(calculate)], None, HermesFormat(), None, 1.0)
     with pytest.raises(DataError, match="row 0: tools and environments need chat prompts"):
         trainer_with(tmp_path, tokenizer, tools=["calculate"], train_dataset=[{"prompt": "what is 2 * 3?", "answer": "6"}])
+
+
+# ---- an ecosystem's environments: OpenEnv ------------------------------------------------------------------
+
+
+def test_an_openenv_environment_runs_its_tools_in_episodes(tmp_path, tokenizer):
+    pytest.importorskip("openenv")
+    from fastmcp import FastMCP
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.types import Observation, State
+
+    from covey.agents.openenv import from_openenv
+
+    class Tally(MCPEnvironment):
+        """Add to a tally until it reaches the row's answer: reward 1 then."""
+
+        def __init__(self):
+            mcp = FastMCP("tally")
+
+            @mcp.tool()
+            def add(n: int) -> str:
+                """Add n to the tally."""
+                self.total += n
+                return f"the tally is {self.total}"
+
+            super().__init__(mcp)
+            self._state, self.total, self.target = State(), 0, 0
+
+        def reset(self, seed=None, episode_id=None, answer="0", **row):
+            self.total, self.target = 0, int(answer)
+            return Observation(done=False, reward=None, metadata={"prompt": " Use add."})
+
+        def _step_impl(self, action, timeout_s=None, **kwargs):
+            return Observation(done=False, reward=0.0)
+
+        def step(self, action, **kwargs):
+            observation = super().step(action, **kwargs)
+            observation.reward = float(self.total == self.target)
+            return observation
+
+        @property
+        def state(self):
+            return self._state
+
+    Environment = from_openenv(Tally)
+    engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "add", "arguments": {{"n": {a}}}}}</tool_call>')
+    trainer = trainer_with(tmp_path, tokenizer, engine, environment_factory=Environment,
+                           train_dataset=[{"prompt": [{"role": "user", "content": "what is 6 * 1?"}], "answer": "6"},
+                                          {"prompt": [{"role": "user", "content": "what is 3 * 1?"}], "answer": "4"}])
+    assert trainer.parts.agent.environment.tool_names == ["add"]
+    samples = scored_batch(trainer, [0, 1])[0].samples
+    assert trainer.parts.rewards.names == ["answer_correct", "Tally"]
+    assert samples.rewards_BF[:, 1].tolist() == [1.0, 1.0, 0.0, 0.0]  # 6 reaches 6; 3 is not 4
+    assert "[add] the tally is 6" in samples.records[0]["completion"] and "Use add." in engine.turns[0][0]
+    failed = Environment()
+    failed.reset(answer="1")
+    assert failed.add(n="x").startswith("error:")  # OpenEnv's own error comes back as the tool's result
+
+
+def test_the_multiplication_task_keeps_its_held_out_products_apart_and_shows_one_worked_exchange():
+    import re
+
+    from covey.data.tasks import multiplication
+
+    def pair(row):
+        return tuple(int(n) for n in re.findall(r"\d+", row["prompt"][-1]["content"]))
+
+    train, test = multiplication("train"), multiplication("test")
+    assert len(test) == 64 and len(train) == 90 * 900 - 64
+    assert not {pair(r) for r in test} & {pair(r) for r in train}
+    assert [m["role"] for m in test[0]["prompt"]] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert "Use the tool." in test[0]["prompt"][-1]["content"]
+    assert all(r["answer"] == str(pair(r)[0] * pair(r)[1]) and 10 <= pair(r)[0] < 100 <= pair(r)[1] < 1000
+               for r in test)
+
+
+def test_tool_use_credits_a_readable_call_and_a_call_that_answered():
+    from covey.rewards import BUILTIN_REWARDS
+
+    tool_use = BUILTIN_REWARDS["tool_use"]
+    call = {"role": "assistant", "content": "<tool_call>...", "tool_calls": [{"type": "function", "function": {}}]}
+    assert tool_use([[call, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}],
+                     [call, {"role": "tool", "content": "error: no tool named 'x'"}],
+                     [{"role": "assistant", "content": "<answer>1</answer>"}], "plain text"]) == [1.0, 0.5, 0.0, 0.0]
