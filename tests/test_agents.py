@@ -463,3 +463,21 @@ def test_tool_use_credits_a_readable_call_and_a_call_that_answered():
     assert tool_use([[call, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}],
                      [call, {"role": "tool", "content": "error: no tool named 'x'"}],
                      [{"role": "assistant", "content": "<answer>1</answer>"}], "plain text"]) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_code_runs_in_the_sandbox_as_a_tool():
+    from covey.agents.tools import run_python
+
+    assert call_tool(as_tool(run_python), {"code": "print(6 * 7)"}, 20.0).text.strip() == "42"
+    looping = call_tool(as_tool(run_python), {"code": "while True: pass"}, 20.0)
+    assert not looping.failed and looping.text.startswith("timeout")  # the sandbox stops it; the model reads why
+
+
+def test_the_report_and_completions_show_each_episode_whole(tmp_path, tokenizer):
+    from covey.telemetry.report import write_report
+
+    trainer_with(tmp_path, tokenizer, tools=[calculate]).train()
+    record = json.loads((tmp_path / "run" / "completions.jsonl").read_text().splitlines()[0])
+    assert record["episode"]["tool_calls"] == 1 and "[calculate] 42" in record["completion"]
+    page = write_report(tmp_path / "run").read_text()
+    assert "[calculate] 42" in page and "&lt;answer&gt;42&lt;/answer&gt;" in page
