@@ -154,7 +154,7 @@ def test_a_tool_call_is_answered_and_only_the_models_own_tokens_are_trained(tmp_
     # the trained ids: the model's two turns as written, the tool message between them as the template renders it
     call, answer = (tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
                     for _, text in engine.turns[:1] + engine.turns[2:3])
-    between = tool_message_ids(tokenizer, [first[1]], [tokenizer.eos_token_id])
+    between, _ = tool_message_ids(tokenizer, [first[1]], [tokenizer.eos_token_id])
     n = int(samples.sequences.completion_mask_BT[0].sum())
     assert samples.sequences.completion_ids_BT[0, :n].tolist() == call + between + answer
     assert samples.loss_mask_BT[0, :n].tolist() == [1] * len(call) + [0] * len(between) + [1] * len(answer)
@@ -346,10 +346,10 @@ def test_an_environment_whose_reset_raises_names_the_row(tmp_path, tokenizer):
 def test_a_rollout_func_of_trls_shape_trains_with_its_environment_mask(tmp_path, tokenizer):
     given = []
 
-    def rollout_func(prompts, trainer):
+    def rollout_func(prompts, run):  # the trainer comes by position, whatever its parameter's name (as in TRL)
         given.append(prompts)
-        ids = trainer.processing_class.encode("<answer>42</answer>", add_special_tokens=False)
-        tokenizer = trainer.processing_class
+        ids = run.processing_class.encode("<answer>42</answer>", add_special_tokens=False)
+        tokenizer = run.processing_class
         prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
                                        add_special_tokens=False) for p in prompts]
         return {"prompt_ids": prompt_ids, "completion_ids": [ids + [3] for _ in prompts],
@@ -481,3 +481,35 @@ def test_the_report_and_completions_show_each_episode_whole(tmp_path, tokenizer)
     assert record["episode"]["tool_calls"] == 1 and "[calculate] 42" in record["completion"]
     page = write_report(tmp_path / "run").read_text()
     assert "[calculate] 42" in page and "&lt;answer&gt;42&lt;/answer&gt;" in page
+
+
+def test_a_tool_message_is_read_off_a_template_that_renders_its_last_assistant_turn_otherwise():
+    """Qwen3's template writes an empty think block into the last assistant turn only: the ids after
+    the turn's end token are still the tool message and the next turn's opening."""
+    qwen3_like = make_tokenizer()
+    qwen3_like.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+        "<think></think>{% endif %}{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    ids, end = tool_message_ids(qwen3_like, [{"role": "tool", "name": "calculate", "content": "42"}], [3])
+    assert qwen3_like.decode(ids) == "\n<s>tool\n42</s>\n<s>assistant\n" and end == 3
+    no_tool_role = make_tokenizer()
+    no_tool_role.chat_template = "{% for m in messages %}{{ raise_exception('no ' + m['role']) if m['role'] == 'tool' }}{% endfor %}"
+    with pytest.raises(ConfigError, match="cannot render a tool's result after a tool call"):
+        Agent.build(no_tool_role, [3], [as_tool(calculate)], None, HermesFormat(), None, 1.0)
+
+
+def test_an_engine_of_single_completions_needs_no_episodes_until_tools_come(tmp_path, tokenizer):
+    class OneTurn:
+        exact_logprobs, shared_by_processes, policy_stale = True, False, False
+
+        def generate(self, prompt_ids, num_generations, params, seed=None):
+            raise AssertionError("not called here")
+
+        def policy_changed(self, model): ...
+        def push_policy(self, model): ...
+        def follow_pushes(self, holder): ...
+
+    trainer_with(tmp_path / "a", tokenizer, OneTurn(), tools=[])  # no tools: fine without generate_episodes
+    with pytest.raises(ConfigError, match="lacks generate_episodes"):
+        trainer_with(tmp_path / "b", tokenizer, OneTurn(), tools=[calculate])

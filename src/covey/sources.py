@@ -47,7 +47,7 @@ def load_reference(spec: str, what: str, error: type[Exception]) -> Any:
                         "fix the module") from e
     found = getattr(module, name, None)
     if not callable(found):
-        raise error(f"{what} {spec!r}: {where} has no function named {name!r}")
+        raise error(f"{what} {spec!r}: {where} has nothing callable named {name!r}")
     return found
 
 

@@ -51,21 +51,27 @@ def with_reset_text(messages: list[dict], text: str | None) -> list[dict]:
     return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + text}]
 
 
-def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -> list[int]:
-    """The ids the template writes after a model turn that ended in EOS: the tool messages, then the
-    opening of the model's next turn."""
+def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -> tuple[list[int], int]:
+    """(the ids the template writes after a model turn that ended at its end token: the tool messages,
+    then the opening of the model's next turn; that end token). Read off a conversation rendered with
+    and without the tool messages: what follows the assistant turn's end token in the second (so a
+    template that renders a last assistant turn otherwise, as Qwen3's does, is read right too)."""
     call = [{"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]
     turn = [{"role": "user", "content": "covey"}, {"role": "assistant", "content": "", "tool_calls": call}]
 
     def ids(messages: list[dict], opened: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened)
+        except Exception as e:  # the template's own error (a missing field it wants, a role it refuses)
+            raise ConfigError(f"the chat template cannot render a tool's result after a tool call ({type(e).__name__}: "
+                              f"{e}); use a model whose template has a tool role (ChatML, Qwen, Llama 3)") from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     before, after = ids(turn, False), ids(turn + tool_messages, True)
-    ends = [i for i, token in enumerate(before) if token in eos_ids]
-    before = before[: ends[-1] + 1] if ends else before  # a turn ends at its EOS; what follows it is added here
-    if after[: len(before)] != before:
-        raise ConfigError("the chat template renders a conversation with a tool message in a way that does not "
-                          "extend the conversation without it, so the ids a tool's result adds cannot be told; "
-                          "use a chat template whose turns are rendered one after another (ChatML, Qwen, Llama 3)")
-    return after[len(before):]
+    turn_ends = sum(token in eos_ids for token in before)  # the assistant turn's end is the last of them
+    ends = [i for i, token in enumerate(after) if token in eos_ids]
+    if not turn_ends or len(ends) < turn_ends:
+        raise ConfigError("the chat template does not end an assistant turn with the model's end token, so where a "
+                          "tool's result begins cannot be told; use a model whose template does (ChatML, Qwen, Llama 3)")
+    end = ends[turn_ends - 1]
+    return after[end + 1:], after[end]

@@ -47,6 +47,9 @@ class EnvironmentKind:
         except TypeError as e:
             raise ConfigError(f"environment_factory {factory!r} cannot be called with no arguments ({e}): it is "
                               "called once per episode, as TRL calls it") from None
+        except Exception as e:  # the user's environment failed to start: say which
+            raise ConfigError(f"environment_factory {factory!r} raised {type(e).__name__}: {e} when called with no "
+                              "arguments; fix it (it is called once per episode)") from e
         cls = type(instance)
         if not callable(getattr(instance, "reset", None)):
             raise ConfigError(f"environment {cls.__name__} has no reset method: define reset(self, **row), which "

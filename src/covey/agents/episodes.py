@@ -68,6 +68,7 @@ class Agent:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("tools and environments need a model whose tokenizer has a chat template (an "
                               "instruct/chat model): a tool's result is a message of the conversation")
+        tool_message_ids(tokenizer, [{"role": "tool", "name": "probe", "content": "1"}], eos_ids)  # fails here, early
         return Agent(tokenizer, eos_ids, tools, environment, tool_format, max_tool_calling_iterations, tool_timeout,
                      template_renders_tools(tokenizer))
 
@@ -131,9 +132,9 @@ class Episodes:
             results.append({"role": "tool", "name": call.name, "content": result.text})
             record.tool_calls += 1
             record.tool_errors += result.failed
-        appended = tool_message_ids(agent.tokenizer, results, agent.eos_ids)
+        appended, end = tool_message_ids(agent.tokenizer, results, agent.eos_ids)
         if not turn_ids or turn_ids[-1] not in agent.eos_ids:  # ended by a stop string: the template's end first
-            appended = [agent.eos_ids[0], *appended]
+            appended = [end, *appended]
         if len(appended) >= room:
             record.cut = "length"
             return None

@@ -55,7 +55,7 @@ def _worked_exchange(a: int, b: int) -> list[dict]:
             {"role": "assistant", "content": f"<answer>{a * b}</answer>"}]
 
 
-# two worked exchanges before the question: the model sees the tool called, its result, and the answer
+# a worked exchange before the question: the model sees the tool called, its result, and the answer
 MULTIPLICATION_EXAMPLES = _worked_exchange(12, 345)
 MULTIPLICATION_TEMPLATES = ("What is {a} * {b}? Use the tool.", "Compute {a} * {b}. Use the tool.", "{a} * {b} = ? Use the tool.")
 MULTIPLICATION_HELDOUT = 64

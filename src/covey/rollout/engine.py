@@ -123,11 +123,12 @@ class RolloutEngine(Protocol):
         pushed to the copy ``holder``."""
 
 
-def missing_members(engine: object) -> list[str]:
-    """The members of ``RolloutEngine`` that ``engine`` lacks (none for an engine the trainer can use)."""
+def missing_members(engine: object, episodes: bool = True) -> list[str]:
+    """The members of ``RolloutEngine`` that ``engine`` lacks (none for an engine the trainer can use;
+    without ``episodes``, one for single completions needs no ``generate_episodes``)."""
     declared = [*RolloutEngine.__annotations__, *(name for name, member in vars(RolloutEngine).items()
                                                    if not name.startswith("_") and (callable(member) or isinstance(member, property)))]
-    return [name for name in declared if not hasattr(engine, name)]
+    return [name for name in declared if not hasattr(engine, name) and (episodes or name != "generate_episodes")]
 
 
 class TurnByTurn:

@@ -19,14 +19,16 @@ from covey.train.generation import generate
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
              reward_weights: Sequence[float], args: GRPOConfig, reward_pool: RewardPool | None = None,
-             reward_call_context: dict | None = None, batch_size: int = 32, agent: Agent | None = None) -> dict:
+             reward_call_context: dict | None = None, batch_size: int = 32, agent: Agent | None = None,
+             rollout_func=None, eos_ids: list[int] | None = None) -> dict:
     """Greedy completions of held-out rows under the run's own settings (prompt length and
     overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
     accuracy (the tagged answer equals the `answer` column, over the rows whose answer holds a number;
     None where none does) and mean weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops
     are left out of both.
     ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
-    ``agent``: tools (and an environment) available, in episodes as in training.
+    ``agent``: tools (and an environment) available, in episodes as in training; ``rollout_func``: the
+    user's own generation, as in training (TRL calls it for evaluation too; greedy is its own to choose).
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "checked": 60,
          "samples": [{prompt, completion, correct, reward}, ...]}
@@ -48,8 +50,8 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         part = kept[start:start + batch_size]
         chunk = [row for _, row, _ in part]
         made = generate(engine, tokenizer, chunk, [ids for _, _, ids in part], 1, params, None, args.strip_reasoning,
-                        agent, [i for i, _, _ in part], max_prompt_length=args.max_prompt_length,
-                        prompt_overflow=args.prompt_overflow)
+                        agent, [i for i, _, _ in part], rollout_func, args.max_prompt_length, args.prompt_overflow,
+                        eos_ids)
         completions = made.completions
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, made.completion_ids,
                                      {**extra_columns(chunk), **made.columns}, args.reward_errors, args.reward_timeout,

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from covey.agents import Agent, Episodes
 from covey.data import is_conversational
+from covey.data.rows import TRAINER_REWARD_ARGS
 from covey.data.text import answer_after_reasoning, decode_completions, encode_prompts
 from covey.errors import ConfigError, DataError
 from covey.rewards.answers import completion_text
@@ -37,12 +38,13 @@ def generate(engine: RolloutEngine, tokenizer: Any, rows: list[dict], prompt_ids
              num_generations: int, params: SamplingParams, seed: int | None, strip_reasoning: bool = False,
              agent: Agent | None = None, indices: list[int] | None = None,
              rollout_func: Callable[[list], dict] | None = None, max_prompt_length: int = 10**9,
-             prompt_overflow: str = "error") -> Generation:
+             prompt_overflow: str = "error", eos_ids: list[int] | None = None) -> Generation:
     """The completions of ``rows`` (each row once per completion; ``prompt_ids``: each distinct prompt's
-    ids, G rows each; ``indices``: the rows' places in their dataset, for errors)."""
+    ids, G rows each; ``indices``: the rows' places in their dataset, for errors; ``eos_ids``: the
+    model's end tokens, which tell a rollout_func's finished completions)."""
     G = num_generations
     if rollout_func is not None:
-        return _from_rollout_func(rollout_func, tokenizer, rows, strip_reasoning)
+        return _from_rollout_func(rollout_func, tokenizer, rows, strip_reasoning, eos_ids)
     if agent is not None:
         return _episodes(engine, agent, rows, indices or list(range(len(rows))), prompt_ids, G, params, seed,
                          strip_reasoning, max_prompt_length, prompt_overflow)
@@ -84,12 +86,13 @@ def _episode_prompt_ids(agent: Agent, episodes: Episodes, indices: list[int], ma
     if (over := next((b for b, row_ids in enumerate(ids) if row_ids is None), None)) is not None:
         raise DataError(f"row {indices[over]}: its prompt, with what the environment's reset added, is over "
                         f"max_prompt_length={max_prompt_length} tokens; raise max_prompt_length, shorten what reset "
-                        "returns, or set prompt_overflow: truncate_left (a row cannot be dropped once training runs)")
+                        "returns, or set prompt_overflow: truncate_left (rows are dropped only before a run starts, "
+                        "where reset has not run yet)")
     return ids
 
 
 def _from_rollout_func(rollout_func: Callable[[list], dict], tokenizer: Any, rows: list[dict],
-                       strip_reasoning: bool) -> Generation:
+                       strip_reasoning: bool, eos_ids: list[int] | None) -> Generation:
     """TRL's ``rollout_func(prompts, trainer)``: the prompts of the round (each once per completion) in;
     ``prompt_ids``, ``completion_ids`` and ``logprobs`` (per completion token) out, optionally
     ``env_mask`` (1 on the tokens the model sampled, 0 on those its environment wrote); any other key is
@@ -111,11 +114,14 @@ def _from_rollout_func(rollout_func: Callable[[list], dict], tokenizer: Any, row
         if not ids or len(mask) != len(ids) or len(lp) != len(ids):
             raise ConfigError(f"rollout_func's completion {b} has {len(ids)} ids, {len(lp)} log-probs and an env_mask "
                               f"of {len(mask)}: give at least one id, and as many of each")
-    eos = set(tokenizer.all_special_ids) & {tokenizer.eos_token_id}
+    eos = set(eos_ids or [tokenizer.eos_token_id])
     reasons = ["eos" if ids[-1] in eos else "length" for ids in completion_ids]
     rollout = padded_rollout(completion_ids, sampled, logprobs, reasons, tokenizer.pad_token_id)
     completions, ids = decode_completions(tokenizer, rollout.completion_ids_BT, rollout.completion_mask_BT,
                                           is_conversational(rows), strip_reasoning)
     columns = {k: list(v) for k, v in output.items() if k not in (*ROLLOUT_FUNC_KEYS, "env_mask")}
+    if clash := sorted(set(columns) & (TRAINER_REWARD_ARGS | set(rows[0]))):
+        raise ConfigError(f"rollout_func returned {clash[0]!r}, which is a dataset column or an argument every reward "
+                          "call gets already; give it another name")
     return Generation(rollout, [list(map(int, p)) for p in output["prompt_ids"]], completions, ids,
                       [completion_text(c) for c in completions], columns)

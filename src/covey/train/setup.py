@@ -244,9 +244,10 @@ def engine_settings(args: GRPOConfig, device: torch.device) -> EngineSettings:
                           server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout)
 
 
-def check_engine(engine: RolloutEngine) -> None:
-    """An engine handed to the trainer has every member of the interface the trainer uses."""
-    if missing := missing_members(engine):
+def check_engine(engine: RolloutEngine, episodes: bool) -> None:
+    """An engine handed to the trainer has every member of the interface the trainer uses (``episodes``:
+    the run samples episodes of several turns)."""
+    if missing := missing_members(engine, episodes):
         raise ConfigError(f"rollout_engine {type(engine).__name__} lacks {', '.join(missing)} of covey.rollout.RolloutEngine; "
                           "derive it from covey.rollout.SamplesWithPolicy (an engine that samples with the policy module "
                           "itself) or covey.rollout.OwnWeights (one with a copy of the weights, pushed to it)")

@@ -69,6 +69,7 @@ class StepParts:
     reference: Reference | None  # None when beta == 0
     engine: RolloutEngine
     tokenizer: Any
+    eos_ids: list[int]  # the model's end tokens
     prompts: Prompts
     rewards: Rewards
     optimizer: torch.optim.Optimizer
@@ -183,7 +184,7 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
     made = generation.generate(parts.engine, parts.tokenizer, rows, [parts.prompts.ids[i] for i in indices], G,
                                parts.sampling, seed, args.strip_reasoning, parts.agent,
                                [i for i in indices for _ in range(G)], parts.rollout_func, args.max_prompt_length,
-                               args.prompt_overflow)
+                               args.prompt_overflow, parts.eos_ids)
     rollout = made.rollout
     t1 = time.perf_counter()
     rewards_BF, logged_columns = score(parts, rows, made.completions, made.completion_ids, state, calls, made.columns)
@@ -303,7 +304,9 @@ def fixed_logprobs(parts: StepParts, batch: ScoredBatch) -> FixedLogprobs:
     and the engine/trainer correction where the engine's log-probs are not exact (its weights from the
     old policy's log-probs, else from the training forward's, which costs no extra pass)."""
     samples = batch.samples
-    correction = parts.correction if not parts.engine.exact_logprobs else None
+    # a rollout_func's log-probs come from its own sampler: never taken as the trainer's
+    exact = parts.engine.exact_logprobs and parts.rollout_func is None
+    correction = parts.correction if not exact else None
     old_BT = weights = ref_BT = None
     if policy_moves_before_last_use(parts.args):
         old_BT = logprobs_no_grad(parts, parts.model, samples.sequences)

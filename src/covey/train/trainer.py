@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import signal
 import threading
 import warnings
@@ -93,8 +92,11 @@ class GRPOTrainer:
                                    own_rollouts=rollout_func is not None)
         self.dataset_name, self.eval_rows = rows.source, rows.heldout
         check_trackers(args.report_to)
+        if tool_call_format is not None and not (tools or args.tools or environment is not None):
+            raise ConfigError("tool_call_format reads tool calls, and this run has no tools or environment_factory: "
+                              "give tools, or leave tool_call_format out")
         if rollout_engine is not None:
-            setup.check_engine(rollout_engine)
+            setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
             check_vllm_installed()
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
@@ -140,10 +142,10 @@ class GRPOTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
         # the prompts of every process, drawn together; each takes its share (World.share)
         self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
-        self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer,
+        self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
                                setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args),
-                               agent, None if rollout_func is None else functools.partial(rollout_func, trainer=self))
+                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress()
         self.before: dict | None = None  # the evaluation before training
@@ -286,7 +288,8 @@ class GRPOTrainer:
         # every process evaluates its share of the rows
         parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs,
                                            rewards.weights, self.args, rewards.pool, reward_context(state),
-                                           agent=self.parts.agent))
+                                           agent=self.parts.agent, rollout_func=self.parts.rollout_func,
+                                           eos_ids=self.eos_ids))
         return merge_evaluations(parts)
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     parameters = sum(p.numel() for p in parts.model.parameters())
     report.add("setup", SETUP, True,
                f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
-    eos_ids = trainer.eos_ids
+    eos_ids = parts.eos_ids
     stages.check_data(report, parts)
     stages.check_decode(report, parts, eos_ids)
     indices = list(range(min(num_prompts, len(parts.prompts.rows))))
@@ -79,7 +79,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     logp_BT = stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
-    stages.check_engine(report, parts, logp_BT, engine.rollout)
+    stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
     return report
 
 

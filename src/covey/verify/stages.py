@@ -237,7 +237,8 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
     report.add("logprobs", "padding and prompt excluded, EOS included",
                torch.equal(seq.completion_mask_BT, expected_mask) and eos_kept,
                f"{int(expected_mask.sum())} completion tokens",
-               "the completion mask must be 1 up to and including the first EOS and 0 after: see core.completion_mask")
+               "the completion mask must be 1 up to and including the first EOS and 0 after (an episode's: over all "
+               "its turns and what was appended between them): see core.completion_mask")
     return want
 
 
@@ -346,9 +347,11 @@ def sequence_logprobs(parts: StepParts, samples: Samples) -> torch.Tensor:
     return (logp.float().cpu()[:, :T] * samples.loss_mask_BT).sum(1)
 
 
-def check_engine(report: Report, parts: StepParts, logp_BT: torch.Tensor, rollout: Rollout) -> None:
-    """The engine's log-probs of the tokens it sampled (``rollout``, as it returned them) against the
-    trainer's, in the batch: a turn sampled from a context other than the episode's own shows here."""
+def check_engine(report: Report, parts: StepParts, batch: ScoredBatch, logp_BT: torch.Tensor,
+                 rollout: Rollout) -> None:
+    """The sampling log-probs the batch carries, of the tokens the engine sampled (``rollout``, as it
+    returned them), against the trainer's: a turn sampled from a context other than the episode's own
+    shows here."""
     args = parts.args
     if args.top_k or args.top_p < 1 or args.min_p or args.repetition_penalty != 1:
         report.add("engine", "engine log-probs = trainer log-probs", False, "not comparable",
@@ -357,7 +360,7 @@ def check_engine(report: Report, parts: StepParts, logp_BT: torch.Tensor, rollou
     on = rollout.sampled_mask_BT == 1
     T = min(on.shape[1], logp_BT.shape[1])
     on = on[:, :T]
-    diff = float((rollout.sampling_logp_BT[:, :T][on] - logp_BT.float()[:, :T][on]).abs().max())
+    diff = float((batch.samples.sampling_logp_BT[:, :T][on] - logp_BT.float()[:, :T][on]).abs().max())
     exact = parts.engine.exact_logprobs
     report.add("engine", "engine log-probs = trainer log-probs", diff < (1e-3 if exact else 0.1), f"max diff {diff:.2g}",
                "the rollout engine samples from a different distribution than the trainer scores: check the "
