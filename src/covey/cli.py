@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -249,26 +250,44 @@ def cmd_export(argv: list[str]) -> int:
 def cmd_server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey server", allow_abbrev=False,
-        description="Serve rollouts to trainers run with rollout_engine: vllm and vllm_mode: server, from vLLM on "
-                    "this machine's GPU (or covey's fast engine). Give it the run's config; the trainer pushes "
-                    "its weights before each round that follows optimizer steps. With COVEY_SERVER_TOKEN set in the "
-                    "environment, only trainers with the same value are served.")
+        description="A rollout server for trainers run with rollout_engine: vllm and vllm_mode: server. With "
+                    "--backend vllm it starts vLLM's own server (vllm serve) with the settings covey needs; with "
+                    "--backend fast it serves covey's fast engine behind the same endpoints (any machine). Give it "
+                    "the run's config; the trainer pushes its weights before each round that follows optimizer "
+                    "steps. With COVEY_SERVER_TOKEN set in the environment, only trainers with the same value are "
+                    "served.")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm",
                         help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
     parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")
     parser.add_argument("--port", type=int, help="port to listen on (default: vllm_server_port)")
     parser.add_argument("--insecure", action="store_true",
-                        help="listen beyond this machine without COVEY_SERVER_TOKEN (anyone reaching the port can "
-                             "replace the weights)")
+                        help="listen beyond this machine where the weight endpoints are open (without "
+                             "COVEY_SERVER_TOKEN for fast; always for vllm, whose --api-key leaves them open)")
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
     args = _load_config(namespace.config, overrides)
     from covey.rollout.server import run_server
-    from covey.train.setup import server_backend
+    from covey.train.setup import server_backend, vllm_serve
 
+    host = namespace.host or args.vllm_server_host
     port = args.vllm_server_port if namespace.port is None else namespace.port
-    return run_server(lambda: server_backend(args, namespace.backend), f"{namespace.backend} backend for {args.model}",
-                      namespace.host or args.vllm_server_host, port, namespace.insecure)
+    if namespace.backend == "fast":
+        return run_server(lambda: server_backend(args), f"the fast engine over {args.model}", host, port,
+                          namespace.insecure)
+    serve = vllm_serve(args, host, port)
+    from covey.rollout.wire import is_loopback
+
+    if not is_loopback(host) and not namespace.insecure:
+        raise ConfigError(f"covey server --backend vllm refuses to listen on {host}: vLLM's RL endpoints (which "
+                          "replace the model's weights) are open to anyone who reaches the port, whatever "
+                          "--api-key says. Listen on 127.0.0.1 and reach it through an SSH tunnel, or pass --insecure "
+                          "on a network only you use")
+    print("covey server: " + " ".join(shlex.quote(a) for a in serve.argv) + "  (with "
+          + ", ".join(f"{k}=..." if k == "VLLM_API_KEY" else f"{k}={v}" for k, v in serve.env.items()) + ")",
+          file=sys.stderr, flush=True)
+    # the vllm command of this environment (vLLM installs it beside this Python)
+    executable = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve.argv[1:]]
+    os.execve(sys.executable, executable, {**os.environ, **serve.env})
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,

@@ -95,10 +95,12 @@ class GRPOConfig:
     stop_strings: list | None = _f(None, "strings that end a completion (kept in it; fast and vllm engines)")
     rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, transformers generate, or vLLM", choices=("fast", "hf", "vllm"))
     use_vllm: bool = _f(False, "TRL's switch for rollout_engine: vllm")
-    vllm_mode: str = _f("colocate", "vLLM in the trainer's process, or a `covey server` reached over HTTP", choices=("colocate", "server"))
-    vllm_server_host: str = _f("127.0.0.1", "host of the `covey server` (vllm_mode: server)")
-    vllm_server_port: int = _f(8000, "port of the `covey server` (vllm_mode: server)")
-    vllm_server_timeout: float = _f(240.0, "seconds to wait for the `covey server` to answer its health check")
+    vllm_mode: str = _f("colocate", "vLLM in the trainer's process, or a vLLM server (vllm serve, covey server) reached over HTTP", choices=("colocate", "server"))
+    vllm_server_host: str = _f("127.0.0.1", "host of the vLLM server (vllm_mode: server)")
+    vllm_server_port: int = _f(8000, "port of the vLLM server (vllm_mode: server)")
+    vllm_server_timeout: float = _f(240.0, "seconds to wait for the vLLM server to answer its health check")
+    vllm_group_port: int = _f(0, "port of the weight-transfer group the trainer opens with the server (0: a free one)")
+    vllm_enable_sleep_mode: bool = _f(False, "vllm colocate: offload vLLM's weights and free its KV cache while the trainer trains (CUDA only)")
     vllm_gpu_memory_utilization: float = _f(0.3, "fraction of GPU memory vLLM may take (in the trainer or in `covey server`)")
     mask_truncated_completions: bool = _f(False, "leave completions that hit max_completion_length out of the loss (DAPO)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
@@ -251,11 +253,16 @@ class GRPOConfig:
         need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
         if self.rollout_engine == "vllm":
             self.check_vllm_seed()
+        need(not self.vllm_enable_sleep_mode or (self.rollout_engine == "vllm" and self.vllm_mode == "colocate"),
+             "vllm_enable_sleep_mode puts the vLLM of vllm_mode: colocate to sleep while the trainer trains; this run "
+             f"samples with rollout_engine: {self.rollout_engine}, vllm_mode: {self.vllm_mode} (a vLLM server sleeps "
+             "by its own flags): set vllm_enable_sleep_mode: false")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
              f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
              f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")
         need(1 <= self.vllm_server_port <= 65535, f"vllm_server_port={self.vllm_server_port} must be in 1..65535")
         need(self.vllm_server_timeout > 0, f"vllm_server_timeout={self.vllm_server_timeout} must be positive")
+        need(0 <= self.vllm_group_port <= 65535, f"vllm_group_port={self.vllm_group_port} must be in 0..65535 (0: a free one)")
         need((self.overlong_max_length is None or self.overlong_max_length >= 1)
              and (self.overlong_cache_length is None or self.overlong_cache_length >= 1),
              "overlong_max_length and overlong_cache_length must be at least 1")

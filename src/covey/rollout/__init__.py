@@ -4,7 +4,9 @@
     hf.py           transformers' ``generate`` on the policy
     fast/           covey's own KV-cache sampler, its lean decoder and its C kernel
     vllm_engine.py  vLLM in the trainer's process
-    client.py       a ``covey server`` reached over HTTP (``server.py``; ``wire.py`` what travels)
+    client.py       a vLLM server (vllm serve, or covey server: ``server.py``) over vLLM's HTTP API (``wire.py``)
+    weight_transfer.py  pushed weights over a process group: covey_gloo (any machine), vLLM's nccl (GPUs)
+    vllm_plugin.py, vllm_worker.py  covey_gloo inside vLLM's workers
 
 Engines know nothing of rewards, datasets or the run's config.
 """

@@ -1,77 +1,182 @@
-"""``ServerEngine``: the rollout engine of ``vllm_mode: server``, which forwards to a ``covey server``
-over HTTP and pushes the policy's weights to it (``covey.rollout.wire`` says what travels)."""
+"""``ServerEngine``: the rollout engine of ``vllm_mode: server``. It samples from ``vllm serve`` (or
+``covey server``) through vLLM's HTTP API and pushes the policy's weights over the server's
+weight-transfer backend (``covey.rollout.wire`` lists the endpoints)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
+import secrets
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from covey import errors
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.models import policy_weights
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams
-from covey.rollout.wire import (CHUNK_BYTES, REQUEST_TIMEOUT, TOKEN_VARIABLE, http_url, params_to_json,
-                                rollout_from_json, server_token, weight_chunks)
+from covey.rollout.vllm_engine import request_seeds, version_problem
+from covey.rollout.weight_transfer import SENDERS, Sender
+from covey.rollout.wire import (PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request, http_url,
+                                rollout_from_choices, server_token)
+
+START_HINT = ("start it with `covey server CONFIG --backend vllm` (vllm serve with the flags covey needs) or as "
+              "docs/vllm.md shows")
+
+
+class ServerAPI:
+    """vLLM's HTTP API at ``url``, the endpoints the trainer uses; also what vLLM's trainer-side
+    weight-transfer engines drive (``init_weight_transfer_engine`` ... ``finish_weight_update``)."""
+
+    def __init__(self, url: str, token: str | None = None):
+        self.url = url
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        # the server is reached directly, never through an HTTP proxy from the environment
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def get(self, path: str, timeout: float = REQUEST_TIMEOUT) -> Any:
+        return self._call(urllib.request.Request(self.url + path, headers=self.auth), path, timeout)
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT) -> Any:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", **self.auth})
+        return self._call(request, path, timeout)
+
+    def _call(self, request: urllib.request.Request, path: str, timeout: float) -> Any:
+        try:
+            with self.opener.open(request, timeout=timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as e:
+            raise _http_error(self.url, path, e) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ModelError(f"lost the server at {self.url} on {path} ({getattr(e, 'reason', e)}); is it still "
+                             "running? Its own output says why it stopped") from None
+        try:
+            return json.loads(body) if body else None
+        except ValueError:
+            raise ConfigError(f"{self.url}{path} answered with something other than JSON ({body[:80]!r}): is it a "
+                              "vLLM or covey server?") from None
+
+    # the trainer-side control plane of vLLM's weight transfer (its VLLMWeightSyncClient)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("/finish_weight_update", {"weight_version": weight_version})
+
+
+def _http_error(url: str, path: str, e: urllib.error.HTTPError) -> CoveyError:
+    try:
+        payload = json.loads(e.read())
+    except ValueError:
+        payload = {}
+    detail = payload.get("error") or payload.get("message") or payload.get("detail") or f"{e.code} {e.reason}"
+    if isinstance(detail, dict):
+        detail = detail.get("message", detail)
+    if e.code == 401:
+        return ConfigError(f"the server at {url} refused this trainer (HTTP 401): set {TOKEN_VARIABLE} in the "
+                           "trainer's environment to the server's token (covey server's, or vllm serve's --api-key)")
+    if e.code == 404 and path in ("/server_info?config_format=json", "/weight_info"):
+        return ConfigError(f"the server at {url} has no {path.split('?')[0]} endpoint: vLLM serves its RL endpoints "
+                           "only when started with VLLM_SERVER_DEV_MODE=1; " + START_HINT)
+    kind = ConfigError if 400 <= e.code < 500 else ModelError
+    return kind(f"the server at {url}{path} answered HTTP {e.code}: {detail}")
+
+
+def reachable_address(host: str, port: int) -> str:
+    """This machine's address as seen from ``host``: where the server's workers reach the trainer's
+    weight-transfer group (the interface the route to ``host`` leaves by)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # a datagram socket sends nothing: this only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 class ServerEngine(OwnWeights):
-    """A rollout engine that forwards to a ``covey server``.
+    """A rollout engine that samples from a vLLM server (``vllm serve``, or ``covey server``).
 
-    ``policy``: the training model; its weights are pushed before the first ``generate`` so the
-    server samples from exactly the trainer's policy, whatever it loaded at start. ``token``: the
-    server's (default: ``COVEY_SERVER_TOKEN`` from the environment). Several training processes share
-    one server (``shared_by_processes``): the first pushes the policy to it, and the others, told
-    which server instance holds it (``follow_pushes``), never push."""
+    ``policy``: the training model; its weights are pushed before the first ``generate``, so the
+    server samples from exactly the trainer's policy whatever it loaded at start. Each push is named
+    (the server's ``weight_version``): before sampling, the engine checks that the server still holds
+    the push it made, and a server that restarted gets the policy again. Several training processes
+    share one server (``shared_by_processes``): the first pushes, the others are told the version it
+    pushed (``follow_pushes``) and check for it."""
 
     shared_by_processes = True
 
-    def __init__(self, host: str, port: int, pad_token_id: int, timeout: float = 240.0,
-                 policy: torch.nn.Module | None = None, chunk_bytes: int = CHUNK_BYTES, token: str | None = None):
+    def __init__(self, host: str, port: int, pad_token_id: int, eos_token_ids: list[int], timeout: float = 240.0,
+                 policy: torch.nn.Module | None = None, group_port: int = 0, token: str | None = None):
         self.url = http_url(host, port)
-        token = token or server_token()
-        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
-        self.pad_token_id = pad_token_id
-        self.chunk_bytes = chunk_bytes
-        # the server is reached directly, never through an HTTP proxy from the environment
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        info = self._wait_for_health(timeout)
-        self.exact_logprobs = bool(info["exact_logprobs"])
-        self.weight_dtype = getattr(torch, info["weight_dtype"])
+        self.host, self.port, self.group_port = host, port, group_port
+        self.api = ServerAPI(self.url, token or server_token())
+        self.pad_token_id, self.eos_token_ids = pad_token_id, eos_token_ids
+        self._wait_for_health(timeout)
+        self.info = self._server_info()
+        self.exact_logprobs = self.info.exact_logprobs
+        self.model_name = self.api.get("/v1/models")["data"][0]["id"]
+        self.sender: Sender | None = None  # the weight-transfer group, opened at the first push
+        self.run_tag = secrets.token_hex(4)  # names this trainer's pushes
+        self.pushes_made = 0
+        self.pushed_version: str | None = None  # the version the server must hold (None: nothing pushed yet)
         self.unsynced_policy = policy
         self.policy = policy  # the weights the server must hold, pushed again if it restarts
-        self.pushed_to: str | None = None  # the server instance that holds the last push
         self.pushes = True
 
     @classmethod
     def build(cls, settings: EngineSettings, policy: torch.nn.Module, tokenizer, eos_token_ids: list[int]) -> "ServerEngine":
-        return cls(settings.server_host, settings.server_port, tokenizer.pad_token_id, settings.server_timeout, policy)
+        return cls(settings.server_host, settings.server_port, tokenizer.pad_token_id, eos_token_ids,
+                   settings.server_timeout, policy, settings.group_port)
+
+    # ---- sampling ------------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
         if self.pushes:
             self._push_if_stale()
-        request = json.dumps({"prompt_ids": [list(map(int, ids)) for ids in prompt_ids],
-                              "num_generations": num_generations, "params": params_to_json(params), "seed": seed})
-        reply = self._post("/generate", request.encode(), "application/json")
-        if self.policy is not None and reply.get("instance") != self.pushed_to:
-            # restarted since the last push: it sampled with its start-up weights, not the policy's
-            if not self.pushes:
-                raise ModelError(f"the covey server at {self.url} restarted during the run; with several training "
-                                 "processes only the first pushes the policy to it, so the run stops here: resume "
-                                 "it from its last checkpoint (--resume-from-checkpoint auto)")
-            self.push_policy(self.policy)
-            reply = self._post("/generate", request.encode(), "application/json")
-            if reply.get("instance") != self.pushed_to:
-                raise ModelError(f"the covey server at {self.url} restarted again while the policy was pushed to it; "
-                                 "is something restarting it? Its own output says why it stopped")
-        self.exact_logprobs = bool(reply["exact_logprobs"])
-        return rollout_from_json(reply, self.pad_token_id)
+        self._check_weights()
+        bodies = [completion_request(self.model_name, ids, num_generations, params, self.eos_token_ids, s)
+                  for ids, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids)))]
+        # one request per prompt, each with its own seed (as the in-process vLLM engine samples); the
+        # server batches the requests in flight together
+        with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:
+            replies = list(pool.map(lambda body: self.api.post("/v1/completions", body), bodies))
+        self._check_weights()  # a server that restarted meanwhile sampled with its start-up weights
+        return rollout_from_choices([reply["choices"] for reply in replies], num_generations, self.pad_token_id)
+
+    def _check_weights(self) -> None:
+        """The server holds the last push, or is given it again (when it restarted, by the pushing process);
+        a server a push left half-updated is never sampled from."""
+        held = self.api.get("/weight_info").get("weight_version")
+        if held is not None and str(held).endswith("-incomplete"):
+            raise ModelError(f"the server at {self.url} holds a partly updated model (weight_version {held!r}): a "
+                             "push to it failed midway. Restart the server, then resume the run from its last "
+                             "checkpoint (--resume-from-checkpoint auto)")
+        if self.pushed_version is None or held == self.pushed_version:
+            return
+        if not self.pushes:
+            raise ModelError(f"the server at {self.url} holds weight_version {held!r}, not {self.pushed_version!r} "
+                             "that the first training process pushed: it restarted, or another trainer pushes to "
+                             "it. The run stops here: resume it from its last checkpoint (--resume-from-checkpoint auto)")
+        if held is not None:
+            raise ModelError(f"the server at {self.url} holds weight_version {held!r}, not this run's "
+                             f"{self.pushed_version!r}: is another trainer pushing to it? Give each run its own server")
+        # restarted with its start-up weights (no version): a new transfer group, and the policy again
+        self.sender = None
+        self.push_policy(self.policy)
+
+    # ---- pushing the policy ----------------------------------------------------------------------------------
 
     def policy_changed(self, model: torch.nn.Module) -> None:
         super().policy_changed(model)
@@ -79,77 +184,72 @@ class ServerEngine(OwnWeights):
 
     def push_policy(self, model: torch.nn.Module) -> str | None:
         super().push_policy(model)
-        return self.pushed_to
+        return self.pushed_version
 
     def follow_pushes(self, holder: str | None) -> None:
         super().follow_pushes(holder)
-        self.pushes, self.pushed_to = False, holder
+        self.pushes, self.pushed_version = False, holder
 
     def _push_weights(self, model: torch.nn.Module) -> None:
-        """Send the weights in chunks, checking each request's tensor count and checksum."""
-        from safetensors.torch import save
+        """Pause the server, name the push as incomplete, send every weight, name it done, resume.
+        A push that fails midway leaves the server paused and its version saying so."""
+        weights = [(name, tensor.detach().to(self.info.dtype) if tensor.is_floating_point() else tensor.detach())
+                   for name, tensor in policy_weights(model, tied_copy=True)]
+        if self.sender is None:
+            self.sender = self._open_sender()
+        version = f"covey-{self.run_tag}-{self.pushes_made + 1}"
+        self.api.post("/pause?mode=wait")
+        self.api.post("/update_weight_version", {"new_version": f"{version}-incomplete"})
+        try:
+            self.sender.send(weights)
+        except Exception as e:
+            self.sender = None
+            raise ModelError(f"pushing the policy to the server at {self.url} failed midway ({e}). The server is "
+                             f"left paused, holding a partly updated model named {version}-incomplete, so nothing "
+                             "samples from it unknowingly: restart it, then resume the run from its last checkpoint "
+                             "(--resume-from-checkpoint auto)") from e
+        self.api.post("/update_weight_version", {"new_version": version})
+        self.api.post("/resume")
+        self.policy, self.pushed_version, self.pushes_made = model, version, self.pushes_made + 1
 
-        sent = 0
-        for chunk in weight_chunks(policy_weights(model, tied_copy=True), self.weight_dtype, self.chunk_bytes):
-            data = save(chunk)
-            reply = self._post("/weights", data, "application/octet-stream")
-            if reply["tensors"] != len(chunk) or reply["sha256"] != hashlib.sha256(data).hexdigest():
-                raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} of {len(chunk)} pushed "
-                                 "tensors or received different bytes; restart it and the run")
-            sent += len(chunk)
-        reply = self._post("/weights/done", b"{}", "application/json")
-        if reply["tensors"] != sent:
-            raise ModelError(f"the covey server at {self.url} loaded {reply['tensors']} tensors of the {sent} pushed; "
-                             "is another trainer pushing to the same server, or did it restart meanwhile?")
-        self.policy, self.pushed_to = model, reply.get("instance")
+    def _open_sender(self) -> Sender:
+        backend = self.info.weight_transfer
+        if backend not in SENDERS:
+            raise ConfigError(f"the server at {self.url} was started with the weight-transfer backend {backend!r}; "
+                              f"covey pushes weights with {' or '.join(SENDERS)}: start vllm serve with "
+                              "--weight-transfer-config '{\"backend\": \"nccl\"}' on GPUs, or '{\"backend\": "
+                              "\"covey_gloo\"}' elsewhere")
+        address = reachable_address(self.host, self.port)
+        return SENDERS[backend].open(self.api, address, self.group_port, 1 + self.info.workers)
 
-    def _wait_for_health(self, timeout: float) -> dict[str, Any]:
+    # ---- connecting ---------------------------------------------------------------------------------------------
+
+    def _wait_for_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                request = urllib.request.Request(self.url + "/health", headers=self.auth)
-                with self.opener.open(request, timeout=max(1.0, min(10.0, timeout))) as response:
-                    body = response.read()
-                try:
-                    info = json.loads(body)
-                except ValueError:
-                    info = None
-                if not (isinstance(info, dict) and {"exact_logprobs", "weight_dtype"} <= set(info)):
-                    raise ConfigError(f"{self.url} answered /health, but not as a covey server does ({body[:80]!r}): "
-                                      "is it TRL's vllm-serve or vLLM's own server? Start `covey server CONFIG` "
-                                      "there, or check vllm_server_host and vllm_server_port")
-                return info
-            except urllib.error.HTTPError as e:
-                if e.code == 401:
-                    raise ConfigError(f"the covey server at {self.url} refused this trainer (HTTP 401): set the same "
-                                      f"{TOKEN_VARIABLE} in the trainer's environment as in the server's") from None
-                raise ConfigError(f"{self.url} answered /health with HTTP {e.code}: it is not a covey server; "
-                                  "check vllm_server_host and vllm_server_port") from None
-            except (urllib.error.URLError, OSError):
-                pass
+                self.api.get("/health", timeout=max(1.0, min(10.0, timeout)))
+                return
+            except ConfigError:
+                raise
+            except ModelError as e:
+                if "HTTP" in str(e):
+                    raise
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ConfigError(
-                    f"no covey server answered at {self.url} within {timeout:g} s (vllm_mode: server). Start one "
-                    "on the GPU machine with `covey server CONFIG` (the run's config file; it listens on "
-                    "vllm_server_host:vllm_server_port), raise vllm_server_timeout if it is still loading, or use "
+                    f"no server answered at {self.url} within {timeout:g} s (vllm_mode: server): {START_HINT}; raise "
+                    "vllm_server_timeout if it is still loading, check vllm_server_host and vllm_server_port, or use "
                     "vllm_mode: colocate / rollout_engine: fast")
             time.sleep(min(1.0, remaining))
 
-    def _post(self, path: str, data: bytes, content_type: str) -> dict[str, Any]:
-        request = urllib.request.Request(self.url + path, data=data, method="POST",
-                                         headers={"Content-Type": content_type, **self.auth})
-        try:
-            with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            try:
-                payload = json.loads(e.read())
-            except ValueError:
-                payload = {"error": f"HTTP {e.code} {e.reason}"}
-            kind = getattr(errors, str(payload.get("kind")), ModelError)
-            kind = kind if isinstance(kind, type) and issubclass(kind, CoveyError) else ModelError
-            raise kind(f"covey server at {self.url}{path}: {payload.get('error')}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ModelError(f"lost the covey server at {self.url} on {path} ({getattr(e, 'reason', e)}); "
-                             "is it still running? Its own output says why it stopped") from None
+    def _server_info(self) -> ServerInfo:
+        info = ServerInfo.from_json(self.api.get("/server_info?config_format=json"))
+        version = (self.api.get("/version") or {}).get("version", "unknown")
+        if not info.covey_server and (problem := version_problem(str(version))):
+            raise ConfigError(f"the server at {self.url}: {problem}")
+        if info.logprobs_mode != PROCESSED:
+            raise ConfigError(f"the server at {self.url} returns {info.logprobs_mode} log-probs; covey's importance "
+                              f"correction needs those of the distribution it sampled from: start it with "
+                              f"--logprobs-mode {PROCESSED}")
+        return info

@@ -83,9 +83,11 @@ class EngineSettings:
     max_model_len: int | None = None  # vllm: the longest prompt + completion, in tokens
     gpu_memory_utilization: float = 0.3  # vllm: the fraction of GPU memory it may take
     trust_remote_code: bool = False  # vllm: run the model folder's own code
-    server_host: str = "127.0.0.1"  # server: where the `covey server` listens
+    sleep_mode: bool = False  # vllm: offload its weights and free its KV cache between generations
+    server_host: str = "127.0.0.1"  # server: where the vLLM (or covey) server listens
     server_port: int = 8000
     server_timeout: float = 240.0  # server: seconds to wait for it to answer its health check
+    group_port: int = 0  # server: the port of the weight-transfer group the trainer opens (0: a free one)
 
 
 class RolloutEngine(Protocol):

@@ -1,71 +1,54 @@
-"""``covey server``: a rollout engine in its own process, reached over HTTP (``vllm_mode: server``).
+"""``covey server``: a rollout server for ``vllm_mode: server``.
 
-The server hosts one backend: vLLM (on the GPU it was started on) or covey's ``fast`` engine over
-a model it loaded (any machine; what the tests use). The trainer talks to it through
-``ServerEngine``, a rollout engine like any other, and pushes the policy's weights after every
-optimizer step. Plain HTTP and JSON from the standard library; weights travel as safetensors bytes.
-When ``COVEY_SERVER_TOKEN`` is set in the server's environment, every request must carry the same
-value (``Authorization: Bearer <token>``; the client sends its own environment's), or is refused
-with HTTP 401 before its body is read.
-
-The endpoints and what travels over them: ``covey.rollout.wire``.
+With ``--backend vllm`` it starts vLLM's own server (``vllm serve``) with the settings covey needs
+(``vllm_serve_command``). With ``--backend fast`` it serves covey's fast engine, over a model it
+loaded, behind the same endpoints of vLLM's API that the trainer uses (``covey.rollout.wire``), and
+takes pushed weights over covey's ``covey_gloo`` weight-transfer backend: for machines without vLLM,
+and what the tests run everywhere. Plain HTTP and JSON from the standard library. When
+``COVEY_SERVER_TOKEN`` is set in the server's environment, every request must carry the same value
+(``Authorization: Bearer <token>``; the trainer sends its own environment's), or is refused with
+HTTP 401 before its body is read.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import hmac
+import importlib.metadata
 import json
-import secrets
 import socket
 import sys
 import threading
 import traceback
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 import torch
 
 from covey.errors import ConfigError, CoveyError, ModelError
-from covey.rollout.engine import Rollout, SamplingParams
 from covey.rollout.fast import FastEngine
-from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, http_url, is_loopback, params_from_json,
-                                rollout_to_json, server_token)
-
-
-class Backend(Protocol):
-    """What the server needs of the engine it hosts: sampling, and loading pushed weights."""
-
-    name: str  # "vllm" or "fast"
-    exact_logprobs: bool
-    weight_dtype: str  # the dtype the client should send weights in
-
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 seed: int | None = None) -> Rollout: ...
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int: ...
-
-    def finish_weight_update(self) -> None: ...
+from covey.rollout.weight_transfer import BACKEND, GlooInitInfo, GlooUpdateInfo, open_group, receive
+from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, completion_choices, http_url,
+                                is_loopback, read_completion_request, server_info_json, server_token)
 
 
 class FastBackend:
     """covey's fast engine over a model held by the server."""
 
-    name = "fast"
-
-    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int], bf16: bool = False):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int], bf16: bool = False,
+                 name: str = "covey"):
+        self.model, self.tokenizer, self.eos_token_ids, self.name = model, tokenizer, eos_token_ids, name
         self.engine = FastEngine(model, tokenizer.pad_token_id, eos_token_ids, tokenizer, bf16)
         self.exact_logprobs = self.engine.exact_logprobs
-        self.weight_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.weight_dtype = next(model.parameters()).dtype
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 seed: int | None = None) -> Rollout:
+    def generate(self, prompt_ids, num_generations, params, seed=None):
         return self.engine.generate(prompt_ids, num_generations, params, seed)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy the named tensors into the model; all are checked before any is copied."""
+        """Copy the named tensors into the model; all are received and checked before any is copied."""
         params = dict(self.model.named_parameters())
         weights = list(weights)
         for name, tensor in weights:
@@ -79,22 +62,22 @@ class FastBackend:
             params[name].copy_(tensor)
         return len(weights)
 
-    def finish_weight_update(self) -> None:
-        """Nothing is cached across calls."""
-
 
 class RolloutServer(ThreadingHTTPServer):
-    """HTTP front of one backend. Requests are served one at a time (a lock), so weights never
-    change in the middle of a generation. ``token``: when given, requests without it are refused."""
+    """vLLM's API, the parts the trainer uses, over a ``FastBackend``. Requests are served one at a
+    time (a lock), so weights never change in the middle of a generation; while paused, completions
+    wait for ``/resume``. ``token``: when given, requests without it are refused."""
 
     daemon_threads = True
 
-    def __init__(self, backend: Backend | None, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    def __init__(self, backend: FastBackend | None, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.backend = backend  # None until set: the port can be taken before a slow backend loads
         self.token = token
-        self.instance = secrets.token_hex(8)
         self.lock = threading.Lock()
-        self.weights_loaded = 0  # since the last /weights/done
+        self.running = threading.Event()  # cleared while paused
+        self.running.set()
+        self.weight_version: str | None = None
+        self.group = None  # the trainer's weight-transfer group, once joined
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -117,41 +100,79 @@ class RolloutServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
 
-    def health(self) -> dict[str, Any]:
-        return {"backend": self.backend.name, "exact_logprobs": self.backend.exact_logprobs,
-                "weight_dtype": self.backend.weight_dtype, "instance": self.instance}
+    # ---- the endpoints ----------------------------------------------------------------------------------
 
-    def generate(self, request: Any) -> dict[str, Any]:
-        prompt_ids, num_generations, params, seed = _generate_request(request)
-        rollout = self.backend.generate(prompt_ids, num_generations, params, seed)
-        return {**rollout_to_json(rollout, self.backend.exact_logprobs), "instance": self.instance}
+    def get_routes(self) -> dict[str, Callable[[], Any]]:
+        backend = self.backend
+        return {"/health": lambda: {},
+                "/version": lambda: {"version": importlib.metadata.version("covey")},
+                "/server_info": lambda: server_info_json(backend.name, backend.weight_dtype, BACKEND,
+                                                         backend.exact_logprobs),
+                "/v1/models": lambda: {"data": [{"id": backend.name}]},
+                "/weight_info": lambda: {"weight_version": self.weight_version},
+                "/is_paused": lambda: {"is_paused": not self.running.is_set()}}
 
-    def load_weights(self, body: bytes) -> dict[str, Any]:
-        from safetensors.torch import load
+    def post_routes(self, body: Any) -> dict[str, Callable[[], Any]]:
+        return {"/v1/completions": lambda: self.complete(body),
+                "/pause": self.pause, "/resume": self.resume,
+                "/init_weight_transfer_engine": lambda: self.join_transfer(_field(body, "init_info")),
+                "/start_weight_update": lambda: {},
+                "/update_weights": lambda: self.update_weights(_field(body, "update_info")),
+                "/finish_weight_update": lambda: self.finish_update(body.get("weight_version")),
+                "/update_weight_version": lambda: self.finish_update(_field(body, "new_version"))}
 
-        count = self.backend.load_weights(load(body).items())
-        self.weights_loaded += count
-        return {"tensors": count, "sha256": hashlib.sha256(body).hexdigest()}
+    def complete(self, body: Any) -> dict[str, Any]:
+        prompts, n, params, stop_ids, seed = read_completion_request(body)
+        backend = self.backend
+        if stop_ids and set(stop_ids) != set(backend.eos_token_ids):
+            raise ConfigError(f"the trainer ends completions at token ids {sorted(stop_ids)} and the server's model "
+                              f"at {sorted(backend.eos_token_ids)}: start the server with the trainer's model")
+        self.running.wait()
+        with self.lock:
+            rollout = backend.generate(prompts, n, params, seed)
+        choices = completion_choices(rollout, n, params.stop, backend.eos_token_ids[0], backend.tokenizer.decode)
+        return {"object": "text_completion", "model": backend.name, "choices": choices}
 
-    def finish_weights(self) -> dict[str, Any]:
-        self.backend.finish_weight_update()
-        loaded, self.weights_loaded = self.weights_loaded, 0
-        return {"tensors": loaded, "instance": self.instance}
+    def pause(self) -> dict[str, Any]:
+        self.running.clear()
+        with self.lock:  # in-flight generation finishes first
+            return {"status": "paused"}
+
+    def resume(self) -> dict[str, Any]:
+        self.running.set()
+        return {"status": "resumed"}
+
+    def join_transfer(self, init_info: Any) -> dict[str, Any]:
+        try:
+            info = GlooInitInfo(**init_info)
+        except TypeError as e:
+            raise ConfigError(f"init_info is not covey_gloo's ({e}); covey server takes weights over covey_gloo") from None
+        with self.lock:
+            self.group = open_group(info.master_address, info.master_port, info.rank_offset, info.world_size,
+                                    info.timeout_s)
+        return {"message": "Weight transfer initialized"}
+
+    def update_weights(self, update_info: Any) -> dict[str, Any]:
+        try:
+            update = GlooUpdateInfo(**update_info)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"update_info is not covey_gloo's ({e})") from None
+        if self.group is None:
+            raise ConfigError("no weights can be received before /init_weight_transfer_engine")
+        with self.lock:
+            self.backend.load_weights(receive(self.group, update))
+        return {"message": "Weights updated"}
+
+    def finish_update(self, version: Any) -> dict[str, Any]:
+        if version is not None:
+            self.weight_version = str(version)
+        return {"message": "Weight update finished"}
 
 
-def _generate_request(request: Any) -> tuple[list[list[int]], int, SamplingParams, int | None]:
-    """The fields of a /generate request, checked: a ConfigError (HTTP 400) says what is wrong."""
-    if not isinstance(request, dict) or not {"prompt_ids", "num_generations", "params"} <= set(request):
-        raise ConfigError("a /generate request is a JSON object with prompt_ids, num_generations and params")
-    prompt_ids, n, seed = request["prompt_ids"], request["num_generations"], request.get("seed")
-    if not (isinstance(prompt_ids, list) and prompt_ids and all(
-            isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids) for ids in prompt_ids)):
-        raise ConfigError("prompt_ids must be a non-empty list of non-empty lists of token ids (ints >= 0)")
-    if not (isinstance(n, int) and n >= 1) or not (seed is None or isinstance(seed, int)):
-        raise ConfigError(f"num_generations must be an int >= 1 (got {n!r}) and seed an int or null (got {seed!r})")
-    if not isinstance(request["params"], dict):
-        raise ConfigError("params must be a JSON object of sampling settings")
-    return prompt_ids, n, params_from_json(request["params"]), seed
+def _field(body: Any, name: str) -> Any:
+    if not isinstance(body, dict) or name not in body:
+        raise ConfigError(f"the request body is a JSON object with {name!r}")
+    return body[name]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -161,10 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path == "/health":
-            self._reply(200, self.server.health())
-        else:
-            self._reply(404, {"error": f"no endpoint GET {self.path}", "kind": "ConfigError"})
+        path = urllib.parse.urlsplit(self.path).path
+        self._answer(self.server.get_routes().get(path), f"GET {path}")
 
     def do_POST(self) -> None:
         if not self._authorized():
@@ -173,24 +192,28 @@ class _Handler(BaseHTTPRequestHandler):
         if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
             self.close_connection = True
             self._reply(400 if not length.isdigit() else 413,
-                        {"error": f"Content-Length {length!r} is not a size up to {MAX_REQUEST_BYTES} bytes",
-                         "kind": "ConfigError"})
+                        {"error": f"Content-Length {length!r} is not a size up to {MAX_REQUEST_BYTES} bytes"})
             return
         body = self.rfile.read(int(length))
-        routes = {"/generate": lambda: self.server.generate(_json(body)),
-                  "/weights": lambda: self.server.load_weights(body),
-                  "/weights/done": self.server.finish_weights}
-        if self.path not in routes:
-            self._reply(404, {"error": f"no endpoint POST {self.path}", "kind": "ConfigError"})
+        parts = urllib.parse.urlsplit(self.path)
+        try:
+            payload = json.loads(body) if body else {}
+        except ValueError as e:
+            self._reply(400, {"error": f"the request body is not JSON ({e})"})
+            return
+        self._answer(self.server.post_routes(payload).get(parts.path), f"POST {parts.path}")
+
+    def _answer(self, route: Callable[[], Any] | None, what: str) -> None:
+        if route is None:
+            self._reply(404, {"error": f"covey server has no endpoint {what}"})
             return
         try:
-            with self.server.lock:
-                reply = routes[self.path]()
+            reply = route()
         except CoveyError as e:
-            self._reply(400, {"error": str(e), "kind": type(e).__name__})
+            self._reply(400, {"error": str(e)})
         except Exception as e:  # reported to the client, and in full here
             traceback.print_exc()
-            self._reply(500, {"error": f"{type(e).__name__}: {e}", "kind": "ModelError"})
+            self._reply(500, {"error": f"{type(e).__name__}: {e}"})
         else:
             self._reply(200, reply)
 
@@ -203,11 +226,10 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         self.close_connection = True
         self._reply(401, {"error": f"the request does not carry this server's {TOKEN_VARIABLE}; set the same "
-                                   f"{TOKEN_VARIABLE} in the trainer's environment as in the server's",
-                          "kind": "ConfigError"})
+                                   f"{TOKEN_VARIABLE} in the trainer's environment as in the server's"})
         return False
 
-    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+    def _reply(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -219,16 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
         """One line per request would drown the server's own output."""
 
 
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        raise ConfigError(f"the request body is not JSON ({e})") from None
-
-
-def run_server(load_backend: Callable[[], Backend], serving: str, host: str, port: int, insecure: bool = False) -> int:
-    """``covey server``: serve the backend ``load_backend`` gives (``serving`` says what it is) until
-    interrupted. Beyond this machine only with a token, or ``insecure``."""
+def check_exposure(host: str, insecure: bool) -> str | None:
+    """The server's token; beyond this machine only with one, or ``insecure``."""
     token = server_token()
     if token is None and not is_loopback(host):
         if not insecure:
@@ -238,6 +252,14 @@ def run_server(load_backend: Callable[[], Backend], serving: str, host: str, por
                               "only you use)")
         print(f"covey server: warning: listening on {host} without {TOKEN_VARIABLE} (--insecure): anyone who can "
               "reach this port can replace the model's weights", file=sys.stderr, flush=True)
+    return token
+
+
+def run_server(load_backend: Callable[[], FastBackend], serving: str, host: str, port: int,
+               insecure: bool = False) -> int:
+    """``covey server --backend fast``: serve the backend ``load_backend`` gives (``serving`` says what
+    it is) until interrupted."""
+    token = check_exposure(host, insecure)
     server = RolloutServer(None, host, port, token)  # the port first: a taken one is known before the model loads
     server.backend = load_backend()
     print(f"covey server: {serving} at {server.url} "
@@ -250,3 +272,30 @@ def run_server(load_backend: Callable[[], Backend], serving: str, host: str, por
     finally:
         server.server_close()
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMServe:
+    """``vllm serve`` as covey runs it: its command line and environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, max_model_len: int,
+                       gpu_memory_utilization: float, trust_remote_code: bool, token: str | None,
+                       weight_transfer: str) -> VLLMServe:
+    """``vllm serve`` with what covey's trainers need of it: the RL endpoints (``VLLM_SERVER_DEV_MODE``),
+    log-probs of the distribution sampled from, and a weight-transfer backend (``nccl`` on GPUs,
+    covey's ``covey_gloo`` elsewhere)."""
+    argv = ["vllm", "serve", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
+            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching"]
+    if torch.cuda.is_available():
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if token:
+        env["VLLM_API_KEY"] = token
+    return VLLMServe(argv, env)

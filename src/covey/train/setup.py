@@ -9,7 +9,6 @@ import dataclasses
 import math
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,9 +23,12 @@ from covey.errors import ConfigError, DataError
 from covey.models import (adapted_shared_matrix, add_lora, disable_dropout, eos_token_ids, is_peft_model, load_policy,
                           load_tokenizer, merged_model, resolve_model_path)
 from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, preflight_check, reward_name
-from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, VLLMEngine, make_engine
+from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, make_engine
 from covey.rollout.engine import missing_members
-from covey.rollout.server import Backend, FastBackend
+from covey.rollout.server import FastBackend, VLLMServe, vllm_serve_command
+from covey.rollout.vllm_engine import check_vllm
+from covey.rollout.weight_transfer import BACKEND
+from covey.rollout.wire import server_token
 from covey.sources import load_reference
 from covey.train.distributed import World
 
@@ -240,8 +242,10 @@ def engine_settings(args: GRPOConfig, device: torch.device) -> EngineSettings:
     return EngineSettings(bf16=args.sample_in_bf16(device), dtype="bfloat16" if args.bf16 else "float32",
                           seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                          trust_remote_code=args.trust_remote_code, server_host=args.vllm_server_host,
-                          server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout)
+                          trust_remote_code=args.trust_remote_code, sleep_mode=args.vllm_enable_sleep_mode,
+                          server_host=args.vllm_server_host,
+                          server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
+                          group_port=args.vllm_group_port)
 
 
 def check_engine(engine: RolloutEngine, episodes: bool) -> None:
@@ -259,30 +263,28 @@ def build_engine(args: GRPOConfig, policy: torch.nn.Module, tokenizer: Any, eos_
     return make_engine(engine_name(args), settings, policy, tokenizer, eos_ids)
 
 
-def server_backend(args: GRPOConfig, name: str) -> Backend:
-    """The backend ``covey server`` hosts for a run's config: vLLM, or the fast engine."""
+def server_backend(args: GRPOConfig) -> FastBackend:
+    """What ``covey server --backend fast`` serves for a run's config: the fast engine over its model."""
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if name == "vllm":
-        from transformers import GenerationConfig
+    # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
+    model = merged_model(load_policy(args.model, args.trust_remote_code))
+    return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
+                       args.sample_in_bf16(next(model.parameters()).device), name=args.model)
 
-        path = resolve_model_path(args.model)
-        args.check_vllm_seed()
-        if (Path(path) / "adapter_config.json").is_file():
-            raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
-                              "the adapter's base model as `model` (the trainer pushes the merged weights)")
-        try:
-            generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:  # a folder without generation_config.json: the tokenizer's EOS alone
-            generation_config = None
-        # no transformers model is loaded here: the EOS ids come from the folder's generation config
-        eos = eos_token_ids(SimpleNamespace(generation_config=generation_config), tokenizer)
-        return VLLMEngine(engine_settings(args, torch.device("cuda")), tokenizer.pad_token_id, eos, model_path=path)
-    if name == "fast":
-        # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
-        model = merged_model(load_policy(args.model, args.trust_remote_code))
-        return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
-                           args.sample_in_bf16(next(model.parameters()).device))
-    raise ConfigError(f"server backend {name!r} is not one of vllm, fast")
+
+def vllm_serve(args: GRPOConfig, host: str, port: int) -> VLLMServe:
+    """``vllm serve`` for a run's config (``covey server --backend vllm``), checked first: vLLM in the
+    tested range, a seed it takes, a model it can load."""
+    check_vllm()
+    args.check_vllm_seed()
+    path = resolve_model_path(args.model)
+    if (Path(path) / "adapter_config.json").is_file():
+        raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
+                          "the adapter's base model as `model` (the trainer pushes the merged weights)")
+    transfer = "nccl" if torch.cuda.is_available() else BACKEND
+    return vllm_serve_command(path, host, port, "bfloat16" if args.bf16 else "float32", args.seed,
+                              args.max_prompt_length + args.max_completion_length, args.vllm_gpu_memory_utilization,
+                              args.trust_remote_code, server_token(), transfer)
 
 
 def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:

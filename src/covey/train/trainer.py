@@ -27,7 +27,7 @@ from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_me
                           tokenizer_as_loaded)
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
 from covey.rollout import RolloutEngine
-from covey.rollout.vllm_engine import check_vllm_installed
+from covey.rollout.vllm_engine import check_vllm
 from covey.telemetry.runlog import RunLog, latest_run_config, write_json
 from covey.telemetry.tables import accuracy_change, model_card, percent, print_summary
 from covey.telemetry.trackers import check_trackers, make_trackers
@@ -98,7 +98,7 @@ class GRPOTrainer:
         if rollout_engine is not None:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
-            check_vllm_installed()
+            check_vllm(args.vllm_enable_sleep_mode)
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
@@ -136,8 +136,9 @@ class GRPOTrainer:
         if agent is not None:  # a turn ends at any of the model's end tokens
             agent = dataclasses.replace(agent, eos_ids=self.eos_ids)
         engine = rollout_engine or setup.build_engine(args, policy, tokenizer, self.eos_ids)
-        if self.world.size > 1 and engine.shared_by_processes:
-            engine.policy_changed(policy)  # whatever it holds, the first process pushes the policy before sampling
+        if rollout_engine is not None or (self.world.size > 1 and engine.shared_by_processes):
+            # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
+            engine.policy_changed(policy)
         optimizer = setup.make_optimizer(args, policy, self.world)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
         # the prompts of every process, drawn together; each takes its share (World.share)
