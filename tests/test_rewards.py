@@ -138,7 +138,7 @@ def test_user_reward_from_file_and_from_module(tmp_path, monkeypatch):
     ("nope", "not a built-in"),
     ("missing_file.py:f", "does not exist"),
     ("no_such_module_xyz:f", "cannot import module"),
-    ("math:no_such_function", "has no function named"),
+    ("math:no_such_function", "has nothing callable named"),
 ])
 def test_bad_reward_references_are_explained(spec, message):
     with pytest.raises(RewardError, match=message):

@@ -374,7 +374,7 @@ def test_cli_server_starts_the_fast_backend_on_the_config_model(tiny_model_dir, 
 def test_vllm_serve_is_started_with_what_covey_needs(tiny_model_dir, monkeypatch):
     serve = vllm_serve_command("/m", "127.0.0.1", 8011, "bfloat16", 3, 96, 0.4, False, "tok", "covey_gloo")
     argv = serve.argv
-    assert argv[:3] == ["vllm", "serve", "/m"] and serve.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "tok"}
+    assert argv[1:5] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "/m"] and serve.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "tok"}
     for flag, value in (("--port", "8011"), ("--dtype", "bfloat16"), ("--seed", "3"), ("--max-model-len", "96"),
                         ("--logprobs-mode", "processed_logprobs"),
                         ("--weight-transfer-config", '{"backend": "covey_gloo"}')):

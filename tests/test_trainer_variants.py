@@ -251,7 +251,7 @@ def test_a_trl_style_config_runs_unchanged(tmp_path, tiny_model_dir):
     assert steps == [2, 4]
 
 
-@pytest.mark.parametrize("field", ["eval_steps", "num_generations_eval", "vllm_enable_sleep_mode", "sapo_temperature_pos"])
+@pytest.mark.parametrize("field", ["eval_steps", "num_generations_eval", "vllm_model_impl", "sapo_temperature_pos"])
 def test_unsupported_trl_fields_are_rejected_by_name(tmp_path, field):
     config = tmp_path / "c.yaml"
     config.write_text(f"{field}: 1\n")

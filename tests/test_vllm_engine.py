@@ -14,7 +14,7 @@ from covey import GRPOConfig
 from covey.errors import ConfigError, ModelError
 from covey.models import add_lora, base_parameter_name, load_policy, policy_weights
 from covey.rollout import EngineSettings, SamplingParams, make_engine
-from covey.rollout.vllm_engine import (check_vllm, finish_reason, llm_kwargs, model_source, request_seeds,
+from covey.rollout.vllm_engine import (check_vllm, cpu_kv_cache_bytes, finish_reason, llm_kwargs, model_source, request_seeds,
                                        rollout_from_outputs, version_problem, vllm_sampling_kwargs)
 from covey.train.setup import engine_settings
 from tests.conftest import make_model
@@ -210,10 +210,12 @@ def test_llm_settings_follow_the_config(tmp_path):
     args = GRPOConfig(max_prompt_length=100, max_completion_length=28, seed=7, vllm_gpu_memory_utilization=0.45,
                       use_vllm=True, vllm_enable_sleep_mode=True)
     kwargs = llm_kwargs(engine_settings(args, torch.device("cpu")), str(tmp_path))
-    assert kwargs == dict(model=str(tmp_path), dtype="float32", seed=7, gpu_memory_utilization=0.45, max_model_len=128,
-                          trust_remote_code=False, logprobs_mode="processed_logprobs",
-                          distributed_executor_backend="external_launcher", enable_prefix_caching=True,
-                          enable_sleep_mode=True)
+    memory = (dict(gpu_memory_utilization=0.45) if torch.cuda.is_available()
+              else dict(kv_cache_memory_bytes=cpu_kv_cache_bytes(0.45)))
+    assert kwargs == dict(model=str(tmp_path), dtype="float32", seed=7, max_model_len=128, trust_remote_code=False,
+                          logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher",
+                          enable_prefix_caching=True, enable_sleep_mode=True, **memory)
+    assert 0 < cpu_kv_cache_bytes(0.45) < cpu_kv_cache_bytes(0.9)
     assert llm_kwargs(engine_settings(GRPOConfig(bf16=True), torch.device("cpu")), "m")["dtype"] == "bfloat16"
 
 

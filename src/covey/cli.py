@@ -285,9 +285,7 @@ def cmd_server(argv: list[str]) -> int:
     print("covey server: " + " ".join(shlex.quote(a) for a in serve.argv) + "  (with "
           + ", ".join(f"{k}=..." if k == "VLLM_API_KEY" else f"{k}={v}" for k, v in serve.env.items()) + ")",
           file=sys.stderr, flush=True)
-    # the vllm command of this environment (vLLM installs it beside this Python)
-    executable = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve.argv[1:]]
-    os.execve(sys.executable, executable, {**os.environ, **serve.env})
+    os.execve(serve.argv[0], serve.argv, {**os.environ, **serve.env})
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,

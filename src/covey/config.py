@@ -101,7 +101,7 @@ class GRPOConfig:
     vllm_server_timeout: float = _f(240.0, "seconds to wait for the vLLM server to answer its health check")
     vllm_group_port: int = _f(0, "port of the weight-transfer group the trainer opens with the server (0: a free one)")
     vllm_enable_sleep_mode: bool = _f(False, "vllm colocate: offload vLLM's weights and free its KV cache while the trainer trains (CUDA only)")
-    vllm_gpu_memory_utilization: float = _f(0.3, "fraction of GPU memory vLLM may take (in the trainer or in `covey server`)")
+    vllm_gpu_memory_utilization: float = _f(0.3, "fraction of GPU memory vLLM may take (on a CPU: of this machine's memory, for its KV cache)")
     mask_truncated_completions: bool = _f(False, "leave completions that hit max_completion_length out of the loss (DAPO)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
     dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")

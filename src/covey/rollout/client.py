@@ -18,7 +18,7 @@ import torch
 
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.models import policy_weights
-from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams
+from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once
 from covey.rollout.vllm_engine import request_seeds, version_problem
 from covey.rollout.weight_transfer import SENDERS, Sender
 from covey.rollout.wire import (PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request, http_url,
@@ -146,14 +146,18 @@ class ServerEngine(OwnWeights):
         if self.pushes:
             self._push_if_stale()
         self._check_weights()
-        bodies = [completion_request(self.model_name, ids, num_generations, params, self.eos_token_ids, s)
-                  for ids, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids)))]
-        # one request per prompt, each with its own seed (as the in-process vLLM engine samples); the
-        # server batches the requests in flight together
-        with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:
-            replies = list(pool.map(lambda body: self.api.post("/v1/completions", body), bodies))
+        def sample(n: int) -> Rollout:
+            bodies = [completion_request(self.model_name, ids, n, params, self.eos_token_ids, s)
+                      for ids, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids)))]
+            # one request per prompt, each with its own seed (as the in-process vLLM engine samples); the
+            # server batches the requests in flight together
+            with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:
+                replies = list(pool.map(lambda body: self.api.post("/v1/completions", body), bodies))
+            return rollout_from_choices([reply["choices"] for reply in replies], n, self.pad_token_id)
+
+        rollout = greedy_once(sample, num_generations, params)
         self._check_weights()  # a server that restarted meanwhile sampled with its start-up weights
-        return rollout_from_choices([reply["choices"] for reply in replies], num_generations, self.pad_token_id)
+        return rollout
 
     def _check_weights(self) -> None:
         """The server holds the last push, or is given it again (when it restarted, by the pushing process);

@@ -207,6 +207,18 @@ def padded_rollout(ids: list[list[int]], sampled: list[list[int]], logps: list[l
     return Rollout(ids_BT, mask_BT, logp_BT, list(reasons), sampled_BT)
 
 
+def greedy_once(generate: Callable[[int], Rollout], num_generations: int, params: SamplingParams) -> Rollout:
+    """``generate(n)``, asking vLLM for one greedy completion per prompt where ``num_generations`` are
+    wanted (vLLM refuses n > 1 with greedy sampling; the samples would all be the same) and repeating it."""
+    if not params.greedy or num_generations == 1:
+        return generate(num_generations)
+    one = generate(1)
+    return Rollout(*(t.repeat_interleave(num_generations, dim=0) for t in
+                     (one.completion_ids_BT, one.completion_mask_BT, one.sampling_logp_BT)),
+                   [r for r in one.finish_reasons for _ in range(num_generations)],
+                   one.sampled_mask_BT.repeat_interleave(num_generations, dim=0))
+
+
 class SamplesWithPolicy(TurnByTurn):
     """For engines that sample with the policy module itself: nothing to push, ever."""
 

