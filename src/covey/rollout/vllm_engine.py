@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import random
 import re
 import socket
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -160,9 +162,40 @@ def version_problem(version: str) -> str | None:
             f"those (pip install 'covey[vllm]'), or set {UNTESTED_VARIABLE}=1 to try this one anyway")
 
 
-def check_vllm(sleep_mode: bool = False) -> None:
+def model_problem(model_path: str) -> str | None:
+    """Why vLLM cannot load the model folder ``model_path`` (None: it can, or only vLLM can tell: a hub
+    id, a model with code of its own). vLLM runs an architecture it implements itself, or a transformers
+    model its Transformers backend can drive (one that lets vLLM set its attention)."""
+    import transformers
+    from vllm.model_executor.models import ModelRegistry
+
+    config_file = Path(model_path) / "config.json"
+    if (Path(model_path) / "adapter_config.json").is_file():
+        base = json.loads((Path(model_path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        config_file = Path(resolve_model_path(base or "")) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get("auto_map"):
+        return None
+    architectures = config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in ModelRegistry.get_supported_archs():
+            return None
+        model_class = getattr(transformers, architecture, None)
+        if model_class is not None and (model_class.is_backend_compatible()
+                                        or model_class._can_set_attn_implementation()):
+            return None
+    named = ", ".join(architectures) or "none listed in its config.json"
+    return (f"vLLM cannot load the model {model_path}: its architecture ({named}) is neither one vLLM implements "
+            "nor a transformers model vLLM's Transformers backend can run; use rollout_engine: fast (covey's engine "
+            "runs any transformers causal LM)")
+
+
+def check_vllm(sleep_mode: bool = False, model_path: str | None = None) -> None:
     """The errors building a ``VLLMEngine`` would give, raised before any model loads: vLLM missing,
-    outside the tested range, or asked for a sleep mode it has not on this machine."""
+    outside the tested range, asked for a sleep mode it has not on this machine, or given a model it
+    cannot load (``model_path``: the folder or hub id vLLM would load)."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(NOT_INSTALLED)
     version = installed_vllm_version() or "unknown"
@@ -175,6 +208,8 @@ def check_vllm(sleep_mode: bool = False) -> None:
             raise ConfigError(f"vllm_enable_sleep_mode: vLLM has no sleep mode on this machine's device "
                               f"({current_platform.device_type or 'unknown'}; it has one on CUDA GPUs); "
                               "set vllm_enable_sleep_mode: false")
+    if model_path is not None and (problem := model_problem(model_path)):
+        raise ConfigError(problem)
 
 
 def import_vllm():
@@ -198,9 +233,9 @@ class VLLMEngine(OwnWeights):
 
     def __init__(self, settings: EngineSettings, pad_token_id: int, eos_token_ids: list[int],
                  policy: torch.nn.Module | None = None, model_path: str | None = None):
-        check_vllm(settings.sleep_mode)
-        vllm = import_vllm()
         model_path = model_path or model_source(policy)
+        check_vllm(settings.sleep_mode, model_path)
+        vllm = import_vllm()
         _single_process_group_env()
         threads = torch.get_num_threads()
         self.llm = vllm.LLM(**llm_kwargs(settings, model_path))

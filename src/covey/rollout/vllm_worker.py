@@ -63,6 +63,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("covey_gloo: no weights can be received before /init_weight_transfer_engine")
         self.model.load_weights(receive(self.group, update_info))
 
+    def update_weights(self, update_info: dict) -> None:
+        # vLLM's base method waits for the accelerator after receiving, which fails on a machine without
+        # one; gloo's broadcasts are done when they return, so only a GPU's copies are waited for
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
     def finish_weight_update(self) -> None:
         finish_reload(self.model, self.model_config)
 

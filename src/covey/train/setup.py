@@ -275,12 +275,12 @@ def server_backend(args: GRPOConfig) -> FastBackend:
 def vllm_serve(args: GRPOConfig, host: str, port: int) -> VLLMServe:
     """``vllm serve`` for a run's config (``covey server --backend vllm``), checked first: vLLM in the
     tested range, a seed it takes, a model it can load."""
-    check_vllm()
     args.check_vllm_seed()
     path = resolve_model_path(args.model)
     if (Path(path) / "adapter_config.json").is_file():
         raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
                           "the adapter's base model as `model` (the trainer pushes the merged weights)")
+    check_vllm(model_path=path)
     transfer = "nccl" if torch.cuda.is_available() else BACKEND
     return vllm_serve_command(path, host, port, "bfloat16" if args.bf16 else "float32", args.seed,
                               args.max_prompt_length + args.max_completion_length, args.vllm_gpu_memory_utilization,

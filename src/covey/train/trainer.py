@@ -24,7 +24,7 @@ from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
 from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
-                          tokenizer_as_loaded)
+                          resolve_model_path, tokenizer_as_loaded)
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
 from covey.rollout import RolloutEngine
 from covey.rollout.vllm_engine import check_vllm
@@ -95,10 +95,13 @@ class GRPOTrainer:
         if tool_call_format is not None and not (tools or args.tools or environment is not None):
             raise ConfigError("tool_call_format reads tool calls, and this run has no tools or environment_factory: "
                               "give tools, or leave tool_call_format out")
+        # where the model comes from: its folder or hub id
+        source = (model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+                  ) or args.model
         if rollout_engine is not None:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
-            check_vllm(args.vllm_enable_sleep_mode)
+            check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
@@ -112,8 +115,7 @@ class GRPOTrainer:
             tokenizer = processing_class
             prepare_tokenizer(tokenizer)
         else:
-            source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-            tokenizer = load_tokenizer(source or args.model, args.trust_remote_code)
+            tokenizer = load_tokenizer(source, args.trust_remote_code)
         agent = setup.build_agent(args, tokenizer, tools, environment, tool_call_format)
         train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
             args, tokenizer, rows.train, rows.source, agent)
