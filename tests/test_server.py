@@ -110,9 +110,12 @@ def test_completion_requests_say_what_vllm_needs_and_read_back():
     assert greedy["temperature"] == 0.0 and read_completion_request(greedy)[2].greedy
     for change, message in (({"logprobs": 5}, "logprobs: 0"), ({"echo": True}, "does not take echo"),
                             ({"prompt": []}, "non-empty list of token ids"), ({"n": 0}, "int >= 1"),
-                            ({"top_p": 0}, "top_p must be in")):
+                            ({"top_p": 0}, "top_p must be in"), ({"prompt": "5 6"}, "takes no text"),
+                            ({"temperature": -1}, "temperature=-1.0 is negative"),
+                            ({"temperature": "warm"}, "unreadable sampling settings")):
         with pytest.raises(ConfigError, match=message):
             read_completion_request({**body, **change})
+    assert read_completion_request({**body, "stop": "###"})[2].stop == ("###",)  # one string, as OpenAI's API takes
 
 
 def test_push_policy_makes_the_server_follow_the_trainer(server, model, tokenizer):
@@ -278,6 +281,32 @@ def test_a_restarted_server_gets_the_policy_again(model, tokenizer):
             client.generate(prompts, 1, greedy)
     finally:
         second.close()
+
+
+def test_a_server_that_restarts_during_a_generation_is_sampled_again_with_the_policy(model, tokenizer):
+    """vLLM's server starts at weight_version "default"; one that restarted while the trainer sampled
+    answered with its start-up weights: the policy is pushed again and the round sampled again."""
+    server = serve(model, tokenizer)
+    start_up = copy.deepcopy(model.state_dict())
+    policy = make_model(len(tokenizer), seed=9)
+    client = connect(server, tokenizer, policy=policy)
+    prompts, greedy = _prompts(tokenizer), SamplingParams(max_new_tokens=8, greedy=True)
+    complete, restarts = server.complete, []
+
+    def restarting_complete(body):
+        if not restarts:  # as a server restarted under the first request: its start-up weights, vLLM's version
+            restarts.append(1)
+            server.backend.model.load_state_dict(start_up)
+            server.weight_version = "default"
+        return complete(body)
+
+    server.complete = restarting_complete
+    try:
+        rollout = client.generate(prompts, 1, greedy)
+    finally:
+        server.close()
+    assert restarts and client.pushes_made == 2
+    assert_same_rollout(rollout, PerPrompt(policy, tokenizer).generate(prompts, 1, greedy))
 
 
 def test_what_is_not_a_vllm_server_or_request_is_a_clear_error(server, tokenizer, monkeypatch):

@@ -15,7 +15,8 @@ from covey.errors import ConfigError, ModelError
 from covey.models import add_lora, base_parameter_name, load_policy, policy_weights
 from covey.rollout import EngineSettings, SamplingParams, make_engine
 from covey.rollout.vllm_engine import (check_vllm, cpu_kv_cache_bytes, finish_reason, llm_kwargs, model_source, request_seeds,
-                                       rollout_from_outputs, version_problem, vllm_sampling_kwargs)
+                                       rollout_from_outputs, version_problem)
+from covey.rollout.wire import sampling_fields
 from covey.train.setup import engine_settings
 from tests.conftest import make_model
 
@@ -32,10 +33,10 @@ def completion(index, tokens, logps, reason="length", stop_reason=None):
 def test_sampling_settings_map_to_vllm():
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
                             repetition_penalty=1.1, stop=("</answer>",))
-    assert vllm_sampling_kwargs(params, 4, [3, 7]) == dict(
+    assert sampling_fields(params, 4, [3, 7]) == dict(
         n=4, max_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1,
         stop=["</answer>"], include_stop_str_in_output=True, stop_token_ids=[3, 7], logprobs=0)
-    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.7, top_k=5, greedy=True), 1, [3])
+    greedy = sampling_fields(SamplingParams(max_new_tokens=3, temperature=0.7, top_k=5, greedy=True), 1, [3])
     assert (greedy["temperature"], greedy["top_p"], greedy["top_k"], greedy["min_p"]) == (0.0, 1.0, 0, 0.0)
     assert greedy["stop"] == [] and greedy["logprobs"] == 0
 

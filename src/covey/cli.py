@@ -274,14 +274,17 @@ def cmd_server(argv: list[str]) -> int:
     if namespace.backend == "fast":
         return run_server(lambda: server_backend(args), f"the fast engine over {args.model}", host, port,
                           namespace.insecure)
-    serve = vllm_serve(args, host, port)
     from covey.rollout.wire import is_loopback
 
-    if not is_loopback(host) and not namespace.insecure:
-        raise ConfigError(f"covey server --backend vllm refuses to listen on {host}: vLLM's RL endpoints (which "
-                          "replace the model's weights) are open to anyone who reaches the port, whatever "
-                          "--api-key says. Listen on 127.0.0.1 and reach it through an SSH tunnel, or pass --insecure "
-                          "on a network only you use")
+    if not is_loopback(host):  # refused or warned before vLLM is even imported
+        if not namespace.insecure:
+            raise ConfigError(f"covey server --backend vllm refuses to listen on {host}: vLLM's RL endpoints (which "
+                              "replace the model's weights) are open to anyone who reaches the port, whatever "
+                              "--api-key says. Listen on 127.0.0.1 and reach it through an SSH tunnel, or pass "
+                              "--insecure on a network only you use")
+        print(f"covey server: warning: listening on {host} (--insecure): anyone who can reach this port can replace "
+              "the model's weights", file=sys.stderr, flush=True)
+    serve = vllm_serve(args, host, port)
     print("covey server: " + " ".join(shlex.quote(a) for a in serve.argv) + "  (with "
           + ", ".join(f"{k}=..." if k == "VLLM_API_KEY" else f"{k}={v}" for k, v in serve.env.items()) + ")",
           file=sys.stderr, flush=True)

@@ -129,8 +129,10 @@ def test_a_push_that_fails_midway_is_never_sampled_from_and_a_server_that_dies_i
         vllm_server, policy, prompts, monkeypatch):
     import covey.rollout.weight_transfer as weight_transfer
 
+    # the server's workers wait this long for the rest of a push (vLLM answers nothing else meanwhile)
+    monkeypatch.setattr(weight_transfer, "GROUP_TIMEOUT_S", 15.0)
     engine = vllm_server.engine(policy=policy)
-    engine.generate(prompts[:1], 1, GREEDY)  # pushed whole
+    engine.generate(prompts[:1], 1, GREEDY)  # pushed whole, over a group of its own
     send = weight_transfer.send
 
     def half_then_gone(group, weights):

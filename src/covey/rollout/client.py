@@ -4,12 +4,12 @@ weight-transfer backend (``covey.rollout.wire`` lists the endpoints)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import secrets
 import socket
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +22,7 @@ from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingPa
 from covey.rollout.vllm_engine import request_seeds, version_problem
 from covey.rollout.weight_transfer import SENDERS, Sender
 from covey.rollout.wire import (PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request, http_url,
-                                rollout_from_choices, server_token)
+                                is_loopback, rollout_from_choices, server_token)
 
 START_HINT = ("start it with `covey server CONFIG --backend vllm` (vllm serve with the flags covey needs) or as "
               "docs/vllm.md shows")
@@ -101,7 +101,14 @@ def reachable_address(host: str, port: int) -> str:
             probe.connect((host, port))  # a datagram socket sends nothing: this only picks the route
             return probe.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        if is_loopback(host):
+            return "127.0.0.1"
+        raise ModelError(f"no route from this machine to the server's host {host}: its workers could not reach the "
+                         "trainer's weight-transfer group; check vllm_server_host") from None
+
+
+# the weight_version of a server that has taken no push (covey server's, vLLM's)
+STARTUP_VERSIONS = (None, "default")
 
 
 class ServerEngine(OwnWeights):
@@ -156,29 +163,34 @@ class ServerEngine(OwnWeights):
             return rollout_from_choices([reply["choices"] for reply in replies], n, self.pad_token_id)
 
         rollout = greedy_once(sample, num_generations, params)
-        self._check_weights()  # a server that restarted meanwhile sampled with its start-up weights
+        if self._check_weights():  # it restarted meanwhile, sampling with its start-up weights: sampled again
+            rollout = greedy_once(sample, num_generations, params)
+            if self._check_weights():
+                raise ModelError(f"the server at {self.url} restarted twice during one generation; is it crashing? "
+                                 "Its own output says why")
         return rollout
 
-    def _check_weights(self) -> None:
-        """The server holds the last push, or is given it again (when it restarted, by the pushing process);
-        a server a push left half-updated is never sampled from."""
+    def _check_weights(self) -> bool:
+        """The server holds the last push, or is given it again when it restarted (by the pushing process:
+        then True); a server a push left half-updated is never sampled from."""
         held = self.api.get("/weight_info").get("weight_version")
         if held is not None and str(held).endswith("-incomplete"):
             raise ModelError(f"the server at {self.url} holds a partly updated model (weight_version {held!r}): a "
                              "push to it failed midway. Restart the server, then resume the run from its last "
                              "checkpoint (--resume-from-checkpoint auto)")
         if self.pushed_version is None or held == self.pushed_version:
-            return
+            return False
         if not self.pushes:
             raise ModelError(f"the server at {self.url} holds weight_version {held!r}, not {self.pushed_version!r} "
                              "that the first training process pushed: it restarted, or another trainer pushes to "
                              "it. The run stops here: resume it from its last checkpoint (--resume-from-checkpoint auto)")
-        if held is not None:
+        if held not in STARTUP_VERSIONS:
             raise ModelError(f"the server at {self.url} holds weight_version {held!r}, not this run's "
                              f"{self.pushed_version!r}: is another trainer pushing to it? Give each run its own server")
-        # restarted with its start-up weights (no version): a new transfer group, and the policy again
+        # restarted with its start-up weights: a new transfer group, and the policy again
         self.sender = None
         self.push_policy(self.policy)
+        return True
 
     # ---- pushing the policy ----------------------------------------------------------------------------------
 
@@ -234,8 +246,6 @@ class ServerEngine(OwnWeights):
             try:
                 self.api.get("/health", timeout=max(1.0, min(10.0, timeout)))
                 return
-            except ConfigError:
-                raise
             except ModelError as e:
                 if "HTTP" in str(e):
                     raise
@@ -249,9 +259,14 @@ class ServerEngine(OwnWeights):
 
     def _server_info(self) -> ServerInfo:
         info = ServerInfo.from_json(self.api.get("/server_info?config_format=json"))
-        version = (self.api.get("/version") or {}).get("version", "unknown")
-        if not info.covey_server and (problem := version_problem(str(version))):
-            raise ConfigError(f"the server at {self.url}: {problem}")
+        if not info.covey_server:
+            version = (self.api.get("/version") or {}).get("version", "unknown")
+            if problem := version_problem(str(version)):
+                raise ConfigError(f"the server at {self.url}: {problem}")
+        if info.weight_transfer == "nccl" and not (torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+            raise ConfigError(f"the server at {self.url} takes weights over NCCL, which needs a CUDA GPU and vLLM in "
+                              "the trainer's environment too; install vLLM here, or start the server with "
+                              "--weight-transfer-config '{\"backend\": \"covey_gloo\"}' (covey installed beside it)")
         if info.logprobs_mode != PROCESSED:
             raise ConfigError(f"the server at {self.url} returns {info.logprobs_mode} log-probs; covey's importance "
                               f"correction needs those of the distribution it sampled from: start it with "

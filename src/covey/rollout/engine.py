@@ -81,7 +81,7 @@ class EngineSettings:
     dtype: str = "float32"  # vllm: the dtype of its copy of the weights
     seed: int = 0  # vllm: its engine's seed
     max_model_len: int | None = None  # vllm: the longest prompt + completion, in tokens
-    gpu_memory_utilization: float = 0.3  # vllm: the fraction of GPU memory it may take
+    gpu_memory_utilization: float = 0.3  # vllm: the fraction of GPU memory it may take (on a CPU: of RAM, for its KV cache)
     trust_remote_code: bool = False  # vllm: run the model folder's own code
     sleep_mode: bool = False  # vllm: offload its weights and free its KV cache between generations
     server_host: str = "127.0.0.1"  # server: where the vLLM (or covey) server listens
@@ -96,7 +96,7 @@ class RolloutEngine(Protocol):
     # False where the sampling log-probs may differ from the trainer's float32 forward (bf16, vLLM): the
     # trainer then applies the engine/trainer importance-sampling correction
     exact_logprobs: bool
-    # one copy of the weights that every training process samples from (a covey server): the first
+    # one copy of the weights that every training process samples from (a vLLM or covey server): the first
     # process pushes the policy to it (``push_policy``), the others are told where it went
     shared_by_processes: bool
 

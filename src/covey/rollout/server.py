@@ -34,6 +34,13 @@ from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE,
                                 is_loopback, read_completion_request, server_info_json, server_token)
 
 
+def _covey_version() -> str:
+    try:
+        return importlib.metadata.version("covey")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
 class FastBackend:
     """covey's fast engine over a model held by the server."""
 
@@ -48,7 +55,7 @@ class FastBackend:
         return self.engine.generate(prompt_ids, num_generations, params, seed)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the named tensors into the model; all are received and checked before any is copied."""
         params = dict(self.model.named_parameters())
         weights = list(weights)
@@ -61,7 +68,6 @@ class FastBackend:
                                  f"{tuple(params[name].shape)}; start the server with the trainer's model")
         for name, tensor in weights:
             params[name].copy_(tensor)
-        return len(weights)
 
 
 class RolloutServer(ThreadingHTTPServer):
@@ -106,12 +112,11 @@ class RolloutServer(ThreadingHTTPServer):
     def get_routes(self) -> dict[str, Callable[[], Any]]:
         backend = self.backend
         return {"/health": lambda: {},
-                "/version": lambda: {"version": importlib.metadata.version("covey")},
+                "/version": lambda: {"version": _covey_version()},
                 "/server_info": lambda: server_info_json(backend.name, backend.weight_dtype, BACKEND,
                                                          backend.exact_logprobs),
                 "/v1/models": lambda: {"data": [{"id": backend.name}]},
-                "/weight_info": lambda: {"weight_version": self.weight_version},
-                "/is_paused": lambda: {"is_paused": not self.running.is_set()}}
+                "/weight_info": lambda: {"weight_version": self.weight_version}}
 
     def post_routes(self, body: Any) -> dict[str, Callable[[], Any]]:
         return {"/v1/completions": lambda: self.complete(body),
@@ -128,10 +133,13 @@ class RolloutServer(ThreadingHTTPServer):
         if stop_ids and set(stop_ids) != set(backend.eos_token_ids):
             raise ConfigError(f"the trainer ends completions at token ids {sorted(stop_ids)} and the server's model "
                               f"at {sorted(backend.eos_token_ids)}: start the server with the trainer's model")
-        self.running.wait()
-        with self.lock:
-            rollout = backend.generate(prompts, n, params, seed)
-        choices = completion_choices(rollout, n, params.stop, backend.eos_token_ids[0], backend.tokenizer.decode)
+        while True:  # a pause that came between the wait and the lock holds this completion back too
+            self.running.wait()
+            with self.lock:
+                if self.running.is_set():
+                    rollout = backend.generate(prompts, n, params, seed)
+                    break
+        choices = completion_choices(rollout, params.stop, backend.eos_token_ids[0], backend.tokenizer.decode)
         return {"object": "text_completion", "model": backend.name, "choices": choices}
 
     def pause(self) -> dict[str, Any]:

@@ -21,14 +21,14 @@ import random
 import re
 import socket
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
 from covey.errors import ConfigError, ModelError
 from covey.models import plain_model, policy_weights, resolve_model_path
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once, padded_rollout
-from covey.rollout.wire import finish_reason as wire_finish_reason
+from covey.rollout.wire import finish_reason as wire_finish_reason, sampling_fields
 
 # The vLLM releases covey is tested with (pyproject.toml's `vllm` extra says the same): the engine relies on
 # their weight-reload lifecycle, their RL endpoints and their registry of weight-transfer backends.
@@ -40,22 +40,6 @@ INSTALL_HINT = (f"install it with pip install 'covey[vllm]' (vllm{TESTED_VLLM_TE
 
 
 # ---- sampling settings and outputs --------------------------------------------------------------
-
-
-def vllm_sampling_kwargs(params: SamplingParams, num_generations: int, eos_token_ids: list[int]) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for covey's ``params`` (seed excluded).
-
-    ``logprobs=0`` returns the log-prob of the sampled token only; the EOS ids are passed as stop
-    tokens so every id covey treats as the end also ends vLLM's sampling. Stop strings stay in the
-    completion, as with the fast engine."""
-    kwargs: dict[str, Any] = dict(
-        n=num_generations, max_tokens=params.max_new_tokens, repetition_penalty=params.repetition_penalty,
-        stop=list(params.stop), include_stop_str_in_output=True, stop_token_ids=list(eos_token_ids), logprobs=0)
-    if params.greedy:  # temperature 0 is vLLM's greedy; the filters would not change the argmax
-        kwargs.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
-    else:
-        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
-    return kwargs
 
 
 def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
@@ -172,7 +156,9 @@ def model_problem(model_path: str) -> str | None:
     config_file = Path(model_path) / "config.json"
     if (Path(model_path) / "adapter_config.json").is_file():
         base = json.loads((Path(model_path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        config_file = Path(resolve_model_path(base or "")) / "config.json"
+        if not base:
+            return None
+        config_file = Path(resolve_model_path(base)) / "config.json"
     if not config_file.is_file():
         return None
     config = json.loads(config_file.read_text())
@@ -233,8 +219,10 @@ class VLLMEngine(OwnWeights):
 
     def __init__(self, settings: EngineSettings, pad_token_id: int, eos_token_ids: list[int],
                  policy: torch.nn.Module | None = None, model_path: str | None = None):
+        check_vllm(settings.sleep_mode)
         model_path = model_path or model_source(policy)
-        check_vllm(settings.sleep_mode, model_path)
+        if problem := model_problem(model_path):
+            raise ConfigError(problem)
         vllm = import_vllm()
         _single_process_group_env()
         threads = torch.get_num_threads()
@@ -244,7 +232,6 @@ class VLLMEngine(OwnWeights):
         self.model_config = self.llm.llm_engine.vllm_config.model_config
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
-        self.weight_dtype = settings.dtype
         self.exact_logprobs = False  # other kernels than the trainer's forward: always corrected
         self.sleeps = settings.sleep_mode
         self.unsynced_policy = policy
@@ -258,7 +245,7 @@ class VLLMEngine(OwnWeights):
         from vllm import SamplingParams as VLLMSamplingParams
 
         def sample(n: int) -> Rollout:
-            kwargs = vllm_sampling_kwargs(params, n, self.eos_token_ids)
+            kwargs = sampling_fields(params, n, self.eos_token_ids)
             try:
                 per_prompt = [VLLMSamplingParams(**kwargs, seed=s) for s in request_seeds(seed, len(prompt_ids))]
             except ValueError as e:
@@ -269,27 +256,19 @@ class VLLMEngine(OwnWeights):
 
         if self.sleeps:
             self.llm.wake_up()
-        self._push_if_stale()
-        rollout = greedy_once(sample, num_generations, params)
-        if self.sleeps:
-            self.llm.sleep(level=1)
-        return rollout
+        try:
+            self._push_if_stale()
+            return greedy_once(sample, num_generations, params)
+        finally:
+            if self.sleeps:  # back to sleep whatever happened: the trainer needs the memory
+                self.llm.sleep(level=1)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (name, tensor) pairs into vLLM's model, one at a time, as vLLM's RL weight updates do
-        (``covey.rollout.vllm_worker.reload_weights``); returns how many."""
+        (``covey.rollout.vllm_worker.reload_weights``)."""
         from covey.rollout.vllm_worker import reload_weights
 
-        count = 0
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for item in weights:
-                count += 1
-                yield item
-
-        self.llm.apply_model(lambda model: reload_weights(model, self.model_config, counted()))
-        return count
+        self.llm.apply_model(lambda model: reload_weights(model, self.model_config, weights))
 
     def finish_weight_update(self) -> None:
         """Cached prefixes were computed with the old weights: drop them."""

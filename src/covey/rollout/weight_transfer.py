@@ -1,13 +1,12 @@
-"""Weights from the trainer to a rollout server over a gloo process group: covey's weight-transfer
-backend (``covey_gloo``) for machines without NCCL.
+"""Weights from the trainer to a rollout server over a weight-transfer group, vLLM's protocol: the
+trainer's end of covey's own backend (``covey_gloo``, gloo: any machine) and of vLLM's ``nccl`` (GPUs).
 
-It follows vLLM's weight-transfer protocol: the trainer is rank 0 of a group it opens with the
-server's workers (ranks ``rank_offset`` ..), announced by ``/init_weight_transfer_engine``; each
-update lists the tensors' names, dtypes and shapes (``/update_weights``) and the trainer then
-broadcasts them one by one, in that order. vLLM's own ``nccl`` backend does the same on GPUs; this
-one runs on any machine, so the path the trainer takes is tested where there is no GPU. vLLM's
-workers find it through covey's plugin (``covey.rollout.vllm_plugin``); ``covey server`` receives
-with the same functions. Only torch is needed on either side.
+The trainer is rank 0 of a group it opens with the server's workers (ranks ``rank_offset`` ..),
+announced by ``/init_weight_transfer_engine``; each update lists the tensors' names, dtypes and
+shapes (``/update_weights``) and the trainer then broadcasts them one by one, in that order.
+``covey_gloo`` does what vLLM's ``nccl`` does, on any machine, so the trainer's path is tested where
+there is no GPU. vLLM's workers find it through covey's plugin (``covey.rollout.vllm_plugin``);
+``covey server`` receives with the same functions. Its two ends need only torch.
 """
 
 from __future__ import annotations
@@ -23,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "covey_gloo"
+# how long one broadcast may wait for the other side. A push that fails midway leaves the server's
+# workers waiting this long for the rest (vLLM answers nothing else meanwhile, its health check included)
+GROUP_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -33,7 +35,7 @@ class GlooInitInfo:
     master_port: int
     rank_offset: int  # the rank of the server's first worker
     world_size: int  # the trainer and every worker
-    timeout_s: float = 600.0  # how long a collective may wait for the other side
+    timeout_s: float = GROUP_TIMEOUT_S  # how long a collective may wait for the other side
 
 
 @dataclass
@@ -151,7 +153,7 @@ class GlooSender:
     @classmethod
     def open(cls, client: WeightSyncClient, address: str, port: int, world_size: int) -> "GlooSender":
         port = port or free_port()
-        info = GlooInitInfo(address, port, rank_offset=1, world_size=world_size)
+        info = GlooInitInfo(address, port, rank_offset=1, world_size=world_size, timeout_s=GROUP_TIMEOUT_S)
         group = _at_once(lambda: client.init_weight_transfer_engine(dataclasses.asdict(info)),
                          lambda: open_group(address, port, 0, world_size, info.timeout_s))
         return cls(client, group)

@@ -107,20 +107,29 @@ def server_info_json(model: str, dtype: torch.dtype, weight_transfer: str, exact
 # ---- completions -----------------------------------------------------------------------------------------------
 
 
+def sampling_fields(params: SamplingParams, num_generations: int, eos_token_ids: list[int]) -> dict[str, Any]:
+    """vLLM's sampling settings for covey's ``params`` (the fields of ``vllm.SamplingParams`` and of a
+    ``/v1/completions`` body alike; seed excluded). ``logprobs=0`` returns the log-prob of the sampled
+    token only; the EOS ids are stop tokens, so every id covey treats as the end also ends vLLM's
+    sampling; stop strings stay in the completion, as with the fast engine; greedy is temperature 0
+    (the filters would not change the argmax)."""
+    fields: dict[str, Any] = dict(
+        n=num_generations, max_tokens=params.max_new_tokens, repetition_penalty=params.repetition_penalty,
+        stop=list(params.stop), include_stop_str_in_output=True, stop_token_ids=[int(t) for t in eos_token_ids],
+        logprobs=0)
+    if params.greedy:
+        fields.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    else:
+        fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
+    return fields
+
+
 def completion_request(model: str, prompt_ids: list[int], num_generations: int, params: SamplingParams,
                        eos_token_ids: list[int], seed: int | None) -> dict[str, Any]:
     """The ``/v1/completions`` body for ``num_generations`` samples of one prompt: token ids in, token
-    ids and the log-prob of each sampled token out. The EOS ids are stop tokens; stop strings stay in
-    the completion; greedy is temperature 0."""
-    body: dict[str, Any] = dict(
-        model=model, prompt=[int(t) for t in prompt_ids], n=num_generations, max_tokens=params.max_new_tokens,
-        repetition_penalty=params.repetition_penalty, stop=list(params.stop), include_stop_str_in_output=True,
-        stop_token_ids=[int(t) for t in eos_token_ids], logprobs=0, return_token_ids=True, seed=seed)
-    if params.greedy:
-        body.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
-    else:
-        body.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
-    return body
+    ids and the log-prob of each sampled token out."""
+    return dict(model=model, prompt=[int(t) for t in prompt_ids], **sampling_fields(params, num_generations, eos_token_ids),
+                return_token_ids=True, seed=seed)
 
 
 def read_completion_request(body: Any) -> tuple[list[list[int]], int, SamplingParams, list[int], int | None]:
@@ -139,6 +148,8 @@ def read_completion_request(body: Any) -> tuple[list[list[int]], int, SamplingPa
         raise ConfigError("covey server returns the sampled tokens' ids and log-probs, stop strings included: "
                           "send logprobs: 0, return_token_ids: true")
     prompt = body["prompt"]
+    if not isinstance(prompt, list):
+        raise ConfigError("prompt must be a list of token ids, or a list of them (covey server takes no text)")
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
     if not all(isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids) for ids in prompts):
         raise ConfigError("prompt must be a non-empty list of token ids (ints >= 0), or a list of them")
@@ -147,13 +158,17 @@ def read_completion_request(body: Any) -> tuple[list[list[int]], int, SamplingPa
         raise ConfigError(f"n must be an int >= 1 (got {n!r}) and seed an int or null (got {seed!r})")
     if not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
         raise ConfigError("stop_token_ids must be a list of token ids")
-    temperature = float(body.get("temperature", 1.0))
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop  # one stop string, or a list of them (as OpenAI's API)
     try:
+        temperature = float(body.get("temperature", 1.0))
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} is negative")
         params = SamplingParams(
             max_new_tokens=int(body["max_tokens"]), temperature=temperature if temperature > 0 else 1.0,
             top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k", 0)), 0),
             min_p=float(body.get("min_p", 0.0)), repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-            stop=tuple(body.get("stop") or ()), greedy=temperature == 0)
+            stop=tuple(str(s) for s in stop), greedy=temperature == 0)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"unreadable sampling settings ({e})") from None
     return prompts, n, params, stop_ids, seed
@@ -170,8 +185,7 @@ def finish_reason(reason: str | None, stop_reason: Any) -> str:
                      "only 'stop' and 'length' are expected")
 
 
-def completion_choices(rollout: Rollout, num_generations: int, stop: tuple[str, ...], eos_id: int,
-                       decode) -> list[dict[str, Any]]:
+def completion_choices(rollout: Rollout, stop: tuple[str, ...], eos_id: int, decode) -> list[dict[str, Any]]:
     """``rollout``'s rows as ``/v1/completions`` choices (index i * n + j for sample j of prompt i)."""
     choices = []
     for row, reason in enumerate(rollout.finish_reasons):

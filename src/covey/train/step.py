@@ -431,7 +431,7 @@ def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progre
 
 
 def push_shared_policy(parts: StepParts) -> None:
-    """Several processes sampling from one copy of the weights (a covey server), before they sample:
+    """Several processes sampling from one copy of the weights (a vLLM or covey server), before they sample:
     the first pushes the policy if it changed since its last push, and the others learn which copy
     holds it."""
     engine, world = parts.engine, parts.world
