@@ -536,3 +536,15 @@ def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):
                   if json.loads(line)["step"] == 1]
     assert len(first_step) == 8 and len({str(c["prompt"]) for c in first_step}) == 2
     assert done.stderr.count("checkpoint saved: ") == 2  # told once, not by each process
+
+
+def test_covey_closes_only_the_process_group_it_started(tmp_path):
+    """Colocated vLLM starts a process group of its own in the trainer's process and closes it at exit:
+    the end of covey train leaves it alone."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        World.leave()
+        assert torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()

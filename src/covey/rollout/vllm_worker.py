@@ -4,16 +4,43 @@ weight-transfer backend (registered by ``covey.rollout.vllm_plugin``; its protoc
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
+from vllm.model_executor.model_loader.reload import layerwise
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from covey.rollout.weight_transfer import GlooInitInfo, GlooUpdateInfo, open_group, receive
 
 
+class _ExpectedMisses(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for the layers no push carries by design: one whose
+    weight is an earlier layer's (a tied head, redone by ``finish_reload``) and one without parameters
+    of its own (rotary tables, computed at start)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        seen: set[int] = set()
+        self.classes = set()
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and id(weight) in seen:
+                self.classes.add(type(module).__name__)
+            elif isinstance(weight, torch.Tensor):
+                seen.add(id(weight))
+            elif not any(True for _ in module.parameters(recurse=False)) and next(module.buffers(False), None) is not None:
+                self.classes.add(type(module).__name__)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes)
+
+
 def start_reload(model: torch.nn.Module) -> None:
+    reload_logger = logging.getLogger(layerwise.__name__)
+    if not any(isinstance(f, _ExpectedMisses) for f in reload_logger.filters):
+        reload_logger.addFilter(_ExpectedMisses(model))
     initialize_layerwise_reload(model)
 
 

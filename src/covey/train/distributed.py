@@ -68,13 +68,18 @@ class World:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             # the other processes wait at the next collective while the first saves a large checkpoint
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+            World.joined = True
         return World(dist.get_rank(), dist.get_world_size())
+
+    joined = False  # whether this process started the process group (and so closes it)
 
     @staticmethod
     def leave() -> None:
-        """Close the process group this process joined, if any (NCCL warns at exit about one left open)."""
-        if dist.is_available() and dist.is_initialized():
+        """Close the process group this process started, if any (NCCL warns at exit about one left open);
+        one that another library started (colocated vLLM's) is that library's to close."""
+        if World.joined and dist.is_initialized():
             dist.destroy_process_group()
+        World.joined = False
 
     def check_device(self, device: torch.device) -> None:
         """Under NCCL, the model must sit on this process's own GPU (where covey puts the models it loads)."""
