@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,10 +71,14 @@ def perturb(model, seed: int = 0) -> None:
             param.add_(noise * 0.02 * param.abs().mean())
 
 
+# vLLM's share of the GPU (on a CPU: of the machine's memory, for its KV cache)
+VLLM_MEMORY = 0.25 if torch.cuda.is_available() else 0.05
+
+
 def vllm_settings(dtype: str, **changes):
     from covey.rollout.engine import EngineSettings
 
-    return EngineSettings(dtype=dtype, seed=0, max_model_len=1024, gpu_memory_utilization=0.25, **changes)
+    return EngineSettings(dtype=dtype, seed=0, max_model_len=1024, gpu_memory_utilization=VLLM_MEMORY, **changes)
 
 
 def check_vllm_colocated(tokens: int) -> None:
@@ -124,8 +129,8 @@ def check_vllm_colocated(tokens: int) -> None:
             r = e.generate(prompts, 16, sampled, seed=seed)
             runs.append(float(r.lengths_B.sum()) / (time.perf_counter() - start))
         rates[name] = statistics.median(runs)
-    print(f"info rollout 2 x 16 {dtype}: fast {rates['fast']:.0f} tok/s, vLLM {rates['vllm']:.0f} tok/s "
-          f"(with its wake-ups), {rates['vllm'] / rates['fast']:.2f}x")
+    print(f"info rollout 2 x 16 {dtype}: fast {rates['fast']:.0f} tok/s, vLLM {rates['vllm']:.0f} tok/s"
+          f"{' (waking from sleep included)' if cuda else ''}, {rates['vllm'] / rates['fast']:.2f}x")
 
 
 def check_vllm_server(tokens: int) -> None:
@@ -141,12 +146,13 @@ def check_vllm_server(tokens: int) -> None:
     transfer = "nccl" if cuda and torch.cuda.device_count() >= 2 else BACKEND
     dtype = "bfloat16" if cuda else "float32"
     port = free_port()
-    serve = vllm_serve_command(str(embedded_model_folder()), "127.0.0.1", port, dtype, 0, 1024, 0.25, False, None,
+    serve = vllm_serve_command(str(embedded_model_folder()), "127.0.0.1", port, dtype, 0, 1024, VLLM_MEMORY, False, None,
                                transfer)
     env = {**os.environ, **serve.env, **({"CUDA_VISIBLE_DEVICES": "1"} if transfer == "nccl" else {})}
     start = time.perf_counter()
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        server = subprocess.Popen(serve.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen(serve.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)  # its own process group: vLLM's children go with it
         try:
             while server.poll() is None:
                 try:
@@ -176,7 +182,8 @@ def check_vllm_server(tokens: int) -> None:
             held = engine.api.get("/weight_info").get("weight_version")
             check("the server names the last push", held == engine.pushed_version, f"weight_version {held}")
         finally:
-            server.kill()
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
 
 
@@ -187,7 +194,8 @@ def check_vllm_training(steps: int) -> None:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as folder:
         trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda, eval_max_samples=0,
-                                              logging_steps=1, rollout_engine="vllm", vllm_gpu_memory_utilization=0.25),
+                                              logging_steps=1, rollout_engine="vllm",
+                                              vllm_gpu_memory_utilization=VLLM_MEMORY),
                               quiet=True)
         summary = trainer.train()
     history = trainer.history

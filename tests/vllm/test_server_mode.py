@@ -7,6 +7,7 @@ The tests share one server, in file order: the last leaves it half-updated, then
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,12 @@ class Server:
     def engine(self, policy=None, eos=(2,), timeout: float = 60) -> ServerEngine:
         return ServerEngine("127.0.0.1", self.port, 2, list(eos), timeout=timeout, policy=policy)
 
+    def kill(self) -> None:
+        """The server and the engine and worker processes it started, all at once (as when its machine goes)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, model_folder):
@@ -47,7 +54,8 @@ def vllm_server(tmp_path_factory, model_folder):
                model_folder, "--vllm-gpu-memory-utilization", "0.03", "--max-prompt-length", "256",
                "--max-completion-length", "256"]
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+                                   start_new_session=True)  # its own process group, vLLM's children included
     deadline = time.monotonic() + START_S
     while True:
         if process.poll() is not None:
@@ -57,12 +65,12 @@ def vllm_server(tmp_path_factory, model_folder):
             break
         except OSError:
             if time.monotonic() > deadline:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 pytest.fail(f"vLLM's server did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
             time.sleep(2)
-    yield Server(process, port, log)
-    process.kill()
-    process.wait()
+    server = Server(process, port, log)
+    yield server
+    server.kill()
 
 
 def test_the_server_samples_what_colocated_vllm_samples(vllm_server, colocated, policy, prompts, default_tokenizer):
@@ -146,8 +154,7 @@ def test_a_push_that_fails_midway_is_never_sampled_from_and_a_server_that_dies_i
         engine.generate(prompts, 1, GREEDY)
     with pytest.raises(ModelError, match="holds a partly updated model .*Restart the server"):
         vllm_server.engine(eos=[2]).generate(prompts, 1, GREEDY)  # another trainer is told too
-    vllm_server.process.kill()
-    vllm_server.process.wait()
+    vllm_server.kill()
     with pytest.raises(ModelError, match="lost the server at http://127.0.0.1:.* is it still running"):
         engine.generate(prompts, 1, SamplingParams(max_new_tokens=4))
     with pytest.raises(ConfigError, match="no server answered at .* within 2 s"):
