@@ -1,4 +1,5 @@
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -159,3 +160,12 @@ def test_sampling_dtype_follows_rollout_bf16_then_bf16_then_the_device():
     assert GRPOConfig(bf16=True).sample_in_bf16(cpu)
     assert GRPOConfig(rollout_bf16=True).sample_in_bf16(cpu)
     assert not GRPOConfig(rollout_bf16=False, bf16=True).sample_in_bf16(cuda)
+
+
+def test_a_cispo_cap_below_one_is_warned_of():
+    """CISPO caps the weight at epsilon_high itself, as TRL: a PPO-sized value there cuts every weight."""
+    with pytest.warns(UserWarning, match=r"caps each token's weight at epsilon_high=0.28 itself \(as TRL does\)"):
+        GRPOConfig(loss_type="cispo", epsilon_high=0.28)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(loss_type="cispo", epsilon_high=5.0)

@@ -62,8 +62,8 @@ def reference_loss(logp, old, ref, adv, mask, loss_type, eps_low=0.2, eps_high=0
         terms = []
         for t in toks:
             r = s if level == "sequence" else torch.exp(logp[i, t] - old[i, t])
-            if loss_type == "cispo":
-                term = torch.clamp(r, max=1 + eps_high).detach() * adv[i] * logp[i, t]
+            if loss_type == "cispo":  # MiniMax-M1's cap 1 + eps_IS_high, given as epsilon_high (TRL's form)
+                term = torch.clamp(r, max=eps_high).detach() * adv[i] * logp[i, t]
             else:
                 term = ref_clipped_term(r, adv[i], eps_low, eps_high, delta, c)
             if beta:
@@ -93,7 +93,8 @@ CASES = [
     dict(loss_type="bnpo"),
     dict(loss_type="dr_grpo"),
     dict(loss_type="dapo", epsilon_high=0.28),
-    dict(loss_type="cispo", epsilon_high=0.5),
+    dict(loss_type="cispo", epsilon_high=1.1),
+    dict(loss_type="cispo", epsilon_high=5.0),
     dict(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
     dict(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=0.2, epsilon_high=0.2),
     dict(loss_type="dapo", delta=1.5),

@@ -230,7 +230,7 @@ def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
 
 
 @pytest.mark.parametrize("settings", [
-    dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"), dict(loss_type="cispo", epsilon_high=0.2),
+    dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"), dict(loss_type="cispo", epsilon_high=1.2),
     dict(epsilon=0.1, epsilon_high=0.3), dict(delta=1.5), dict(clip_ratio_c=1.5),
     dict(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1, loss_type="grpo"),
     dict(beta=0.1, kl_estimator="k2", use_bias_correction_kl=True),

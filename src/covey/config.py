@@ -206,7 +206,12 @@ class GRPOConfig:
         for name in ("delta", "clip_ratio_c"):
             need(self.loss_type != "cispo" or getattr(self, name) is None,
                  f"{name} clips the PPO ratio, which loss_type: cispo does not use (it caps its own weight at "
-                 f"1 + epsilon_high); unset {name} or choose another loss_type")
+                 f"epsilon_high); unset {name} or choose another loss_type")
+        cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.loss_type == "cispo" and cap <= 1:
+            warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
+                          "every weight is below the ratio 1 it starts at; the MiniMax-M1 cap is 1 + eps (TRL's docs "
+                          "suggest epsilon_high: 5.0)", stacklevel=3)
         need(0 < self.top_entropy_quantile <= 1, f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]")
         need(0 <= self.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
         need(not self.sync_ref_model or self.beta > 0,

@@ -243,8 +243,9 @@ def _clipped_surrogate(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
 
 
 def _cispo(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
-    """CISPO: -sg[min(w, 1 + eps_high)] * A * logp; every token keeps a gradient."""
-    weight_BT = torch.clamp(ratio_BT, max=1 + s.epsilon_high).detach()
+    """CISPO: -sg[min(w, eps_max)] * A * logp; every token keeps a gradient. The cap eps_max is
+    ``epsilon_high`` itself, as in TRL (MiniMax-M1 writes it 1 + eps_high^IS)."""
+    weight_BT = torch.clamp(ratio_BT, max=s.epsilon_high).detach()
     return -weight_BT * advantages_B1 * logp_BT
 
 
@@ -364,9 +365,9 @@ def policy_loss(
         if objective == "clipped":
             low_BT = (ratio_BT < 1 - s.epsilon_low) & (advantages_B1 < 0)
             high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
-        else:  # CISPO clips only the weight from above
+        else:  # CISPO caps only the weight, from above, at epsilon_high itself
             low_BT = torch.zeros_like(ratio_BT, dtype=torch.bool)
-            high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
+            high_BT = (ratio_BT > s.epsilon_high) & (advantages_B1 > 0)
         stats["clip_low_sum"] = (low_BT * mask_BT).sum()
         stats["clip_high_sum"] = (high_BT * mask_BT).sum()
         stats["tokens"] = mask_BT.sum()

@@ -30,7 +30,7 @@ def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: 
     logp, old = logp_BT[:, :T].double(), old_logp_BT[:, :T].double()
     w = formula_ratio(logp, old, mask, s.importance_sampling_level)
     if s.loss_type == "cispo":
-        per_token = -torch.clamp(w, max=1 + s.epsilon_high) * adv * logp
+        per_token = -torch.clamp(w, max=s.epsilon_high) * adv * logp
     else:
         unclipped = w if s.delta is None else torch.clamp(w, max=s.delta)
         objective = torch.minimum(unclipped * adv, torch.clamp(w, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)

@@ -329,9 +329,10 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
     loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts, s, ref)
     expected = formula_loss(batch, fixed.ref_BT, logp, old, s, L)
     w = formula_ratio(logp, old, mask, s.importance_sampling_level)
-    outside = w > 1 + s.epsilon_high
-    if s.loss_type != "cispo":  # CISPO caps its weight from above only
-        outside |= w < 1 - s.epsilon_low
+    if s.loss_type == "cispo":  # CISPO caps its weight from above only, at epsilon_high itself
+        outside = w > s.epsilon_high
+    else:
+        outside = (w > 1 + s.epsilon_high) | (w < 1 - s.epsilon_low)
     value = (f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of "
              "ratios outside the clip range")
     report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
