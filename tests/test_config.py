@@ -169,3 +169,36 @@ def test_a_cispo_cap_below_one_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GRPOConfig(loss_type="cispo", epsilon_high=5.0)
+
+
+def test_every_problem_of_a_config_is_said_at_once(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("lr: 1e-5\nnum_generation: 8\nbeta: warm\nvllm_model_impl: auto\nloss_type: nope\n"
+                      "max_steps: 10\n")
+    with pytest.raises(ConfigError) as caught:
+        GRPOConfig.from_yaml(config)
+    message = str(caught.value)
+    assert message.startswith(f"{config}: 5 problems:\n- ")
+    for part in ("unknown config key 'lr': covey's name for it is learning_rate",
+                 "unknown config key 'num_generation' (did you mean 'num_generations'?)",
+                 "'vllm_model_impl' is a TRL field that covey does not support",
+                 "beta='warm' is not a valid float", "loss_type='nope' is not one of"):
+        assert part in message, part
+    with pytest.raises(ConfigError) as caught:  # the range checks, all of them too
+        GRPOConfig(num_generations=1, top_entropy_quantile=2.0)
+    problems = caught.value.problems
+    assert "num_generations=1: a group needs at least 2 completions" in problems
+    assert "top_entropy_quantile=2.0 must be in (0, 1]" in problems
+
+
+def test_trl_model_and_script_arguments_name_covey_fields(tmp_path):
+    config = tmp_path / "recipe.yaml"
+    config.write_text("model_name_or_path: some/model\ndataset_name: some/dataset\ndataset_train_split: train[:90%]\n"
+                      "lora_task_type: CAUSAL_LM\nmodel_revision: main\nuse_peft: true\nlora_r: 8\n")
+    args = GRPOConfig.from_yaml(config)
+    assert (args.model, args.dataset, args.dataset_split, args.use_peft, args.lora_r) == (
+        "some/model", "some/dataset", "train[:90%]", True, 8)
+    with pytest.raises(ConfigError, match="model_name_or_path='a' and model='b' name the same setting"):
+        GRPOConfig.from_dict({"model_name_or_path": "a", "model": "b"})
+    with pytest.raises(ConfigError, match="lora_task_type: 'SEQ_CLS' is a TRL setting covey does not support"):
+        GRPOConfig.from_dict({"lora_task_type": "SEQ_CLS"})

@@ -23,13 +23,13 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from covey.errors import ConfigError
 from covey.sources import EMBEDDED_MODEL
-from covey.trl_fields import AS_COVEY_DOES, TRL_FIELDS, as_covey_does
+from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, TRL_FIELDS, as_covey_does
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -173,21 +173,40 @@ class GRPOConfig:
         # older TRL configs use true/false (a YAML bool, or text from the command line)
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        problems = []  # every bad value at once
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            setattr(self, f.name, _coerce(f.name, value, _field_type(f)))
+            try:
+                setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_type(f)))
+            except ConfigError as e:
+                problems.append(str(e))
+                continue
             allowed = f.metadata.get("choices")
             if allowed and getattr(self, f.name) not in allowed:
-                raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(allowed)}")
+                problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(allowed)}")
+        if problems:  # the range checks need values of the right types
+            raise config_errors(problems)
         if self.use_vllm:
             self.rollout_engine = "vllm"
         self._check_ranges()
 
     def _check_ranges(self) -> None:
+        problems: list[str] = []
+
         def need(ok: bool, message: str) -> None:
             if not ok:
-                raise ConfigError(message)
+                problems.append(message)
 
+        try:
+            self._ranges(need)
+        except ConfigError as e:  # a check that raises itself
+            problems.extend(getattr(e, "problems", [str(e)]))
+        except (ArithmeticError, TypeError, ValueError):  # a check that needs a value an earlier one refused
+            if not problems:
+                raise
+        if problems:
+            raise config_errors(problems)
+
+    def _ranges(self, need: Callable[[bool, str], None]) -> None:
         need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
         spg = self.micro_batches_per_generation
         need(
@@ -342,21 +361,42 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
+        """The config of ``values`` (``source`` names where they came from); every unknown key and bad
+        value is said at once, in one ConfigError."""
         known = {f.name for f in dataclasses.fields(cls)}
+        problems = []
+        for alias, name in SAME_AS.items():  # TRL's model and script arguments
+            if alias in values:
+                if name in values and values[name] != values[alias]:
+                    problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
+                                    "(TRL's name and covey's); give one")
+                values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
         for key in values:
             if not isinstance(key, str):
-                raise ConfigError(f"{source}: config key {key!r} is not a name; keys are field names such as "
-                                  "learning_rate")
-            if key in known or as_covey_does(key, values[key]):
+                problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
+            elif key in known or as_covey_does(key, values[key]):
                 continue
-            if key in AS_COVEY_DOES:
-                raise ConfigError(f"{source}: {key}: {values[key]!r} is a TRL setting covey does not support (covey "
-                                  f"works as {key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
-            if key in TRL_FIELDS:
-                raise ConfigError(f"{source}: {key!r} is a TRL field that covey does not support; remove it "
-                                  "(covey never ignores a setting silently)")
-            raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, known)}")
+            elif key in AS_COVEY_DOES:
+                problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
+                                f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
+            elif key in TRL_FIELDS:
+                problems.append(f"{key!r} is a TRL field that covey does not support; remove it (covey never "
+                                "ignores a setting silently)")
+            elif key in NAMES_ELSEWHERE:
+                problems.append(f"unknown config key {key!r}: covey's name for it is {NAMES_ELSEWHERE[key]}")
+            else:
+                problems.append(f"unknown config key {key!r}{_did_you_mean(key, known)}")
         values = {key: value for key, value in values.items() if key in known}  # the TRL settings covey matches go
+        try:
+            config = cls._from_known(values, source)
+        except ConfigError as e:
+            problems.extend(getattr(e, "problems", [str(e)]))
+        if problems:
+            raise config_errors(problems, source)
+        return config
+
+    @classmethod
+    def _from_known(cls, values: dict[str, Any], source: str) -> "GRPOConfig":
         if values.get("num_train_epochs") is not None:  # TRL's rule: a max_steps given wins over the epochs
             if "max_steps" not in values:
                 values = {**values, "max_steps": -1}
@@ -418,6 +458,16 @@ class _YAMLLoader(yaml.SafeLoader):
                     key_node.start_mark)
             seen[key] = key_node
         return super().construct_mapping(node, deep)
+
+
+def config_errors(problems: list[str], source: str | None = None) -> ConfigError:
+    """One error saying every problem of a config (``source``: where it came from); the list stays
+    on it as ``problems``."""
+    where = f"{source}: " if source else ""
+    error = ConfigError(where + problems[0] if len(problems) == 1 else
+                        f"{where}{len(problems)} problems:\n- " + "\n- ".join(problems))
+    error.problems = problems
+    return error
 
 
 def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:

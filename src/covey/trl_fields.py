@@ -24,6 +24,33 @@ AS_COVEY_DOES = {
     "hub_revision": ANY, "hub_always_push": ANY,
     # read by scripts, not by TRL's trainer
     "do_train": (True, False), "do_eval": (True, False), "do_predict": (True, False),
+    # TRL's model and script arguments whose value is what covey does
+    "lora_task_type": ("CAUSAL_LM",), "model_revision": (None, "main"), "dataset_config": (None,),
+}
+
+
+# TRL's model and script arguments (trl.ModelConfig, trl.ScriptArguments) that are covey fields under
+# another name: a TRL recipe's YAML gives them beside the GRPOConfig fields
+SAME_AS = {
+    "model_name_or_path": "model",
+    "dataset_name": "dataset",
+    "dataset_train_split": "dataset_split",
+}
+
+# what other trainers and recipes call some of covey's fields: said first when a key is unknown
+NAMES_ELSEWHERE = {
+    "lr": "learning_rate", "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
+    "max_new_tokens": "max_completion_length", "response_length": "max_completion_length",
+    "max_response_length": "max_completion_length", "max_prompt_len": "max_prompt_length",
+    "group_size": "num_generations", "n_samples_per_prompt": "num_generations", "rollout_n": "num_generations",
+    "kl_coef": "beta", "kl_coeff": "beta", "init_kl_coef": "beta", "kl_loss_coef": "beta",
+    "clip_range": "epsilon", "cliprange": "epsilon", "clip_ratio": "epsilon", "clip_ratio_high": "epsilon_high",
+    "epochs": "num_train_epochs", "num_epochs": "num_train_epochs", "total_training_steps": "max_steps",
+    "model_name": "model", "model_path": "model", "model_id": "model", "pretrain": "model",
+    "dataset_path": "dataset", "train_file": "dataset", "train_files": "dataset", "data_path": "dataset",
+    "dataset_test_split": "eval_split (with eval_dataset naming the same dataset)",
+    "torch_dtype": "bf16 (true: bfloat16 autocast)", "dtype": "bf16 (true: bfloat16 autocast)",
+    "save_dir": "output_dir", "output_path": "output_dir", "reward_fn": "reward_funcs", "reward_functions": "reward_funcs",
 }
 
 
