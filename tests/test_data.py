@@ -185,3 +185,27 @@ def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tokenizer):
     chats = ["1+1=", [{"role": "user", "content": "1+1?"}]]
     with pytest.raises(DataError, match=r"train_dataset, row 1: .*no chat template.*plain-string prompts"):
         encode_prompts(tokenizer, chats, 16, "train_dataset")
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": "b",\n{"prompt": "c"}\n',
+     r"broken.jsonl, line 2: not valid JSON \(Expecting property name enclosed in double quotes, column 16\)"),
+    ("list.jsonl", '{"prompt": "a"}\n["b"]\n', r"list.jsonl, line 2: a JSON list, not an object"),
+    ("empty.jsonl", "\n\n", r"dataset file .*empty.jsonl is empty"),
+    ("empty.csv", "", r"dataset file .*empty.csv is empty"),
+])
+def test_a_malformed_or_empty_data_file_is_said_with_its_line(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=message):
+        load_rows(str(tmp_path / name))
+
+
+def test_a_broken_line_of_a_gzipped_file_is_found_too(tmp_path):
+    import gzip
+
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
+        f.write('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(DataError, match=r"rows.jsonl.gz, line 2: not valid JSON"):
+        load_rows(str(tmp_path / "rows.jsonl.gz"))
+    (tmp_path / "list.json").write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}]))  # one JSON document
+    assert [r["prompt"] for r in load_rows(str(tmp_path / "list.json"))] == ["a", "b"]

@@ -6,6 +6,8 @@ string) and any extra columns, which are passed to the reward functions by name.
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ def load_rows(spec: Any, split: str = "train") -> list[dict]:
         if file_format is not None:
             if not path.is_file():
                 raise DataError(f"dataset file {path} does not exist")
+            check_text_file(path, file_format)
             rows = _load_with_datasets(file_format, data_files=str(path), split="train")
         else:
             rows = _load_with_datasets(spec, split=split)
@@ -53,6 +56,41 @@ def local_format(name: str) -> str | None:
     in any case (data.JSONL, data.csv.gz); None for a name that is not a local file format."""
     lowered = name.lower()
     return next((loader for ending, loader in LOCAL_FORMATS.items() if lowered.endswith(ending)), None)
+
+
+def check_text_file(path: Path, file_format: str) -> None:
+    """A local JSON or CSV file that is empty, or a JSON Lines row that is not a JSON object, said with
+    its line (the datasets loader names neither)."""
+    if file_format == "parquet":
+        return
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise DataError(f"dataset file {path} cannot be read as UTF-8 text{' (gzip)' if opener is gzip.open else ''}: "
+                        f"{e}") from None
+    if not text.strip():
+        raise DataError(f"dataset file {path} is empty: give one row per line (JSON Lines), a JSON list of rows, "
+                        "or a CSV file with a header")
+    if file_format != "json":
+        return
+    try:
+        json.loads(text)
+        return  # one JSON document (a list of rows, or a single row)
+    except ValueError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); each line of a "
+                            "JSON Lines file is one JSON object") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object; each line of a "
+                            "JSON Lines file is one row, such as {\"prompt\": ...}")
 
 
 def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
