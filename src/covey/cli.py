@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.config import GRPOConfig, config_fields, suggest_field
+from covey.trl_fields import SAME_AS
 from covey.train.distributed import World
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
 
@@ -47,10 +48,14 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
             options["metavar"] = kind.split(" ")[0].upper()
         if "choices" in f.metadata:
             options["help"] += f" ({' | '.join(f.metadata['choices'])})"
-        group.add_argument("--" + f.name.replace("_", "-"), **options)
+        aliases = [alias for alias, name in SAME_AS.items() if name == f.name]  # TRL's script arguments' names
+        group.add_argument(*("--" + name.replace("_", "-") for name in [f.name, *aliases]), **options)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    # --learning_rate as well as --learning-rate (TRL's scripts take both)
+    argv = [re.sub(r"^(--[^=]+)", lambda m: m[1].replace("_", "-"), token) if token.startswith("--") else token
+            for token in argv]
     namespace, unknown = parser.parse_known_args(argv)
     for token in unknown:
         if token.startswith("--"):

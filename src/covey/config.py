@@ -382,10 +382,8 @@ class GRPOConfig:
             elif key in TRL_FIELDS:
                 problems.append(f"{key!r} is a TRL field that covey does not support; remove it (covey never "
                                 "ignores a setting silently)")
-            elif key in NAMES_ELSEWHERE:
-                problems.append(f"unknown config key {key!r}: covey's name for it is {NAMES_ELSEWHERE[key]}")
             else:
-                problems.append(f"unknown config key {key!r}{_did_you_mean(key, known)}")
+                problems.append(f"unknown config key {key!r}{suggest_field(key)}")
         values = {key: value for key, value in values.items() if key in known}  # the TRL settings covey matches go
         try:
             config = cls._from_known(values, source)
@@ -522,11 +520,9 @@ def config_fields() -> list[dataclasses.Field]:
 
 
 # names other tools use for a field, suggested before any spelling match
-FIELD_ALIASES = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size", "steps": "max_steps",
-                 "group_size": "num_generations", "kl_coef": "beta", "max_new_tokens": "max_completion_length"}
-
-
 def suggest_field(name: str) -> str:
-    if name in FIELD_ALIASES:
-        return f" (did you mean {FIELD_ALIASES[name]!r}?)"
+    """What to say after an unknown key ``name``: covey's field for what other trainers call so, else the
+    closest field name (or nothing)."""
+    if name in NAMES_ELSEWHERE:
+        return f" (covey's name for it: {NAMES_ELSEWHERE[name]})"
     return _did_you_mean(name, [f.name for f in config_fields()])

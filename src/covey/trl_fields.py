@@ -45,7 +45,7 @@ NAMES_ELSEWHERE = {
     "group_size": "num_generations", "n_samples_per_prompt": "num_generations", "rollout_n": "num_generations",
     "kl_coef": "beta", "kl_coeff": "beta", "init_kl_coef": "beta", "kl_loss_coef": "beta",
     "clip_range": "epsilon", "cliprange": "epsilon", "clip_ratio": "epsilon", "clip_ratio_high": "epsilon_high",
-    "epochs": "num_train_epochs", "num_epochs": "num_train_epochs", "total_training_steps": "max_steps",
+    "epochs": "num_train_epochs", "num_epochs": "num_train_epochs", "total_training_steps": "max_steps", "steps": "max_steps",
     "model_name": "model", "model_path": "model", "model_id": "model", "pretrain": "model",
     "dataset_path": "dataset", "train_file": "dataset", "train_files": "dataset", "data_path": "dataset",
     "dataset_test_split": "eval_split (with eval_dataset naming the same dataset)",
