@@ -124,7 +124,7 @@ class GRPOConfig:
     importance_sampling_level: str = _f("token", "per-token ratio, or GSPO's length-normalised sequence ratio", choices=IMPORTANCE_SAMPLING_LEVELS)
     beta: float = _f(0.0, "KL penalty coefficient towards the reference model (0 = no reference model)")
     kl_estimator: str = _f("k3", "estimator of KL(policy || reference) per token", choices=KL_ESTIMATORS)
-    use_bias_correction_kl: bool = _f(False, "multiply the KL term by the importance ratio (TRL's default is true)")
+    use_bias_correction_kl: bool = _f(True, "multiply the KL term by the importance ratio, as TRL does by default (false: the GRPO paper's plain KL term)")
     sync_ref_model: bool = _f(False, "move the reference towards the policy every ref_model_sync_steps (TR-DPO style)")
     ref_model_mixup_alpha: float = _f(0.6, "reference <- alpha * policy + (1 - alpha) * reference at each sync")
     ref_model_sync_steps: int = _f(512, "optimizer steps between reference syncs")
