@@ -209,3 +209,18 @@ def test_a_broken_line_of_a_gzipped_file_is_found_too(tmp_path):
         load_rows(str(tmp_path / "rows.jsonl.gz"))
     (tmp_path / "list.json").write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}]))  # one JSON document
     assert [r["prompt"] for r in load_rows(str(tmp_path / "list.json"))] == ["a", "b"]
+
+
+def test_system_prompt_comes_first_in_every_prompt(tmp_path):
+    rows = [{"prompt": "2 + 2?"}, {"prompt": [{"role": "user", "content": "3 + 3?"}]}]
+    chats = load_rows(rows, system_prompt="Answer in <answer> tags.")
+    assert [r["prompt"] for r in chats] == [
+        [{"role": "system", "content": "Answer in <answer> tags."}, {"role": "user", "content": "2 + 2?"}],
+        [{"role": "system", "content": "Answer in <answer> tags."}, {"role": "user", "content": "3 + 3?"}]]
+    held_out = heldout_rows("data.jsonl", [{"prompt": "1 + 1?"}, {"prompt": "2 + 1?"}], 2, system_prompt="Be brief.")
+    assert [r["prompt"][0] for r in held_out] == [{"role": "system", "content": "Be brief."}] * 2
+    with pytest.raises(DataError, match="train_dataset, row 0: the prompt has a system message already"):
+        load_rows([{"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}],
+                  system_prompt="z")
+    with pytest.raises(DataError, match="arithmetic, row 0: the prompt has a system message already"):
+        load_rows("arithmetic", system_prompt="z")  # the built-in task brings its own

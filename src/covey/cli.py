@@ -146,7 +146,8 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.train.evaluation import evaluate
     from covey.train.setup import build_engine, load_rewards
 
-    rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9, args.eval_split)
+    rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9, args.eval_split,
+                        args.system_prompt)
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)

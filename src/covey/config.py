@@ -68,6 +68,7 @@ class GRPOConfig:
     dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
     eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id (set train for one without a test split)")
+    system_prompt: str | None = _f(None, "a system message put first in every prompt of the training and held-out data (one a prompt has already is an error)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
     prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))

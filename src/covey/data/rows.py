@@ -24,18 +24,18 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
                  ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
 
 
-def load_rows(spec: Any, split: str = "train") -> list[dict]:
+def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None) -> list[dict]:
     """Rows from a built-in task name, a local JSONL/JSON/CSV/Parquet file (JSONL, JSON and CSV also
     gzip-compressed, .gz), a Hugging Face dataset id, or an in-memory list / ``datasets.Dataset``.
     GSM8K-format data (question, answer with '####') is turned into chat prompts automatically,
-    keeping its other columns."""
+    keeping its other columns. ``system_prompt``: a system message put before every prompt."""
     if isinstance(spec, str):
         if reason := why_unloadable(spec, "dataset"):
             raise DataError(reason)
-        if spec in tasks.TASKS:
-            return tasks.TASKS[spec]("test" if split == "test" else "train")
         path, file_format = Path(spec), local_format(spec)
-        if file_format is not None:
+        if spec in tasks.TASKS:
+            rows = tasks.TASKS[spec]("test" if split == "test" else "train")
+        elif file_format is not None:
             if not path.is_file():
                 raise DataError(f"dataset file {path} does not exist")
             check_text_file(path, file_format)
@@ -48,7 +48,21 @@ def load_rows(spec: Any, split: str = "train") -> list[dict]:
     if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
         rows = tasks.gsm8k_rows(rows, source)
     check_rows(rows, source)
-    return rows
+    return rows if system_prompt is None else with_system_prompt(rows, system_prompt, source)
+
+
+def with_system_prompt(rows: list[dict], system_prompt: str, source: str) -> list[dict]:
+    """The rows with ``system_prompt`` as the first message of each prompt (a plain-text prompt becomes
+    the user's message); a prompt that has a system message already is an error, not overwritten."""
+    out = []
+    for i, row in enumerate(rows):
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if messages and messages[0].get("role") == "system":
+            raise DataError(f"{source}, row {i}: the prompt has a system message already, and system_prompt gives "
+                            "another; drop one of the two")
+        out.append({**row, "prompt": [{"role": "system", "content": system_prompt}, *messages]})
+    return out
 
 
 def local_format(name: str) -> str | None:
@@ -105,16 +119,17 @@ def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
                         "dataset id") from e
 
 
-def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test") -> list[dict] | None:
+def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test",
+                 system_prompt: str | None = None) -> list[dict] | None:
     """Rows for the before/after evaluation: ``eval_dataset`` if given (its ``eval_split`` when it
     is a built-in task or a Hugging Face id), else the held-out split of a built-in task, else None
     (no evaluation). At most ``max_samples`` rows."""
     if max_samples == 0:
         return None
     if eval_dataset is not None:
-        rows = load_rows(eval_dataset, split=eval_split)
+        rows = load_rows(eval_dataset, split=eval_split, system_prompt=system_prompt)
     elif isinstance(dataset, str) and dataset in tasks.TASKS:
-        rows = load_rows(dataset, split="test")
+        rows = load_rows(dataset, split="test", system_prompt=system_prompt)
     else:
         return None
     return rows[:max_samples]

@@ -75,7 +75,7 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     rewards columns of its own, so the first batch checks those."""
     dataset = train_dataset if train_dataset is not None else args.dataset
     source = dataset if isinstance(dataset, str) else "an in-memory dataset"
-    train = load_rows(dataset, split=args.dataset_split)
+    train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt)
     check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
     # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
     steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
@@ -85,7 +85,7 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     if not own_rollouts:
         preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps)
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
-                           args.eval_max_samples, args.eval_split)
+                           args.eval_max_samples, args.eval_split, args.system_prompt)
     if heldout and (shared := shared_prompts(train, heldout)):
         warnings.warn(f"{shared} of the {len(heldout)} held-out prompts are training prompts too, so the "
                       "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
