@@ -233,6 +233,7 @@ weight_decay: 0.01
 seed: 7
 max_steps: 4
 logging_steps: 2
+logging_first_step: true
 log_completions: true
 bf16: false
 gradient_checkpointing: false
@@ -248,7 +249,7 @@ def test_a_trl_style_config_runs_unchanged(tmp_path, tiny_model_dir):
     for key, value in yaml.safe_load(TRL_STYLE).items():
         assert saved[key] == value, key
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [2, 4]
+    assert steps == [1, 2, 4]  # logging_first_step, then every logging_steps
 
 
 @pytest.mark.parametrize("field", ["eval_steps", "num_generations_eval", "vllm_model_impl", "sapo_temperature_pos"])

@@ -159,6 +159,7 @@ class GRPOConfig:
                                       "unless overwrite_output_dir")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
     logging_steps: int = _f(1, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
+    logging_first_step: bool = _f(False, "also write the first optimizer step's metrics on their own, whatever logging_steps says (as TRL)")
     log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
     num_completions_to_print: int = _f(4, "rows of the console completions table")

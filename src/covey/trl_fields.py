@@ -13,7 +13,6 @@ AS_COVEY_DOES = {
     "logging_strategy": ("steps",),  # metrics every logging_steps
     "save_strategy": ("steps",),  # a checkpoint every save_steps
     "eval_strategy": ("no", False),  # no evaluation during training (covey's is before and after); YAML reads no as false
-    "logging_first_step": (False,),
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "shuffle_dataset": (True,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default

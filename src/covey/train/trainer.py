@@ -232,7 +232,8 @@ class GRPOTrainer:
                 self.unlogged_metrics.append(step_metrics(
                     whole, update, self.parts.rewards.names, self.parts.rewards.weights_F, reward_metrics,
                     dynamic_sampling, result.progress.reward_errors, args.beta > 0))
-            if update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps:
+            if (update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps
+                    or (args.logging_first_step and update.global_step == 1)):
                 log.log_metrics(update.global_step, interval_mean(self.unlogged_metrics))
                 self.unlogged_metrics = []
         if (bad := result.progress.consecutive_bad_steps) >= args.max_consecutive_bad_steps:
