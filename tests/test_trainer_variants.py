@@ -316,3 +316,13 @@ def test_loss_type_choices_match_the_core_table():
 def test_incompatible_variant_settings(values, message):
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(**values)
+
+
+@pytest.mark.parametrize("text", ["save_strategy: no", "save_strategy: 'no'", "save_strategy: \"no\"\nsave_steps: 5"])
+def test_trl_save_strategy_no_means_no_checkpoints(tmp_path, text):
+    config = tmp_path / "c.yaml"
+    config.write_text(text + "\n")
+    assert GRPOConfig.from_yaml(config).save_steps == 0
+    config.write_text("save_strategy: epoch\n")
+    with pytest.raises(ConfigError, match="save_strategy: 'epoch' is a TRL setting covey does not support"):
+        GRPOConfig.from_yaml(config)

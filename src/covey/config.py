@@ -373,6 +373,9 @@ class GRPOConfig:
                     problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
                                     "(TRL's name and covey's); give one")
                 values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
+        if str(values.get("save_strategy")).lower() in ("no", "false"):  # TRL's "no" (YAML reads an unquoted no as false)
+            # no checkpoints, whatever save_steps says, as in TRL
+            values = {**{k: v for k, v in values.items() if k != "save_strategy"}, "save_steps": 0}
         for key in values:
             if not isinstance(key, str):
                 problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
