@@ -557,3 +557,28 @@ def test_throughput_and_undefined_spreads_are_logged_on_every_step(tmp_path, tok
     assert all(rate > 0 for rate in rates) and rates[1] < rates[0] and rates[3] < rates[2]
     assert all(m["rewards/undefined/std"] is None and m["rewards/undefined/mean"] is None for m in metrics)
     assert all(m["rewards/count_a/std"] is not None for m in metrics)
+
+
+def test_evaluation_during_training_is_logged_at_its_steps(tmp_path, tokenizer, tiny_model):
+    """eval_strategy: steps (TRL's): the held-out evaluation every eval_steps, as eval/... metrics on that
+    step's line (written whatever logging_steps says), and drawn by covey report."""
+    from covey.telemetry.report import load_run, panels
+
+    args = small_args(tmp_path, max_steps=5, logging_steps=3, eval_strategy="steps", eval_steps=2)
+    evaluations = []
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          eval_dataset=ROWS[:2], processing_class=tokenizer, quiet=True)
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda *a: evaluations.append(trainer.global_step) or evaluate(*a)
+    trainer.train()
+    assert evaluations == [0, 2, 4, 5]  # before training, at steps 2 and 4, after training
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 3, 4, 5]
+    assert [m["step"] for m in metrics if "eval/accuracy" in m] == [2, 4]
+    assert all(0 <= m["eval/mean_reward"] for m in metrics if "eval/mean_reward" in m)
+    run = load_run(tmp_path / "run")
+    assert {"eval/accuracy", "eval/mean_reward"} <= {p.key for p in panels(run)}
+    with pytest.raises(ConfigError, match="eval_strategy: steps evaluates on held-out data, and an in-memory dataset "
+                                          "brings none"):
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path / "b", eval_strategy="steps"),
+                    train_dataset=ROWS, processing_class=tokenizer, quiet=True)

@@ -252,7 +252,7 @@ def test_a_trl_style_config_runs_unchanged(tmp_path, tiny_model_dir):
     assert steps == [1, 2, 4]  # logging_first_step, then every logging_steps
 
 
-@pytest.mark.parametrize("field", ["eval_steps", "num_generations_eval", "vllm_model_impl", "sapo_temperature_pos"])
+@pytest.mark.parametrize("field", ["eval_delay", "num_generations_eval", "vllm_model_impl", "sapo_temperature_pos"])
 def test_unsupported_trl_fields_are_rejected_by_name(tmp_path, field):
     config = tmp_path / "c.yaml"
     config.write_text(f"{field}: 1\n")
@@ -285,7 +285,7 @@ def test_trl_settings_that_describe_what_covey_does_are_accepted(tmp_path):
 @pytest.mark.parametrize("setting, message", [
     ("push_to_hub: true", "push_to_hub: True is a TRL setting covey does not support \\(covey works as push_to_hub: False\\)"),
     ("optim: adamw_8bit", "optim: 'adamw_8bit' is a TRL setting .* 'adamw_torch' or 'adamw_torch_fused'"),
-    ("eval_strategy: steps", "eval_strategy: 'steps' is a TRL setting"),
+    ("eval_strategy: epoch", "eval_strategy='epoch' is not one of no, steps"),
     ("gradient_checkpointing_kwargs: {use_reentrant: true}", "gradient_checkpointing_kwargs: .*use_reentrant.*True"),
     ("do_train: 1", "do_train: 1 is a TRL setting"),  # a number is not the boolean it looks like
 ])

@@ -69,6 +69,8 @@ class GRPOConfig:
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
     eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id (set train for one without a test split)")
     system_prompt: str | None = _f(None, "a system message put first in every prompt of the training and held-out data (one a prompt has already is an error)")
+    eval_strategy: str = _f("no", "held-out evaluation during training too: no (before and after only), or every eval_steps optimizer steps", choices=("no", "steps"))
+    eval_steps: int | None = _f(None, "optimizer steps between evaluations under eval_strategy: steps (None: logging_steps, as TRL)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
     prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))
@@ -172,6 +174,8 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
+        if self.eval_strategy is False or str(self.eval_strategy).lower() == "false":  # YAML reads an unquoted no as false
+            self.eval_strategy = "no"
         # older TRL configs use true/false (a YAML bool, or text from the command line)
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
@@ -300,6 +304,10 @@ class GRPOConfig:
         need(self.tool_timeout > 0, f"tool_timeout={self.tool_timeout} must be positive")
         need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
              "code_timeout must be positive and code_memory_limit_mb at least 16")
+        need(self.eval_steps is None or self.eval_steps >= 1, f"eval_steps={self.eval_steps} must be at least 1")
+        need(self.eval_strategy == "no" or self.eval_max_samples != 0,
+             "eval_strategy: steps evaluates on held-out rows, and eval_max_samples: 0 takes none; give eval_max_samples "
+             "> 0 or set eval_strategy: no")
         need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit} must be at least 1 (None keeps all)")

@@ -12,7 +12,6 @@ AS_COVEY_DOES = {
     "optim": ("adamw_torch", "adamw_torch_fused"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
     "save_strategy": ("steps",),  # a checkpoint every save_steps
-    "eval_strategy": ("no", False),  # no evaluation during training (covey's is before and after); YAML reads no as false
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "shuffle_dataset": (True,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default
@@ -24,6 +23,7 @@ AS_COVEY_DOES = {
     # read by scripts, not by TRL's trainer
     "do_train": (True, False), "do_eval": (True, False), "do_predict": (True, False),
     # TRL's model and script arguments whose value is what covey does
+    "eval_on_start": (True,),  # covey evaluates before training whenever it has held-out data
     "lora_task_type": ("CAUSAL_LM",), "model_revision": (None, "main"), "dataset_config": (None,),
 }
 

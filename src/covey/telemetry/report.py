@@ -187,6 +187,9 @@ def panels(run: Run) -> list[Panel]:
         Panel("reward", "reward (weighted total, batch mean)", "reward"),
         *(Panel(FUNCTION_PLOT_PREFIX + _file_safe(fn), f"reward function {fn} (mean)", f"rewards/{fn}/mean")
           for fn in functions),
+        *((Panel("eval_accuracy", "held-out accuracy during training (greedy; eval_strategy: steps)", "eval/accuracy"),
+           Panel("eval_reward", "held-out mean reward during training", "eval/mean_reward"))
+          if any("eval/mean_reward" in record for record in run.metrics) else ()),  # only runs that evaluated during training
         Panel("reward_std", "reward_std (spread over the batch)", "reward_std"),
         Panel("kl", "KL to the reference", "kl"),
         Panel("completion_length", "completion length (tokens; band: min to max)", "completions/mean_length",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import threading
 import warnings
@@ -91,6 +92,9 @@ class GRPOTrainer:
         rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size, environment,
                                    own_rollouts=rollout_func is not None)
         self.dataset_name, self.eval_rows = rows.source, rows.heldout
+        if args.eval_strategy == "steps" and not self.eval_rows:
+            raise ConfigError(f"eval_strategy: steps evaluates on held-out data, and {rows.source} brings none: give "
+                              "eval_dataset (or a built-in task), or set eval_strategy: no")
         check_trackers(args.report_to)
         if tool_call_format is not None and not (tools or args.tools or environment is not None):
             raise ConfigError("tool_call_format reads tool calls, and this run has no tools or environment_factory: "
@@ -202,7 +206,7 @@ class GRPOTrainer:
                 steps_before = self.global_step
                 result = grpo_step(self.parts, self.sampler, self.progress)
                 self.progress = result.progress
-                whole = self._log_step(log, result)
+                whole = self._log_step(log, result, self._evaluate_if_due(log, steps_before))
                 self._after_step(log, steps_before, whole.records() if whole is not None else [])
             final = self._save_final_model()  # before anything else can fail
             after = self.evaluate() if self.eval_rows else None
@@ -220,20 +224,35 @@ class GRPOTrainer:
         self._save_config()
         return self.run_dir
 
-    def _log_step(self, log: RunLog, result: StepResult) -> ScoredBatch | None:
+    def _evaluate_if_due(self, log: RunLog, steps_before: int) -> dict[str, float]:
+        """Under eval_strategy: steps, the held-out evaluation when the step crossed a multiple of eval_steps
+        (before the last: the evaluation after training comes then), as ``eval/...`` metrics; else none."""
+        args, step = self.args, self.global_step
+        if args.eval_strategy != "steps" or step >= args.max_steps or not _crossed(
+                steps_before, step, args.eval_steps or args.logging_steps):
+            return {}
+        result = self.evaluate()
+        log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward "
+                 f"{result['mean_reward']:.3f}, n={result['n']})")
+        return {f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")}
+
+    def _log_step(self, log: RunLog, result: StepResult, evaluation: dict[str, float]) -> ScoredBatch | None:
         """The metrics of each of the step's optimizer steps, over the batch of every process (gathered on
-        the first, which returns it; None on the others), logged as logging_steps says. A step that ended
-        on too many skipped optimizer steps in a row stops the run, once its metrics are written."""
+        the first, which returns it; None on the others), logged as logging_steps says; ``evaluation``
+        (held-out metrics after the step) joins the last, which is then logged whatever logging_steps says.
+        A step that ended on too many skipped optimizer steps in a row stops the run, once its metrics are
+        written."""
         args = self.args
         merged = self._merged_on_main(result)
         for update in result.updates:
+            last = update is result.updates[-1]
             if merged is not None:
                 whole, reward_metrics, dynamic_sampling = merged
-                self.unlogged_metrics.append(step_metrics(
+                self.unlogged_metrics.append({**step_metrics(
                     whole, update, self.parts.rewards.names, self.parts.rewards.weights_F, reward_metrics,
-                    dynamic_sampling, result.progress.reward_errors, args.beta > 0))
+                    dynamic_sampling, result.progress.reward_errors, args.beta > 0), **(evaluation if last else {})})
             if (update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps
-                    or (args.logging_first_step and update.global_step == 1)):
+                    or (args.logging_first_step and update.global_step == 1) or (last and evaluation)):
                 log.log_metrics(update.global_step, interval_mean(self.unlogged_metrics))
                 self.unlogged_metrics = []
         if (bad := result.progress.consecutive_bad_steps) >= args.max_consecutive_bad_steps:
