@@ -326,3 +326,16 @@ def test_trl_save_strategy_no_means_no_checkpoints(tmp_path, text):
     config.write_text("save_strategy: epoch\n")
     with pytest.raises(ConfigError, match="save_strategy: 'epoch' is a TRL setting covey does not support"):
         GRPOConfig.from_yaml(config)
+
+
+def test_use_cpu_keeps_the_models_on_the_cpu_where_a_gpu_is(monkeypatch, tmp_path, tiny_model_dir):
+    from covey.models import default_device
+    from covey.train.setup import build_policy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    assert default_device() == torch.device("cuda") and default_device(use_cpu=True) == torch.device("cpu")
+    moved = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    build_policy(GRPOConfig(model=str(tiny_model_dir), use_cpu=True), None, None)
+    build_policy(GRPOConfig(model=str(tiny_model_dir)), None, None)
+    assert moved == [(torch.device("cpu"),), (torch.device("cuda"),)]

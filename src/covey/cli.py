@@ -152,7 +152,7 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    model = load_policy(args.model, args.trust_remote_code).eval()
+    model = load_policy(args.model, args.trust_remote_code, use_cpu=args.use_cpu).eval()
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
     Console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "

@@ -142,10 +142,10 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def default_device() -> torch.device:
-    """Where covey puts the models it loads: the current CUDA device when there is one, else the CPU
-    (a model object handed to the trainer stays where it is)."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def default_device(use_cpu: bool = False) -> torch.device:
+    """Where covey puts the models it loads: the current CUDA device when there is one (and ``use_cpu``
+    is not asked), else the CPU (a model object handed to the trainer stays where it is)."""
+    return torch.device("cuda") if torch.cuda.is_available() and not use_cpu else torch.device("cpu")
 
 
 def keep_freed_memory() -> bool:
@@ -168,7 +168,8 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+                use_cpu: bool = False):
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -182,7 +183,7 @@ def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch
                                                              is_trainable=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-        return model.to(default_device())
+        return model.to(default_device(use_cpu))
     except (OSError, ValueError) as e:
         raise _not_loaded(name_or_path, e) from e
 

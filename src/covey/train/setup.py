@@ -148,7 +148,10 @@ def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, enviro
 
 def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Module:
     """The model to train: loaded if given by name, wrapped in LoRA when asked."""
-    policy = model if isinstance(model, torch.nn.Module) else load_policy(model or args.model, args.trust_remote_code)
+    if isinstance(model, torch.nn.Module):
+        policy = model.cpu() if args.use_cpu else model
+    else:
+        policy = load_policy(model or args.model, args.trust_remote_code, use_cpu=args.use_cpu)
     if (args.use_peft or peft_config is not None) and not is_peft_model(policy):
         if peft_config is not None:
             from peft import get_peft_model
@@ -267,7 +270,7 @@ def server_backend(args: GRPOConfig) -> FastBackend:
     """What ``covey server --backend fast`` serves for a run's config: the fast engine over its model."""
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
-    model = merged_model(load_policy(args.model, args.trust_remote_code))
+    model = merged_model(load_policy(args.model, args.trust_remote_code, use_cpu=args.use_cpu))
     return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
                        args.sample_in_bf16(next(model.parameters()).device), name=args.model)
 
