@@ -33,8 +33,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
-    "cli": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
-            "train", "verify"},
+    "cli": {"errors", "sources", "trl_fields", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
+            "agents", "train", "verify"},
     "__init__": {"config", "errors", "train"},  # the package itself: its public names
     "__main__": {"cli"},
 }
