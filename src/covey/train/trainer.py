@@ -232,8 +232,8 @@ class GRPOTrainer:
                 steps_before, step, args.eval_steps or args.logging_steps):
             return {}
         result = self.evaluate()
-        log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward "
-                 f"{result['mean_reward']:.3f}, n={result['n']})")
+        mean = "n/a" if result["mean_reward"] is None else f"{result['mean_reward']:.3f}"
+        log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward {mean}, n={result['n']})")
         return {f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")}
 
     def _log_step(self, log: RunLog, result: StepResult, evaluation: dict[str, float]) -> ScoredBatch | None:
