@@ -216,9 +216,12 @@ def test_plain_text_prompts_get_string_completions(tmp_path, tokenizer, tiny_mod
     ("constant", 0.0, [1.0, 1.0, 1.0, 1.0]),
     ("linear", 0.0, [1.0, 0.75, 0.5, 0.25]),
     ("cosine", 0.5, [1 / 3, 2 / 3, 1.0, 0.5]),
+    ("cosine_with_min_lr", 0.0, [1.0, 0.1 + 0.9 * 0.5 * (1 + 2 ** -0.5), 0.55, 0.1 + 0.9 * 0.5 * (1 - 2 ** -0.5)]),
 ])
 def test_learning_rate_schedules(tmp_path, tokenizer, tiny_model, schedule, warmup, expected):
-    args = small_args(tmp_path, max_steps=4, lr_scheduler_type=schedule, warmup_ratio=warmup, learning_rate=1.0)
+    kwargs = {"min_lr_rate": 0.1} if schedule == "cosine_with_min_lr" else None  # transformers' name
+    args = small_args(tmp_path, max_steps=4, lr_scheduler_type=schedule, warmup_ratio=warmup, learning_rate=1.0,
+                      lr_scheduler_kwargs=kwargs)
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
     assert [lr_schedule(trainer.args)(s) for s in range(4)] == pytest.approx(expected)
@@ -230,6 +233,21 @@ def test_warmup_steps_set_the_warmup_as_in_trl(tmp_path, tokenizer, tiny_model, 
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
     assert [lr_schedule(trainer.args)(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+
+
+def test_cosine_with_min_lr_takes_the_floor_as_transformers_does():
+    rate = GRPOConfig(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6}, learning_rate=1e-5,
+                      max_steps=4)
+    assert lr_schedule(rate)(4) == pytest.approx(0.1)  # min_lr / learning_rate at the end
+    assert GRPOConfig.from_dict({"lr_scheduler_type": "cosine_with_min_lr",
+                                 "lr_scheduler_kwargs": '{"min_lr_rate": 0.2}'}).lr_scheduler_kwargs == {"min_lr_rate": 0.2}
+    for fields, message in ((dict(lr_scheduler_type="cosine_with_min_lr"), "needs lr_scheduler_kwargs with one of"),
+                            (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"min_lr_rate": 0.1}),
+                             "has no meaning for lr_scheduler_type: cosine"),
+                            (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": -1}),
+                             "the floor must be a number >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(**fields)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import json
 import math
 import types
 import typing
@@ -46,7 +47,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr")
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
@@ -151,6 +152,7 @@ class GRPOConfig:
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
     warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
     lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
+    lr_scheduler_kwargs: dict | None = _f(None, "settings of the schedule, as transformers': cosine_with_min_lr takes min_lr_rate (a fraction of learning_rate) or min_lr")
     use_cpu: bool = _f(False, "keep the models on the CPU even where a CUDA GPU is (as TRL)")
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
@@ -309,6 +311,16 @@ class GRPOConfig:
         need(self.eval_strategy == "no" or self.eval_max_samples != 0,
              "eval_strategy: steps evaluates on held-out rows, and eval_max_samples: 0 takes none; give eval_max_samples "
              "> 0 or set eval_strategy: no")
+        kwargs = self.lr_scheduler_kwargs or {}
+        if self.lr_scheduler_type == "cosine_with_min_lr":
+            need(len(kwargs) == 1 and set(kwargs) <= {"min_lr_rate", "min_lr"},
+                 f"lr_scheduler_type: cosine_with_min_lr needs lr_scheduler_kwargs with one of min_lr_rate (a fraction "
+                 f"of learning_rate) or min_lr, as in transformers; got {kwargs}")
+            need(all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in kwargs.values()),
+                 f"lr_scheduler_kwargs {kwargs}: the floor must be a number >= 0")
+        else:
+            need(not kwargs, f"lr_scheduler_kwargs {kwargs} has no meaning for lr_scheduler_type: "
+                             f"{self.lr_scheduler_type}; remove it")
         need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit} must be at least 1 (None keeps all)")
@@ -506,6 +518,11 @@ def _coerce(name: str, value: Any, kind: tuple[type, bool]) -> Any:
         if optional:
             return None
         raise ConfigError(f"{name} must not be empty")
+    if base is dict and isinstance(value, str):  # the command line: JSON
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a JSON object") from None
     if base is list:
         items = value if isinstance(value, (list, tuple)) else [value]
         item_kind = (float if name == "reward_weights" else str, False)

@@ -194,14 +194,17 @@ def make_optimizer(args: GRPOConfig, model: torch.nn.Module, world: World) -> to
 def lr_schedule(args: GRPOConfig) -> Callable[[int], float]:
     """The learning rate's factor at each optimizer step: linear warmup (warmup_steps or warmup_ratio),
     then the chosen decay."""
-    warmup = args.warmup_optimizer_steps
+    warmup, kwargs = args.warmup_optimizer_steps, args.lr_scheduler_kwargs or {}
+    # cosine_with_min_lr: cosine down to a floor, as a fraction of learning_rate (transformers' min_lr_rate)
+    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / args.learning_rate if args.learning_rate else 0.0)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, args.max_steps - warmup)
-        return {"constant": 1.0, "linear": 1.0 - progress,
-                "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[args.lr_scheduler_type]
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return {"constant": 1.0, "linear": 1.0 - progress, "cosine": cosine,
+                "cosine_with_min_lr": floor + (1.0 - floor) * cosine}[args.lr_scheduler_type]
 
     return factor
 
