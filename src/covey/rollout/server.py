@@ -28,7 +28,7 @@ import torch
 
 from covey.errors import ConfigError, CoveyError, ModelError
 from covey.rollout.fast import FastEngine
-from covey.rollout.vllm_engine import cpu_kv_cache_bytes
+from covey.rollout.vllm_engine import vllm_memory
 from covey.rollout.weight_transfer import BACKEND, GlooInitInfo, GlooUpdateInfo, open_group, receive
 from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, completion_choices, http_url,
                                 is_loopback, read_completion_request, server_info_json, server_token)
@@ -304,10 +304,8 @@ def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, 
             "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching"]
-    if torch.cuda.is_available():
-        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    else:  # on a CPU, that fraction of this machine's memory for the KV cache
-        argv += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(gpu_memory_utilization))]
+    for key, value in vllm_memory(gpu_memory_utilization).items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     env = {"VLLM_SERVER_DEV_MODE": "1"}

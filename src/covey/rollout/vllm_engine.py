@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import socket
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +28,7 @@ from covey.errors import ConfigError, ModelError
 from covey.models import plain_model, policy_weights, resolve_model_path
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once, padded_rollout
 from covey.rollout.wire import finish_reason as wire_finish_reason, sampling_fields
+from covey.rollout.weight_transfer import free_port
 
 # The vLLM releases covey is tested with (pyproject.toml's `vllm` extra says the same): the engine relies on
 # their weight-reload lifecycle, their RL endpoints and their registry of weight-transfer backends.
@@ -93,28 +93,32 @@ def cpu_kv_cache_bytes(memory_fraction: float) -> int:
     return int(memory_fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def vllm_memory(fraction: float) -> dict[str, float | int]:
+    """vLLM's memory setting for ``vllm_gpu_memory_utilization``: that share of the GPU, or on a CPU
+    that share of the machine's memory for the KV cache, in bytes (``cpu_kv_cache_bytes``)."""
+    if torch.cuda.is_available():
+        return {"gpu_memory_utilization": fraction}
+    return {"kv_cache_memory_bytes": cpu_kv_cache_bytes(fraction)}
+
+
 def llm_kwargs(settings: EngineSettings, model_path: str) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for an engine's settings.
 
     ``external_launcher`` keeps vLLM's worker in this process, which is what lets ``load_weights``
     reach the model directly; ``processed_logprobs`` makes the returned log-probs those of the
     distribution actually sampled from."""
-    memory = (dict(gpu_memory_utilization=settings.gpu_memory_utilization) if torch.cuda.is_available()
-              else dict(kv_cache_memory_bytes=cpu_kv_cache_bytes(settings.gpu_memory_utilization)))
     return dict(
         model=model_path, dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
         trust_remote_code=settings.trust_remote_code, logprobs_mode="processed_logprobs",
         distributed_executor_backend="external_launcher", enable_prefix_caching=True,
-        enable_sleep_mode=settings.sleep_mode, **memory)
+        enable_sleep_mode=settings.sleep_mode, **vllm_memory(settings.gpu_memory_utilization))
 
 
 def _single_process_group_env() -> None:
     """The torch.distributed variables ``external_launcher`` reads, for a world of one process
     (left alone when a launcher already set them)."""
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
 

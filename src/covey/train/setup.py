@@ -288,9 +288,9 @@ def vllm_serve(args: GRPOConfig, host: str, port: int) -> VLLMServe:
                           "the adapter's base model as `model` (the trainer pushes the merged weights)")
     check_vllm(model_path=path)
     transfer = "nccl" if torch.cuda.is_available() else BACKEND
-    return vllm_serve_command(path, host, port, "bfloat16" if args.bf16 else "float32", args.seed,
-                              args.max_prompt_length + args.max_completion_length, args.vllm_gpu_memory_utilization,
-                              args.trust_remote_code, server_token(), transfer)
+    settings = engine_settings(args, torch.device("cpu"))  # what the colocated engine would be built with
+    return vllm_serve_command(path, host, port, settings.dtype, settings.seed, settings.max_model_len,
+                              settings.gpu_memory_utilization, settings.trust_remote_code, server_token(), transfer)
 
 
 def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
