@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from covey.data import PromptSampler, heldout_rows, load_rows
-from covey.errors import DataError
+from covey import GRPOConfig
+from covey.errors import ConfigError, DataError
 from covey.data.tasks import arithmetic, gsm8k_final_answer
 
 DATA = Path(__file__).parent / "data"
@@ -224,3 +225,48 @@ def test_system_prompt_comes_first_in_every_prompt(tmp_path):
                   system_prompt="z")
     with pytest.raises(DataError, match="arithmetic, row 0: the prompt has a system message already"):
         load_rows("arithmetic", system_prompt="z")  # the built-in task brings its own
+
+
+def test_trl_script_dataset_arguments_choose_the_config_and_the_held_out_split(monkeypatch):
+    import covey.data.rows as rows_module
+
+    calls = []
+    monkeypatch.setattr(rows_module, "_load_with_datasets",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or [{"prompt": "p", "answer": "1"}])
+    config = GRPOConfig.from_dict({"dataset_name": "openai/gsm8k", "dataset_config": "main",
+                                   "dataset_train_split": "train", "dataset_test_split": "test"})
+    assert (config.dataset, config.eval_dataset, config.eval_split) == ("openai/gsm8k", "openai/gsm8k", "test")
+    load_rows(config.dataset, config.dataset_split, config=config.dataset_config)
+    heldout_rows(config.dataset, config.eval_dataset, 4, config.eval_split, dataset_config=config.dataset_config)
+    heldout_rows(config.dataset, "other/data", 4, "validation", dataset_config=config.dataset_config)
+    assert calls == [(("openai/gsm8k",), {"split": "train", "name": "main"}),
+                     (("openai/gsm8k",), {"split": "test", "name": "main"}),
+                     (("other/data",), {"split": "validation"})]  # the config is the training dataset's
+
+
+def test_dataset_config_of_a_local_file_or_task_is_refused():
+    with pytest.raises(DataError, match="dataset_config='main' chooses a configuration of a Hugging Face dataset, "
+                                        "and 'arithmetic' is a built-in task"):
+        load_rows("arithmetic", config="main")
+    with pytest.raises(ConfigError, match="dataset_test_split='test' and eval_split='validation' name the same"):
+        GRPOConfig.from_dict({"dataset_test_split": "test", "eval_split": "validation"})
+
+
+def test_chat_template_kwargs_reach_every_rendering_of_a_chat(tmp_path, tokenizer):
+    """Qwen3's enable_thinking and the like: the prompts the model is trained on, the tool messages of an
+    episode, and verify's template check all render with them."""
+    from covey import GRPOTrainer
+    from covey.agents.chat import tool_message_ids
+    from tests.test_trainer import ROWS, count_a, small_args
+    from tests.conftest import make_model
+
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}{% if flavour is defined %}/{{ flavour }}"
+                               "{% endif %}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>"
+                               "assistant:{% endif %}")
+    trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], train_dataset=ROWS,
+                          processing_class=tokenizer, quiet=True,
+                          args=small_args(tmp_path, eval_max_samples=0, chat_template_kwargs={"flavour": "plain"}))
+    first_prompt = tokenizer.decode(trainer.parts.prompts.ids[0])
+    assert "user/plain: say a" in first_prompt
+    appended, _ = tool_message_ids(tokenizer, [{"role": "tool", "name": "f", "content": "1"}], [3])
+    assert "tool/plain: 1" in tokenizer.decode(appended)

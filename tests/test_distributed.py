@@ -109,13 +109,20 @@ def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank
     as_launched(rank, port)
     torch.set_num_threads(1)
     torch.save(train(output_dir, 2, rank == signalled_rank, dropout, **overrides), f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def as_launched(rank: int, port: int) -> None:
     """This spawned process's environment as a launcher sets it, for process ``rank`` of two."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+
+
+def leave_group() -> None:
+    """Leave the process group once both processes are done: a process that closed its connections while
+    the other still waited on its last message would abort the other (gloo)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:
@@ -257,7 +264,7 @@ def _resume_sharded_in_bfloat16(rank: int, port: int, folder: str, results: str)
     optimizer.step()  # moments left in float32 would fail here
     torch.save({str(v.dtype) for s in optimizer.optim.state.values() for k, v in s.items() if k != "step"},
                f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) -> None:
@@ -277,7 +284,7 @@ def _read_own_part_on_resume(rank: int, port: int, folder: str, results: str) ->
     loaded = {f"{i}.{key}": optimizer.optim.state[p][key] for i, p in enumerate(model.parameters())
               if p in optimizer.optim.state for key in ("exp_avg", "exp_avg_sq")}
     torch.save({"read": sorted(read), "loaded": loaded}, f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_each_process_reads_only_its_part_of_a_sharded_optimizer_state_on_resume(tmp_path):
@@ -324,7 +331,7 @@ def _fail_on_main(rank: int, port: int, results: str) -> None:
             raised.append(f"{type(e).__name__}: {e}")
     assert world.on_main(lambda: 42) == 42
     torch.save(raised, f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_an_error_in_the_first_process_reaches_every_process(tmp_path):
@@ -374,7 +381,7 @@ def _final_model_on_a_full_disk(rank: int, port: int, output_dir: str, results: 
     except CheckpointError as e:
         raised = str(e)
     torch.save(raised, f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_the_checkpoint_written_when_the_final_model_cannot_be_holds_every_process_random_state(tmp_path):
@@ -407,7 +414,7 @@ def _train_with_server(rank: int, port: int, server_port: int, output_dir: str, 
     except ModelError as e:
         outcome = str(e)
     torch.save(outcome, f"{results}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def serve(backend, failing_push: int | None = None):

@@ -29,7 +29,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rewards": {"errors", "sources", "data"},  # rewards know no trainer
     "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
     "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
-    "agents": {"errors", "sources", "rewards"},  # tools, environments, episodes: no engine, no trainer
+    "agents": {"errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
     "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},

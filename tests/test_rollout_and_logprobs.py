@@ -295,3 +295,26 @@ def test_shared_prompt_forward_stays_exact_under_gradient_checkpointing(tokenize
     got, _ = completion_logprobs(model, batch)
     got.sum().backward()
     assert torch.allclose(got.detach(), want, atol=1e-5)
+
+
+def test_generation_kwargs_reach_the_hf_and_vllm_samplers_and_are_refused_where_they_cannot(tiny_model, tokenizer):
+    from covey import GRPOConfig
+    from covey.errors import ConfigError
+    from covey.rollout.fast import FastEngine
+    from covey.rollout.wire import sampling_fields
+    from covey.train.setup import sampling_params
+
+    params = sampling_params(GRPOConfig(rollout_engine="hf", max_completion_length=6,
+                                        generation_kwargs={"suppress_tokens": list(range(4, 30))}))
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    rollout = engine.generate([[5, 6, 7]], 8, params, seed=0)
+    assert not ((rollout.completion_ids_BT >= 4) & (rollout.completion_ids_BT < 30)).any()  # suppressed
+    vllm_params = sampling_params(GRPOConfig(rollout_engine="vllm", generation_kwargs={"presence_penalty": 0.5}))
+    assert sampling_fields(vllm_params, 4, [3])["presence_penalty"] == 0.5  # vLLM's SamplingParams and server alike
+    with pytest.raises(ConfigError, match="generation_kwargs: temperature is covey's temperature, which the log-probs"):
+        GRPOConfig(rollout_engine="hf", generation_kwargs={"temperature": 0.7})
+    with pytest.raises(ConfigError, match=r"generation_kwargs \['presence_penalty'\] are settings of transformers' "
+                                          "generate or vLLM, and rollout_engine: fast samples with covey's fields"):
+        GRPOConfig(generation_kwargs={"presence_penalty": 0.5})
+    with pytest.raises(ConfigError, match="the fast engine samples with covey's settings only"):
+        FastEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate([[5, 6]], 2, params)

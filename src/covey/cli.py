@@ -144,15 +144,16 @@ def cmd_eval(argv: list[str]) -> int:
     from covey.models import eos_token_ids, load_policy, load_tokenizer
     from covey.telemetry.tables import percent
     from covey.train.evaluation import evaluate
-    from covey.train.setup import build_engine, load_rewards
+    from covey.train.setup import build_engine, load_rewards, model_loading
 
     rows = heldout_rows(args.dataset, args.eval_dataset, args.eval_max_samples or 10**9, args.eval_split,
-                        args.system_prompt)
+                        args.system_prompt, args.dataset_config)
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    model = load_policy(args.model, args.trust_remote_code, use_cpu=args.use_cpu).eval()
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code, args.model_revision)
+    tokenizer.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
+    model = load_policy(args.model, model_loading(args)).eval()
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
     Console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "

@@ -41,6 +41,7 @@ def _f(default: Any, help: str, **choices: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -48,6 +49,15 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr")
+# model_init_kwargs keys that are covey fields (torch_dtype: transformers' older name of dtype)
+MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "revision": "model_revision",
+                     "attn_implementation": "attn_implementation", "trust_remote_code": "trust_remote_code"}
+# generation_kwargs keys (transformers', vLLM's names) that covey's own fields set
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
+                   "max_new_tokens": "max_completion_length", "stop": "stop_strings", "stop_strings": "stop_strings",
+                   "n": "num_generations", "num_return_sequences": "num_generations", "seed": "seed",
+                   "do_sample": "temperature (covey always samples in training)", "logprobs": "sampler's output"}
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
@@ -59,16 +69,30 @@ class GRPOConfig:
     # --- model -------------------------------------------------------------------------------
     model: str = _f(EMBEDDED_MODEL, "Hugging Face hub id, local model folder, or the embedded default model")
     trust_remote_code: bool = _f(False, "allow model code from the hub or folder to run (off unless you trust it)")
+    model_revision: str = _f("main", "branch, tag or commit of the model on the hub")
+    dtype: str = _f("float32", "dtype the model's weights are loaded and trained in (auto: the checkpoint's own); see bf16 for autocast", choices=DTYPES)
+    attn_implementation: str | None = _f(None, "transformers' attention implementation: sdpa, eager, flash_attention_2, ... (None: transformers' choice)")
+    model_init_kwargs: dict | None = _f(None, "further keyword arguments of the model's from_pretrained (a model given by name only)")
+    load_in_4bit: bool = _f(False, "load the base model's weights in 4 bits through bitsandbytes (a LoRA policy only)")
+    load_in_8bit: bool = _f(False, "load the base model's weights in 8 bits through bitsandbytes (a LoRA policy only)")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type of load_in_4bit", choices=("nf4", "fp4"))
+    use_bnb_nested_quant: bool = _f(False, "load_in_4bit: quantize the quantization constants too (a little less memory)")
+    cast_lm_head_to_fp32: bool = _f(False, "compute the output head (the logits) in float32 whatever dtype or autocast the rest runs in")
     use_peft: bool = _f(False, "train a LoRA adapter instead of all weights")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = lora_alpha / lora_r)")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
-    lora_target_modules: list = _f(["all-linear"], "module names LoRA wraps ('all-linear' = every linear layer but the head)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA input (TRL's default; disable_dropout turns it off)")
+    lora_target_modules: list | None = _f(None, "module names LoRA wraps ('all-linear' = every linear layer but the head; None: peft's default for the architecture)")
+    lora_modules_to_save: list | None = _f(None, "modules trained in full beside the adapter, and saved with it")
+    use_rslora: bool = _f(False, "rank-stabilised LoRA: scale = lora_alpha / sqrt(lora_r)")
+    use_dora: bool = _f(False, "DoRA: LoRA plus a trained magnitude per output (samples with rollout_engine: fast or hf)")
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
+    dataset_config: str | None = _f(None, "configuration (subset) of a Hugging Face dataset id, such as gsm8k's main")
     dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
     eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id (set train for one without a test split)")
+    chat_template_kwargs: dict | None = _f(None, "variables for the chat template, such as Qwen3's enable_thinking: false (every prompt and tool message is rendered with them)")
     system_prompt: str | None = _f(None, "a system message put first in every prompt of the training and held-out data (one a prompt has already is an error)")
     eval_strategy: str = _f("no", "held-out evaluation during training too: no (before and after only), or every eval_steps optimizer steps", choices=("no", "steps"))
     eval_steps: int | None = _f(None, "optimizer steps between evaluations under eval_strategy: steps (None: logging_steps, as TRL)")
@@ -96,6 +120,7 @@ class GRPOConfig:
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
     min_p: float | None = _f(None, "drop tokens less likely than min_p times the most likely one (None = off)")
     repetition_penalty: float = _f(1.0, "penalise tokens already in the prompt or the completion by this factor (1 = off)")
+    generation_kwargs: dict | None = _f(None, "further settings of the sampler (rollout_engine hf: GenerationConfig's; vllm: SamplingParams'), such as presence_penalty")
     stop_strings: list | None = _f(None, "strings that end a completion (kept in it; fast and vllm engines)")
     rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, transformers generate, or vLLM", choices=("fast", "hf", "vllm"))
     use_vllm: bool = _f(False, "TRL's switch for rollout_engine: vllm")
@@ -194,9 +219,37 @@ class GRPOConfig:
                 problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(allowed)}")
         if problems:  # the range checks need values of the right types
             raise config_errors(problems)
+        self._lift_model_init_kwargs()
         if self.use_vllm:
             self.rollout_engine = "vllm"
         self._check_ranges()
+
+    def _lift_model_init_kwargs(self) -> None:
+        """Settings of model_init_kwargs that are covey fields (TRL recipes give the dtype there) move into
+        those fields, which load every model (the policy, the engines' copies); both set differently: an error."""
+        if not self.model_init_kwargs:
+            return
+        kwargs, problems = dict(self.model_init_kwargs), []
+        for key, name in MODEL_INIT_FIELDS.items():
+            if key not in kwargs:
+                continue
+            value = kwargs.pop(key)
+            value = str(value).removeprefix("torch.") if name == "dtype" else value  # torch.bfloat16 from Python
+            default = GRPOConfig.__dataclass_fields__[name].default
+            if getattr(self, name) not in (default, value):
+                problems.append(f"model_init_kwargs sets {key}={value!r} and {name}={getattr(self, name)!r}; give one")
+            else:
+                setattr(self, name, _coerce(name, value, _field_type(GRPOConfig.__dataclass_fields__[name])))
+        if problems:
+            raise config_errors(problems)
+        self.model_init_kwargs = kwargs or None
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model_init_kwargs: dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    @property
+    def quantization(self) -> str | None:
+        """'4bit' or '8bit' (load_in_4bit, load_in_8bit), else None."""
+        return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
 
     def _check_ranges(self) -> None:
         problems: list[str] = []
@@ -267,6 +320,13 @@ class GRPOConfig:
         need(self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be positive")
         need(not (self.stop_strings and self.rollout_engine == "hf"),
              "stop_strings need rollout_engine: fast (transformers generate cannot report where they ended)")
+        for key in sorted(set(self.generation_kwargs or {})):
+            need(key not in SAMPLING_FIELDS, f"generation_kwargs: {key} is covey's {SAMPLING_FIELDS.get(key)}, "
+                                             "which the log-probs are computed with too; set that field instead")
+        need(not self.generation_kwargs or self.rollout_engine != "fast",
+             f"generation_kwargs {sorted(self.generation_kwargs or {})} are settings of transformers' generate or "
+             "vLLM, and rollout_engine: fast samples with covey's fields only; use rollout_engine: hf or vllm, or "
+             "remove them")
         need(self.beta >= 0, f"beta={self.beta} must be >= 0")
         need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -281,8 +341,13 @@ class GRPOConfig:
         need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
              f"LoRA settings out of range: lora_r={self.lora_r} (>= 1), lora_alpha={self.lora_alpha} (> 0), "
              f"lora_dropout={self.lora_dropout} (in [0, 1))")
-        need(not self.use_peft or bool(self.lora_target_modules),
+        need(not self.use_peft or self.lora_target_modules != [],
              "lora_target_modules is empty: name the modules LoRA wraps (q_proj, v_proj, ...) or use all-linear")
+        need(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit and load_in_8bit both set: choose one")
+        for key, instead in (("quantization_config", "load_in_4bit or load_in_8bit"),
+                             ("device_map", "use_cpu (covey places the model on its device)")):
+            need(key not in (self.model_init_kwargs or {}), f"model_init_kwargs: {key} is set by covey's {instead}; "
+                                                            "remove it from model_init_kwargs")
         need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
         if self.rollout_engine == "vllm":
             self.check_vllm_seed()
@@ -394,6 +459,13 @@ class GRPOConfig:
                     problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
                                     "(TRL's name and covey's); give one")
                 values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
+        if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
+            if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
+                problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
+                                f"{values['eval_split']!r} name the same setting (TRL's name and covey's); give one")
+            values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
+                "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
+                    "dataset", cls.__dataclass_fields__["dataset"].default)}
         if str(values.get("save_strategy")).lower() in ("no", "false"):  # TRL's "no" (YAML reads an unquoted no as false)
             # no checkpoints, whatever save_steps says, as in TRL
             values = {**{k: v for k, v in values.items() if k != "save_strategy"}, "save_steps": 0}

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -98,11 +99,57 @@ def resolve_model_path(name: str) -> str:
     return str(embedded_model_folder(name)) if name in EMBEDDED_GGUF else name
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+@dataclass(frozen=True)
+class ModelLoading:
+    """How a model is loaded from its folder or hub id (the config's model settings, as TRL's ModelConfig)."""
+
+    trust_remote_code: bool = False
+    revision: str = "main"  # branch, tag or commit on the hub
+    dtype: str = "float32"  # float32, bfloat16, float16, or auto (the dtype the checkpoint was saved in)
+    attn_implementation: str | None = None  # sdpa, eager, flash_attention_2, ... (None: transformers' choice)
+    quantization: str | None = None  # "4bit" or "8bit" through bitsandbytes (a LoRA policy only)
+    bnb_4bit_quant_type: str = "nf4"
+    use_bnb_nested_quant: bool = False
+    init_kwargs: tuple = ()  # further from_pretrained keyword arguments, as (name, value) pairs
+    use_cpu: bool = False
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(self.init_kwargs, trust_remote_code=self.trust_remote_code,
+                                      dtype=self.dtype if self.dtype == "auto" else getattr(torch, self.dtype))
+        if self.revision != "main":
+            kwargs["revision"] = self.revision
+        if self.attn_implementation is not None:
+            kwargs["attn_implementation"] = self.attn_implementation
+        if self.quantization is not None:
+            from transformers import BitsAndBytesConfig
+
+            compute = torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type=self.bnb_4bit_quant_type, bnb_4bit_compute_dtype=compute,
+                bnb_4bit_use_double_quant=self.use_bnb_nested_quant) if self.quantization == "4bit" else \
+                BitsAndBytesConfig(load_in_8bit=True)
+            kwargs["device_map"] = {"": default_device(self.use_cpu)}  # bitsandbytes quantizes as it places
+        return kwargs
+
+
+def check_quantization(quantization: str | None) -> None:
+    """bitsandbytes, which quantized loading needs, is installed and importable here."""
+    if quantization is None:
+        return
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"load_in_{quantization} loads the model through bitsandbytes, which is not installed "
+                          f"({e}): pip install 'covey[quantization]' (or bitsandbytes), or leave "
+                          f"load_in_{quantization} out") from None
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str = "main"):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
+                                                  **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:
         raise _not_loaded(name_or_path, e) from e
     prepare_tokenizer(tokenizer)
@@ -168,24 +215,27 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def load_policy(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-                use_cpu: bool = False):
+def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     path = resolve_model_path(name_or_path)
+    if path != name_or_path and (loading.revision != "main" or loading.quantization):  # the embedded model
+        raise ConfigError(f"the embedded model {name_or_path} has one revision, in float32: model_revision and "
+                          "load_in_4bit / load_in_8bit apply to models from the hub or a folder")
+    check_quantization(loading.quantization)
+    kwargs = loading.from_pretrained_kwargs()
     try:
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
             from peft import AutoPeftModelForCausalLM
 
             # trainable, as a policy is: training goes on from the saved adapter
-            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                             is_trainable=True)
+            model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-        return model.to(default_device(use_cpu))
-    except (OSError, ValueError) as e:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError) as e:  # TypeError: a model_init_kwargs key the model does not take
         raise _not_loaded(name_or_path, e) from e
+    return model if loading.quantization else model.to(default_device(loading.use_cpu))
 
 
 def _not_loaded(name_or_path: str, e: Exception) -> ModelError:
@@ -198,11 +248,13 @@ def _not_loaded(name_or_path: str, e: Exception) -> ModelError:
                       "config.json and weights, or leave `model` at its default (the embedded model)")
 
 
-def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str] | None, **options: Any):
+    """``model`` with a LoRA adapter (``options``: further LoraConfig settings, such as use_rslora)."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+                        **options)
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # no module of the model matches
@@ -210,6 +262,26 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
                           if isinstance(module, torch.nn.Linear)})
         raise ConfigError(f"lora_target_modules {target_modules} do not fit this model ({e}); its linear layers are "
                           f"named {', '.join(linears)} (or use all-linear)") from e
+
+
+class Float32Head(torch.nn.Linear):
+    """An output head that computes in float32: its input and weights cast up, outside autocast."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def head_in_float32(model: torch.nn.Module) -> None:
+    """Make ``model``'s output head compute the logits in float32 (cast_lm_head_to_fp32); its weights keep
+    their dtype (and stay tied to the embedding where they are)."""
+    head = plain_model(model).get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ConfigError(f"cast_lm_head_to_fp32 needs a plain linear output head, and this model's is "
+                          f"{type(head).__name__} (a LoRA adapter on lm_head?): leave lm_head out of "
+                          "lora_target_modules and lora_modules_to_save, or set cast_lm_head_to_fp32: false")
+    head.__class__ = Float32Head  # a class, not a patched method: copies of the model (the reference) keep it
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -278,6 +350,21 @@ def _merged(layer: Any, leaf: str, param: torch.Tensor) -> torch.Tensor:
     return merged
 
 
+QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")  # bitsandbytes' packed weights (load_in_4bit, load_in_8bit)
+
+
+def dequantized(layer: torch.nn.Module) -> torch.Tensor:
+    """The weight of a bitsandbytes layer as it computes with it, in float32 (the layer is left as it is)."""
+    weight = layer.weight
+    if type(weight).__name__ == "Params4bit":
+        from bitsandbytes.functional import dequantize_4bit
+
+        return dequantize_4bit(weight.data, weight.quant_state).float()
+    # LLM.int8: a scale per row, which the layer's first forward moves from the weight into its state
+    scales = weight.SCB if weight.SCB is not None else layer.state.SCB
+    return weight.data.float() * scales.float().unsqueeze(1) / 127
+
+
 def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the policy under the plain model's names; a LoRA model
     yields W + scale * B @ A for each adapted layer. One tensor at a time, and the training model is
@@ -319,6 +406,8 @@ def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[
                                  "or sample with rollout_engine: fast")
         else:
             changed_by[id(param)] = changer
+        if type(param).__name__ in QUANTIZED_PARAMETERS:
+            param = dequantized(base.get_submodule(name.rpartition(".")[0]))
         yield target, _merged(layer, leaf, param) if layer is not None else param.detach()
 
 

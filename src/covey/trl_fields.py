@@ -24,7 +24,7 @@ AS_COVEY_DOES = {
     "do_train": (True, False), "do_eval": (True, False), "do_predict": (True, False),
     # TRL's model and script arguments whose value is what covey does
     "eval_on_start": (True,),  # covey evaluates before training whenever it has held-out data
-    "lora_task_type": ("CAUSAL_LM",), "model_revision": (None, "main"), "dataset_config": (None,),
+    "lora_task_type": ("CAUSAL_LM",), "dataset_streaming": (False,), "ignore_bias_buffers": (False,),
 }
 
 
@@ -34,6 +34,7 @@ SAME_AS = {
     "model_name_or_path": "model",
     "dataset_name": "dataset",
     "dataset_train_split": "dataset_split",
+    "torch_dtype": "dtype",  # transformers' older name
 }
 
 # what other trainers and recipes call some of covey's fields: said first when a key is unknown
@@ -47,8 +48,6 @@ NAMES_ELSEWHERE = {
     "epochs": "num_train_epochs", "num_epochs": "num_train_epochs", "total_training_steps": "max_steps", "steps": "max_steps",
     "model_name": "model", "model_path": "model", "model_id": "model", "pretrain": "model",
     "dataset_path": "dataset", "train_file": "dataset", "train_files": "dataset", "data_path": "dataset",
-    "dataset_test_split": "eval_split (with eval_dataset naming the same dataset)",
-    "torch_dtype": "bf16 (true: bfloat16 autocast)", "dtype": "bf16 (true: bfloat16 autocast)",
     "save_dir": "output_dir", "output_path": "output_dir", "reward_fn": "reward_funcs", "reward_functions": "reward_funcs",
 }
 

@@ -10,6 +10,7 @@ turn and the opening of the next one, whatever the model wrote in its turn.
 from __future__ import annotations
 
 from covey.agents.formats import ToolCallFormat
+from covey.data.text import render_chat
 from covey.errors import ConfigError
 
 _PROBE = "covey_probe_tool"
@@ -21,8 +22,7 @@ def template_renders_tools(tokenizer) -> bool:
     probe = {"type": "function", "function": {"name": _PROBE, "description": "a probe",
                                               "parameters": {"type": "object", "properties": {}}}}
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False,
-                                             add_generation_prompt=True)
+        text = render_chat(tokenizer, [{"role": "user", "content": "hi"}], True, tools=[probe])
     except Exception:  # a template that fails on tools= renders none
         return False
     return _PROBE in text
@@ -61,7 +61,7 @@ def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -
 
     def ids(messages: list[dict], opened: bool) -> list[int]:
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened)
+            text = render_chat(tokenizer, messages, opened)
         except Exception as e:  # the template's own error (a missing field it wants, a role it refuses)
             raise ConfigError(f"the chat template cannot render a tool's result after a tool call ({type(e).__name__}: "
                               f"{e}); use a model whose template has a tool role (ChatML, Qwen, Llama 3)") from None

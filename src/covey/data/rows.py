@@ -24,15 +24,21 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
                  ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
 
 
-def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None) -> list[dict]:
+def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None, config: str | None = None
+              ) -> list[dict]:
     """Rows from a built-in task name, a local JSONL/JSON/CSV/Parquet file (JSONL, JSON and CSV also
-    gzip-compressed, .gz), a Hugging Face dataset id, or an in-memory list / ``datasets.Dataset``.
-    GSM8K-format data (question, answer with '####') is turned into chat prompts automatically,
-    keeping its other columns. ``system_prompt``: a system message put before every prompt."""
+    gzip-compressed, .gz), a Hugging Face dataset id (``config``: its configuration, such as gsm8k's
+    main), or an in-memory list / ``datasets.Dataset``. GSM8K-format data (question, answer with '####')
+    is turned into chat prompts automatically, keeping its other columns. ``system_prompt``: a system
+    message put before every prompt."""
     if isinstance(spec, str):
         if reason := why_unloadable(spec, "dataset"):
             raise DataError(reason)
         path, file_format = Path(spec), local_format(spec)
+        if config is not None and (spec in tasks.TASKS or file_format is not None):
+            raise DataError(f"dataset_config={config!r} chooses a configuration of a Hugging Face dataset, and "
+                            f"{spec!r} is a {'built-in task' if spec in tasks.TASKS else 'local file'}; remove "
+                            "dataset_config")
         if spec in tasks.TASKS:
             rows = tasks.TASKS[spec]("test" if split == "test" else "train")
         elif file_format is not None:
@@ -41,7 +47,7 @@ def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None)
             check_text_file(path, file_format)
             rows = _load_with_datasets(file_format, data_files=str(path), split="train")
         else:
-            rows = _load_with_datasets(spec, split=split)
+            rows = _load_with_datasets(spec, split=split, **({} if config is None else {"name": config}))
         source = spec
     else:
         rows, source = [dict(r) for r in spec], "train_dataset"
@@ -120,14 +126,15 @@ def _load_with_datasets(*args: Any, **kwargs: Any) -> list[dict]:
 
 
 def heldout_rows(dataset: Any, eval_dataset: Any, max_samples: int, eval_split: str = "test",
-                 system_prompt: str | None = None) -> list[dict] | None:
+                 system_prompt: str | None = None, dataset_config: str | None = None) -> list[dict] | None:
     """Rows for the before/after evaluation: ``eval_dataset`` if given (its ``eval_split`` when it
-    is a built-in task or a Hugging Face id), else the held-out split of a built-in task, else None
-    (no evaluation). At most ``max_samples`` rows."""
+    is a built-in task or a Hugging Face id; ``dataset_config`` when it is ``dataset``), else the held-out
+    split of a built-in task, else None (no evaluation). At most ``max_samples`` rows."""
     if max_samples == 0:
         return None
     if eval_dataset is not None:
-        rows = load_rows(eval_dataset, split=eval_split, system_prompt=system_prompt)
+        rows = load_rows(eval_dataset, split=eval_split, system_prompt=system_prompt,
+                         config=dataset_config if eval_dataset == dataset else None)
     elif isinstance(dataset, str) and dataset in tasks.TASKS:
         rows = load_rows(dataset, split="test", system_prompt=system_prompt)
     else:

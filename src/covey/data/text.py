@@ -23,8 +23,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
-            extra = {} if tools is None else {"tools": tools}
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
+            text = render_chat(tokenizer, prompt, True, **({} if tools is None else {"tools": tools}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             if overflow == "error":
@@ -36,6 +35,13 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
             ids = None if overflow == "drop" else ids[-max_prompt_length:]
         encoded.append(ids)
     return encoded
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
+    """``messages`` as the chat template writes them, with the run's chat_template_kwargs (such as Qwen3's
+    enable_thinking), which the trainer sets on its tokenizer: every prompt and tool message is rendered here."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **getattr(tokenizer, "covey_chat_template_kwargs", {}), **kwargs)
 
 
 def check_chat_template(tokenizer, prompts: list, source: str) -> None:

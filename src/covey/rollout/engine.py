@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -29,6 +29,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     stop: tuple[str, ...] = ()  # strings that end a completion (kept in it)
     greedy: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()  # the engine's own further settings (generation_kwargs): hf and vLLM
 
     def __post_init__(self):
         """The same bounds as the config's, for callers (and a server's clients) that bypass it."""

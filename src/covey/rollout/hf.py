@@ -42,7 +42,8 @@ class HFEngine(SamplesWithPolicy):
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
-            repetition_penalty=params.repetition_penalty, output_scores=True, return_dict_in_generate=True)
+            repetition_penalty=params.repetition_penalty, output_scores=True, return_dict_in_generate=True,
+            **dict(params.extra))
         # generate() fills unset values from the model's own config, so swap in an empty one
         holder = plain_model(self.model)
         was_training, saved_config = self.model.training, holder.generation_config

@@ -121,7 +121,7 @@ def sampling_fields(params: SamplingParams, num_generations: int, eos_token_ids:
         fields.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
     else:
         fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
-    return fields
+    return fields | dict(params.extra)
 
 
 def completion_request(model: str, prompt_ids: list[int], num_generations: int, params: SamplingParams,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from covey.errors import ConfigError, ModelError
-from covey.models import is_peft_model, load_policy, load_tokenizer, merged_model, quiet_transformers, tokenizer_as_loaded
+from covey.models import ModelLoading, is_peft_model, load_policy, load_tokenizer, merged_model, quiet_transformers, tokenizer_as_loaded
 from covey.train.checkpoint import written_whole
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +51,7 @@ def export_model(source: str, out: str | Path, dtype: str = "float32", trust_rem
         raise ConfigError(f"{out.parent} is not a folder: create it first (OUT is written inside it)")
     name = model_source(source)
     quiet_transformers()
-    model = load_policy(name, trust_remote_code)
+    model = load_policy(name, ModelLoading(trust_remote_code))
     folder = Path(name).expanduser()
     has_tokenizer = not folder.is_dir() or (folder / "tokenizer_config.json").is_file()
     tokenizer = load_tokenizer(name if has_tokenizer else _base_model(model, name), trust_remote_code)

@@ -20,8 +20,9 @@ from covey.config import GRPOConfig
 from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError
-from covey.models import (adapted_shared_matrix, add_lora, disable_dropout, eos_token_ids, is_peft_model, load_policy,
-                          load_tokenizer, merged_model, resolve_model_path)
+from covey.models import (ModelLoading, adapted_shared_matrix, add_lora, check_quantization, disable_dropout,
+                          eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer, merged_model,
+                          resolve_model_path)
 from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, preflight_check, reward_name
 from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, make_engine
 from covey.rollout.engine import missing_members
@@ -75,7 +76,8 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     rewards columns of its own, so the first batch checks those."""
     dataset = train_dataset if train_dataset is not None else args.dataset
     source = dataset if isinstance(dataset, str) else "an in-memory dataset"
-    train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt)
+    train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt,
+                      config=args.dataset_config if train_dataset is None else None)
     check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
     # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
     steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
@@ -85,7 +87,7 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     if not own_rollouts:
         preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps)
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
-                           args.eval_max_samples, args.eval_split, args.system_prompt)
+                           args.eval_max_samples, args.eval_split, args.system_prompt, args.dataset_config)
     if heldout and (shared := shared_prompts(train, heldout)):
         warnings.warn(f"{shared} of the {len(heldout)} held-out prompts are training prompts too, so the "
                       "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
@@ -146,19 +148,53 @@ def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, enviro
 # ---- the policy and its optimizer -----------------------------------------------------------------
 
 
+def model_loading(args: GRPOConfig) -> ModelLoading:
+    """How the config's model is loaded (by the trainer, the engines, ``covey eval`` and ``covey server``)."""
+    return ModelLoading(args.trust_remote_code, args.model_revision, args.dtype, args.attn_implementation,
+                        args.quantization, args.bnb_4bit_quant_type, args.use_bnb_nested_quant,
+                        tuple((args.model_init_kwargs or {}).items()), args.use_cpu)
+
+
+def check_model_settings(args: GRPOConfig, model: Any, peft_config: Any) -> None:
+    """The model settings that only make sense for a model loaded by name, or with a LoRA adapter: checked
+    before anything loads."""
+    by_name = model is None or isinstance(model, str)
+    if not by_name:
+        given = [name for name in ("model_init_kwargs", "load_in_4bit", "load_in_8bit", "attn_implementation")
+                 if getattr(args, name)] + (["model_revision"] if args.model_revision != "main" else []) + (
+                     ["dtype"] if args.dtype != "float32" else [])
+        if given:
+            raise ConfigError(f"{', '.join(given)} say how a model is loaded, and this one was handed over loaded: "
+                              "load it so yourself, or pass the model by name")
+    lora = args.use_peft or peft_config is not None or is_peft_model(model) or (
+        by_name and (Path(resolve_model_path(model or args.model)) / "adapter_config.json").is_file())
+    if args.quantization and not lora:
+        raise ConfigError(f"load_in_{args.quantization} loads weights that cannot be trained: train a LoRA adapter "
+                          "on them (use_peft: true, or peft_config=)")
+    check_quantization(args.quantization)
+
+
 def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Module:
     """The model to train: loaded if given by name, wrapped in LoRA when asked."""
     if isinstance(model, torch.nn.Module):
         policy = model.cpu() if args.use_cpu else model
     else:
-        policy = load_policy(model or args.model, args.trust_remote_code, use_cpu=args.use_cpu)
+        policy = load_policy(model or args.model, model_loading(args))
     if (args.use_peft or peft_config is not None) and not is_peft_model(policy):
+        if args.quantization:  # float32 norms and embeddings, inputs that carry gradients (peft's recipe)
+            from peft import prepare_model_for_kbit_training
+
+            policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=args.gradient_checkpointing)
         if peft_config is not None:
             from peft import get_peft_model
 
             policy = get_peft_model(policy, peft_config)
         else:
-            policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+            policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+                              modules_to_save=args.lora_modules_to_save, use_rslora=args.use_rslora,
+                              use_dora=args.use_dora)
+    if args.cast_lm_head_to_fp32:
+        head_in_float32(policy)
     if shared := adapted_shared_matrix(policy):
         warnings.warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
                       "share: the adapter trains and saves exactly, and covey export gives a model with the two "
@@ -215,7 +251,8 @@ def lr_schedule(args: GRPOConfig) -> Callable[[int], float]:
 def sampling_params(args: GRPOConfig) -> SamplingParams:
     """How the training rounds sample."""
     return SamplingParams(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p or 0.0,
-                          args.repetition_penalty, tuple(args.stop_strings or ()))
+                          args.repetition_penalty, tuple(args.stop_strings or ()),
+                          extra=tuple((args.generation_kwargs or {}).items()))
 
 
 def loss_settings(args: GRPOConfig) -> core.LossSettings:
@@ -271,9 +308,9 @@ def build_engine(args: GRPOConfig, policy: torch.nn.Module, tokenizer: Any, eos_
 
 def server_backend(args: GRPOConfig) -> FastBackend:
     """What ``covey server --backend fast`` serves for a run's config: the fast engine over its model."""
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code, args.model_revision)
     # a saved adapter is merged: the server holds plain weights, as the trainer pushes them
-    model = merged_model(load_policy(args.model, args.trust_remote_code, use_cpu=args.use_cpu))
+    model = merged_model(load_policy(args.model, dataclasses.replace(model_loading(args), quantization=None)))
     return FastBackend(model.eval(), tokenizer, eos_token_ids(model, tokenizer),
                        args.sample_in_bf16(next(model.parameters()).device), name=args.model)
 

@@ -108,6 +108,7 @@ class GRPOTrainer:
             check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
+        setup.check_model_settings(args, model, peft_config)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         if args.max_steps != -1:
@@ -119,7 +120,8 @@ class GRPOTrainer:
             tokenizer = processing_class
             prepare_tokenizer(tokenizer)
         else:
-            tokenizer = load_tokenizer(source, args.trust_remote_code)
+            tokenizer = load_tokenizer(source, args.trust_remote_code, args.model_revision)
+        tokenizer.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
         agent = setup.build_agent(args, tokenizer, tools, environment, tool_call_format)
         train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
             args, tokenizer, rows.train, rows.source, agent)

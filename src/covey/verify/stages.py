@@ -44,7 +44,7 @@ def _check_chat_template(report: Report, tokenizer, messages: list[dict]) -> Non
     turn when asked, or (a template that ignores add_generation_prompt, [INST] ... [/INST]) an
     assistant message follows the prompt directly. And it renders an assistant message it is given."""
     def render(chat, opened):
-        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=opened)
+        return text.render_chat(tokenizer, chat, opened)
 
     reply = "covey verify: a reply"
     opened, closed, replied = render(messages, True), render(messages, False), render(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from covey.core import completion_mask, length_mask
+from covey.errors import ConfigError
 from covey.models import autocast
 from covey.rollout.engine import EngineSettings, Respond, Rollout, SamplesWithPolicy, SamplingParams, left_pad
 from covey.rollout.fast.decoder import LeanDecoder, ModelDecoder
@@ -134,6 +135,9 @@ class FastEngine(SamplesWithPolicy):
     @torch.no_grad()
     def _sample(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams, seed: int | None,
                 respond: Respond | None) -> Rollout:
+        if params.extra:
+            raise ConfigError(f"the fast engine samples with covey's settings only, not {dict(params.extra)} "
+                              "(generation_kwargs); use rollout_engine: hf or vllm for those")
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
