@@ -600,3 +600,32 @@ def test_evaluation_during_training_is_logged_at_its_steps(tmp_path, tokenizer, 
                                           "brings none"):
         GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path / "b", eval_strategy="steps"),
                     train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_evaluation_batches_and_generations_per_row_follow_trl_s_eval_settings(tmp_path, tokenizer, tiny_model, k):
+    args = small_args(tmp_path, eval_max_samples=5, per_device_eval_batch_size=6, num_generations_eval=k)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          eval_dataset=ROWS[:5], processing_class=tokenizer, quiet=True)
+    calls, real = [], trainer.engine.generate
+    trainer.engine.generate = lambda ids, n, params, seed=None: calls.append((len(ids), n, params.greedy)) or real(
+        ids, n, params, seed)
+    result = trainer.evaluate()
+    per_row = k or 1
+    assert [c[0] * c[1] for c in calls] == ([6, 6, 3] if k else [5])  # at most 6 completions per call
+    assert all(c[1] == per_row and c[2] == (k is None) for c in calls)  # k sampled, or one greedy
+    assert sum(c[0] for c in calls) == 5 and len(result["samples"]) == 5 * per_row and result["n"] == 5
+
+
+def test_log_level_sets_what_transformers_prints(tmp_path, tokenizer, tiny_model):
+    from transformers.utils import logging
+
+    from covey.models import set_log_level
+
+    try:
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path, log_level="info"),
+                    train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+        assert logging.get_verbosity() == logging.INFO
+    finally:
+        set_log_level("passive")
+    assert logging.get_verbosity() == logging.ERROR

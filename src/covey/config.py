@@ -96,6 +96,8 @@ class GRPOConfig:
     system_prompt: str | None = _f(None, "a system message put first in every prompt of the training and held-out data (one a prompt has already is an error)")
     eval_strategy: str = _f("no", "held-out evaluation during training too: no (before and after only), or every eval_steps optimizer steps", choices=("no", "steps"))
     eval_steps: int | None = _f(None, "optimizer steps between evaluations under eval_strategy: steps (None: logging_steps, as TRL)")
+    per_device_eval_batch_size: int = _f(32, "completions generated at a time in evaluation (of each process)")
+    num_generations_eval: int | None = _f(None, "evaluation samples this many completions per row as in training and averages them (None: one greedy completion)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
     prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))
@@ -190,6 +192,7 @@ class GRPOConfig:
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
     logging_steps: int = _f(1, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
     logging_first_step: bool = _f(False, "also write the first optimizer step's metrics on their own, whatever logging_steps says (as TRL)")
+    log_level: str = _f("passive", "what transformers prints while covey runs (passive: errors only)", choices=("passive", "debug", "info", "warning", "error", "critical"))
     log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
     num_completions_to_print: int = _f(4, "rows of the console completions table")
@@ -372,6 +375,8 @@ class GRPOConfig:
         need(self.tool_timeout > 0, f"tool_timeout={self.tool_timeout} must be positive")
         need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
              "code_timeout must be positive and code_memory_limit_mb at least 16")
+        need(self.per_device_eval_batch_size >= 1 and (self.num_generations_eval or 1) >= 1,
+             "per_device_eval_batch_size and num_generations_eval must be at least 1")
         need(self.eval_steps is None or self.eval_steps >= 1, f"eval_steps={self.eval_steps} must be at least 1")
         need(self.eval_strategy == "no" or self.eval_max_samples != 0,
              "eval_strategy: steps evaluates on held-out rows, and eval_max_samples: 0 takes none; give eval_max_samples "

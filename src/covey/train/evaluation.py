@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -15,17 +16,20 @@ from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context, 
 from covey.rewards.answers import is_correct, reference_number
 from covey.rollout import RolloutEngine, SamplingParams
 from covey.train.generation import generate
+from covey.train.setup import sampling_params
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
              reward_weights: Sequence[float], args: GRPOConfig, reward_pool: RewardPool | None = None,
-             reward_call_context: dict | None = None, batch_size: int = 32, agent: Agent | None = None,
+             reward_call_context: dict | None = None, agent: Agent | None = None,
              rollout_func=None, eos_ids: list[int] | None = None) -> dict:
     """Greedy completions of held-out rows under the run's own settings (prompt length and
     overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
     accuracy (the tagged answer equals the `answer` column, over the rows whose answer holds a number;
     None where none does) and mean weighted reward. Rows whose prompt ``prompt_overflow: drop`` drops
-    are left out of both.
+    are left out of both. With ``args.num_generations_eval`` = k: k completions per row sampled as in
+    training, each scored (the accuracy is then the mean over them), instead of one greedy completion.
+    ``args.per_device_eval_batch_size`` completions are generated at a time.
     ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
     ``agent``: tools (and an environment) available, in episodes as in training; ``rollout_func``: the
     user's own generation, as in training (TRL calls it for evaluation too; greedy is its own to choose).
@@ -42,15 +46,19 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, "eval_dataset", args.prompt_overflow,
                                 tools=tools)
     kept = [(i, row, ids) for i, (row, ids) in enumerate(zip(rows, prompt_ids)) if ids is not None]
-    params = SamplingParams(max_new_tokens=args.max_completion_length, stop=tuple(args.stop_strings or ()), greedy=True)
+    k = args.num_generations_eval or 1
+    params = (dataclasses.replace(sampling_params(args), extra=()) if args.num_generations_eval else
+              SamplingParams(max_new_tokens=args.max_completion_length, stop=tuple(args.stop_strings or ()), greedy=True))
+    batch_size = max(1, args.per_device_eval_batch_size // k)  # prompts per generation
     weights_F = torch.tensor(reward_weights, dtype=torch.float64)
     context = reward_call_context or reward_context(TrainerState(global_step=0, max_steps=args.max_steps, epoch=0.0))
     correct, rewards, samples = [], [torch.empty(0, dtype=torch.float64)], []
     for start in range(0, len(kept), batch_size):
         part = kept[start:start + batch_size]
         chunk = [row for _, row, _ in part]
-        made = generate(engine, tokenizer, chunk, [ids for _, _, ids in part], 1, params, None, args.strip_reasoning,
-                        agent, [i for i, _, _ in part], rollout_func, args.max_prompt_length, args.prompt_overflow,
+        chunk = [row for row in chunk for _ in range(k)]  # each row's completions follow it
+        made = generate(engine, tokenizer, chunk, [ids for _, _, ids in part], k, params, None, args.strip_reasoning,
+                        agent, [i for i, _, _ in part for _ in range(k)], rollout_func, args.max_prompt_length, args.prompt_overflow,
                         eos_ids)
         completions = made.completions
         per_func = score_completions(reward_funcs, [r["prompt"] for r in chunk], completions, made.completion_ids,

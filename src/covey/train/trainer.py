@@ -25,7 +25,7 @@ from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
 from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
-                          resolve_model_path, tokenizer_as_loaded)
+                          resolve_model_path, set_log_level, tokenizer_as_loaded)
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
 from covey.rollout import RolloutEngine
 from covey.rollout.vllm_engine import check_vllm
@@ -77,6 +77,7 @@ class GRPOTrainer:
                               f"has {processes} (WORLD_SIZE); with several processes use vllm_mode: server (one "
                               "`covey server` for all of them) or rollout_engine: fast, or train in one process")
         self.world = World.from_environment()
+        set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         funcs, weights = setup.load_rewards(args, reward_funcs)
