@@ -375,3 +375,54 @@ def test_a_defect_of_episodes_fails_at_its_stage(defect, stage, tokenizer, monke
         monkeypatch.setattr(engine_module, "continuation", lambda prompt, episode: episode)
     report = run_agent_verify(tokenizer)
     assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def _probe_check(report, name):
+    return next(c for c in report.checks if c.name == f"{name} tells a right answer from wrong ones")
+
+
+def test_reward_probes_warn_of_a_reward_that_cannot_tell_right_from_wrong(tokenizer):
+    def exact(completions, solution, **kwargs):  # numbers, and the column holds words: never a match
+        from covey.rewards.answers import parse_number
+
+        return [float(parse_number(s) is not None and parse_number(c[0]["content"]) == parse_number(s))
+                for c, s in zip(completions, solution)]
+
+    def counts_answer(completions, answer, **kwargs):
+        return [float(a in c[0]["content"]) for c, a in zip(completions, answer)]
+
+    def inverted(completions, answer, **kwargs):
+        return [-float(a in c[0]["content"]) for c, a in zip(completions, answer)]
+
+    words = {"2": "two", "4": "four", "6": "six", "8": "eight", "10": "ten"}
+    rows = [{**row, "solution": words[row["answer"]]} for row in ROWS[1:]]
+    report = verify(GRPOConfig(num_generations=4, max_completion_length=10, seed=3), num_prompts=2,
+                    model=make_model(len(tokenizer), seed=5), processing_class=tokenizer, train_dataset=rows,
+                    reward_funcs=[exact, counts_answer, inverted])
+    alike = _probe_check(report, "exact")
+    assert alike.status == "WARN" and "cannot tell right from wrong; is the solution column in the form" in alike.hint
+    assert alike.value == "solution as an answer 0, empty 0, prompt echoed 0"
+    assert _probe_check(report, "counts_answer").status == "PASS"
+    assert "above the row's answer written as an answer" in _probe_check(report, "inverted").hint
+    assert not [c for c in report.checks if c.status == "FAIL"]  # warnings: the pipeline itself runs
+
+
+def test_the_reference_is_written_as_the_prompt_asks():
+    from covey.verify.stages import written_answer
+
+    assert written_answer("72", "Answer in <answer></answer> tags.", False) == "<answer>72</answer>"
+    assert written_answer("so 72 #### 72", "Put the result in \\boxed{}.", False) == "The answer is \\boxed{72}."
+    assert written_answer("2.5", "Think in <think></think>, then answer after ####", False) == \
+        "<think>Working it out.</think>\n#### 2.5"
+    assert written_answer("\\frac{1}{2}", "plain", True) == "\\frac{1}{2}"
+
+
+def test_a_constant_reward_of_completions_cut_at_the_length_limit_is_said_so(tokenizer):
+    def tagged(completions, **kwargs):
+        return [float("</answer>" in c[0]["content"]) for c in completions]
+
+    report = verify(GRPOConfig(num_generations=4, max_completion_length=2, seed=3), num_prompts=2,
+                    model=make_model(len(tokenizer), seed=5), processing_class=tokenizer, train_dataset=ROWS,
+                    reward_funcs=[tagged, mentions_answer])
+    check = next(c for c in report.checks if c.name == "tagged varies over the batch")
+    assert check.status == "WARN" and "were cut at max_completion_length=2 before they could finish" in check.hint

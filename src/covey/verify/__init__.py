@@ -73,6 +73,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_rewarded_text(report, parts, batch, calls, engine.turns)
     stages.check_episodes(report, parts, batch, eos_ids, engine.turns)
     stages.check_rewards(report, parts, batch, calls)
+    stages.check_reward_probes(report, trainer.parts, calls)  # the functions as given (their columns)
     stages.check_advantages(report, parts, batch)
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)

@@ -46,5 +46,7 @@ def print_report(report: Report, console) -> int:
     if failed:
         console.print(f"[bold red]FAIL[/]: first failing stage: {failed}")
         return 1
-    console.print("[green]every stage passed[/]")
+    warnings = sum(c.status == "WARN" for c in report.checks)
+    console.print("[green]every stage passed[/]" + (f", [yellow]with {warnings} warning(s): see the WARN rows[/]"
+                                                    if warnings else ""))
     return 0

@@ -13,6 +13,7 @@ from covey import core
 from covey.data import text
 from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, returned_values, reward_name, without_logging
 from covey.agents import ToolCall
+from covey.rewards.answers import reference_number
 from covey.rollout import Rollout
 from covey.train import step
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
@@ -140,7 +141,7 @@ def check_rewards(report: Report, parts: StepParts, batch: ScoredBatch, calls: l
         defined = column[~column.isnan()]
         report.add("rewards", f"{reward_name(func)} varies over the batch", defined.numel() > 1 and bool(defined.std() > 0),
                    f"{defined.numel()} values, std {float(defined.std()) if defined.numel() > 1 else 0:.3g}",
-                   "a constant reward gives no signal: make it incremental (partial credit)", warn_only=True)
+                   constant_reward_advice(parts, batch), warn_only=True)
         # the function again on the batch it was given, twice: the table must hold what it returns, row for row
         aligned = f"{reward_name(func)} values belong to their completions"
         start = time.perf_counter()
@@ -168,6 +169,73 @@ def check_rewards(report: Report, parts: StepParts, batch: ScoredBatch, calls: l
     manual = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in rewards_BF.tolist()]
     report.add("rewards", "weights applied", torch.allclose(total.nan_to_num(0.0), torch.tensor(manual, dtype=torch.float64)),
                f"weights {weights}", "core.weighted_reward_sum does not equal sum(weight * reward)")
+
+
+def constant_reward_advice(parts: StepParts, batch: ScoredBatch) -> str:
+    """What to do about a reward that is the same for the whole batch: its likely cause first."""
+    reasons = batch.samples.finish_reasons
+    if (cut := reasons.count("length")) * 2 >= len(reasons) > 0:
+        return (f"{cut} of the {len(reasons)} completions were cut at max_completion_length="
+                f"{parts.args.max_completion_length} before they could finish: raise max_completion_length")
+    return "a constant reward gives no signal: make it incremental (partial credit)"
+
+
+def check_reward_probes(report: Report, parts: StepParts, calls: list[dict]) -> None:
+    """Each reward that reads a reference column, on three completions of the batch's first row: its
+    reference written as the prompt asks for an answer, an empty completion, and the prompt echoed back.
+    A reward that scores them alike cannot tell right from wrong (its column is usually not in the form
+    it parses); one that puts the reference below another is inverted or reads the wrong column."""
+    if not calls:
+        return
+    kwargs = without_logging(calls[0])
+    n, row = len(kwargs["completions"]), parts.prompts.rows[0]
+    prompt = kwargs["prompts"][0]
+    prompt_text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+    for func in parts.rewards.funcs:
+        column = next((c for c in sorted(required_columns(func)) if isinstance(row.get(c), (str, int, float))), None)
+        if column is None:
+            continue
+        answer = written_answer(row[column], prompt_text, parts.args.strip_reasoning)
+        user_text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+        texts = [answer, "", user_text]
+        probes = {key: [value[0]] * 3 if isinstance(value, list) and len(value) == n else value
+                  for key, value in kwargs.items()}
+        conversational = not isinstance(kwargs["completions"][0], str)
+        probes["completions"] = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        probes["completion_ids"] = [parts.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        name = reward_name(func)
+        try:
+            scores = [math.nan if v is None else float(v) for v in returned_values(call_reward(func, probes, None))]
+        except Exception as e:  # a check of its own: the trainer's call succeeded
+            report.add("rewards", f"{name} tells a right answer from wrong ones", False,
+                       f"not checked: it raised {type(e).__name__} on the probes", str(e)[:200], warn_only=True)
+            continue
+        right, empty, echoed = scores
+        value = f"{column} as an answer {right:g}, empty {empty:g}, prompt echoed {echoed:g}"
+        alike = all(v == right or (math.isnan(v) and math.isnan(right)) for v in scores)
+        hint = (f"{name} scores the row's {column} written as an answer ({answer!r}), an empty completion and the "
+                f"prompt echoed back alike: it cannot tell right from wrong; is the {column} column in the form it "
+                "parses (a number, '#### N', a LaTeX expression)?" if alike else
+                f"{name} scores an empty completion or the echoed prompt above the row's {column} written as an "
+                "answer: is it inverted, or reading another column?")
+        report.add("rewards", f"{name} tells a right answer from wrong ones",
+                   not alike and not right < max(empty, echoed), value, hint, warn_only=True)
+
+
+def written_answer(reference: object, prompt_text: str, strip_reasoning: bool) -> str:
+    """``reference`` written as the prompt asks the model to answer: in <answer> tags, \\boxed{} or after
+    '####' where the prompt says so, after a reasoning block where it asks for one."""
+    value = reference_number(reference)
+    answer = str(reference).strip() if value is None else str(int(value)) if value.is_integer() else str(value)
+    if "<answer>" in prompt_text:
+        answer = f"<answer>{answer}</answer>"
+    elif "boxed" in prompt_text:
+        answer = f"The answer is \\boxed{{{answer}}}."
+    elif "####" in prompt_text:
+        answer = f"#### {answer}"
+    if "<think>" in prompt_text and not strip_reasoning:
+        answer = f"<think>Working it out.</think>\n{answer}"
+    return answer
 
 
 def check_advantages(report: Report, parts: StepParts, batch: ScoredBatch) -> None:
