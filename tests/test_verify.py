@@ -414,7 +414,7 @@ def test_the_reference_is_written_as_the_prompt_asks():
     assert written_answer("so 72 #### 72", "Put the result in \\boxed{}.", False) == "The answer is \\boxed{72}."
     assert written_answer("2.5", "Think in <think></think>, then answer after ####", False) == \
         "<think>Working it out.</think>\n#### 2.5"
-    assert written_answer("\\frac{1}{2}", "plain", True) == "\\frac{1}{2}"
+    assert written_answer(" x^2 + 1 ", "plain", True) == "x^2 + 1"  # not a number: as it is
 
 
 def test_a_constant_reward_of_completions_cut_at_the_length_limit_is_said_so(tokenizer):
