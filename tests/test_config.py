@@ -175,7 +175,7 @@ def test_a_cispo_cap_below_one_is_warned_of():
 
 def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("lr: 1e-5\nnum_generation: 8\nbeta: warm\nvllm_model_impl: auto\nloss_type: nope\n"
+    config.write_text("lr: 1e-5\nnum_generation: 8\nbeta: warm\nddp_timeout: 60\nloss_type: nope\n"
                       "max_steps: 10\n")
     with pytest.raises(ConfigError) as caught:
         GRPOConfig.from_yaml(config)
@@ -183,7 +183,7 @@ def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     assert message.startswith(f"{config}: 5 problems:\n- ")
     for part in ("unknown config key 'lr' (covey's name for it: learning_rate)",
                  "unknown config key 'num_generation' (did you mean 'num_generations'?)",
-                 "'vllm_model_impl' is a TRL field that covey does not support",
+                 "'ddp_timeout' is a TRL field that covey does not support",
                  "beta='warm' is not a valid float", "loss_type='nope' is not one of"):
         assert part in message, part
     with pytest.raises(ConfigError) as caught:  # the range checks, all of them too
@@ -204,3 +204,22 @@ def test_trl_model_and_script_arguments_name_covey_fields(tmp_path):
         GRPOConfig.from_dict({"model_name_or_path": "a", "model": "b"})
     with pytest.raises(ConfigError, match="lora_task_type: 'SEQ_CLS' is a TRL setting covey does not support"):
         GRPOConfig.from_dict({"lora_task_type": "SEQ_CLS"})
+
+
+def test_trl_s_generation_batch_size_and_server_url_are_covey_s_settings():
+    config = GRPOConfig.from_dict({"generation_batch_size": 64, "per_device_train_batch_size": 16})
+    assert config.steps_per_generation == 4 and config.generation_batch_size == 64
+    config = GRPOConfig.from_dict({"vllm_server_base_url": "http://10.0.0.2:8001", "vllm_mode": "server"})
+    assert (config.vllm_server_host, config.vllm_server_port) == ("10.0.0.2", 8001)
+    with pytest.raises(ConfigError) as e:
+        GRPOConfig.from_dict({"generation_batch_size": 20, "per_device_train_batch_size": 16,
+                              "vllm_server_base_url": "https://host/v1"})
+    assert "generation_batch_size=20 must be a multiple of per_device_train_batch_size=16" in str(e.value)
+    assert "covey reaches a server as http://HOST:PORT" in str(e.value)
+
+
+def test_training_arguments_at_trl_s_defaults_are_accepted_and_others_refused():
+    config = GRPOConfig.from_dict({"dataloader_num_workers": 0, "deepspeed": None, "vllm_tensor_parallel_size": 1})
+    assert config == GRPOConfig()  # each says what covey does anyway
+    with pytest.raises(ConfigError, match="dataloader_num_workers: 4 is a TRL setting covey does not support"):
+        GRPOConfig.from_dict({"dataloader_num_workers": 4})

@@ -464,6 +464,12 @@ class GRPOConfig:
                     problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
                                     "(TRL's name and covey's); give one")
                 values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
+        if "generation_batch_size" in values:  # TRL's field; covey's is computed from steps_per_generation
+            values, problem = _generation_batch_as_steps(values)
+            problems.extend(problem)
+        if (url := values.get("vllm_server_base_url")) is not None:  # TRL's one-field form of host and port
+            values, problem = _server_url_as_host_and_port(values, url)
+            problems.extend(problem)
         if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
             if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
                 problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
@@ -532,6 +538,47 @@ class GRPOConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
         return cls.from_dict({**values, **(overrides or {})}, source=str(path))
+
+
+def _generation_batch_as_steps(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """TRL's generation_batch_size (completions per generation) as covey's steps_per_generation."""
+    size = values["generation_batch_size"]
+    values = {k: v for k, v in values.items() if k != "generation_batch_size"}
+    if size is None or str(size).lower() in ("none", "null"):
+        return values, []
+    try:
+        size, per_device = int(size), int(values.get("per_device_train_batch_size",
+                                                     GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default))
+    except (TypeError, ValueError):
+        return values, [f"generation_batch_size={size!r} is not a whole number"]
+    steps = size // per_device if size >= per_device and size % per_device == 0 else None
+    if steps is None:
+        return values, [f"generation_batch_size={size} must be a multiple of per_device_train_batch_size={per_device} "
+                        "(it is per_device_train_batch_size * steps_per_generation)"]
+    given = values.get("steps_per_generation")
+    if given is not None and str(given).lower() not in ("none", "null") and int(given) != steps:
+        return values, [f"generation_batch_size={size} and steps_per_generation={given} disagree (with "
+                        f"per_device_train_batch_size={per_device}, it means steps_per_generation={steps}); give one"]
+    return {**values, "steps_per_generation": steps}, []
+
+
+def _server_url_as_host_and_port(values: dict[str, Any], url: str) -> tuple[dict[str, Any], list[str]]:
+    """TRL's vllm_server_base_url ('http://host:port') as covey's vllm_server_host and vllm_server_port."""
+    from urllib.parse import urlsplit
+
+    values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
+    parts = urlsplit(str(url))
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        return values, [f"vllm_server_base_url={url!r}: covey reaches a server as http://HOST:PORT (vllm_server_host "
+                        "and vllm_server_port)"]
+    moved = {"vllm_server_host": parts.hostname, "vllm_server_port": port or 80}
+    clash = [f"vllm_server_base_url={url!r} and {k}={values[k]!r} disagree; give one" for k, v in moved.items()
+             if k in values and str(values[k]) != str(v)]
+    return {**values, **moved}, clash
 
 
 class _YAMLLoader(yaml.SafeLoader):

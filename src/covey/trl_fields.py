@@ -25,6 +25,30 @@ AS_COVEY_DOES = {
     # TRL's model and script arguments whose value is what covey does
     "eval_on_start": (True,),  # covey evaluates before training whenever it has held-out data
     "lora_task_type": ("CAUSAL_LM",), "dataset_streaming": (False,), "ignore_bias_buffers": (False,),
+    # TrainingArguments at TRL's defaults, as a saved or full recipe lists them: features that are off,
+    # or machinery covey does not have (a dataloader, DeepSpeed, accelerate), whose default changes nothing
+    "accelerator_config": (None,), "activation_checkpointing": (None, False), "activation_checkpointing_kwargs": (None,),
+    "auto_find_batch_size": (False,), "batch_eval_metrics": (False,), "cache_implementation": (None,),
+    "dataloader_drop_last": (False,), "dataloader_in_order": (True,), "dataloader_multiprocessing_context": (None,),
+    "dataloader_num_workers": (0,), "dataloader_persistent_workers": (False,), "dataloader_pin_memory": (True, False),
+    "dataloader_prefetch_factor": (None,), "debug": ("", []), "deepspeed": (None,), "ds3_gather_for_generation": (True,),
+    "enable_jit_checkpoint": (False,), "eval_accumulation_steps": (None,), "eval_delay": (0, 0.0),
+    "eval_do_concat_batches": (True,), "eval_use_gather_object": (False,), "fsdp": (None, "", []), "fsdp_config": (None,),
+    "full_determinism": (False,), "greater_is_better": (None,), "include_for_metrics": ([],),
+    "include_num_input_tokens_seen": ("no", False), "label_names": (None,), "label_smoothing_factor": (0.0, 0),
+    "length_column_name": ("length",), "liger_kernel_config": (None,), "load_best_model_at_end": (False,),
+    "local_rank": (-1,), "log_completions_hub_repo": (None,), "log_multimodal": (True, False), "log_on_each_node": (True,),
+    "log_unique_prompts": (False,), "metric_for_best_model": (None,), "neftune_noise_alpha": (None,),
+    "optim_args": (None,), "optim_target_modules": (None,), "parallelism_config": (None,), "prediction_loss_only": (False,),
+    "restore_callback_states_from_checkpoint": (False,), "router_aux_loss_coef": (None,), "save_on_each_node": (False,),
+    "skip_memory_metrics": (True,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
+    "torch_empty_cache_steps": (None,), "trackio_bucket_id": (None,), "trackio_space_id": (None,),
+    "trackio_static_space_id": (None,), "transformers_continuous_batching_config": (None,),
+    "use_transformers_continuous_batching": (False,), "use_transformers_paged": (False,),
+    "vllm_max_model_length": (None,),  # covey sizes vLLM's context to max_prompt_length + max_completion_length
+    "vllm_model_impl": ("vllm",), "vllm_structured_outputs_regex": (None,), "vllm_tensor_parallel_size": (1,),
+    "use_cache": (False, True),  # only how generate is computed: covey's engines keep a KV cache, same numbers
+    "pad_to_multiple_of": ("auto", None),  # padding covey packs away (train/forward.py)
 }
 
 
@@ -35,6 +59,7 @@ SAME_AS = {
     "dataset_name": "dataset",
     "dataset_train_split": "dataset_split",
     "torch_dtype": "dtype",  # transformers' older name
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's older name
 }
 
 # what other trainers and recipes call some of covey's fields: said first when a key is unknown
