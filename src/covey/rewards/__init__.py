@@ -5,8 +5,10 @@ trainer: they receive text, token ids and dataset columns.
     convention.py  the call, its names and the checks that a function and a dataset fit it
     scoring.py     every function on a batch; failures retried one completion at a time
     builtin.py     answer_format, answer_correct, reasoning_format, json_format, soft_overlong_penalty, code_tests
+    trl_rewards.py TRL's built-ins under their names: accuracy_reward, think_format_reward, get_* factories
     loading.py     a function from its name or reference
     answers.py     reading the answer a completion gives
+    symbolic.py    answers compared as mathematics by math-verify, in worker processes under a time limit
     pool.py        worker processes for slow synchronous functions
     code.py, sandbox.py, sandbox_boot.py   running a completion's program contained
 """
@@ -16,12 +18,15 @@ from covey.rewards.builtin import (BUILTIN_REWARD_FACTORIES, BUILTIN_REWARDS, So
 from covey.rewards.convention import (TRAINER_REWARD_ARGS, RewardFunc, TrainerState, check_reward_columns,
                                       check_reward_signature, required_columns, reward_context, reward_name,
                                       without_logging)
-from covey.rewards.loading import load_reward_func, reward_reference
+from covey.rewards.loading import NAMED_REWARDS, load_reward_func, reward_reference
 from covey.rewards.pool import RewardPool
 from covey.rewards.scoring import call_reward, preflight_check, returned_values, score_completions
+from covey.rewards.trl_rewards import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward,
+                                       get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
 
 __all__ = ["BUILTIN_REWARD_FACTORIES", "BUILTIN_REWARDS", "SoftOverlongPenalty", "answer_correct", "answer_format",
            "json_format", "reasoning_format", "TRAINER_REWARD_ARGS", "RewardFunc", "TrainerState",
            "check_reward_columns", "check_reward_signature", "required_columns", "reward_context", "reward_name",
-           "without_logging", "load_reward_func", "reward_reference", "RewardPool", "call_reward", "preflight_check",
-           "returned_values", "score_completions"]
+           "without_logging", "NAMED_REWARDS", "load_reward_func", "reward_reference", "RewardPool", "call_reward", "preflight_check", "returned_values", "score_completions",
+           "accuracy_reward", "get_cosine_scaled_reward", "get_repetition_penalty_reward",
+           "get_soft_overlong_punishment", "reasoning_accuracy_reward", "think_format_reward"]

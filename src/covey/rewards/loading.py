@@ -1,5 +1,6 @@
-"""Finding a reward function from its name: a built-in, 'path/to/file.py:function' or
-'package.module:function'; and the name a run's saved config gives a function it was handed."""
+"""Finding a reward function from its name: a built-in (covey's, or TRL's under its name),
+'path/to/file.py:function' or 'package.module:function'; and the name a run's saved config gives a
+function it was handed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import importlib
 from covey.errors import RewardError
 from covey.rewards.builtin import BUILTIN_REWARD_FACTORIES, BUILTIN_REWARDS
 from covey.rewards.convention import RewardFunc, reward_name
+from covey.rewards.trl_rewards import TRL_REWARD_FACTORIES, TRL_REWARDS
 from covey.sources import in_memory, load_reference, why_unloadable
+
+NAMED_REWARDS: dict[str, RewardFunc] = {**BUILTIN_REWARDS, **TRL_REWARDS}
 
 
 def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] | None = None) -> RewardFunc:
@@ -16,14 +20,20 @@ def load_reward_func(spec: str | RewardFunc, builtin_settings: dict[str, dict] |
     ``builtin_settings`` holds the keyword arguments of built-ins that take settings."""
     if callable(spec):
         return spec
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+    if spec in NAMED_REWARDS:
+        return NAMED_REWARDS[spec]
     if spec in BUILTIN_REWARD_FACTORIES:
         return BUILTIN_REWARD_FACTORIES[spec](**(builtin_settings or {}).get(spec, {}))
+    if spec in TRL_REWARD_FACTORIES:
+        alternative = (" or the built-in soft_overlong_penalty, set by overlong_max_length and overlong_cache_length"
+                       if spec == "get_soft_overlong_punishment" else "")
+        raise RewardError(f"{spec!r} makes a reward function from settings, so it cannot be named alone: call it in "
+                          f"Python (from covey.rewards import {spec}; reward_funcs=[{spec}(...)]), reference a "
+                          f"module-level function made with it ('my_rewards.py:my_reward'){alternative}")
     if reason := why_unloadable(spec, "reward_funcs"):
         raise RewardError(reason)
     if ":" not in spec:
-        names = ", ".join([*BUILTIN_REWARDS, *BUILTIN_REWARD_FACTORIES])
+        names = ", ".join([*NAMED_REWARDS, *BUILTIN_REWARD_FACTORIES])
         raise RewardError(f"reward function {spec!r} is not a built-in ({names}) and not a "
                           "reference; write 'path/to/rewards.py:function' or 'package.module:function'")
     return load_reference(spec, "reward function", RewardError)
@@ -35,7 +45,7 @@ def reward_reference(spec: str | RewardFunc) -> str:
     names it and loads nothing (a function defined in a script or notebook)."""
     if isinstance(spec, str):
         return spec
-    builtin = next((name for name, func in BUILTIN_REWARDS.items() if func is spec), None)
+    builtin = next((name for name, func in NAMED_REWARDS.items() if func is spec), None)
     module, qualname = getattr(spec, "__module__", None), getattr(spec, "__qualname__", "")
     if builtin is None and module and module != "__main__" and "<" not in qualname:
         try:
