@@ -68,6 +68,14 @@ def test_trl_names_load_and_factories_say_how_to_use_them():
         load_reward_func("get_cosine_scaled_reward")
 
 
+def test_rewards_that_need_math_verify_say_so_when_loaded_without_it(monkeypatch):
+    monkeypatch.setattr(symbolic, "available", lambda: False)
+    for reward in ("accuracy_reward", "reasoning_accuracy_reward", get_cosine_scaled_reward(max_len=8)):
+        with pytest.raises(RewardError, match=r"compares answers with math-verify, which is not installed: pip install"):
+            load_reward_func(reward)
+    assert load_reward_func("think_format_reward") is think_format_reward
+
+
 @needs_math_verify
 def test_accuracy_reward_matches_trl_with_what_it_logs():
     completions = [chat(a) for a in ANSWERS]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from covey.errors import RewardError
+from covey.rewards import symbolic
 from covey.rewards.builtin import BUILTIN_REWARD_FACTORIES, BUILTIN_REWARDS
 from covey.rewards.convention import RewardFunc, reward_name
 from covey.rewards.reward_model import RewardModel, load_reward_model, reward_model_from_object
@@ -29,6 +30,14 @@ def load_reward_func(spec: str | RewardFunc | torch.nn.Module, builtin_settings:
     folder or loaded sequence classifier), or a callable. ``builtin_settings`` holds the keyword
     arguments of built-ins that take settings; ``processing_class``, a reward model's tokenizer (None:
     its own); ``device``, where a reward model given by name goes."""
+    func = _found(spec, builtin_settings, processing_class, trust_remote_code, device)
+    if getattr(func, "needs_math_verify", False):
+        symbolic.require(reward_name(func))
+    return func
+
+
+def _found(spec: str | RewardFunc | torch.nn.Module, builtin_settings: dict[str, dict] | None, processing_class: Any,
+           trust_remote_code: bool, device: torch.device | str | None) -> RewardFunc:
     if isinstance(spec, torch.nn.Module):  # before callable(): a model is callable too
         return reward_model_from_object(spec, processing_class, trust_remote_code)
     if processing_class is not None and not _names_a_model(spec):

@@ -140,6 +140,10 @@ class RepetitionPenalty:
         return scores
 
 
+# checked when a run loads them, before any model: math-verify is an optional extra
+accuracy_reward.needs_math_verify = reasoning_accuracy_reward.needs_math_verify = True
+CosineScaledReward.needs_math_verify = True
+
 TRL_REWARDS = {"accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
                "think_format_reward": think_format_reward}
 TRL_REWARD_FACTORIES = {"get_soft_overlong_punishment": get_soft_overlong_punishment,
