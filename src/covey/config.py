@@ -103,7 +103,7 @@ class GRPOConfig:
     prompt_overflow: str = _f("error", "a longer training prompt: stop with an error, drop the row, or keep its last tokens", choices=("error", "drop", "truncate_left"))
     seed: int = _f(42, "seed for data order, sampling and initialisation")
     # --- rewards -----------------------------------------------------------------------------
-    reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names or 'file.py:function' / 'package.module:function'")
+    reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names, 'file.py:function' / 'package.module:function', or a reward model's hub id or folder")
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
     reward_errors: str = _f("raise", "a reward function that raises or times out: stop the run, or score the sample None", choices=("raise", "skip"))
     reward_timeout: float | None = _f(None, "seconds one reward call may take before it counts as an error (None = no limit)")

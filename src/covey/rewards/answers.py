@@ -85,6 +85,17 @@ def reference_number(answer: Any) -> float | None:
     return parse_number(answer)
 
 
+def reference_math(answer: Any) -> str | None:
+    """A dataset's answer to read as mathematics (what follows the last '####' of a GSM8K-style
+    solution): text with a digit or a LaTeX command in it ('[0, 1)', '\\frac{\\sqrt{3}}{2}', '\\pi');
+    None for anything else, words above all ('n/a', 'Paris'), which math-verify would read as products
+    of variables."""
+    if not isinstance(answer, str):
+        return None
+    text = (answer.rsplit(GSM8K_MARKER, 1)[1] if GSM8K_MARKER in answer else answer).strip()
+    return text if re.search(r"[\d\\]", text) else None
+
+
 def same_number(given: float | None, expected: float | None) -> bool:
     """Both are numbers and equal up to float noise: within 1e-6, or to 12 significant digits (the
     default relative tolerance, 1e-9, would call 1000000000 and 1000000001 equal)."""

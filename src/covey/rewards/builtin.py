@@ -10,7 +10,9 @@ from typing import Any, Callable
 
 from covey.data.text import THINK_CLOSE, THINK_OPEN, answer_after_reasoning
 from covey.errors import RewardError
-from covey.rewards.answers import NUMBER, completion_text, last_number, parse_number, reference_number, same_number, tagged_answer
+from covey.rewards import symbolic
+from covey.rewards.answers import (NUMBER, completion_text, last_number, parse_number, reference_math, reference_number,
+                                   same_number, tagged_answer)
 from covey.rewards.convention import RewardFunc
 
 
@@ -31,21 +33,30 @@ def answer_format(completions: list, **_: Any) -> list[float]:
 
 
 def answer_correct(completions: list, answer: list, **_: Any) -> list[float | None]:
-    """1 if the (last) tagged answer equals the `answer` column (a number, or a GSM8K solution ending
-    '#### N'); 0.5 if there is no tagged answer but the last number in the text is right; 0 otherwise.
-    None where the row has no usable answer."""
+    """1 if the (last) tagged answer equals the `answer` column; 0.5 if there is no tagged answer but
+    the final answer of the text is right; 0 otherwise. A number (or a GSM8K solution ending '#### N')
+    is compared by covey itself, with the last number in the text as the final answer; other
+    mathematics (\\frac{\\sqrt{3}}{2}, an interval, a set) by math-verify where it is installed, else
+    None, as for a row without a usable answer (words, say)."""
     scores: list[float | None] = []
-    for completion, expected in zip(completions, answer):
-        target = reference_number(expected)
-        if target is None:
-            scores.append(None)
-            continue
+    symbolic_rows, comparisons = [], []  # (row, worth) and (reference, answer, style) of what math-verify compares
+    for i, (completion, expected) in enumerate(zip(completions, answer)):
         text = completion_text(completion)
         inside = tagged_answer(text)
-        if inside is not None:
-            scores.append(1.0 if same_number(parse_number(inside), target) else 0.0)
-        else:
-            scores.append(0.5 if same_number(last_number(text), target) else 0.0)
+        target = reference_number(expected)
+        if target is not None:
+            if inside is not None:
+                scores.append(1.0 if same_number(parse_number(inside), target) else 0.0)
+            else:
+                scores.append(0.5 if same_number(last_number(text), target) else 0.0)
+            continue
+        scores.append(None)
+        if symbolic.available() and (reference := reference_math(expected)) is not None:
+            symbolic_rows.append((i, 0.5 if inside is None else 1.0))
+            comparisons.append((reference, text, symbolic.IN_TEXT) if inside is None else
+                               (reference, inside, symbolic.TAGGED))
+    for (i, worth), verdict in zip(symbolic_rows, symbolic.verdicts(comparisons)):
+        scores[i] = None if verdict.correct is None else worth * verdict.correct
     return scores
 
 
@@ -110,14 +121,14 @@ def tool_use(completions: list, **_: Any) -> list[float]:
 
 class SoftOverlongPenalty:
     """DAPO's soft overlong punishment (eq. 13): 0 up to max_length - cache_length tokens, then a
-    linear ramp down to -1 at max_length, and -1 beyond. Penalises length without rewarding brevity."""
+    linear ramp down to -1 at max_length, and -1 beyond (with cache_length 0, straight from 0 to -1).
+    Penalises length without rewarding brevity."""
 
-    __name__ = "soft_overlong_penalty"
-
-    def __init__(self, max_length: int, cache_length: int):
-        if not 0 < cache_length <= max_length:
-            raise RewardError(f"soft_overlong_penalty: need 0 < cache_length ({cache_length}) <= max_length ({max_length})")
+    def __init__(self, max_length: int, cache_length: int, name: str = "soft_overlong_penalty"):
+        if not 0 <= cache_length <= max_length:
+            raise RewardError(f"{name}: need 0 <= cache_length ({cache_length}) <= max_length ({max_length})")
         self.max_length, self.cache_length = max_length, cache_length
+        self.__name__ = name
 
     def __call__(self, completion_ids: list[list[int]], **_: Any) -> list[float]:
         free = self.max_length - self.cache_length

@@ -9,8 +9,9 @@ scores cross the pipe. Consequences of forking, and how they are handled:
   child, and torch's OpenMP runtime hangs in a forked child that runs a multi-threaded op; so a
   worker first sets torch to one thread (as PyTorch's own DataLoader workers do). The worker loop
   itself never calls torch; a reward function that does (a small CPU model) then runs without
-  hanging, and N workers do not oversubscribe the cores. CUDA cannot be used in a forked child:
-  keep GPU reward models at ``reward_num_workers: 0``.
+  hanging, and N workers do not oversubscribe the cores. CUDA cannot be used in a forked child, so
+  reward models (``covey.rewards.reward_model``) always score in the trainer's process; a function of
+  your own that runs a model on the GPU needs ``reward_num_workers: 0``.
 * CPython re-initialises its own locks in the child and glibc's allocator is fork-safe, so the
   pure-Python worker loop cannot inherit a held lock; Python 3.12+'s warning about forking a
   multi-threaded process is silenced for that reason.
@@ -88,8 +89,10 @@ class RewardPool:
         Finalize(self, _stop, (self._workers,), exitpriority=10)
 
     def runs(self, func: Callable) -> bool:
-        """Whether ``func`` runs in the workers: one of this pool's functions and not ``async``."""
-        return self.num_workers > 0 and not inspect.iscoroutinefunction(func) and any(f is func for f in self.reward_funcs)
+        """Whether ``func`` runs in the workers: one of this pool's functions, not ``async``, and not one
+        that must stay in the trainer's process (a reward model: ``in_trainer_process``)."""
+        return (self.num_workers > 0 and not inspect.iscoroutinefunction(func) and any(f is func for f in self.reward_funcs)
+                and not getattr(func, "in_trainer_process", False))
 
     def run(self, calls: list[tuple[Callable, dict]], timeout: float | None) -> list:
         """The outcome of each (function, keyword arguments) call, in order, spread over the workers:

@@ -20,10 +20,11 @@ from covey.config import GRPOConfig
 from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError
-from covey.models import (ModelLoading, adapted_shared_matrix, add_lora, check_quantization, disable_dropout,
-                          eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer, merged_model,
-                          resolve_model_path)
-from covey.rewards import RewardFunc, check_reward_columns, load_reward_func, preflight_check, reward_name
+from covey.models import (ModelLoading, adapted_shared_matrix, add_lora, check_quantization, default_device,
+                          disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
+                          merged_model, quiet_transformers, resolve_model_path)
+from covey.rewards import (RewardFunc, RewardModel, check_reward_columns, load_reward_func, preflight_check,
+                           reward_name)
 from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, make_engine
 from covey.rollout.engine import missing_members
 from covey.rollout.server import FastBackend, VLLMServe, vllm_serve_command
@@ -44,10 +45,20 @@ def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
             "code_tests": {"timeout": args.code_timeout, "memory_limit_mb": args.code_memory_limit_mb}}
 
 
-def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | None = None
-                 ) -> tuple[list[RewardFunc], list[float]]:
-    """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0)."""
-    funcs = [load_reward_func(f, builtin_reward_settings(args)) for f in (reward_funcs or args.reward_funcs)]
+def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | None = None,
+                 reward_processing_classes: Any = None) -> tuple[list[RewardFunc], list[float]]:
+    """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0).
+    ``reward_processing_classes`` (TRL's): one tokenizer per function, None for those that are not reward
+    models (a single tokenizer for a single function). Reward models given by name load onto the
+    policy's device; one given as an object stays where it is (as the policy does), unless use_cpu."""
+    specs = list(reward_funcs or args.reward_funcs)
+    tokenizers = reward_tokenizers(reward_processing_classes, len(specs))
+    device = default_device(args.use_cpu)
+    quiet_transformers()  # a reward model loads as the policy does: without the library's loading bars
+    funcs = [load_reward_func(f, builtin_reward_settings(args), tokenizer, args.trust_remote_code, device)
+             for f, tokenizer in zip(specs, tokenizers)]
+    if args.use_cpu:
+        funcs = [f.to("cpu") if isinstance(f, RewardModel) else f for f in funcs]
     names = [reward_name(f) for f in funcs]
     if repeated := sorted({name for name in names if names.count(name) > 1}):
         raise ConfigError(f"two reward functions are both named {repeated[0]!r}: their metrics and recorded rewards "
@@ -57,6 +68,19 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
         raise ConfigError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions; "
                           "give one weight per function")
     return funcs, weights
+
+
+def reward_tokenizers(reward_processing_classes: Any, count: int) -> list:
+    """TRL's ``reward_processing_classes`` as one entry per reward function."""
+    if reward_processing_classes is None:
+        return [None] * count
+    if not isinstance(reward_processing_classes, (list, tuple)):
+        reward_processing_classes = [reward_processing_classes]
+    if len(reward_processing_classes) != count:
+        raise ConfigError(f"reward_processing_classes has {len(reward_processing_classes)} entries for {count} reward "
+                          "functions; give one per reward function, in the same order (None for those that are not "
+                          "reward models)")
+    return list(reward_processing_classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +103,9 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt,
                       config=args.dataset_config if train_dataset is None else None)
     check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
+    for func in reward_funcs:
+        if isinstance(func, RewardModel):  # a chat needs a chat template to be scored as one text
+            func.check_prompt(train[0]["prompt"])
     # the length of a run in epochs is known once prompts too long are dropped; this call sees an estimate
     steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
     columns = extra_columns(train[:2])

@@ -54,8 +54,10 @@ class GRPOTrainer:
                               args=GRPOConfig(max_steps=50), train_dataset=rows)
         trainer.train()
 
-    ``model``: hub id, folder or loaded model (default: ``args.model``). ``reward_funcs``: callables or
-    names (default: ``args.reward_funcs``). ``train_dataset``: rows, a ``datasets.Dataset`` or a dataset
+    ``model``: hub id, folder or loaded model (default: ``args.model``). ``reward_funcs``: callables,
+    names, or reward models (a sequence classifier's hub id, folder or object; default:
+    ``args.reward_funcs``), with ``reward_processing_classes`` their tokenizers (TRL's: one per
+    function, None for those that are not models; default: each model's own). ``train_dataset``: rows, a ``datasets.Dataset`` or a dataset
     spec (default: ``args.dataset``). Episodes of several turns, in TRL's conventions (docs/agents.md):
     ``tools`` (functions, default: ``args.tools``), ``environment_factory`` (a class, default:
     ``args.environment_factory``), or the user's own ``rollout_func(prompts, trainer)``;
@@ -69,7 +71,7 @@ class GRPOTrainer:
                  quiet: bool = False, tools: Sequence[Callable | str] | None = None,
                  environment_factory: Callable[[], Any] | None = None,
                  rollout_func: Callable[[list, GRPOTrainer], dict] | None = None,
-                 tool_call_format: ToolCallFormat | None = None):
+                 tool_call_format: ToolCallFormat | None = None, reward_processing_classes: Any = None):
         self.args = args = args or GRPOConfig()
         if ((processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm"
                 and args.vllm_mode == "colocate"):
@@ -80,7 +82,7 @@ class GRPOTrainer:
         set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
-        funcs, weights = setup.load_rewards(args, reward_funcs)
+        funcs, weights = setup.load_rewards(args, reward_funcs, reward_processing_classes)
         environment = setup.load_environment(args, environment_factory)
         if environment is not None and environment.has_reward:  # the environment scores episodes too (TRL's)
             funcs, weights = [*funcs, environment.reward_function()], [*weights, 1.0]

@@ -37,7 +37,8 @@ SETUP = "the model, its tokenizer and the settings load"
 
 
 def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
-           reward_funcs=None, tools=None, environment_factory=None, tool_call_format=None) -> Report:
+           reward_funcs=None, tools=None, environment_factory=None, tool_call_format=None,
+           reward_processing_classes=None) -> Report:
     """Check the pipeline ``args`` describes (or the given objects, as ``GRPOTrainer`` takes them) stage
     by stage, on one batch that the step's own functions sample, score and train on."""
     report = Report()
@@ -46,7 +47,8 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     try:
         trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
                               args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True,
-                              tools=tools, environment_factory=environment_factory, tool_call_format=tool_call_format)
+                              tools=tools, environment_factory=environment_factory, tool_call_format=tool_call_format,
+                              reward_processing_classes=reward_processing_classes)
     except CoveyError as e:
         return _failed(report, e, ((DataError, "data", "dataset loads"),
                                    (RewardError, "rewards", "reward functions load"),
