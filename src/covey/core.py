@@ -32,25 +32,31 @@ ADVANTAGE_EPS = 1e-4
 
 
 def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0,
-                   chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk: int = 128, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
     ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any
-    leading shape (..., V). The entropy carries no gradient.
+    leading shape (..., V). The entropy carries a gradient only with ``entropy_grad`` (an entropy
+    bonus trains on it); else it is a plain value.
     """
     shape = ids_N.shape
     logp_N, entropy_N = _TokenLogprobs.apply(logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1),
-                                             temperature, with_entropy, chunk)
-    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy else None
+                                             temperature, with_entropy or entropy_grad, chunk, entropy_grad)
+    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy or entropy_grad else None
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """The log-softmax at the chosen ids with a hand-written backward: d logp / d x = onehot(id) - softmax(x),
-    divided by the temperature. Autograd through logsumexp + gather would keep float32 copies of every
-    chunk for the backward and make several passes over them; this keeps only the logits as given
-    and recomputes the softmax chunk by chunk (one fused kernel) when the gradient is asked for."""
+    """The log-softmax at the chosen ids, and optionally the entropy, with a hand-written backward:
+    for z = x / temperature and p = softmax(z),
+
+        d logp_id / dz_j = onehot(id)_j - p_j        d H / dz_j = -p_j (log p_j + H)
+
+    each divided by the temperature for the gradient in x. Autograd through logsumexp + gather would
+    keep float32 copies of every chunk for the backward and make several passes over them; this keeps
+    only the logits as given (and the entropy, one number a position) and recomputes the softmax chunk
+    by chunk when the gradient is asked for."""
 
     @staticmethod
-    def forward(ctx, logits_NV, ids_N, temperature, with_entropy, chunk):
+    def forward(ctx, logits_NV, ids_N, temperature, with_entropy, chunk, entropy_grad):
         logp_N = torch.empty(ids_N.shape, dtype=torch.float32, device=logits_NV.device)
         entropy_N = torch.empty(ids_N.shape if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
         for first in range(0, len(ids_N), chunk):
@@ -59,22 +65,35 @@ class _TokenLogprobs(torch.autograd.Function):
             logp_N[rows] = log_softmax.gather(-1, ids_N[rows, None]).squeeze(-1)
             if with_entropy:  # H = -sum p log p, clamped against rounding below 0
                 entropy_N[rows] = (-(log_softmax.exp() * log_softmax).sum(-1)).clamp(min=0)
-        ctx.save_for_backward(logits_NV, ids_N)
+        if entropy_grad:
+            ctx.save_for_backward(logits_NV, ids_N, entropy_N)
+        else:
+            ctx.save_for_backward(logits_NV, ids_N)
+            ctx.mark_non_differentiable(entropy_N)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy_N)
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
         return logp_N, entropy_N
 
     @staticmethod
-    def backward(ctx, grad_N, _):
-        logits_NV, ids_N = ctx.saved_tensors
+    def backward(ctx, grad_logp_N, grad_entropy_N):
+        logits_NV, ids_N, *entropy = ctx.saved_tensors
         grad_NV = torch.empty_like(logits_NV)
         for first in range(0, len(ids_N), ctx.chunk):
             rows = slice(first, first + ctx.chunk)
-            grad = grad_N[rows, None]
-            chunk_grad = _scaled(logits_NV[rows], ctx.temperature).softmax(-1).mul_(-grad)
-            chunk_grad.scatter_add_(-1, ids_N[rows, None], grad)
+            scaled = _scaled(logits_NV[rows], ctx.temperature)
+            if grad_entropy_N is None:  # log-probs only: one fused softmax
+                chunk_grad = scaled.softmax(-1).mul_(-grad_logp_N[rows, None])
+            else:  # -p_j (g_logp + g_H (log p_j + H)), then + g_logp at the id
+                log_p = scaled.log_softmax(-1)
+                p = log_p.exp()
+                chunk_grad = log_p.add_(entropy[0][rows, None]).mul_(grad_entropy_N[rows, None])
+                if grad_logp_N is not None:
+                    chunk_grad.add_(grad_logp_N[rows, None])
+                chunk_grad.mul_(p).neg_()
+            if grad_logp_N is not None:
+                chunk_grad.scatter_add_(-1, ids_N[rows, None], grad_logp_N[rows, None])
             grad_NV[rows] = chunk_grad / ctx.temperature if ctx.temperature != 1 else chunk_grad
-        return grad_NV, None, None, None, None
+        return grad_NV, None, None, None, None, None
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
