@@ -82,8 +82,9 @@ def _no_gradient_step(parts, progress):
     return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
 
 
-def _optimistic_clip(ratio, logp, adv, s):
-    return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
+def _optimistic_clip(t, s):
+    ratio, adv = t.ratio_BT, t.advantages_B1
+    return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv), {}
 
 
 MUTATIONS = {
@@ -100,7 +101,7 @@ MUTATIONS = {
     "ratio against the reference instead of old": ("loss", lambda mp: mp.setattr(
         core, "policy_loss", _ratio_against_reference(core.policy_loss))),
     "clipping takes the optimistic bound (max for min)": ("loss", lambda mp: mp.setitem(
-        core.POLICY_OBJECTIVES, "clipped", _optimistic_clip)),
+        core.POLICY_OBJECTIVES, "clipped", core.Objective(_optimistic_clip))),
     "KL sign flipped": ("loss", lambda mp: mp.setitem(
         core.KL_ESTIMATORS, "k3", lambda logp, ref: -(torch.exp(ref - logp) - (ref - logp) - 1))),
     "padding included in the loss mask": ("logprobs", lambda mp: mp.setattr(
