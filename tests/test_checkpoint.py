@@ -66,7 +66,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
     dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, num_iterations=2, lr_scheduler_type="cosine",
          warmup_ratio=0.2, weight_decay=0.1, logging_steps=3),  # the checkpoint falls inside a logging interval
     dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]),
-], ids=["full", "kl-sync-ref-iterations-cosine-logging-3", "lora"])
+    # run state beside the model's: the adapted coefficient and the entropy its next step's gate reads
+    dict(use_adaptive_entropy=True, entropy_target=50.0, entropy_coef_delta=0.01, loss_type="sapo"),
+], ids=["full", "kl-sync-ref-iterations-cosine-logging-3", "lora", "adaptive-entropy-sapo"])
 def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tokenizer, variant):
     whole = trainer_for(run_args(tmp_path / "whole", save_total_limit=None, **variant), tokenizer)
     whole.train()
@@ -75,6 +77,9 @@ def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tok
     checkpoint_2 = tmp_path / "whole" / "checkpoints" / "checkpoint-2"
     resumed = trainer_for(run_args(tmp_path / "resumed", resume_from_checkpoint=str(checkpoint_2), **variant), tokenizer)
     assert resumed.global_step == 2
+    if variant.get("use_adaptive_entropy"):
+        assert (resumed.progress.entropy_coef, resumed.progress.last_entropy) == pytest.approx(
+            (0.02, json.loads((checkpoint_2 / "state.json").read_text())["last_entropy"]))
     resumed.train()
 
     assert_same_weights(tmp_path / "whole" / "final_model", tmp_path / "resumed" / "final_model")

@@ -223,3 +223,39 @@ def test_training_arguments_at_trl_s_defaults_are_accepted_and_others_refused():
     assert config == GRPOConfig()  # each says what covey does anyway
     with pytest.raises(ConfigError, match="dataloader_num_workers: 4 is a TRL setting covey does not support"):
         GRPOConfig.from_dict({"dataloader_num_workers": 4})
+
+@pytest.mark.parametrize("values, message", [
+    ({"loss_type": "sapo", "delta": 2.0}, "delta clips the PPO ratio, which loss_type: sapo does not use"),
+    ({"loss_type": "sapo", "epsilon_high": 0.28}, "epsilon_high clips the PPO ratio, which loss_type: sapo"),
+    ({"loss_type": "vespo", "clip_ratio_c": 3.0}, "clip_ratio_c clips the PPO ratio, which loss_type: vespo"),
+    ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0 must be positive"),
+    ({"loss_type": "vespo", "vespo_k_neg": -1.0}, "vespo_k_neg=-1.0.* must be >= 0"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "importance_sampling_level: sequence has no meaning"),
+    ({"loss_type": "vespo", "use_vllm": True}, "set vllm_importance_sampling_mode: token_truncate or token_mask"),
+    ({"sapo_temperature_pos": 2.0}, "sapo_temperature_pos=2.0 has an effect only with loss_type: sapo"),
+    ({"loss_type": "sapo", "vespo_lambda_pos": 1.0}, "vespo_lambda_pos=1.0 has an effect only with loss_type: vespo"),
+    ({"entropy_target": 3.0}, "entropy_target=3.0 has an effect only with use_adaptive_entropy: true"),
+    ({"entropy_coef": -0.1}, "entropy_coef=-0.1 must be >= 0"),
+    ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min=0.5 and"),
+    ({"use_adaptive_entropy": True, "entropy_coef_delta": 0.0}, "entropy_coef_delta=0.0 must be positive"),
+    ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold=-0.5 must be positive"),
+])
+def test_the_newer_losses_and_controls_refuse_what_they_cannot_honour(values, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**values)
+
+
+def test_the_newer_losses_and_controls_take_trl_names_and_defaults(tmp_path):
+    TRLConfig = pytest.importorskip("trl", reason="trl is a dev dependency").GRPOConfig
+    names = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+             "vespo_lambda_neg", "off_policy_mask_threshold", "entropy_coef", "use_adaptive_entropy", "entropy_target",
+             "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+    theirs = {f.name: f.default for f in dataclasses.fields(TRLConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}
+    config = tmp_path / "c.yaml"
+    config.write_text("loss_type: vespo\nvespo_k_pos: 1.5\noff_policy_mask_threshold: 0.5\nentropy_coef: 0.01\n"
+                      "use_adaptive_entropy: true\nentropy_target: 2.0\n")
+    args = GRPOConfig.from_yaml(config)
+    assert (args.vespo_k_pos, args.off_policy_mask_threshold, args.entropy_target) == (1.5, 0.5, 2.0)
+    assert GRPOConfig(loss_type="sapo", sapo_temperature_pos=0.5).sapo_temperature_pos == 0.5

@@ -42,6 +42,35 @@ def test_token_logprobs_gradient_equals_autograd_of_log_softmax(dtype, temperatu
     assert mine.grad.float().abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
+@pytest.mark.parametrize("uses", ["both", "entropy only"])
+def test_entropy_gradient_equals_autograd_of_the_entropy(dtype, temperature, uses):
+    # dH/dz_j = -p_j (log p_j + H), divided by the temperature, chunked; alone or beside the log-probs' own
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 5, 11) * 4).to(dtype)
+    ids = torch.randint(0, 11, (3, 5))
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    mine = logits.clone().requires_grad_()
+    logp, entropy = core.token_logprobs(mine, ids, temperature=temperature, chunk=4, entropy_grad=True)
+    ((logp * a if uses == "both" else 0) + entropy * b).sum().backward()
+    reference = logits.clone().requires_grad_()
+    log_p = torch.log_softmax(reference.float() / temperature, -1)
+    want_entropy = -(log_p.exp() * log_p).sum(-1)
+    ((log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * a if uses == "both" else 0) + want_entropy * b).sum().backward()
+    assert torch.allclose(entropy, want_entropy, atol=1e-5)
+    assert mine.grad.dtype == dtype
+    assert torch.allclose(mine.grad.float(), reference.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert mine.grad.float().abs().sum() > 0
+
+
+def test_entropy_carries_no_gradient_unless_asked():
+    logits = torch.randn(2, 7, requires_grad=True)
+    _, entropy = core.token_logprobs(logits, torch.tensor([1, 2]), with_entropy=True)
+    assert not entropy.requires_grad
+    _, entropy = core.token_logprobs(logits, torch.tensor([1, 2]), entropy_grad=True)
+    assert entropy.requires_grad
+
+
 def test_token_logprobs_operand_order_matters():
     # a reversed subtraction (logsumexp - selected) would be >= 0 everywhere
     logits = torch.tensor([[[2.0, 0.0, -1.0]]])

@@ -152,7 +152,12 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("overrides", [{}, {"scale_rewards": "batch", "loss_type": "grpo"}])
+@pytest.mark.parametrize("overrides", [
+    {}, {"scale_rewards": "batch", "loss_type": "grpo"},
+    # the adaptive entropy coefficient moves on the entropy of every process's tokens
+    {"loss_type": "sapo", "use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 50.0,
+     "off_policy_mask_threshold": 0.5},
+])
 def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
     one = train(tmp_path / "one", 1, **overrides)["gradients"]
     two = [result["gradients"] for result in train_in_two_processes(tmp_path, **overrides)]
@@ -163,7 +168,8 @@ def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_
             assert torch.allclose(single, rank0, atol=1e-6, rtol=1e-4)
     # the first process alone records the run, with metrics over the whole batch
     one_metrics, two_metrics = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    for key in ("reward", "reward_std", "loss", "kl", "entropy", "completions/mean_length", "grad_norm"):
+    for key in ("reward", "reward_std", "loss", "kl", "entropy", "completions/mean_length", "grad_norm") + (
+            ("entropy_coef",) if "entropy_coef" in overrides else ()):
         assert [m[key] for m in two_metrics] == pytest.approx([m[key] for m in one_metrics], rel=1e-4, abs=1e-7), key
     completions = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
     first_step = [c for c in completions if c["step"] == 1]

@@ -339,3 +339,85 @@ def test_use_cpu_keeps_the_models_on_the_cpu_where_a_gpu_is(monkeypatch, tmp_pat
     build_policy(GRPOConfig(model=str(tiny_model_dir), use_cpu=True), None, None)
     build_policy(GRPOConfig(model=str(tiny_model_dir)), None, None)
     assert moved == [(torch.device("cpu"),), (torch.device("cuda"),)]
+
+
+@pytest.mark.parametrize("variant", [
+    dict(loss_type="sapo"),
+    dict(loss_type="sapo", importance_sampling_level="sequence", num_iterations=2),
+    dict(loss_type="vespo", num_iterations=2),
+    dict(off_policy_mask_threshold=0.01, num_iterations=2),
+    dict(entropy_coef=0.05),
+    dict(use_adaptive_entropy=True, entropy_target=50.0, entropy_coef_delta=0.01),
+], ids=["sapo", "sapo-sequence", "vespo", "off-policy-mask", "entropy-bonus", "adaptive-entropy"])
+def test_the_newer_losses_and_controls_train(tmp_path, tokenizer, variant):
+    trainer = trainer_for(tmp_path, tokenizer, max_steps=2, **variant)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["loss"] == m["loss"] for m in metrics)  # finite, not NaN
+    soft = variant.get("loss_type") in ("sapo", "vespo")
+    assert ("clip_ratio/region_mean" in metrics[0]) == (not soft)  # a soft weight clips nothing
+    if variant.get("loss_type") == "vespo":  # on policy W = 1 and phi(1) = 1 exactly; then the policy has moved
+        assert metrics[0]["vespo/phi_seq_mean"] == 1.0 and metrics[1]["vespo/phi_seq_mean"] != 1.0
+    if "off_policy_mask_threshold" in variant:
+        assert [0.0 <= m["off_policy_mask/masked_fraction"] <= 1.0 for m in metrics] == [True, True]
+    if "entropy_coef" in variant:
+        assert [m["entropy_coef"] for m in metrics] == [0.05, 0.05]
+    if variant.get("use_adaptive_entropy"):  # the entropy is below the target: the coefficient rises each step
+        assert [m["entropy_coef"] for m in metrics] == pytest.approx([0.01, 0.02])
+        assert trainer.progress.entropy_coef == pytest.approx(0.02) and trainer.progress.last_entropy < 50.0
+
+
+def test_the_entropy_bonus_gradient_reaches_the_weights(tmp_path, tokenizer):
+    """With every reward equal the policy term is 0: only the bonus's gradient can move the weights."""
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def run(folder, **settings):
+        args = small_args(folder, eval_max_samples=0, max_steps=1, **settings)
+        trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[constant], args=args,
+                              train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        return sum(float((p.detach() - before[n]).abs().sum()) for n, p in trainer.model.named_parameters())
+
+    assert run(tmp_path / "plain") == 0.0
+    assert run(tmp_path / "bonus", entropy_coef=0.5) > 0.0
+
+
+def test_vespo_with_a_sequence_level_engine_correction_is_refused_for_an_inexact_engine(tmp_path, tokenizer):
+    model = make_model(len(tokenizer))
+    engine = InexactEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    for mode, refused in (("sequence_mask", True), ("token_truncate", False)):
+        args = small_args(tmp_path / mode, eval_max_samples=0, max_steps=1, loss_type="vespo",
+                          vllm_importance_sampling_mode=mode)
+        make = lambda: GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,  # noqa: E731
+                                   processing_class=tokenizer, rollout_engine=engine, quiet=True)
+        if refused:
+            with pytest.raises(ConfigError, match="set vllm_importance_sampling_mode: token_truncate or token_mask"):
+                make()
+        else:
+            make().train()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_off_policy_mask_measures_drift_from_the_policy_that_sampled(tmp_path, tokenizer, monkeypatch, exact):
+    """An exact engine: from the old log-probs (as TRL without vLLM); an inexact one: from the engine's
+    own sampling log-probs (as TRL with vLLM), so the engine's drift counts too."""
+    model = make_model(len(tokenizer))
+    args = small_args(tmp_path, eval_max_samples=0, max_steps=1, off_policy_mask_threshold=0.5)
+    engine = (HFEngine if exact else InexactEngine)(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                          processing_class=tokenizer, rollout_engine=engine, quiet=True)
+    batch, fixed = scored_batch(trainer, [0, 1])
+    seen = []  # (old, behaviour) of each micro-batch
+    real_loss = core.policy_loss
+    monkeypatch.setattr(core, "policy_loss", lambda *a, **k: seen.append((a[1], a[9])) or real_loss(*a, **k))
+    optimize(trainer, batch, fixed)
+    first = 0
+    for old, behaviour in seen:
+        sampling = batch.samples.sampling_logp_BT[first:first + len(old), :old.shape[1]]
+        assert torch.equal(behaviour, old) if exact else torch.equal(behaviour.cpu(), sampling)
+        first += len(old)
+    assert first == batch.samples.size

@@ -51,19 +51,39 @@ def ref_kl(kind, lp, rf):
     return {"k1": lp - rf, "k2": 0.5 * (lp - rf) ** 2, "k3": torch.exp(rf - lp) - (rf - lp) - 1}[kind]
 
 
+def ref_sapo_gate(r, a, tau_pos, tau_neg):
+    """SAPO's soft gate f(r) = 4 / tau * sigmoid(tau (r - 1)), tau_pos for a positive advantage."""
+    tau = tau_pos if a > 0 else tau_neg
+    return 4 / tau * torch.sigmoid(tau * (r - 1))
+
+
+def ref_vespo_phi(logp_i, old_i, a, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's kernel phi(W) = W^k exp(lambda (1 - W)) of the sequence's importance weight
+    W = prod_t pi(o_t) / pi_old(o_t) (k, lambda: the _pos ones for A >= 0), held constant."""
+    W = math.prod(math.exp(float((lp - o).detach())) for lp, o in zip(logp_i, old_i))
+    k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
+    return W ** k * math.exp(lam * (1 - W))
+
+
 def reference_loss(logp, old, ref, adv, mask, loss_type, eps_low=0.2, eps_high=0.2, beta=0.0, kl="k3",
-                   delta=None, c=None, level="token", L=None):
+                   delta=None, c=None, level="token", L=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0)):
     B = logp.shape[0]
     per_seq, total = [], []
     for i in range(B):
         toks = seq_tokens(mask, i)
         if level == "sequence":  # GSPO: s_i = exp(mean_t log r_it)
             s = torch.exp(sum(logp[i, t] - old[i, t] for t in toks) / len(toks))
+        if loss_type == "vespo":
+            phi = ref_vespo_phi([logp[i, t] for t in toks], [old[i, t] for t in toks], adv[i], *vespo)
         terms = []
         for t in toks:
             r = s if level == "sequence" else torch.exp(logp[i, t] - old[i, t])
             if loss_type == "cispo":  # MiniMax-M1's cap 1 + eps_IS_high, given as epsilon_high (TRL's form)
                 term = torch.clamp(r, max=eps_high).detach() * adv[i] * logp[i, t]
+            elif loss_type == "sapo":
+                term = ref_sapo_gate(r, adv[i], *sapo) * adv[i]
+            elif loss_type == "vespo":  # a REINFORCE term reweighted by the sequence's phi
+                term = phi * adv[i] * logp[i, t]
             else:
                 term = ref_clipped_term(r, adv[i], eps_low, eps_high, delta, c)
             if beta:
@@ -78,6 +98,8 @@ def reference_loss(logp, old, ref, adv, mask, loss_type, eps_low=0.2, eps_high=0
         "dr_grpo": sum(total) / (B * L),
         "dapo": sum(total) / n_tokens,
         "cispo": sum(total) / n_tokens,
+        "sapo": sum(per_seq) / B,  # the SAPO paper's 1/G sum_i 1/|o_i| sum_t
+        "vespo": sum(total) / n_tokens,
     }[loss_type]
 
 
@@ -102,6 +124,13 @@ CASES = [
     dict(loss_type="grpo", beta=0.1, kl_estimator="k1"),
     dict(loss_type="dapo", beta=0.1, kl_estimator="k2"),
     dict(loss_type="dr_grpo", beta=0.04, kl_estimator="k3"),
+    dict(loss_type="sapo"),
+    dict(loss_type="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=4.0),
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+    dict(loss_type="sapo", beta=0.1, kl_estimator="k3"),
+    dict(loss_type="vespo"),
+    dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=5.0, vespo_lambda_neg=4.0),
+    dict(loss_type="vespo", beta=0.1, kl_estimator="k2"),
 ]
 
 
@@ -116,7 +145,10 @@ def test_loss_and_gradient_equal_the_papers_formula(case, G):
     want = reference_loss(logp, old, ref, adv, mask, settings["loss_type"], settings.get("epsilon_low", 0.2),
                           settings.get("epsilon_high", 0.2), settings.get("beta", 0.0),
                           settings.get("kl_estimator", "k3"), settings.get("delta"), settings.get("clip_ratio_c"),
-                          settings.get("importance_sampling_level", "token"), L)
+                          settings.get("importance_sampling_level", "token"), L,
+                          (settings.get("sapo_temperature_pos", 1.0), settings.get("sapo_temperature_neg", 1.05)),
+                          tuple(settings.get(f"vespo_{name}", default) for name, default in
+                                (("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 3.0), ("lambda_neg", 2.0))))
     want_grad, = torch.autograd.grad(want, logp)
     assert rel_err(loss, want) < TOL
     assert rel_err(grad, want_grad) < TOL
@@ -148,6 +180,117 @@ def test_delta_caps_the_unclipped_ratio():
     loss, _ = policy_loss(torch.log(r), torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
                           torch.ones(1, 1), counts, LossSettings(loss_type="grpo", delta=4.0))
     assert loss.item() == pytest.approx(4.0)
+
+
+def test_sapo_gate_is_the_policy_gradient_at_ratio_one_and_fades_smoothly_away_from_it():
+    """SAPO's gradient weight on grad logp is f'(r) r = 4 sigmoid (1 - sigmoid) r: 1 at r = 1 (the
+    plain policy gradient), small but never 0 far off, sooner for the larger negative-side tau."""
+    r = torch.tensor([[1.0, 1.5, 3.0, 0.2]], dtype=torch.float64)
+    counts = BatchCounts(1, 4.0, 1, 4)
+    weights = {}
+    for a in (1.0, -1.0):
+        logp = torch.log(r).requires_grad_(True)
+        loss, stats = policy_loss(logp, torch.zeros_like(r), torch.tensor([a], dtype=torch.float64), torch.ones(1, 4),
+                                  counts, LossSettings(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0))
+        grad, = torch.autograd.grad(loss, logp)
+        weights[a] = (-grad * 4 / a)[0]  # the weight per token (sequence mean over 4 tokens)
+        assert "clip_high_sum" not in stats  # a soft gate clips nothing
+    for a, tau in ((1.0, 1.0), (-1.0, 2.0)):
+        sig = torch.sigmoid(tau * (r[0] - 1))
+        assert rel_err(weights[a], 4 * sig * (1 - sig) * r[0]) < TOL
+        assert weights[a][0].item() == pytest.approx(1.0) and (weights[a] > 0).all()
+    assert weights[-1.0][2] < weights[1.0][2]
+
+
+def test_vespo_weight_is_one_on_policy_and_reshapes_the_sequence_weight():
+    """phi(1) = 1: on policy VESPO is REINFORCE; W is the product of the token ratios (no length
+    normalisation), and the gradient per token is -phi(W) A / N whatever the ratio of that token."""
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.9]], dtype=torch.float64)).requires_grad_(True)
+    counts = BatchCounts(1, 3.0, 1, 3)
+    settings = LossSettings(loss_type="vespo")
+    on_policy, stats = policy_loss(logp, logp.detach(), torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3), counts,
+                                   settings)
+    assert stats["vespo_phi_sum"].item() == pytest.approx(1.0)
+    assert rel_err(on_policy, -2.0 * logp.sum() / 3) < TOL
+    old = logp.detach() - torch.tensor([[0.3, -0.1, 0.2]], dtype=torch.float64)  # W = e^0.4
+    loss, stats = policy_loss(logp, old, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3), counts, settings)
+    grad, = torch.autograd.grad(loss, logp)
+    W = math.exp(0.4)
+    phi = W ** 2.0 * math.exp(3.0 * (1 - W))
+    assert stats["vespo_phi_sum"].item() == pytest.approx(phi, rel=1e-12)
+    assert rel_err(grad, torch.full((1, 3), -phi * 2.0 / 3, dtype=torch.float64)) < TOL
+
+
+def test_vespo_folds_token_engine_weights_into_its_sequence_weight():
+    """pi / pi_old times the engine correction pi_old / pi_engine is pi / pi_engine: the weights enter W,
+    they do not multiply the token losses."""
+    logp, old, ref, adv, mask = make_batch(4, 5, seed=7)
+    engine_BT = torch.exp(0.2 * torch.randn(4, 5, generator=torch.Generator().manual_seed(8), dtype=torch.float64))
+    counts = BatchCounts(4, float(mask.sum()), 1, 5)
+    loss, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="vespo"), engine_weights=engine_BT)
+    grad, = torch.autograd.grad(loss, logp)
+    engine_old = old - torch.log(engine_BT)  # pi_old * pi_engine / pi_old: the ratio the weights make
+    want = reference_loss(logp, engine_old, ref, adv, mask, "vespo", L=5)
+    want_grad, = torch.autograd.grad(want, logp)
+    assert rel_err(loss, want) < TOL and rel_err(grad, want_grad) < TOL
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "sapo"])
+def test_off_policy_mask_drops_negative_sequences_that_drifted_past_the_threshold(loss_type):
+    """DeepSeek-V3.2 eq. 9: M_i = 0 iff A_i < 0 and 1/|o_i| sum_t log(pi_behaviour / pi) > delta."""
+    logp, old, ref, adv, mask = make_batch(8, 5, seed=4)
+    drift_scale_B1 = torch.tensor([2.0, 0.1] * 4, dtype=torch.float64)[:, None]  # every other sequence drifted far
+    behaviour = logp.detach() + drift_scale_B1 * torch.rand(8, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    delta = 0.5
+    counts = BatchCounts(8, float(mask.sum()), 1, 5)
+    loss, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type=loss_type, off_policy_mask_threshold=delta),
+                              behaviour_logp_BT=behaviour)
+    grad, = torch.autograd.grad(loss, logp)
+    dropped = [i for i in range(8) if adv[i] < 0 and
+               sum(float((behaviour[i, t] - logp[i, t]).detach()) for t in seq_tokens(mask, i)) / len(seq_tokens(mask, i)) > delta]
+    assert 0 < len(dropped) < int((adv < 0).sum())  # the example exercises both outcomes
+    assert stats["off_policy_masked"].item() == len(dropped)
+    kept_adv = adv.clone()
+    kept_adv[dropped] = 0.0  # a dropped sequence contributes nothing to the policy term
+    want = reference_loss(logp, old, ref, kept_adv, mask, loss_type, L=5)
+    want_grad, = torch.autograd.grad(want, logp)
+    assert rel_err(loss, want) < TOL and rel_err(grad, want_grad) < TOL
+
+
+@pytest.mark.parametrize("top_entropy_quantile", [1.0, 0.5])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_entropy_bonus_is_the_coefficient_times_the_mean_entropy_of_the_trained_tokens(loss_type, top_entropy_quantile):
+    logp, old, ref, adv, mask = make_batch(6, 5, seed=2)
+    entropy = torch.rand(6, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64).requires_grad_(True)
+    counts = BatchCounts(6, float(mask.sum()), 2, 5)  # one micro-batch of two
+    settings = dict(loss_type=loss_type, top_entropy_quantile=top_entropy_quantile)
+    plain, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(**settings), entropy_BT=entropy.detach())
+    bonus = LossSettings(**settings, entropy_bonus=core.EntropyBonus(coef=0.3))
+    loss, stats = policy_loss(logp, old, adv, mask, counts, bonus, entropy_BT=entropy, entropy_coef=0.3)
+    grad, = torch.autograd.grad(loss, entropy)
+    trained = mask.bool()
+    if top_entropy_quantile < 1:
+        trained &= entropy.detach() >= torch.quantile(entropy.detach()[mask == 1], 1 - top_entropy_quantile)
+    mean_entropy = entropy[trained].sum() / trained.sum()
+    assert rel_err(loss, plain - 0.3 * mean_entropy / 2) < TOL
+    assert rel_err(grad, -0.3 * trained.double() / trained.sum() / 2) < TOL
+    assert stats["entropy_bonus_tokens"].item() == trained.sum().item()
+
+
+def test_adaptive_entropy_control_follows_skywork_or1():
+    """Skywork-OR1: after each step c <- c + delta if the entropy e <= target else c - delta, within
+    [c_min, c_max]; a step applies c only while the last measured e <= target (none before the first)."""
+    control = core.EntropyBonus(coef=0.05, adaptive=True, target=0.5, delta=0.1, coef_min=0.0, coef_max=0.25)
+    coef, last, coefs = 0.05, None, []
+    for e in [0.4, 0.3, 0.6, 0.2, 0.1, 0.1, 0.9, 0.9, 0.9]:
+        assert control.applied(coef, last) == (coef if last is not None and last <= 0.5 else 0.0)
+        moved = control.moved(coef, e)
+        assert moved == pytest.approx(min(max(coef + (0.1 if e <= 0.5 else -0.1), 0.0), 0.25))
+        coef, last = moved, e
+        coefs.append(coef)
+    assert max(coefs) == 0.25 and min(coefs) == 0.0  # both bounds reached
+    assert core.EntropyBonus(coef=0.2).applied(0.2, None) == 0.2  # a fixed coefficient always applies
+    assert core.EntropyBonus(adaptive=True).enabled and not core.EntropyBonus().enabled
 
 
 # ---- advantages ---------------------------------------------------------------------------------

@@ -82,8 +82,9 @@ def _no_gradient_step(parts, progress):
     return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
 
 
-def _optimistic_clip(ratio, logp, adv, s):
-    return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
+def _optimistic_clip(t, s):
+    ratio, adv = t.ratio_BT, t.advantages_B1
+    return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv), {}
 
 
 MUTATIONS = {
@@ -100,7 +101,7 @@ MUTATIONS = {
     "ratio against the reference instead of old": ("loss", lambda mp: mp.setattr(
         core, "policy_loss", _ratio_against_reference(core.policy_loss))),
     "clipping takes the optimistic bound (max for min)": ("loss", lambda mp: mp.setitem(
-        core.POLICY_OBJECTIVES, "clipped", _optimistic_clip)),
+        core.POLICY_OBJECTIVES, "clipped", core.Objective(_optimistic_clip))),
     "KL sign flipped": ("loss", lambda mp: mp.setitem(
         core.KL_ESTIMATORS, "k3", lambda logp, ref: -(torch.exp(ref - logp) - (ref - logp) - 1))),
     "padding included in the loss mask": ("logprobs", lambda mp: mp.setattr(
@@ -189,12 +190,15 @@ def test_an_async_reward_function_is_checked_like_a_sync_one(tokenizer):
                for c in report.checks)
 
 
-def test_settings_outside_the_formula_check_are_reported_as_unchecked(tokenizer):
-    args = GRPOConfig(num_generations=4, max_completion_length=10, top_entropy_quantile=0.5)
+@pytest.mark.parametrize("settings", [dict(top_entropy_quantile=0.5), dict(entropy_coef=0.1),
+                                      dict(use_adaptive_entropy=True, entropy_target=10.0)])
+def test_settings_outside_the_formula_check_are_reported_as_unchecked(tokenizer, settings):
+    args = GRPOConfig(num_generations=4, max_completion_length=10, **settings)
     report = verify(args, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer, train_dataset=ROWS,
                     reward_funcs=[variety, mentions_answer])
     row = next(c for c in report.checks if c.name == "value equals the formula at ratio 1")
     assert row.status == "WARN" and row.value == "not checked"
+    assert not [c for c in report.checks if c.status == "FAIL"]
 
 
 def relative_length(completions, **kwargs):
@@ -235,6 +239,11 @@ def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
     dict(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1, loss_type="grpo"),
     dict(beta=0.1, kl_estimator="k2", use_bias_correction_kl=True),
     dict(beta=0.1, kl_estimator="k1", importance_sampling_level="sequence", use_bias_correction_kl=True),
+    dict(loss_type="sapo"), dict(loss_type="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=6.0, beta=0.1),
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+    dict(loss_type="vespo"), dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.7, vespo_k_neg=4.0),
+    dict(off_policy_mask_threshold=0.05), dict(loss_type="vespo", off_policy_mask_threshold=0.05, beta=0.1),
+    dict(entropy_coef=0.1),
 ])
 def test_every_loss_variant_equals_the_formula_away_from_ratio_one(tokenizer, settings):
     args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3), **settings})

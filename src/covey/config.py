@@ -42,7 +42,7 @@ def _f(default: Any, help: str, **choices: Any) -> Any:
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -60,6 +60,10 @@ SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
                    "do_sample": "temperature (covey always samples in training)", "logprobs": "sampler's output"}
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
+VESPO_SEQUENCE_CORRECTION = (
+    "loss_type: vespo folds the engine/trainer importance weights into its sequence weight token by token (as TRL "
+    "does), and vllm_importance_sampling_mode gives one weight per sequence; set vllm_importance_sampling_mode: "
+    "token_truncate or token_mask, or vllm_importance_sampling_correction: false")
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
                   "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
 
@@ -163,7 +167,20 @@ class GRPOConfig:
     epsilon_high: float | None = _f(None, "upper clip range (default: same as epsilon; DAPO clip-higher uses 0.28)")
     delta: float | None = _f(None, "two-sided clipping: cap on the unclipped ratio (INTELLECT-2; > 1 + epsilon_high)")
     clip_ratio_c: float | None = _f(None, "dual-clip: for negative advantages the objective never drops below c * A (c > 1)")
+    sapo_temperature_pos: float = _f(1.0, "loss_type sapo: temperature of the soft gate on tokens of a positive advantage (larger: their gradient fades faster as the ratio leaves 1)")
+    sapo_temperature_neg: float = _f(1.05, "loss_type sapo: temperature of the soft gate on tokens of a zero or negative advantage")
+    vespo_k_pos: float = _f(2.0, "loss_type vespo: power k of the sequence weight's kernel W^k e^(lambda (1 - W)) for advantages >= 0 (larger: less weight where W < 1)")
+    vespo_lambda_pos: float = _f(3.0, "loss_type vespo: decay lambda of the kernel for advantages >= 0 (larger: less weight where W > 1)")
+    vespo_k_neg: float = _f(3.0, "loss_type vespo: power k of the kernel for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "loss_type vespo: decay lambda of the kernel for negative advantages")
+    off_policy_mask_threshold: float | None = _f(None, "leave out of the policy loss every sequence of negative advantage whose mean log-ratio of the sampling policy to the current one exceeds this (DeepSeek-V3.2's delta, e.g. 0.5; None = off)")
     top_entropy_quantile: float = _f(1.0, "train only on this top fraction of tokens by entropy (1 = all)")
+    entropy_coef: float = _f(0.0, "entropy bonus: the loss subtracts this times the mean entropy of the trained tokens, for every loss_type alike (0 = off; the starting value under use_adaptive_entropy)")
+    use_adaptive_entropy: bool = _f(False, "move entropy_coef by entropy_coef_delta after each optimizer step, up while the entropy is at most entropy_target and down above it, and apply it only then (Skywork-OR1)")
+    entropy_target: float = _f(0.2, "use_adaptive_entropy: the mean token entropy in nats at or below which the bonus applies and grows (set it near the logged entropy early in training)")
+    entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: how much entropy_coef moves after each optimizer step")
+    entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: the lowest entropy_coef may go")
+    entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: the highest entropy_coef may go")
     vllm_importance_sampling_correction: bool = _f(True, "correct for the engine's sampling distribution differing from the trainer's")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "how the engine/trainer ratio is applied", choices=ENGINE_IS_MODES)
     vllm_importance_sampling_clip_max: float = _f(3.0, "upper bound C_max of the engine/trainer ratio")
@@ -287,10 +304,7 @@ class GRPOConfig:
                  f"delta={self.delta} must exceed 1 + epsilon_high, or it clips every ratio")
         if self.clip_ratio_c is not None:
             need(self.clip_ratio_c > 1, f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip uses about 3)")
-        for name in ("delta", "clip_ratio_c"):
-            need(self.loss_type != "cispo" or getattr(self, name) is None,
-                 f"{name} clips the PPO ratio, which loss_type: cispo does not use (it caps its own weight at "
-                 f"epsilon_high); unset {name} or choose another loss_type")
+        self._check_loss_variant(need)
         cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.loss_type == "cispo" and cap <= 1:
             warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
@@ -402,6 +416,49 @@ class GRPOConfig:
         need(not unknown, f"report_to: {', '.join(map(repr, unknown))} is not a tracker; choose from "
                           f"{', '.join(sorted(trackers))}")
         need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
+
+    def _check_loss_variant(self, need: Callable[[bool, str], None]) -> None:
+        """The settings of the objectives that replace the clipped surrogate, and of the entropy bonus:
+        each in range, none given where nothing would read it."""
+        own_weight = {"cispo": "it caps its own weight at epsilon_high",
+                      "sapo": "its soft gate, shaped by sapo_temperature_pos/neg, replaces the clip",
+                      "vespo": "its sequence weight, shaped by vespo_k_*/vespo_lambda_*, replaces the clip"}
+        if self.loss_type in own_weight:
+            for name in ("delta", "clip_ratio_c") + (("epsilon_high",) if self.loss_type != "cispo" else ()):
+                need(getattr(self, name) is None,
+                     f"{name} clips the PPO ratio, which loss_type: {self.loss_type} does not use "
+                     f"({own_weight[self.loss_type]}); unset {name} or choose another loss_type")
+        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
+             f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg={self.sapo_temperature_neg} "
+             "must be positive")
+        need(min(self.vespo_k_pos, self.vespo_k_neg, self.vespo_lambda_pos, self.vespo_lambda_neg) >= 0,
+             f"vespo_k_pos={self.vespo_k_pos}, vespo_k_neg={self.vespo_k_neg}, vespo_lambda_pos={self.vespo_lambda_pos} "
+             f"and vespo_lambda_neg={self.vespo_lambda_neg} must be >= 0")
+        need(self.loss_type != "vespo" or self.importance_sampling_level == "token",
+             "loss_type: vespo weighs each sequence by its own importance weight, computed from the token ratios: "
+             "importance_sampling_level: sequence has no meaning for it; set importance_sampling_level: token")
+        if self.loss_type == "vespo" and self.rollout_engine == "vllm" and self.vllm_importance_sampling_correction:
+            need(self.vllm_importance_sampling_mode.startswith("token"), VESPO_SEQUENCE_CORRECTION)
+        need(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold > 0,
+             f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be positive (None: no off-policy mask)")
+        need(self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef} must be >= 0 (an entropy bonus; 0 = off)")
+        need(0 <= self.entropy_coef_min <= self.entropy_coef_max,
+             f"entropy_coef_min={self.entropy_coef_min} and entropy_coef_max={self.entropy_coef_max} must satisfy "
+             "0 <= entropy_coef_min <= entropy_coef_max")
+        need(self.entropy_coef_delta > 0 and self.entropy_target >= 0,
+             f"entropy_coef_delta={self.entropy_coef_delta} must be positive and entropy_target={self.entropy_target} "
+             ">= 0")
+        # a setting of a variant the run does not use would be ignored: refused instead
+        unused = [(("sapo_temperature_pos", "sapo_temperature_neg"), self.loss_type == "sapo", "loss_type: sapo"),
+                  (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), self.loss_type == "vespo",
+                   "loss_type: vespo"),
+                  (("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"),
+                   self.use_adaptive_entropy, "use_adaptive_entropy: true")]
+        for names, used, needs in unused:
+            for name in names:
+                value = getattr(self, name)
+                need(used or value == _DEFAULTS[name],
+                     f"{name}={value} has an effect only with {needs}; set that, or remove {name}")
 
     def sample_in_bf16(self, device: Any) -> bool:
         """Whether the local engines sample in bfloat16 on ``device`` (see rollout_bf16)."""
@@ -579,6 +636,8 @@ def _server_url_as_host_and_port(values: dict[str, Any], url: str) -> tuple[dict
     clash = [f"vllm_server_base_url={url!r} and {k}={values[k]!r} disagree; give one" for k, v in moved.items()
              if k in values and str(values[k]) != str(v)]
     return {**values, **moved}, clash
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
 
 
 class _YAMLLoader(yaml.SafeLoader):

@@ -7,15 +7,19 @@ T completion tokens, V vocabulary.
     log-probs   logp_BT = logits[b, t, ids[b, t]] - logsumexp(logits[b, t])       (always <= 0)
     advantages  A_i = (r_i - mean(r_group)) / (std(r_group) + eps)                REWARD_SCALES
     ratio       w_BT = exp(logp - old_logp), or GSPO's sequence ratio            IMPORTANCE_LEVELS
-    objective   clipped surrogate (PPO/GRPO) or CISPO's weighted log-prob        POLICY_OBJECTIVES
+    objective   clipped surrogate (PPO/GRPO), CISPO's weighted log-prob, SAPO's   POLICY_OBJECTIVES
+                soft gate or VESPO's kernel-weighted log-prob
     KL          beta * k1 | k2 | k3 estimator towards the reference               KL_ESTIMATORS
     aggregation how token losses are summed and divided                         LOSS_NORMALISERS
+    extras      the off-policy sequence mask; the entropy bonus                   off_policy_mask, EntropyBonus
 
 Every variant is one entry of one of these tables; ``LOSS_TYPES`` names the (objective,
 aggregation) pairs that the config's ``loss_type`` selects. The papers: GRPO (DeepSeekMath,
 arXiv:2402.03300), Dr. GRPO (arXiv:2503.20783), DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071),
-CISPO (MiniMax-M1, arXiv:2506.13585), dual-clip PPO (arXiv:1912.09729), two-sided clipping
-(INTELLECT-2, arXiv:2505.07291), k1/k2/k3 (Schulman, "Approximating KL divergence", 2020).
+CISPO (MiniMax-M1, arXiv:2506.13585), SAPO (arXiv:2511.20347), VESPO (arXiv:2602.10693), dual-clip
+PPO (arXiv:1912.09729), two-sided clipping (INTELLECT-2, arXiv:2505.07291), the off-policy mask
+(DeepSeek-V3.2, arXiv:2512.02556), adaptive entropy control (Skywork-OR1, arXiv:2505.22312),
+k1/k2/k3 (Schulman, "Approximating KL divergence", 2020).
 """
 
 from __future__ import annotations
@@ -32,25 +36,31 @@ ADVANTAGE_EPS = 1e-4
 
 
 def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0,
-                   chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk: int = 128, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
     ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any
-    leading shape (..., V). The entropy carries no gradient.
+    leading shape (..., V). The entropy carries a gradient only with ``entropy_grad`` (an entropy
+    bonus trains on it); else it is a plain value.
     """
     shape = ids_N.shape
     logp_N, entropy_N = _TokenLogprobs.apply(logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1),
-                                             temperature, with_entropy, chunk)
-    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy else None
+                                             temperature, with_entropy or entropy_grad, chunk, entropy_grad)
+    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy or entropy_grad else None
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """The log-softmax at the chosen ids with a hand-written backward: d logp / d x = onehot(id) - softmax(x),
-    divided by the temperature. Autograd through logsumexp + gather would keep float32 copies of every
-    chunk for the backward and make several passes over them; this keeps only the logits as given
-    and recomputes the softmax chunk by chunk (one fused kernel) when the gradient is asked for."""
+    """The log-softmax at the chosen ids, and optionally the entropy, with a hand-written backward:
+    for z = x / temperature and p = softmax(z),
+
+        d logp_id / dz_j = onehot(id)_j - p_j        d H / dz_j = -p_j (log p_j + H)
+
+    each divided by the temperature for the gradient in x. Autograd through logsumexp + gather would
+    keep float32 copies of every chunk for the backward and make several passes over them; this keeps
+    only the logits as given (and the entropy, one number a position) and recomputes the softmax chunk
+    by chunk when the gradient is asked for."""
 
     @staticmethod
-    def forward(ctx, logits_NV, ids_N, temperature, with_entropy, chunk):
+    def forward(ctx, logits_NV, ids_N, temperature, with_entropy, chunk, entropy_grad):
         logp_N = torch.empty(ids_N.shape, dtype=torch.float32, device=logits_NV.device)
         entropy_N = torch.empty(ids_N.shape if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
         for first in range(0, len(ids_N), chunk):
@@ -59,22 +69,35 @@ class _TokenLogprobs(torch.autograd.Function):
             logp_N[rows] = log_softmax.gather(-1, ids_N[rows, None]).squeeze(-1)
             if with_entropy:  # H = -sum p log p, clamped against rounding below 0
                 entropy_N[rows] = (-(log_softmax.exp() * log_softmax).sum(-1)).clamp(min=0)
-        ctx.save_for_backward(logits_NV, ids_N)
+        if entropy_grad:
+            ctx.save_for_backward(logits_NV, ids_N, entropy_N)
+        else:
+            ctx.save_for_backward(logits_NV, ids_N)
+            ctx.mark_non_differentiable(entropy_N)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy_N)
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
         return logp_N, entropy_N
 
     @staticmethod
-    def backward(ctx, grad_N, _):
-        logits_NV, ids_N = ctx.saved_tensors
+    def backward(ctx, grad_logp_N, grad_entropy_N):
+        logits_NV, ids_N, *entropy = ctx.saved_tensors
         grad_NV = torch.empty_like(logits_NV)
         for first in range(0, len(ids_N), ctx.chunk):
             rows = slice(first, first + ctx.chunk)
-            grad = grad_N[rows, None]
-            chunk_grad = _scaled(logits_NV[rows], ctx.temperature).softmax(-1).mul_(-grad)
-            chunk_grad.scatter_add_(-1, ids_N[rows, None], grad)
+            scaled = _scaled(logits_NV[rows], ctx.temperature)
+            if grad_entropy_N is None:  # log-probs only: one fused softmax
+                chunk_grad = scaled.softmax(-1).mul_(-grad_logp_N[rows, None])
+            else:  # -p_j (g_logp + g_H (log p_j + H)), then + g_logp at the id
+                log_p = scaled.log_softmax(-1)
+                p = log_p.exp()
+                chunk_grad = log_p.add_(entropy[0][rows, None]).mul_(grad_entropy_N[rows, None])
+                if grad_logp_N is not None:
+                    chunk_grad.add_(grad_logp_N[rows, None])
+                chunk_grad.mul_(p).neg_()
+            if grad_logp_N is not None:
+                chunk_grad.scatter_add_(-1, ids_N[rows, None], grad_logp_N[rows, None])
             grad_NV[rows] = chunk_grad / ctx.temperature if ctx.temperature != 1 else chunk_grad
-        return grad_NV, None, None, None, None
+        return grad_NV, None, None, None, None, None
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -189,6 +212,40 @@ def advantages_from_rewards(rewards_BF: torch.Tensor, weights_F: torch.Tensor, g
 
 
 @dataclass(frozen=True)
+class EntropyBonus:
+    """The entropy bonus: the loss subtracts coef times the mean token entropy (over the tokens the
+    policy term trains), whatever the loss_type's aggregation. Under adaptive control (Skywork-OR1,
+    arXiv:2505.22312) the coefficient is run state that moves after every optimizer step, by
+    ``moved``, and a step applies it only while the entropy last measured is at most the target."""
+
+    coef: float = 0.0  # the coefficient, or under adaptive control the one the run starts from
+    adaptive: bool = False
+    target: float = 0.2  # nats per token
+    delta: float = 0.005
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the loss carries the bonus (adaptive control may bring a coefficient of 0 back up)."""
+        return self.coef != 0 or self.adaptive
+
+    def applied(self, coef: float, last_entropy: float | None) -> float:
+        """The coefficient a step applies, given the current one and the entropy the last step measured
+        (None: none yet, so adaptive control applies nothing)."""
+        if not self.adaptive:
+            return coef
+        return coef if last_entropy is not None and last_entropy <= self.target else 0.0
+
+    def moved(self, coef: float, entropy: float) -> float:
+        """Adaptive control after a step whose trained tokens had mean ``entropy``: delta up at or below
+        the target, delta down above it (a NaN entropy too), kept within [coef_min, coef_max]."""
+        if entropy <= self.target:
+            return min(coef + self.delta, self.coef_max)
+        return max(coef - self.delta, self.coef_min)
+
+
+@dataclass(frozen=True)
 class LossSettings:
     """The knobs of the policy loss (what the config's loss fields select)."""
 
@@ -202,6 +259,14 @@ class LossSettings:
     kl_estimator: str = "k3"
     use_bias_correction_kl: bool = False  # multiply the KL term by the importance ratio
     top_entropy_quantile: float = 1.0  # train only on the top fraction of tokens by entropy
+    sapo_temperature_pos: float = 1.0  # SAPO's gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # and where A <= 0
+    vespo_k_pos: float = 2.0  # VESPO's kernel W^k e^(lambda (1 - W)) where A >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and where A < 0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's delta (None: no off-policy mask)
+    entropy_bonus: EntropyBonus = EntropyBonus()
 
 
 @dataclass(frozen=True)
@@ -231,25 +296,102 @@ def _gspo_token_ratio(logp_BT, old_logp_BT, mask_BT):
 IMPORTANCE_LEVELS = {"token": _token_ratio, "sequence": _gspo_token_ratio}
 
 
-def _clipped_surrogate(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
+@dataclass(frozen=True)
+class PolicyTerms:
+    """What a policy objective is computed from, for one micro-batch."""
+
+    ratio_BT: torch.Tensor  # importance weight of the policy term (the token's, or GSPO's sequence ratio)
+    logp_BT: torch.Tensor  # the current policy's log-probs (with their gradient)
+    token_log_ratio_BT: torch.Tensor  # logp - old_logp of each token, whatever the importance level
+    advantages_B1: torch.Tensor
+    mask_BT: torch.Tensor  # 1 on trained tokens
+    engine_weights: torch.Tensor | None  # the engine/trainer correction, (B, T) or (B, 1) (None: none)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A policy objective: its token losses (B, T) and statistics (sums, detached) from PolicyTerms
+    and the settings; ``weighs_engine_ratio`` where it folds the engine/trainer correction into its own
+    weight (else the token losses are multiplied by it)."""
+
+    token_loss: Callable[[PolicyTerms, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    weighs_engine_ratio: bool = False
+
+
+def _clipped_surrogate(t: PolicyTerms, s: LossSettings):
     """PPO/GRPO: -min(w * A, clip(w, 1 - eps_low, 1 + eps_high) * A), with optional caps."""
+    ratio_BT, advantages_B1 = t.ratio_BT, t.advantages_B1
     clipped_BT = torch.clamp(ratio_BT, 1 - s.epsilon_low, 1 + s.epsilon_high)
     unclipped_BT = ratio_BT if s.delta is None else torch.clamp(ratio_BT, max=s.delta)
     loss_BT = -torch.min(unclipped_BT * advantages_B1, clipped_BT * advantages_B1)
     if s.clip_ratio_c is not None:
         dual_BT = -s.clip_ratio_c * advantages_B1.expand_as(loss_BT)
         loss_BT = torch.where(advantages_B1 < 0, torch.min(loss_BT, dual_BT), loss_BT)
-    return loss_BT
+    with torch.no_grad():
+        low_BT = (ratio_BT < 1 - s.epsilon_low) & (advantages_B1 < 0)
+        high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
+    return loss_BT, {"clip_low_sum": (low_BT * t.mask_BT).sum(), "clip_high_sum": (high_BT * t.mask_BT).sum()}
 
 
-def _cispo(ratio_BT, logp_BT, advantages_B1, s: LossSettings):
+def _cispo(t: PolicyTerms, s: LossSettings):
     """CISPO: -sg[min(w, eps_max)] * A * logp; every token keeps a gradient. The cap eps_max is
-    ``epsilon_high`` itself, as in TRL (MiniMax-M1 writes it 1 + eps_high^IS)."""
-    weight_BT = torch.clamp(ratio_BT, max=s.epsilon_high).detach()
-    return -weight_BT * advantages_B1 * logp_BT
+    ``epsilon_high`` itself, as in TRL (MiniMax-M1 writes it 1 + eps_high^IS); it caps from above only."""
+    weight_BT = torch.clamp(t.ratio_BT, max=s.epsilon_high).detach()
+    with torch.no_grad():
+        high_BT = (t.ratio_BT > s.epsilon_high) & (t.advantages_B1 > 0)
+    return -weight_BT * t.advantages_B1 * t.logp_BT, {"clip_low_sum": t.mask_BT.new_zeros(()),
+                                                      "clip_high_sum": (high_BT * t.mask_BT).sum()}
 
 
-POLICY_OBJECTIVES = {"clipped": _clipped_surrogate, "cispo": _cispo}
+def _sapo(t: PolicyTerms, s: LossSettings):
+    """SAPO (arXiv:2511.20347): the hard clip becomes a soft gate, -f(w) * A with
+    f(w) = 4 / tau * sigmoid(tau (w - 1)), tau = sapo_temperature_pos where A > 0, else _neg. Its
+    gradient is 4 sigmoid (1 - sigmoid) w A grad logp: the plain policy gradient at w = 1, fading
+    smoothly (never cut off) as w leaves 1, faster for a larger tau."""
+    tau_B1 = torch.full_like(t.advantages_B1, s.sapo_temperature_neg).masked_fill(t.advantages_B1 > 0,
+                                                                                 s.sapo_temperature_pos)
+    gate_BT = torch.sigmoid(tau_B1 * (t.ratio_BT - 1)) * 4 / tau_B1
+    return -gate_BT * t.advantages_B1, {}
+
+
+_LOG_1E8 = math.log(1e-8)
+
+
+@torch.no_grad()
+def vespo_weights(t: PolicyTerms, s: LossSettings) -> torch.Tensor:
+    """VESPO's weight phi(W) = W^k e^(lambda (1 - W)) of each sequence (1 at W = 1), where
+    W = prod_t pi / pi_old is the sequence's own importance weight (a product, no length
+    normalisation), times the engine/trainer correction's token weights where they are given; k and
+    lambda are the _pos ones where A >= 0. In log space, with TRL's (and the paper code's) guards:
+    log-ratios clamped to [-20, 20] per token, log W to [log 1e-8, 20], lambda at least 1e-4, and a
+    non-finite phi taken as 0. (B, 1)"""
+    log_w_B1 = (t.token_log_ratio_BT.clamp(-20.0, 20.0) * t.mask_BT).sum(1, keepdim=True)
+    if t.engine_weights is not None:  # W = pi / pi_old * pi_old / pi_engine, token by token
+        if t.engine_weights.shape != t.mask_BT.shape:
+            raise ValueError("vespo folds the engine/trainer correction into W token by token: it needs token-level "
+                             f"weights {tuple(t.mask_BT.shape)}, got {tuple(t.engine_weights.shape)}")
+        log_w_B1 = log_w_B1 + (t.engine_weights.log().clamp(_LOG_1E8, 20.0) * t.mask_BT).sum(1, keepdim=True)
+    log_w_B1 = log_w_B1.clamp(_LOG_1E8, 20.0)
+    positive_B1 = t.advantages_B1 >= 0
+    k_B1 = torch.full_like(log_w_B1, s.vespo_k_neg).masked_fill(positive_B1, s.vespo_k_pos)
+    lam_B1 = torch.full_like(log_w_B1, s.vespo_lambda_neg).masked_fill(positive_B1, s.vespo_lambda_pos).clamp(min=1e-4)
+    return torch.exp(lam_B1 + k_B1 * log_w_B1 - lam_B1 * log_w_B1.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(t: PolicyTerms, s: LossSettings):
+    """VESPO (arXiv:2602.10693): -sg[phi(W)] * A * logp, a REINFORCE gradient reweighted per sequence
+    by a smooth kernel of its importance weight instead of a clip (see ``vespo_weights``)."""
+    phi_B1 = vespo_weights(t, s)
+    return -phi_B1 * t.advantages_B1 * t.logp_BT, {"vespo_phi_sum": phi_B1.sum(),
+                                                   "vespo_sequences": torch.tensor(float(len(phi_B1)))}
+
+
+POLICY_OBJECTIVES = {
+    "clipped": Objective(_clipped_surrogate),
+    "cispo": Objective(_cispo),
+    "sapo": Objective(_sapo),
+    "vespo": Objective(_vespo, weighs_engine_ratio=True),
+}
 
 # How a (B, T) tensor of token losses becomes this micro-batch's share of the step's loss.
 # Each returns sum / normaliser so that summing the micro-batches of a step gives the step's loss.
@@ -271,6 +413,8 @@ LOSS_TYPES = {
     "dr_grpo": ("clipped", "constant"),
     "dapo": ("clipped", "generation_token_mean"),
     "cispo": ("cispo", "generation_token_mean"),
+    "sapo": ("sapo", "sequence_mean"),  # the SAPO paper's per-sequence mean, as TRL
+    "vespo": ("vespo", "generation_token_mean"),  # a token mean over the batch, as TRL (and the paper code's default)
 }
 
 # Estimators of KL(pi || pi_ref) per token from samples of pi; d = ref_logp - logp.
@@ -320,6 +464,17 @@ def engine_importance_weights(trainer_logp_BT: torch.Tensor, sampling_logp_BT: t
     return w.masked_fill((w < low) | (w > correction.clip_max), 0.0)
 
 
+def off_policy_mask(logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, advantages_B1: torch.Tensor,
+                    mask_BT: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): 0 for a sequence with a
+    negative advantage whose mean log-ratio of the behaviour policy (the one that sampled) to the
+    current one, 1/|o| sum_t log(pi_behaviour / pi), exceeds ``threshold``; 1 for every other. A token
+    the behaviour policy could not score (NaN) counts as no drift. (B, 1), no gradient."""
+    drift_BT = ((behaviour_logp_BT - logp_BT.detach()) * mask_BT).nan_to_num(0.0)
+    mean_drift_B1 = drift_BT.sum(1, keepdim=True) / mask_BT.sum(1, keepdim=True).clamp(min=1)
+    return ((advantages_B1 >= 0) | (mean_drift_B1 <= threshold)).to(mask_BT.dtype)
+
+
 def policy_loss(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -330,30 +485,44 @@ def policy_loss(
     ref_logp_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
     engine_weights: torch.Tensor | None = None,
+    behaviour_logp_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss of one micro-batch; returns (loss, detached stats).
 
     ``mask_BT`` is 1 on completion tokens that are trained (EOS included) and 0 on padding.
-    ``entropy_BT`` is needed for ``top_entropy_quantile`` < 1 and reported when given;
-    ``engine_weights`` ((B, T) or (B, 1)) multiply the policy term (engine mismatch correction).
+    ``entropy_BT`` is needed for ``top_entropy_quantile`` < 1 and for the entropy bonus (then with
+    its gradient), and reported when given; ``engine_weights`` ((B, T) or (B, 1)) correct for the
+    engine (they multiply the policy term, or enter the objective's own weight); ``behaviour_logp_BT``,
+    the log-probs of the policy that sampled, is needed for ``off_policy_mask_threshold``;
+    ``entropy_coef`` is the entropy bonus's coefficient this step applies (``EntropyBonus.applied``).
     Stats are sums over masked tokens plus the token count, so micro-batches add up exactly.
     """
     s = settings
-    objective, aggregation = LOSS_TYPES[s.loss_type]
+    objective_name, aggregation = LOSS_TYPES[s.loss_type]
+    objective = POLICY_OBJECTIVES[objective_name]
     mask_BT = mask_BT.to(logp_BT.dtype)
     advantages_B1 = advantages_B.to(logp_BT.dtype).unsqueeze(1)
     log_ratio_BT, log_kl_weight = IMPORTANCE_LEVELS[s.importance_sampling_level](logp_BT, old_logp_BT, mask_BT)
-    ratio_BT = torch.exp(log_ratio_BT)
-    loss_BT = POLICY_OBJECTIVES[objective](ratio_BT, logp_BT, advantages_B1, s)
+    terms = PolicyTerms(torch.exp(log_ratio_BT), logp_BT, logp_BT - old_logp_BT, advantages_B1, mask_BT,
+                        engine_weights if objective.weighs_engine_ratio else None)
+    loss_BT, stats = objective.token_loss(terms, s)
+    if s.off_policy_mask_threshold is not None:
+        if behaviour_logp_BT is None:
+            raise ValueError("off_policy_mask_threshold needs behaviour_logp_BT")
+        kept_B1 = off_policy_mask(logp_BT, behaviour_logp_BT, advantages_B1, mask_BT, s.off_policy_mask_threshold)
+        loss_BT = loss_BT * kept_B1
+        stats["off_policy_masked"] = (1 - kept_B1).sum()
+        stats["off_policy_sequences"] = torch.tensor(float(len(kept_B1)))
     train_mask_BT = mask_BT
     if s.top_entropy_quantile < 1.0:
         if entropy_BT is None:
             raise ValueError("top_entropy_quantile < 1 needs entropy_BT")
         train_mask_BT = high_entropy_mask(entropy_BT.detach(), mask_BT, s.top_entropy_quantile)
         loss_BT = loss_BT * train_mask_BT
-    if engine_weights is not None:
+    if engine_weights is not None and not objective.weighs_engine_ratio:
         loss_BT = loss_BT * engine_weights
-    stats = {"policy_loss": LOSS_NORMALISERS[aggregation](loss_BT.detach(), mask_BT, counts)}
+    stats["policy_loss"] = LOSS_NORMALISERS[aggregation](loss_BT.detach(), mask_BT, counts)
     if s.beta > 0:
         if ref_logp_BT is None:
             raise ValueError("beta > 0 needs ref_logp_BT")
@@ -361,15 +530,15 @@ def policy_loss(
         stats["kl_sum"] = (kl_BT * mask_BT).sum().detach()
         loss_BT = loss_BT + s.beta * (kl_BT * torch.exp(log_kl_weight) if s.use_bias_correction_kl else kl_BT)
     loss = LOSS_NORMALISERS[aggregation](loss_BT, mask_BT, counts)
+    if s.entropy_bonus.enabled:
+        if entropy_BT is None:
+            raise ValueError("an entropy bonus needs entropy_BT")
+        # the mean entropy of the tokens the policy term trains, per micro-batch: the same meaning for
+        # every loss_type (the bonus is not put through the policy term's aggregation)
+        loss = loss - entropy_coef * LOSS_NORMALISERS["micro_batch_token_mean"](entropy_BT, train_mask_BT, counts)
+        stats["entropy_bonus_sum"] = (entropy_BT * train_mask_BT).sum().detach()
+        stats["entropy_bonus_tokens"] = train_mask_BT.sum()
     with torch.no_grad():
-        if objective == "clipped":
-            low_BT = (ratio_BT < 1 - s.epsilon_low) & (advantages_B1 < 0)
-            high_BT = (ratio_BT > 1 + s.epsilon_high) & (advantages_B1 > 0)
-        else:  # CISPO caps only the weight, from above, at epsilon_high itself
-            low_BT = torch.zeros_like(ratio_BT, dtype=torch.bool)
-            high_BT = (ratio_BT > s.epsilon_high) & (advantages_B1 > 0)
-        stats["clip_low_sum"] = (low_BT * mask_BT).sum()
-        stats["clip_high_sum"] = (high_BT * mask_BT).sum()
         stats["tokens"] = mask_BT.sum()
         if entropy_BT is not None:
             stats["entropy_sum"] = (entropy_BT * mask_BT).sum()

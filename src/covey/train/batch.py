@@ -8,7 +8,7 @@ P prompt tokens, T completion tokens.
     ScoredBatch              Samples with their group-relative advantages
     FixedLogprobs            the old policy's and the reference's log-probs, held fixed while training
     Update                   one optimizer step's statistics
-    Progress                 the run's counters, which a checkpoint carries
+    Progress                 the run's counters and controller state, which a checkpoint carries
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ class Progress:
     bad_steps: int = 0  # optimizer steps skipped for NaN/inf gradients
     consecutive_bad_steps: int = 0  # of those, in a row up to now
     reward_errors: int = 0  # reward calls that failed under reward_errors: skip (all processes)
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient now (moved by adaptive control; else the config's)
+    last_entropy: float | None = None  # mean entropy of the last optimizer step's trained tokens (adaptive control)
 
 
 @dataclass(frozen=True)

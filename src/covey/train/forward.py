@@ -55,16 +55,18 @@ class SequenceBatch:
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
                         with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
-                        float32_attention: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        float32_attention: bool = True, entropy_grad: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions. ``share_prompt``
     and ``pack`` (where the model allows it) only change the work done, not the numbers;
-    ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says."""
+    ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says;
+    ``entropy_grad``: the entropy carries its gradient (for an entropy bonus)."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
         logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
-    logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature)
+    logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature, entropy_grad=entropy_grad)
     at = (rows_N.to(device), cols_N.to(device))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
     return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N)

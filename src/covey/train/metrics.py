@@ -37,13 +37,18 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
         n = max(stats["engine_counted"], 1.0)
         metrics["engine_is/mean_weight"] = stats["engine_weight_sum"] / n
         metrics["engine_is/masked_fraction"] = stats["engine_masked"] / n
+    metrics.update({"loss": stats["loss"], "policy_loss": stats["policy_loss"], "entropy": stats["entropy_sum"] / tokens})
+    if "entropy_coef" in stats:  # the entropy bonus's, after the step's adaptive move
+        metrics["entropy_coef"] = stats["entropy_coef"]
+    if "clip_high_sum" in stats:  # objectives that clip (the soft ones, sapo and vespo, do not)
+        metrics.update({"clip_ratio/low_mean": stats["clip_low_sum"] / tokens,
+                        "clip_ratio/high_mean": stats["clip_high_sum"] / tokens,
+                        "clip_ratio/region_mean": (stats["clip_low_sum"] + stats["clip_high_sum"]) / tokens})
+    if "vespo_phi_sum" in stats:
+        metrics["vespo/phi_seq_mean"] = stats["vespo_phi_sum"] / max(stats["vespo_sequences"], 1.0)
+    if "off_policy_masked" in stats:
+        metrics["off_policy_mask/masked_fraction"] = stats["off_policy_masked"] / max(stats["off_policy_sequences"], 1.0)
     metrics.update({
-        "loss": stats["loss"],
-        "policy_loss": stats["policy_loss"],
-        "entropy": stats["entropy_sum"] / tokens,
-        "clip_ratio/low_mean": stats["clip_low_sum"] / tokens,
-        "clip_ratio/high_mean": stats["clip_high_sum"] / tokens,
-        "clip_ratio/region_mean": (stats["clip_low_sum"] + stats["clip_high_sum"]) / tokens,
         "completions/mean_length": float(lengths_B.mean()),
         "completions/min_length": float(lengths_B.min()),
         "completions/max_length": float(lengths_B.max()),

@@ -283,12 +283,17 @@ def sampling_params(args: GRPOConfig) -> SamplingParams:
 
 
 def loss_settings(args: GRPOConfig) -> core.LossSettings:
+    entropy_bonus = core.EntropyBonus(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
+                                      args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
     return core.LossSettings(
         loss_type=args.loss_type, epsilon_low=args.epsilon,
         epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
         clip_ratio_c=args.clip_ratio_c, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
         kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
-        top_entropy_quantile=args.top_entropy_quantile)
+        top_entropy_quantile=args.top_entropy_quantile, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, entropy_bonus=entropy_bonus)
 
 
 def engine_correction(args: GRPOConfig) -> core.EngineCorrection | None:

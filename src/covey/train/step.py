@@ -304,9 +304,7 @@ def fixed_logprobs(parts: StepParts, batch: ScoredBatch) -> FixedLogprobs:
     and the engine/trainer correction where the engine's log-probs are not exact (its weights from the
     old policy's log-probs, else from the training forward's, which costs no extra pass)."""
     samples = batch.samples
-    # a rollout_func's log-probs come from its own sampler: never taken as the trainer's
-    exact = parts.engine.exact_logprobs and parts.rollout_func is None
-    correction = parts.correction if not exact else None
+    correction = parts.correction if not sampled_exactly(parts) else None
     old_BT = weights = ref_BT = None
     if policy_moves_before_last_use(parts.args):
         old_BT = logprobs_no_grad(parts, parts.model, samples.sequences)
@@ -317,6 +315,12 @@ def fixed_logprobs(parts: StepParts, batch: ScoredBatch) -> FixedLogprobs:
         with parts.reference.model() as ref_model:
             ref_BT = logprobs_no_grad(parts, ref_model, samples.sequences)
     return FixedLogprobs(old_BT, ref_BT, correction, weights)
+
+
+def sampled_exactly(parts: StepParts) -> bool:
+    """Whether the sampling log-probs are the trainer's own (an engine that computes exactly what the
+    training forward does); a rollout_func's come from its own sampler and never count as such."""
+    return parts.engine.exact_logprobs and parts.rollout_func is None
 
 
 @torch.no_grad()
@@ -378,6 +382,12 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     if from_forward:
         width = 1 if fixed.correction.level == "sequence" else samples.loss_mask_BT.shape[1]
         engine_weights = torch.ones(B, width)
+    settings = parts.loss_settings
+    bonus = settings.entropy_bonus
+    entropy_coef = bonus.applied(progress.entropy_coef, progress.last_entropy)  # the same for every micro-batch
+    # the off-policy mask measures drift from the policy that sampled: the engine's own log-probs where they
+    # differ from the trainer's (drift between the two included), else the old policy's
+    behaviour_from_engine = settings.off_policy_mask_threshold is not None and not sampled_exactly(parts)
     totals: dict[str, float] = {"loss": 0.0}
     for start in range(window.start, window.stop, args.per_device_train_batch_size):
         rows = slice(start, min(start + args.per_device_train_batch_size, window.stop))
@@ -385,7 +395,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         T = micro.completion_ids_BT.shape[1]
         mask_BT = samples.loss_mask_BT[rows, :T].to(device)
         with autocast(device, args.bf16):
-            logp_BT, entropy_BT = completion_logprobs(model, micro, args.temperature, with_entropy=True)
+            logp_BT, entropy_BT = completion_logprobs(model, micro, args.temperature, with_entropy=True,
+                                                      entropy_grad=bonus.enabled)
         reuse = fixed.old_BT is None or policy_unchanged
         old_BT = logp_BT.detach() if reuse else fixed.old_BT[rows, :T].to(device)
         ref_BT = None if fixed.ref_BT is None else fixed.ref_BT[rows, :T].to(device)
@@ -394,8 +405,9 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
                                                       mask_BT.float(), fixed.correction)
             engine_weights[rows, :computed.shape[1]] = computed.cpu()
         weights = None if engine_weights is None else engine_weights[rows, :T].to(device)
+        behaviour_BT = samples.sampling_logp_BT[rows, :T].to(device) if behaviour_from_engine else old_BT
         loss, stats = core.policy_loss(logp_BT, old_BT, batch.advantages_B[rows].to(device), mask_BT, counts,
-                                       parts.loss_settings, ref_BT, entropy_BT, weights)
+                                       settings, ref_BT, entropy_BT, weights, behaviour_BT, entropy_coef)
         loss.backward()
         totals["loss"] += float(loss.detach())
         for key, value in stats.items():
@@ -406,7 +418,20 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
                       engine_masked=float(((engine_weights == 0) * counted).sum()))
     totals = parts.world.sum(totals)
     grad_norm, progress = apply_gradients(parts, progress)
+    if bonus.enabled:
+        progress = adapt_entropy_coef(bonus, totals, progress)
+        totals["entropy_coef"] = progress.entropy_coef  # as TRL logs it: after this step's move
     return totals, grad_norm, progress
+
+
+def adapt_entropy_coef(bonus: core.EntropyBonus, totals: dict[str, float], progress: Progress) -> Progress:
+    """Under adaptive entropy control, the coefficient after an optimizer step whose trained tokens (of
+    every process, ``totals``) had the mean entropy it measures, which the next step's gating reads;
+    else ``progress`` as it is. Every process computes the same from the same totals."""
+    if not bonus.adaptive:
+        return progress
+    entropy = totals["entropy_bonus_sum"] / max(totals["entropy_bonus_tokens"], 1.0)
+    return dataclasses.replace(progress, entropy_coef=bonus.moved(progress.entropy_coef, entropy), last_entropy=entropy)
 
 
 def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progress]:

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from covey.agents import ToolCallFormat
-from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, GRPOConfig
+from covey.config import RESUME_FIELDS, SYNC_WITH_LORA, VESPO_SEQUENCE_CORRECTION, GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
 from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
@@ -147,6 +147,11 @@ class GRPOTrainer:
         if agent is not None:  # a turn ends at any of the model's end tokens
             agent = dataclasses.replace(agent, eos_ids=self.eos_ids)
         engine = rollout_engine or setup.build_engine(args, policy, tokenizer, self.eos_ids)
+        correction = setup.engine_correction(args)
+        if (args.loss_type == "vespo" and correction is not None and correction.level == "sequence"
+                and not (engine.exact_logprobs and rollout_func is None)):
+            raise ConfigError(f"{VESPO_SEQUENCE_CORRECTION} (this run's {type(engine).__name__} samples from other "
+                              "log-probs than the trainer's, so the correction applies)")
         if rollout_engine is not None or (self.world.size > 1 and engine.shared_by_processes):
             # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
             engine.policy_changed(policy)
@@ -156,10 +161,10 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
-                               setup.sampling_params(args), setup.loss_settings(args), setup.engine_correction(args),
+                               setup.sampling_params(args), setup.loss_settings(args), correction,
                                agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self.quiet = quiet or not self.world.is_main
-        self.progress = Progress()
+        self.progress = Progress(entropy_coef=args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
         self.history: list[dict] = []  # logged metrics, restored on resume
         self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
@@ -348,7 +353,11 @@ class GRPOTrainer:
             state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference(), self.world.rank)
             self.scheduler.load_state_dict(state["scheduler"])
             self.sampler.load_state_dict(state["sampler"])
-            self.progress = Progress(**{f.name: state[f.name] for f in dataclasses.fields(Progress)})
+            # a field an older checkpoint lacks keeps its start value
+            saved = {f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state}
+            self.progress = dataclasses.replace(self.progress, **saved)
+            if not self.args.use_adaptive_entropy:  # a fixed coefficient is this run's config, as the learning rate
+                self.progress = dataclasses.replace(self.progress, entropy_coef=self.args.entropy_coef)
             self.history, self.before = state["history"], state["before"]
             self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
             saved_processes = state.get("processes", 1)

@@ -19,11 +19,14 @@ def advantages_written_out(rewards_NG: torch.Tensor, scale_rewards: str) -> torc
 
 
 def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: torch.Tensor,
-                 old_logp_BT: torch.Tensor, s: core.LossSettings, max_completion_length: int) -> torch.Tensor:
+                 old_logp_BT: torch.Tensor, s: core.LossSettings, max_completion_length: int,
+                 behaviour_logp_BT: torch.Tensor | None = None) -> torch.Tensor:
     """The loss written out from the papers (docs/algorithms.md), in float64: the clipped surrogate
-    (with delta's cap and dual-clip's floor) or CISPO's weighted log-prob, on the token ratio or GSPO's
-    sequence ratio, plus beta times the KL estimator (times that ratio with use_bias_correction_kl),
-    aggregated as loss_type says."""
+    (with delta's cap and dual-clip's floor), CISPO's weighted log-prob, SAPO's soft gate or VESPO's
+    kernel-weighted log-prob, on the token ratio or GSPO's sequence ratio; the sequences the off-policy
+    mask drops (drift from ``behaviour_logp_BT``, default the old log-probs) left out of that term;
+    plus beta times the KL estimator (times the ratio with use_bias_correction_kl), aggregated as
+    loss_type says."""
     mask = batch.samples.loss_mask_BT.double()
     adv = batch.advantages_B.double()[:, None]
     T = mask.shape[1]
@@ -31,12 +34,24 @@ def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: 
     w = formula_ratio(logp, old, mask, s.importance_sampling_level)
     if s.loss_type == "cispo":
         per_token = -torch.clamp(w, max=s.epsilon_high) * adv * logp
+    elif s.loss_type == "sapo":  # f(w) = 4 / tau sigmoid(tau (w - 1))
+        tau = _where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        per_token = -4 / tau * torch.sigmoid(tau * (w - 1)) * adv
+    elif s.loss_type == "vespo":  # phi(W) = W^k e^(lambda (1 - W)), W the product of the token ratios
+        W = torch.exp(((logp - old) * mask).sum(1, keepdim=True))
+        k = _where(adv >= 0, s.vespo_k_pos, s.vespo_k_neg)
+        lam = _where(adv >= 0, s.vespo_lambda_pos, s.vespo_lambda_neg)
+        per_token = -(W ** k * torch.exp(lam * (1 - W))) * adv * logp
     else:
         unclipped = w if s.delta is None else torch.clamp(w, max=s.delta)
         objective = torch.minimum(unclipped * adv, torch.clamp(w, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv)
         if s.clip_ratio_c is not None:
             objective = torch.where(adv < 0, torch.maximum(objective, s.clip_ratio_c * adv), objective)
         per_token = -objective
+    if s.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 eq. 9
+        behaviour = old if behaviour_logp_BT is None else behaviour_logp_BT[:, :T].double()
+        drift = ((behaviour - logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        per_token = per_token * ~((adv < 0) & (drift > s.off_policy_mask_threshold))
     if s.beta > 0:
         d = ref_logp_BT[:, :T].double() - logp
         kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
@@ -49,7 +64,14 @@ def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: 
         "dr_grpo": (per_token * mask).sum() / (B * max_completion_length),
         "dapo": token_mean,
         "cispo": token_mean,
+        "sapo": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / B,
+        "vespo": token_mean,
     }[s.loss_type]
+
+
+def _where(condition: torch.Tensor, yes: float, no: float) -> torch.Tensor:
+    """``yes`` where ``condition`` holds, else ``no``, in float64 (the settings' values exactly)."""
+    return torch.where(condition, torch.tensor(yes, dtype=torch.float64), torch.tensor(no, dtype=torch.float64))
 
 
 def formula_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -321,7 +321,7 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
     report.add("loss", "k3 KL >= 0", bool((k3 >= 0).all()), f"min {float(k3.min()):.3g}", "the KL sign is flipped")
 
     expected = formula_loss(batch, fixed.ref_BT, logp_BT, logp_BT, s, args.max_completion_length)  # ratio exactly 1
-    checkable = s.top_entropy_quantile == 1.0 and fixed.correction is None
+    checkable = s.top_entropy_quantile == 1.0 and fixed.correction is None and not s.entropy_bonus.enabled
     B = samples.size
 
     # one optimizer step of the step's own, with plain SGD so the step follows the gradient
@@ -334,7 +334,7 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sgd_parts = dataclasses.replace(parts, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    stats, _, _ = step.optimizer_step(sgd_parts, batch, fixed, slice(0, B), True, Progress())
+    stats, _, _ = step.optimizer_step(sgd_parts, batch, fixed, slice(0, B), True, Progress(entropy_coef=args.entropy_coef))
     if checkable:
         # relative to the size of the terms it sums (the loss itself is near 0 at ratio 1 for most objectives)
         scale = max(abs(float(expected)), float(batch.advantages_B.abs().mean()), s.beta)
@@ -344,8 +344,8 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
                    "KL term is wrong: see core.policy_loss and core.LOSS_NORMALISERS")
     else:
         report.add("loss", "value equals the formula at ratio 1", False, "not checked",
-                   "top_entropy_quantile < 1 or the engine correction reweights tokens; the formula check "
-                   "covers the plain objectives only", warn_only=True)
+                   "top_entropy_quantile < 1 or the engine correction reweights tokens, or an entropy bonus is on; "
+                   "the formula check covers the plain objectives only", warn_only=True)
     moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     if bool((batch.advantages_B != 0).any()) or s.beta > 0:
         report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
@@ -394,15 +394,18 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
     counts = core.BatchCounts(sequences=mask.shape[0], tokens=float(mask.sum()), micro_batches=1,
                               max_completion_length=L)
     ref = fixed.ref_BT[:, :T].double() if s.beta > 0 else None
-    loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts, s, ref)
+    # the old policy as the one that sampled, for the off-policy mask (an exact engine's case); the policy
+    # objective alone, without an entropy bonus (which the formula does not cover)
+    loss, _ = core.policy_loss(logp, old, batch.advantages_B.double(), mask, counts,
+                               dataclasses.replace(s, entropy_bonus=core.EntropyBonus()), ref, behaviour_logp_BT=old)
     expected = formula_loss(batch, fixed.ref_BT, logp, old, s, L)
     w = formula_ratio(logp, old, mask, s.importance_sampling_level)
-    if s.loss_type == "cispo":  # CISPO caps its weight from above only, at epsilon_high itself
-        outside = w > s.epsilon_high
-    else:
-        outside = (w > 1 + s.epsilon_high) | (w < 1 - s.epsilon_low)
-    value = (f"{float(loss):.9g} vs {float(expected):.9g}, {float((outside * mask).sum() / mask.sum()):.0%} of "
-             "ratios outside the clip range")
+    value = f"{float(loss):.9g} vs {float(expected):.9g}"
+    if s.loss_type in ("sapo", "vespo"):  # soft weights: no clip range to be outside of
+        value += f", ratios from {float(w[mask == 1].min()):.3g} to {float(w[mask == 1].max()):.3g}"
+    else:  # CISPO caps its weight from above only, at epsilon_high itself
+        outside = w > s.epsilon_high if s.loss_type == "cispo" else (w > 1 + s.epsilon_high) | (w < 1 - s.epsilon_low)
+        value += f", {float((outside * mask).sum() / mask.sum()):.0%} of ratios outside the clip range"
     report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
                value, "the ratio, its clipping or the KL weight is wrong: see core.POLICY_OBJECTIVES and "
                "core.IMPORTANCE_LEVELS")
