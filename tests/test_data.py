@@ -258,7 +258,7 @@ def test_chat_template_kwargs_reach_every_rendering_of_a_chat(tmp_path, tokenize
     from covey import GRPOTrainer
     from covey.agents.chat import tool_message_ids
     from tests.test_trainer import ROWS, count_a, small_args
-    from tests.conftest import make_model
+    from tests.conftest import make_model, make_tokenizer
 
     tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}{% if flavour is defined %}/{{ flavour }}"
                                "{% endif %}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>"
@@ -268,5 +268,15 @@ def test_chat_template_kwargs_reach_every_rendering_of_a_chat(tmp_path, tokenize
                           args=small_args(tmp_path, eval_max_samples=0, chat_template_kwargs={"flavour": "plain"}))
     first_prompt = tokenizer.decode(trainer.parts.prompts.ids[0])
     assert "user/plain: say a" in first_prompt
+    from covey.rewards import RewardModel
+    from tests.test_reward_models import make_classifier
+
+    judge_tokenizer = make_tokenizer()
+    judge_tokenizer.chat_template = tokenizer.chat_template
+    judge = RewardModel(make_classifier(len(judge_tokenizer)), judge_tokenizer)
+    GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[judge], train_dataset=ROWS, processing_class=tokenizer,
+                quiet=True, args=small_args(tmp_path, eval_max_samples=0, output_dir=str(tmp_path / "judged"),
+                                            chat_template_kwargs={"flavour": "plain"}))
+    assert "assistant/plain: hi" in judge.text(ROWS[0]["prompt"], [{"role": "assistant", "content": "hi"}])
     appended, _ = tool_message_ids(tokenizer, [{"role": "tool", "name": "f", "content": "1"}], [3])
     assert "tool/plain: 1" in tokenizer.decode(appended)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from covey.data.text import render_chat
 from covey.errors import RewardError
 
 BATCH_SIZE = 16  # texts per forward pass: long completions of a large model fit, short ones do not crawl
@@ -65,7 +66,7 @@ class RewardModel:
         if isinstance(prompt, str):
             return prompt + completion
         self.check_prompt(prompt)
-        return self.tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+        return render_chat(self.tokenizer, list(prompt) + list(completion), False)
 
     def check_prompt(self, prompt: Any) -> None:
         """Refuse chat prompts where the tokenizer has no chat template to write the conversation with."""

@@ -26,7 +26,7 @@ from covey.data import PromptSampler
 from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingInterrupted
 from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
                           resolve_model_path, set_log_level, tokenizer_as_loaded)
-from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context
+from covey.rewards import RewardFunc, RewardModel, RewardPool, TrainerState, reward_context
 from covey.rollout import RolloutEngine
 from covey.rollout.vllm_engine import check_vllm
 from covey.telemetry.runlog import RunLog, latest_run_config, write_json
@@ -124,7 +124,8 @@ class GRPOTrainer:
             prepare_tokenizer(tokenizer)
         else:
             tokenizer = load_tokenizer(source, args.trust_remote_code, args.model_revision)
-        tokenizer.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
+        for chats in [tokenizer] + [f.tokenizer for f in funcs if isinstance(f, RewardModel)]:
+            chats.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
         agent = setup.build_agent(args, tokenizer, tools, environment, tool_call_format)
         train_rows, prompt_ids, self.prompt_overflow_count = setup.encode_training_prompts(
             args, tokenizer, rows.train, rows.source, agent)
