@@ -62,6 +62,12 @@ SAME_AS = {
     "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's older name
 }
 
+# TRL fields that GRPOConfig.from_dict turns into covey's own (the computations are there)
+READ_AS = {
+    "generation_batch_size": "`steps_per_generation` = generation_batch_size / per_device_train_batch_size",
+    "vllm_server_base_url": "`vllm_server_host` and `vllm_server_port` (http only)",
+}
+
 # what other trainers and recipes call some of covey's fields: said first when a key is unknown
 NAMES_ELSEWHERE = {
     "lr": "learning_rate", "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
