@@ -58,6 +58,8 @@ SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
                    "max_new_tokens": "max_completion_length", "stop": "stop_strings", "stop_strings": "stop_strings",
                    "n": "num_generations", "num_return_sequences": "num_generations", "seed": "seed",
                    "do_sample": "temperature (covey always samples in training)", "logprobs": "sampler's output"}
+SAVE_STRATEGIES = ("steps", "epoch", "no")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 VESPO_SEQUENCE_CORRECTION = (
@@ -215,15 +217,25 @@ class GRPOConfig:
     num_completions_to_print: int = _f(4, "rows of the console completions table")
     report_to: list = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
     run_name: str | None = _f(None, "the run's name in trackers (default: the run folder's name)")
-    save_steps: int = _f(500, "write a checkpoint every this many optimizer steps (0 = none; the final model is always saved)")
+    save_strategy: str = _f("steps", "when checkpoints are written: every save_steps optimizer steps, after each pass over the training prompts, or never (as TRL; the final model is always saved)", choices=SAVE_STRATEGIES)
+    save_steps: int = _f(500, "save_strategy: steps writes a checkpoint every this many optimizer steps (0 = none)")
     save_total_limit: int | None = _f(2, "keep only the newest this many checkpoints (None = keep all)")
+    save_only_model: bool = _f(False, "checkpoints of the model alone, without optimizer, scheduler and random states: smaller, but no run can resume from them (as TRL)")
+    push_to_hub: bool = _f(False, "upload the final model, and the checkpoints as hub_strategy says, to the Hugging Face Hub (checked before training starts)")
+    hub_model_id: str | None = _f(None, "the Hub repo to push to: 'name' (in your namespace) or 'org/name' (default: output_dir's folder name, as TRL)")
+    hub_strategy: str = _f("every_save", "what is pushed when: the final model only, also each checkpoint's model, and the newest checkpoint as last-checkpoint/ or every checkpoint in its own folder (as TRL)", choices=HUB_STRATEGIES)
+    hub_token: str | None = _f(None, "Hub token with write access (default: HF_TOKEN or the `hf auth login` one); never written to the run folder")
+    hub_private_repo: bool | None = _f(None, "create the repo private (None: the namespace's default); an existing repo keeps its visibility")
+    hub_revision: str | None = _f(None, "the branch of the repo to push to (None: main)")
+    hub_always_push: bool = _f(False, "push every checkpoint, queued behind the upload in progress (false: a checkpoint saved while the previous push is unfinished is not pushed, as TRL)")
     resume_from_checkpoint: str | None = _f(None, "continue a run: 'auto' (newest checkpoint in output_dir) or a checkpoint folder")
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
-        if self.eval_strategy is False or str(self.eval_strategy).lower() == "false":  # YAML reads an unquoted no as false
-            self.eval_strategy = "no"
+        for name in ("eval_strategy", "save_strategy"):
+            if getattr(self, name) is False or str(getattr(self, name)).lower() == "false":  # YAML reads an unquoted no as false
+                setattr(self, name, "no")
         # older TRL configs use true/false (a YAML bool, or text from the command line)
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
@@ -534,9 +546,6 @@ class GRPOConfig:
             values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
                 "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
                     "dataset", cls.__dataclass_fields__["dataset"].default)}
-        if str(values.get("save_strategy")).lower() in ("no", "false"):  # TRL's "no" (YAML reads an unquoted no as false)
-            # no checkpoints, whatever save_steps says, as in TRL
-            values = {**{k: v for k, v in values.items() if k != "save_strategy"}, "save_steps": 0}
         for key in values:
             if not isinstance(key, str):
                 problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")

@@ -29,6 +29,10 @@ class CheckpointError(CoveyError):
     """A checkpoint could not be written or read; the previous one is left as it was."""
 
 
+class HubError(CoveyError):
+    """push_to_hub cannot reach the Hugging Face Hub, the Hub refuses the token, or a push failed."""
+
+
 class TrainingInterrupted(CoveyError):
     """SIGINT or SIGTERM stopped the run after a checkpoint was saved."""
 

@@ -6,20 +6,15 @@ apart: a TRL field covey lacks, and a typo. ``AS_COVEY_DOES`` names the TRL sett
 describes what covey does anyway: those are accepted (and have nothing more to do).
 """
 
-ANY = object()  # any value: the setting configures a feature that is off (pushing to the hub)
-
 AS_COVEY_DOES = {
     "optim": ("adamw_torch", "adamw_torch_fused"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
-    "save_strategy": ("steps",),  # a checkpoint every save_steps
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "shuffle_dataset": (True,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default
     "fp16": (False,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None, False),
     "torch_compile": (False,), "use_liger_kernel": (False,), "disable_tqdm": (None, False),
-    "save_only_model": (False,), "ignore_data_skip": (False,), "data_seed": (None,),
-    "push_to_hub": (False,), "hub_model_id": ANY, "hub_strategy": ANY, "hub_private_repo": ANY,
-    "hub_revision": ANY, "hub_always_push": ANY,
+    "ignore_data_skip": (False,), "data_seed": (None,),
     # read by scripts, not by TRL's trainer
     "do_train": (True, False), "do_eval": (True, False), "do_predict": (True, False),
     # TRL's model and script arguments whose value is what covey does
@@ -88,7 +83,7 @@ def as_covey_does(name: str, value) -> bool:
     allowed = AS_COVEY_DOES.get(name)
     if isinstance(value, str):  # a boolean written as text
         value = {"true": True, "false": False, "none": None, "null": None}.get(value.lower(), value)
-    return allowed is ANY or (allowed is not None and any(value == a and type(value) is type(a) for a in allowed))
+    return allowed is not None and any(value == a and type(value) is type(a) for a in allowed)
 
 
 TRL_FIELDS = frozenset({

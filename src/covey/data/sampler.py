@@ -33,6 +33,11 @@ class PromptSampler:
         """Passes over the data done, a fraction within the current one (0.0 before the first draw)."""
         return max(self.epoch - 1, 0) + (self.num_rows - len(self.order)) / self.num_rows if self.epoch else 0.0
 
+    @property
+    def passes_done(self) -> int:
+        """Whole passes over the data drawn so far (a pass ends with the draw of its last row)."""
+        return self.epoch if self.epoch and not self.order else max(self.epoch - 1, 0)
+
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
         return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}

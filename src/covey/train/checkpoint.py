@@ -9,6 +9,10 @@ A checkpoint is a folder ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
                             scheduler, the data position, the step counters and the metric history
     rng-<n>.safetensors     the RNG states of process n (with rng-<n>.json) of a run of several
 
+Under ``save_only_model`` a checkpoint holds ``model/`` and a ``state.json`` that says so, and
+nothing else: no run resumes from it (it lacks what would make the continuation exact), but its
+``model/`` loads as any model folder.
+
 It is written into a hidden temporary folder, flushed to disk, then renamed into place, so a crash
 or a full disk never leaves a half-written ``checkpoint-<step>`` behind and never harms the
 previous one. No file is a pickle.
@@ -35,6 +39,7 @@ from covey.train.distributed import sharded_part
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
+MODEL_ONLY = "model_only"  # the state.json key of a checkpoint written under save_only_model
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -65,26 +70,33 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
         found = checkpoint_dirs(Path(output_dir))
         if not found:
             raise ConfigError(f"resume_from_checkpoint: auto found no checkpoint in {Path(output_dir) / CHECKPOINTS}; "
-                              "was save_steps 0, or did the run stop before its first save?")
-        return found[-1].resolve()
-    path = Path(spec).resolve()
+                              "was save_strategy no (or save_steps 0), or did the run stop before its first save?")
+        path = found[-1].resolve()
+    else:
+        path = Path(spec).resolve()
     if not (path / "state.json").is_file():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a checkpoint folder (it has no state.json); "
                           f"give a {CHECKPOINTS}/{PREFIX}<step> folder of a run, or 'auto'")
+    if json.loads((path / "state.json").read_text()).get(MODEL_ONLY):
+        raise ConfigError(f"resume_from_checkpoint: {path} was written under save_only_model: true and holds the "
+                          "model alone, without the optimizer, scheduler and random states a run continues from, so "
+                          f"the run cannot resume from it. Start a new run from its weights (model: {path / 'model'}), "
+                          "or resume from a checkpoint written without save_only_model")
     return path
 
 
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any],
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any] | None,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = ()) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
-    ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes);
-    ``state`` is the trainer's JSON-able state (counters, data position, scheduler, metric history);
-    ``tokenizer``, saved beside the model, makes its folder a model that loads on its own;
-    ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
+    ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
+    or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
+    left out too); ``state`` is the trainer's JSON-able state (counters, data position, scheduler,
+    metric history); ``tokenizer``, saved beside the model, makes its folder a model that loads on its
+    own; ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:
@@ -92,17 +104,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
             model.save_pretrained(tmp / "model", safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
-            tensors, rest = _split_optimizer_state(optimizer_state)
-            save_file(tensors, tmp / "optimizer.safetensors")
-            _write_json(tmp / "optimizer.json", rest)
-            if reference is not None:
-                save_model(reference, str(tmp / "reference.safetensors"))
-            torch_states, other_states = rng_states()
-            save_file(torch_states, tmp / "rng.safetensors")
-            _write_json(tmp / "state.json", {**state, "step": step, "rng": other_states})
-            for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
-                save_file(torch_states, tmp / f"rng-{process}.safetensors")
-                _write_json(tmp / f"rng-{process}.json", other_states)
+            if optimizer_state is None:
+                _write_json(tmp / "state.json", {"step": step, MODEL_ONLY: True})
+            else:
+                _write_training_state(tmp, step, optimizer_state, state, reference, other_processes_rng)
     except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
         previous = [p.name for p in checkpoint_dirs(run_dir)]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
@@ -115,6 +120,21 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
             shutil.rmtree(older, ignore_errors=True)
     return final
 
+
+def _write_training_state(folder: Path, step: int, optimizer_state: dict[str, Any], state: dict[str, Any],
+                          reference: torch.nn.Module | None, other_processes_rng: list) -> None:
+    """Everything of a checkpoint beside the model: optimizer, reference, random states, trainer state."""
+    tensors, rest = _split_optimizer_state(optimizer_state)
+    save_file(tensors, folder / "optimizer.safetensors")
+    _write_json(folder / "optimizer.json", rest)
+    if reference is not None:
+        save_model(reference, str(folder / "reference.safetensors"))
+    torch_states, other_states = rng_states()
+    save_file(torch_states, folder / "rng.safetensors")
+    _write_json(folder / "state.json", {**state, "step": step, "rng": other_states})
+    for process, (torch_states, other_states) in enumerate(other_processes_rng, start=1):
+        save_file(torch_states, folder / f"rng-{process}.safetensors")
+        _write_json(folder / f"rng-{process}.json", other_states)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from covey.errors import ConfigError
 from covey.rewards import reward_reference
 from covey.sources import in_memory
 from covey.train.checkpoint import CHECKPOINTS, checkpoint_dirs, saved_step, step_of
+from covey.train.hub import STAGING
 
 
 def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any,
@@ -27,6 +28,7 @@ def config_as_used(args: GRPOConfig, model: Any, train_dataset: Any, eval_datase
     model object, in-memory rows, a function defined in a script) becomes a marker that says so and
     loads nothing, rather than the default the run did not use."""
     values = args.to_dict()
+    values["hub_token"] = None  # a secret: never written (a run of the saved config pushes with the login's token)
     if model is not None:
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
         origin = f" from {name}" if name else ""
@@ -117,7 +119,7 @@ def _saved_by_a_run(config: Path) -> bool:
 # what a run writes in its folder: what overwrite_output_dir clears (nothing else there is touched)
 RUN_OUTPUTS = ("config.yaml", "config.resumed-at-*.yaml", "metrics.jsonl", "completions.jsonl", "summary.json",
                "final_model", ".tmp-final_model-*", ".old-final_model-*", CHECKPOINTS, "tensorboard", "wandb", "mlflow.db",
-               "mlartifacts")
+               "mlartifacts", f"{STAGING}*")
 
 
 def claim_run_dir(run_dir: Path, args: GRPOConfig) -> Path:

@@ -364,10 +364,11 @@ def vllm_serve(args: GRPOConfig, host: str, port: int) -> VLLMServe:
 
 def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GRPOConfig:
     """``args`` for sampling and scoring one batch of ``num_prompts`` prompts without training: nothing
-    is written (no run folder unless train() runs, no evaluation). A length in epochs becomes one step."""
+    is written (no run folder unless train() runs, no evaluation) or pushed to the Hub. A length in
+    epochs becomes one step."""
     if args.max_steps == -1:
         changes = {"max_steps": 1, "num_train_epochs": None, **changes}
-    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
+    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0, push_to_hub=False,
                                gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
                                steps_per_generation=None, **changes)
 

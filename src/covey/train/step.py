@@ -25,7 +25,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -85,11 +85,26 @@ class StepParts:
         return next(self.model.parameters()).device
 
 
-def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress) -> StepResult:
+class StepEvents(Protocol):
+    """What a step tells the trainer around each of its optimizer steps (for transformers' callbacks)."""
+
+    def step_begin(self, global_step: int) -> None:
+        """Before an optimizer step (the first of a round: before the round samples); ``global_step``
+        steps are taken."""
+
+    def step_end(self, update: Update) -> bool:
+        """After the optimizer step ``update``; True stops the round there."""
+
+
+def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
+              events: StepEvents | None = None) -> StepResult:
     """One generation round of the next prompts of ``sampler`` and the optimizer steps on it, up to
-    max_steps. The step stops early after max_consecutive_bad_steps skipped steps in a row."""
+    max_steps. The step stops early after max_consecutive_bad_steps skipped steps in a row, or where
+    ``events`` says so."""
     args = parts.args
     started = time.perf_counter()
+    if events is not None:
+        events.step_begin(progress.global_step)
     push_shared_policy(parts)
     # 1-2. generate and score
     generated = generate_and_score(parts, sampler, progress)
@@ -102,6 +117,8 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress) -> S
     # 5-6. the loss over each window of micro-batches, and an optimizer step
     updates, timings, last = [], dict(generated.timings), started
     for window, policy_unchanged in optimizer_windows(parts, batch.samples.size, progress.global_step):
+        if events is not None and updates:
+            events.step_begin(progress.global_step)
         t_train = time.perf_counter()
         totals, grad_norm, progress = optimizer_step(parts, batch, fixed, window, policy_unchanged, progress)
         parts.engine.policy_changed(parts.model)
@@ -111,7 +128,8 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress) -> S
         updates.append(Update(progress.global_step, totals, grad_norm, parts.scheduler.get_last_lr()[0],
                               progress.bad_steps, {**timings, "time/train": now - t_train}, now - last, now - started))
         timings, last = {"time/generate": 0.0, "time/score": 0.0}, now
-        if progress.consecutive_bad_steps >= args.max_consecutive_bad_steps:
+        stop = events is not None and events.step_end(updates[-1])
+        if stop or progress.consecutive_bad_steps >= args.max_consecutive_bad_steps:
             break
     return StepResult(batch, updates, progress, generated.reward_metrics, generated.dynamic_sampling)
 

@@ -34,10 +34,12 @@ from covey.telemetry.tables import accuracy_change, model_card, percent, print_s
 from covey.telemetry.trackers import check_trackers, make_trackers
 from covey.train import setup
 from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
+from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
 from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step,
                                     written_whole)
 from covey.train.distributed import World, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
+from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
 from covey.train.step import Rewards, StepParts, grpo_step, push_shared_policy
@@ -61,8 +63,9 @@ class GRPOTrainer:
     spec (default: ``args.dataset``). Episodes of several turns, in TRL's conventions (docs/agents.md):
     ``tools`` (functions, default: ``args.tools``), ``environment_factory`` (a class, default:
     ``args.environment_factory``), or the user's own ``rollout_func(prompts, trainer)``;
-    ``tool_call_format`` replaces ``args.tool_call_parser``. Everything is checked before any model is
-    loaded.
+    ``tool_call_format`` replaces ``args.tool_call_parser``. ``callbacks``: transformers'
+    ``TrainerCallback`` objects or classes (covey.train.callbacks says when each event comes).
+    Everything is checked before any model is loaded, pushing to the Hub included.
     """
 
     def __init__(self, model: Any = None, reward_funcs: Sequence[RewardFunc | str] | RewardFunc | None = None,
@@ -71,8 +74,10 @@ class GRPOTrainer:
                  quiet: bool = False, tools: Sequence[Callable | str] | None = None,
                  environment_factory: Callable[[], Any] | None = None,
                  rollout_func: Callable[[list, GRPOTrainer], dict] | None = None,
-                 tool_call_format: ToolCallFormat | None = None, reward_processing_classes: Any = None):
+                 tool_call_format: ToolCallFormat | None = None, reward_processing_classes: Any = None,
+                 callbacks: Sequence[Any] | None = None):
         self.args = args = args or GRPOConfig()
+        check_callbacks(callbacks or [])
         if ((processes := World.launched_size()) > 1 and rollout_engine is None and args.rollout_engine == "vllm"
                 and args.vllm_mode == "colocate"):
             raise ConfigError(f"rollout_engine: vllm with vllm_mode: colocate runs in a single process, and this run "
@@ -117,6 +122,7 @@ class GRPOTrainer:
         if args.max_steps != -1:
             self._check_resumed_step()
         self.run_dir = self.world.on_main(lambda: make_run_dir(args, self.resume_from))
+        self.hub = HubPush.connect(args, self.run_dir, self.world)  # None but in the first process under push_to_hub
         torch.manual_seed(self.world.seed(args.seed))  # dropout masks of its own in each process
 
         if processing_class is not None:
@@ -172,6 +178,11 @@ class GRPOTrainer:
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this step
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        self.callback_handler = Callbacks(callbacks or [], CallbackArgs(args, self.run_dir, self.world), self.world,
+                                          self.sampler, model=policy, processing_class=tokenizer, optimizer=optimizer,
+                                          lr_scheduler=scheduler)
+        self.callback_handler.log_history.extend(self.history)
+        self.callback_handler.call("on_init_end", self.global_step)
 
     @property
     def global_step(self) -> int:
@@ -186,6 +197,21 @@ class GRPOTrainer:
     processing_class = tokenizer  # TRL's name, which rollout functions read
     optimizer = property(lambda self: self.parts.optimizer)
     scheduler = property(lambda self: self.parts.scheduler)
+    # transformers' names for the callbacks' view of the run
+    state = property(lambda self: self.callback_handler.state, doc="transformers' TrainerState of the run.")
+    control = property(lambda self: self.callback_handler.control, doc="transformers' TrainerControl.")
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a transformers TrainerCallback (an object, or a class made with no arguments)."""
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an object, or the first of a class) and return it (None where there is none)."""
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an object, or the first of a class)."""
+        self.callback_handler.remove(callback)
 
     def _check_resumed_step(self) -> None:
         if self.resume_from is not None and (resumed_at := saved_step(self.resume_from)) > self.args.max_steps:
@@ -201,11 +227,14 @@ class GRPOTrainer:
         if args.keep_freed_memory:
             keep_freed_memory()
         self.run_dir = self.world.on_main(self._open_run_dir)
+        callbacks = self.callback_handler
+        callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
                                  first_step=self.global_step + 1) if self.world.is_main else []
         with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                                               record=self.world.is_main) as log,
-              self._stop_on_signals(log)):
+              self._stop_on_signals(log), self.hub or contextlib.nullcontext()):
+            callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
@@ -213,15 +242,22 @@ class GRPOTrainer:
                 self.before = self.evaluate()
                 log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
-            while self.global_step < args.max_steps:
-                steps_before = self.global_step
-                result = grpo_step(self.parts, self.sampler, self.progress)
+            while self.global_step < args.max_steps and not callbacks.stop_asked():
+                steps_before, passes_before = self.global_step, self.sampler.passes_done
+                result = grpo_step(self.parts, self.sampler, self.progress, callbacks)
                 self.progress = result.progress
                 whole = self._log_step(log, result, self._evaluate_if_due(log, steps_before))
-                self._after_step(log, steps_before, whole.records() if whole is not None else [])
+                self._after_step(log, steps_before, passes_before, whole.records() if whole is not None else [])
+            if self.global_step < args.max_steps:  # only a callback ends the loop early
+                log.info(f"a callback stopped the training at step {self.global_step} of {args.max_steps}")
             final = self._save_final_model()  # before anything else can fail
             after = self.evaluate() if self.eval_rows else None
         summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
+        callbacks.call("on_train_end", self.global_step)
+        if self.hub is not None:
+            callbacks.call("on_push_begin", self.global_step)
+            for line in self.hub.push_final(final):
+                log.info(line)
         if not self.quiet:
             print_summary(log.console, self.before, after, self.run_dir)
         return summary
@@ -236,11 +272,17 @@ class GRPOTrainer:
         return self.run_dir
 
     def _evaluate_if_due(self, log: RunLog, steps_before: int) -> dict[str, float]:
-        """Under eval_strategy: steps, the held-out evaluation when the step crossed a multiple of eval_steps
-        (before the last: the evaluation after training comes then), as ``eval/...`` metrics; else none."""
+        """The held-out evaluation under eval_strategy: steps when the step crossed a multiple of eval_steps,
+        or when a callback asks for one (before the last step: the evaluation after training comes then),
+        as ``eval/...`` metrics; else none."""
         args, step = self.args, self.global_step
-        if args.eval_strategy != "steps" or step >= args.max_steps or not _crossed(
-                steps_before, step, args.eval_steps or args.logging_steps):
+        due = args.eval_strategy == "steps" and _crossed(steps_before, step, args.eval_steps or args.logging_steps)
+        asked = self.callback_handler.take("should_evaluate")  # by a callback
+        if step >= args.max_steps or self.callback_handler.stopping or not (due or asked):
+            return {}  # the evaluation after training comes next
+        if not self.eval_rows:
+            log.info(f"[yellow]step {step}: a callback asked for an evaluation (control.should_evaluate), and this "
+                     "run has no held-out data (eval_dataset): none is made[/]")
             return {}
         result = self.evaluate()
         mean = "n/a" if result["mean_reward"] is None else f"{result['mean_reward']:.3f}"
@@ -249,11 +291,11 @@ class GRPOTrainer:
 
     def _log_step(self, log: RunLog, result: StepResult, evaluation: dict[str, float]) -> ScoredBatch | None:
         """The metrics of each of the step's optimizer steps, over the batch of every process (gathered on
-        the first, which returns it; None on the others), logged as logging_steps says; ``evaluation``
-        (held-out metrics after the step) joins the last, which is then logged whatever logging_steps says.
-        A step that ended on too many skipped optimizer steps in a row stops the run, once its metrics are
-        written."""
-        args = self.args
+        the first, which returns it; None on the others), logged as logging_steps or a callback says;
+        ``evaluation`` (held-out metrics after the step) joins the last, which is then logged whatever
+        logging_steps says, as is the last before a callback's stop. A step that ended on too many skipped
+        optimizer steps in a row stops the run, once its metrics are written."""
+        args, callbacks = self.args, self.callback_handler
         merged = self._merged_on_main(result)
         for update in result.updates:
             last = update is result.updates[-1]
@@ -262,17 +304,25 @@ class GRPOTrainer:
                 self.unlogged_metrics.append({**step_metrics(
                     whole, update, self.parts.rewards.names, self.parts.rewards.weights_F, reward_metrics,
                     dynamic_sampling, result.progress.reward_errors, args.beta > 0), **(evaluation if last else {})})
-            if (update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps
-                    or (args.logging_first_step and update.global_step == 1) or (last and evaluation)):
-                log.log_metrics(update.global_step, interval_mean(self.unlogged_metrics))
-                self.unlogged_metrics = []
+            asked = callbacks.take("should_log", update.global_step)
+            if (update.global_step % args.logging_steps == 0 or update.global_step == args.max_steps or asked
+                    or (args.logging_first_step and update.global_step == 1)
+                    or (last and (evaluation or callbacks.stopping))):
+                self._write_metrics(log, update.global_step)
         if (bad := result.progress.consecutive_bad_steps) >= args.max_consecutive_bad_steps:
             if self.unlogged_metrics:  # the steps up to the failing one, whatever logging_steps says
-                log.log_metrics(result.progress.global_step, interval_mean(self.unlogged_metrics))
+                self._write_metrics(log, result.progress.global_step)
             raise NumericsError(f"{bad} steps in a row had NaN/inf gradients (step {result.progress.global_step}); "
                                 "lower the learning rate, check the rewards for NaN/inf, or try bf16: false")
         self.history = log.history
         return None if merged is None else merged[0]
+
+    def _write_metrics(self, log: RunLog, step: int) -> None:
+        """Log the mean of the metrics since the last logged step, as of ``step``, and tell the callbacks."""
+        metrics = interval_mean(self.unlogged_metrics)
+        log.log_metrics(step, metrics)
+        self.callback_handler.log(step, metrics)
+        self.unlogged_metrics = []
 
     def _merged_on_main(self, result: StepResult) -> tuple[ScoredBatch, dict, dict] | None:
         """The step's batch of every process in rank order, what their reward functions logged and their
@@ -290,21 +340,32 @@ class GRPOTrainer:
         return ScoredBatch.concat([batch for batch, _, _ in parts], self.tokenizer.pad_token_id), reward_metrics, \
             dynamic_sampling
 
-    def _after_step(self, log: RunLog, steps_before: int, records: list[dict]) -> None:
-        """After a step's optimizer steps (``steps_before`` were taken before it): record its completions
-        when due, then checkpoint when due or asked to stop. Checkpoints fall between steps, where the
-        state is small and complete."""
-        args, step = self.args, self.global_step
-        if args.log_completions and (steps_before == 0 or step == args.max_steps
+    def _after_step(self, log: RunLog, steps_before: int, passes_before: int, records: list[dict]) -> None:
+        """After a step's optimizer steps (``steps_before`` were taken before it, ``passes_before`` passes
+        over the prompts drawn): record its completions when due, then checkpoint as save_strategy says,
+        when a callback asks, or when asked to stop. Checkpoints fall between steps, where the state is
+        small and complete."""
+        args, step, callbacks = self.args, self.global_step, self.callback_handler
+        if args.log_completions and (steps_before == 0 or step == args.max_steps or callbacks.stopping
                                      or _crossed(steps_before, step, args.log_completions_steps)):
             log.log_completions(step, records, args.num_completions_to_print)
         # a signal to any process stops them all; one in the last step: just finish
         stop_signal = next((s for s in self.world.gather(self.stop_signal) if s is not None), None)
         stopping = stop_signal is not None and step < args.max_steps
-        if not (args.save_steps and _crossed(steps_before, step, args.save_steps) or stopping):
+        if args.save_strategy == "steps":
+            due = args.save_steps > 0 and _crossed(steps_before, step, args.save_steps)
+        else:
+            due = args.save_strategy == "epoch" and self.sampler.passes_done > passes_before
+        if not (callbacks.take("should_save") or due or stopping):
             return
         path = self._checkpoint_every_process()
         log.info(f"checkpoint saved: {path}")
+        callbacks.call("on_save", step)
+        if self.hub is not None:
+            callbacks.call("on_push_begin", step)
+            progress = f"epoch {self.sampler.passes_done}" if args.save_strategy == "epoch" else f"step {step}"
+            for line in self.hub.push_checkpoint(path, f"Training in progress, {progress}"):
+                log.info(line)
         if stopping:
             raise TrainingInterrupted(
                 f"stopped by {signal.Signals(stop_signal).name} at step {step}; checkpoint saved in {path}. "
@@ -324,13 +385,17 @@ class GRPOTrainer:
                                            rewards.weights, self.args, rewards.pool, reward_context(state),
                                            agent=self.parts.agent, rollout_func=self.parts.rollout_func,
                                            eos_ids=self.eos_ids))
-        return merge_evaluations(parts)
+        result = merge_evaluations(parts)
+        self.callback_handler.evaluate(self.global_step, result)
+        return result
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def _checkpoint_every_process(self) -> Path:
         """A checkpoint, written by the first process with what the others send it: their random states
         (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
+        if self.args.save_only_model:  # the model alone, which every process holds whole
+            return self.world.on_main(self.save_checkpoint)
         sharded = sharded_part(self.optimizer) is not None
         optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
@@ -339,13 +404,15 @@ class GRPOTrainer:
     def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
         ``other_processes_rng``: the random states of the other processes, which it then holds too;
-        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own)."""
+        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own).
+        Under save_only_model: the model alone."""
         state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
                  "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
+        whole = not self.args.save_only_model
         with tokenizer_as_loaded(self.tokenizer) as tokenizer:
             return save_checkpoint(self.run_dir, self.global_step, self.model,
-                                   optimizer_state or self.optimizer.state_dict(), state,
+                                   (optimizer_state or self.optimizer.state_dict()) if whole else None, state,
                                    self._moving_reference(), self.args.save_total_limit, tokenizer,
                                    other_processes_rng)
 
@@ -440,8 +507,10 @@ class GRPOTrainer:
             return self.world.on_main(write)
         except Exception as e:  # OSError, or safetensors' own error type for a full disk (in every process)
             try:
-                kept = (f"the trained weights are in {self._checkpoint_every_process()}; free space, then "
-                        f"finish the run with --output-dir {self.run_dir} --resume-from-checkpoint auto")
+                saved = self._checkpoint_every_process()
+                kept = (f"the trained weights are in {saved / 'model'}" if self.args.save_only_model else
+                        f"the trained weights are in {saved}; free space, then finish the run with --output-dir "
+                        f"{self.run_dir} --resume-from-checkpoint auto")
             except CheckpointError:
                 kept = "a checkpoint could not be written either"
             raise CheckpointError(f"could not write the final model to {final}: {getattr(e, 'strerror', None) or e} "
