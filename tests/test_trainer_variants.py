@@ -1,5 +1,6 @@
 """The variants wired through the trainer, on a tiny random Llama."""
 
+import math
 import dataclasses
 import json
 import warnings
@@ -418,3 +419,10 @@ def test_the_off_policy_mask_measures_drift_from_the_policy_that_sampled(tmp_pat
         assert torch.equal(behaviour, old) if exact else torch.equal(behaviour.cpu(), sampling)
         first += len(old)
     assert first == batch.samples.size
+
+
+def test_gradient_checkpointing_under_bf16_autocast_recomputes_the_same_attention(tmp_path, tokenizer):
+    """The checkpointed layers recompute their forward in the backward: the attention must run as it did."""
+    trainer = trainer_for(tmp_path, tokenizer, bf16=True, gradient_checkpointing=True, max_steps=1)
+    trainer.train()
+    assert trainer.global_step == 1 and math.isfinite(trainer.history[-1]["loss"])

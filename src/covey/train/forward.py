@@ -63,6 +63,9 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     ``entropy_grad``: the entropy carries its gradient (for an entropy bonus)."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
+    # a checkpointed layer recomputes its forward in the backward, outside this call: the attention must be
+    # the same there, so it stays the model's own
+    float32_attention = float32_attention and not _checkpointing(model)
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
         logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
@@ -79,9 +82,7 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
     device = next(model.parameters()).device
     group_B = batch.prompt_groups()
     # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
-    checkpointing = torch.is_grad_enabled() and model.training and any(
-        getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-    if not share_prompt or checkpointing or int(group_B[-1]) + 1 == len(group_B):
+    if not share_prompt or _checkpointing(model) or int(group_B[-1]) + 1 == len(group_B):
         return _every_row_in_full(model, batch)
     # packed, the decoder runs without its output head, which then runs once, on the real slots only
     # (these architectures' head is a plain linear layer)
@@ -257,6 +258,12 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(_FLOAT32_SDPA, _sdpa_float32_on_cpu)
 AttentionMaskInterface.register(_FLOAT32_SDPA, sdpa_mask)
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether this forward checkpoints layers (gradient_checkpointing, with gradients on)."""
+    return torch.is_grad_enabled() and model.training and any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 @contextlib.contextmanager

@@ -262,6 +262,37 @@ class GRPOTrainer:
             print_summary(log.console, self.before, after, self.run_dir)
         return summary
 
+    # ---- what TRL's scripts call after train() ------------------------------------------------
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The trained model with its tokenizer, where TRL's scripts ask for it: the run folder (or None)
+        means its final_model/, which train() wrote; another folder gets a copy, and must not hold files."""
+        final = self.run_dir / "final_model"
+        if output_dir is None or Path(output_dir).resolve() in (self.run_dir.resolve(), final.resolve()):
+            return final if final.is_dir() else self._save_final_model()
+        target = Path(output_dir)
+        if target.exists() and any(target.iterdir()):
+            raise ConfigError(f"save_model: {target} already holds files, and covey overwrites nothing; give a new "
+                              f"or empty folder (the model is also in {final})")
+
+        def write() -> Path:
+            with written_whole(target, f"{target.name}-*") as tmp:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                    tokenizer.save_pretrained(tmp)
+            return target
+
+        return self.world.on_main(write)
+
+    def push_to_hub(self, commit_message: str | None = None, **_: Any) -> str:
+        """The repo train() pushed the final model to (push_to_hub: true pushes at the end of train(), as
+        TRL's scripts then ask again); without push_to_hub nothing was checked, so nothing is pushed now."""
+        if self.hub is None:
+            raise ConfigError("push_to_hub() pushes what train() sends to the Hub under push_to_hub: true, which "
+                              "checks the token and the repo before any model loads; set push_to_hub: true, or "
+                              f"upload {self.run_dir / 'final_model'} with `hf upload`")
+        return self.hub.url
+
     def _open_run_dir(self) -> Path:
         """The run folder, taken for this run (or reopened to resume it), with the run's config saved."""
         if self.resume_from is None:
