@@ -206,15 +206,20 @@ def test_trl_model_and_script_arguments_name_covey_fields(tmp_path):
         GRPOConfig.from_dict({"lora_task_type": "SEQ_CLS"})
 
 
-def test_trl_s_generation_batch_size_and_server_url_are_covey_s_settings():
+def test_trl_s_generation_batch_size_and_server_url_are_covey_s_settings(monkeypatch):
     config = GRPOConfig.from_dict({"generation_batch_size": 64, "per_device_train_batch_size": 16})
     assert config.steps_per_generation == 4 and config.generation_batch_size == 64
+    monkeypatch.setenv("WORLD_SIZE", "2")  # TRL's generation batch counts every process's completions
+    assert GRPOConfig.from_dict({"generation_batch_size": 64, "per_device_train_batch_size": 16}
+                                ).steps_per_generation == 2
+    monkeypatch.delenv("WORLD_SIZE")
     config = GRPOConfig.from_dict({"vllm_server_base_url": "http://10.0.0.2:8001", "vllm_mode": "server"})
     assert (config.vllm_server_host, config.vllm_server_port) == ("10.0.0.2", 8001)
     with pytest.raises(ConfigError) as e:
         GRPOConfig.from_dict({"generation_batch_size": 20, "per_device_train_batch_size": 16,
                               "vllm_server_base_url": "https://host/v1"})
-    assert "generation_batch_size=20 must be a multiple of per_device_train_batch_size=16" in str(e.value)
+    assert "generation_batch_size=20 must be a multiple of per_device_train_batch_size * processes = 16 * 1" in str(
+        e.value)
     assert "covey reaches a server as http://HOST:PORT" in str(e.value)
 
 

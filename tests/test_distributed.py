@@ -561,3 +561,23 @@ def test_covey_closes_only_the_process_group_it_started(tmp_path):
         assert torch.distributed.is_initialized()
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "the accelerate config asks for DeepSpeed, which covey does not run"),
+    ({"ACCELERATE_USE_FSDP": "true"}, "asks for FSDP, which covey does not run"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "compiles with dynamo_backend INDUCTOR"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision: fp16, and covey takes its precision from its own"),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "set bf16: true there"),
+])
+def test_an_accelerate_config_asking_for_what_covey_does_not_do_is_refused_before_loading(tmp_path, monkeypatch,
+                                                                                          environ, message):
+    from covey.train.distributed import check_launcher_settings
+
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(model=str(tmp_path / "never-loaded"), reward_funcs=[count_a], train_dataset=ROWS,
+                    args=GRPOConfig(output_dir=str(tmp_path / "run")))
+    check_launcher_settings(True, {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_BACKEND": "NO",
+                                   "ACCELERATE_USE_CPU": "true"})  # a plain data-parallel config, bf16 both places

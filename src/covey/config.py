@@ -19,6 +19,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import types
 import typing
 import warnings
@@ -607,24 +608,28 @@ class GRPOConfig:
 
 
 def _generation_batch_as_steps(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """TRL's generation_batch_size (completions per generation) as covey's steps_per_generation."""
+    """TRL's generation_batch_size (completions per generation over all the launched processes) as covey's
+    steps_per_generation."""
     size = values["generation_batch_size"]
     values = {k: v for k, v in values.items() if k != "generation_batch_size"}
     if size is None or str(size).lower() in ("none", "null"):
         return values, []
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)  # as the launcher started them, as TRL counts
     try:
         size, per_device = int(size), int(values.get("per_device_train_batch_size",
                                                      GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default))
     except (TypeError, ValueError):
         return values, [f"generation_batch_size={size!r} is not a whole number"]
-    steps = size // per_device if size >= per_device and size % per_device == 0 else None
+    per_step = per_device * processes
+    steps = size // per_step if size >= per_step and size % per_step == 0 else None
     if steps is None:
-        return values, [f"generation_batch_size={size} must be a multiple of per_device_train_batch_size={per_device} "
-                        "(it is per_device_train_batch_size * steps_per_generation)"]
+        return values, [f"generation_batch_size={size} must be a multiple of per_device_train_batch_size * processes "
+                        f"= {per_device} * {processes} (it is that times steps_per_generation, as in TRL)"]
     given = values.get("steps_per_generation")
     if given is not None and str(given).lower() not in ("none", "null") and int(given) != steps:
         return values, [f"generation_batch_size={size} and steps_per_generation={given} disagree (with "
-                        f"per_device_train_batch_size={per_device}, it means steps_per_generation={steps}); give one"]
+                        f"per_device_train_batch_size={per_device} and {processes} process(es), it means "
+                        f"steps_per_generation={steps}); give one"]
     return {**values, "steps_per_generation": steps}, []
 
 

@@ -59,7 +59,7 @@ SAME_AS = {
 
 # TRL fields that GRPOConfig.from_dict turns into covey's own (the computations are there)
 READ_AS = {
-    "generation_batch_size": "`steps_per_generation` = generation_batch_size / per_device_train_batch_size",
+    "generation_batch_size": "`steps_per_generation` = generation_batch_size / (per_device_train_batch_size * processes)",
     "vllm_server_base_url": "`vllm_server_host` and `vllm_server_port` (http only)",
 }
 

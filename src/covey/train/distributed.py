@@ -247,6 +247,39 @@ class _TensorSpec:
     dtype: torch.dtype
 
 
+# what `accelerate launch` passes its processes from an accelerate config, and what covey says of it: covey
+# runs its own data parallelism and never reads these, so a config that asks for more is refused, not ignored
+ACCELERATE_ENGINES = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+    "ACCELERATE_USE_PARALLELISM_CONFIG": "a parallelism config (tensor, context or sequence parallel)",
+}
+
+
+def check_launcher_settings(bf16: bool, environ: dict[str, str] | None = None) -> None:
+    """Refuse what an accelerate config asks for that covey would not do: another distributed engine, a
+    compiler, or a mixed precision that the run's own bf16 setting does not give. (covey's processes each
+    hold the whole model and sum their gradients; see docs/distributed.md.)"""
+    environ = os.environ if environ is None else environ
+    asked = [engine for key, engine in ACCELERATE_ENGINES.items() if environ.get(key, "").lower() == "true"]
+    problems = [f"the accelerate config asks for {engine}, which covey does not run: its processes each hold the "
+                "whole model and sum their gradients (plain data parallelism); launch with an accelerate config of "
+                "distributed_type MULTI_GPU or MULTI_CPU, or with torchrun" for engine in asked]
+    if environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("no", ""):
+        problems.append(f"the accelerate config compiles with dynamo_backend {environ['ACCELERATE_DYNAMO_BACKEND']}, "
+                        "which covey does not do; set dynamo_backend: 'no' in it")
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision not in ("no", "") and not (precision == "bf16" and bf16):
+        problems.append(f"the accelerate config asks for mixed_precision: {precision}, and covey takes its precision "
+                        "from its own config only: " + ("set bf16: true there (and keep the accelerate config's)"
+                                                        if precision == "bf16" else
+                                                        "covey trains in float32 or under bf16 autocast (bf16: true); "
+                                                        "set mixed_precision: 'no' or bf16 in the accelerate config"))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def sharded_part(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """The part of an optimizer sharded over the processes (torch's ZeroRedundancyOptimizer, under
     shard_optimizer_state) that this process holds and steps; None for an optimizer that is whole."""

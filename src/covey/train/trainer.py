@@ -37,7 +37,7 @@ from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
 from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step,
                                     written_whole)
-from covey.train.distributed import World, sharded_part
+from covey.train.distributed import World, check_launcher_settings, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
@@ -83,6 +83,7 @@ class GRPOTrainer:
             raise ConfigError(f"rollout_engine: vllm with vllm_mode: colocate runs in a single process, and this run "
                               f"has {processes} (WORLD_SIZE); with several processes use vllm_mode: server (one "
                               "`covey server` for all of them) or rollout_engine: fast, or train in one process")
+        check_launcher_settings(args.bf16)
         self.world = World.from_environment()
         set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
