@@ -518,8 +518,10 @@ def test_commands_other_than_train_are_refused_under_a_launcher(command, monkeyp
     assert f"covey[0]: error: covey {command} runs in a single process" in capsys.readouterr().err
 
 
-def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):
-    """The command line under torchrun: one run folder, written once, the batch of both processes."""
+@pytest.mark.parametrize("agents", [1, 2])
+def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir, agents):
+    """The command line under torchrun: one run folder, written once, the batch of both processes; with
+    two agents (two "nodes" of one process each) meeting at a c10d rendezvous, as several machines do."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a} + 1"}], "answer": str(a + 1)})
                             + "\n" for a in range(6)))
@@ -537,10 +539,19 @@ def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir):
         output_dir: {tmp_path / "run"}
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "-m", "covey", "train", str(config)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    command = ["-m", "covey", "train", str(config)]
+    if agents == 1:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), *command],
+                              capture_output=True, text=True, env=env, timeout=300)
+    else:  # what each machine runs, here twice on one machine
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                  "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "covey-test"]
+        nodes = [subprocess.Popen([*launch, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env) for _ in range(2)]
+        outputs = [node.communicate(timeout=300) for node in nodes]
+        assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+        done = subprocess.CompletedProcess([], 0, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
     run = tmp_path / "run"
     assert len(_metrics(run)) == 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
