@@ -33,9 +33,6 @@ from covey.errors import ConfigError, CoveyError
 
 T = TypeVar("T")
 
-# elements per all-reduce of gradients: large enough to amortise each call, small enough not to double
-# the memory of a large model's gradients while they are flattened
-GRADIENT_BUCKET_ELEMENTS = 32 * 2 ** 20
 # how far apart the seeds of the processes are, so that none repeats another's in a run
 RANK_SEED_STRIDE = 2 ** 32
 
@@ -167,28 +164,19 @@ class World:
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
 
-    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the processes, in place. A parameter without a gradient
-        in one process (which had no rows in this step) takes part with zeros there."""
-        if self.size == 1 or not params:
-            return
-        # a parameter no process has a gradient for stays without one, as in a single process
-        somewhere = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
-        dist.all_reduce(somewhere)
-        params = [p for p, used in zip(params, somewhere.tolist()) if used]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-        bucket: list[torch.Tensor] = []
-        elements = 0
-        for i, p in enumerate(params):
-            bucket.append(p.grad)
-            elements += p.grad.numel()
-            if elements >= GRADIENT_BUCKET_ELEMENTS or i == len(params) - 1:
-                self._sum_in_place(bucket)
-                bucket, elements = [], 0
+    def data_parallel(self, forward: torch.nn.Module, static_graph: bool = False) -> torch.nn.Module:
+        """``forward`` (the training pass) under torch's DistributedDataParallel with several processes:
+        the gradients are summed while the backward runs, bucket by bucket, on the micro-batch where the
+        process asks for it (``sync_gradients``). The weights are the same everywhere already
+        (``broadcast_parameters``). ``static_graph``: for checkpointed layers, which recompute their part
+        of the graph in the backward. One process: ``forward`` itself."""
+        if self.size == 1:
+            return forward
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(forward.parameters()).device
+        return DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None,
+                                       forward_sync_buffers=False, init_sync=False, static_graph=static_graph)
 
     def gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The whole ``state_dict()`` of an optimizer whose state is sharded over the processes (torch's
@@ -223,20 +211,6 @@ class World:
         # the settings of every group, and its parameters as indices, as a state_dict() gives them
         return {"state": dict(sorted(state.items())),
                 "param_groups": torch.optim.Optimizer.state_dict(optimizer)["param_groups"]}
-
-    @staticmethod
-    def _sum_in_place(grads: list[torch.Tensor]) -> None:
-        """One all-reduce per dtype and device for these gradients, through a flat copy."""
-        by_dtype: dict[tuple, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault((g.dtype, g.device), []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat)
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,20 @@ class SequenceBatch:
         return torch.cat([torch.zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
 
 
+class TrainingForward(torch.nn.Module):
+    """``completion_logprobs`` of ``model`` as a module's forward, so that DistributedDataParallel can wrap
+    the whole training pass (its calls into the model's parts, for the shared prompts and the packed head,
+    included) and sum the gradients while the backward runs."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: SequenceBatch, temperature: float, entropy_grad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_logprobs(self.model, batch, temperature, with_entropy=True, entropy_grad=entropy_grad)
+
+
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
                         with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
                         float32_attention: bool = True, entropy_grad: bool = False

@@ -19,6 +19,7 @@ gradients are summed over the processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -39,7 +40,7 @@ from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from covey.train import generation
 from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
-from covey.train.forward import SequenceBatch, completion_logprobs
+from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class StepParts:
     correction: core.EngineCorrection | None  # for an engine whose log-probs are not exact (None: turned off)
     agent: Agent | None = None  # tools and an environment: episodes of several turns (None: one completion)
     rollout_func: Callable[[list], dict] | None = None  # the user's own generation, TRL's rollout_func
+    training_forward: torch.nn.Module | None = None  # the pass that trains (World.data_parallel; None: the model's)
 
     @property
     def device(self) -> torch.device:
@@ -407,14 +409,18 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     # differ from the trainer's (drift between the two included), else the old policy's
     behaviour_from_engine = settings.off_policy_mask_threshold is not None and not sampled_exactly(parts)
     totals: dict[str, float] = {"loss": 0.0}
-    for start in range(window.start, window.stop, args.per_device_train_batch_size):
+    forward = parts.training_forward or TrainingForward(model)
+    starts = range(window.start, window.stop, args.per_device_train_batch_size)
+    if not starts and parts.world.size > 1:  # no rows of its own: its share of the gradients is zero
+        take_part_without_rows(parts, forward, samples)
+    for start in starts:
         rows = slice(start, min(start + args.per_device_train_batch_size, window.stop))
         micro = samples.sequences.rows(rows)
         T = micro.completion_ids_BT.shape[1]
         mask_BT = samples.loss_mask_BT[rows, :T].to(device)
-        with autocast(device, args.bf16):
-            logp_BT, entropy_BT = completion_logprobs(model, micro, args.temperature, with_entropy=True,
-                                                      entropy_grad=bonus.enabled)
+        last = start == starts[-1]
+        with gradients_summed_if(forward, last), autocast(device, args.bf16):
+            logp_BT, entropy_BT = forward(micro, args.temperature, bonus.enabled)
         reuse = fixed.old_BT is None or policy_unchanged
         old_BT = logp_BT.detach() if reuse else fixed.old_BT[rows, :T].to(device)
         ref_BT = None if fixed.ref_BT is None else fixed.ref_BT[rows, :T].to(device)
@@ -426,7 +432,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         behaviour_BT = samples.sampling_logp_BT[rows, :T].to(device) if behaviour_from_engine else old_BT
         loss, stats = core.policy_loss(logp_BT, old_BT, batch.advantages_B[rows].to(device), mask_BT, counts,
                                        settings, ref_BT, entropy_BT, weights, behaviour_BT, entropy_coef)
-        loss.backward()
+        with gradients_summed_if(forward, last):  # DistributedDataParallel averages; the step's gradient is the sum
+            (loss * parts.world.size).backward()
         totals["loss"] += float(loss.detach())
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + float(value)
@@ -442,6 +449,27 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     return totals, grad_norm, progress
 
 
+def gradients_summed_if(forward: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Where the gradients of several processes are summed: in the backward of an optimizer step's last
+    micro-batch only (DistributedDataParallel's no_sync on the others); one process: nowhere."""
+    return contextlib.nullcontext() if last or not hasattr(forward, "no_sync") else forward.no_sync()
+
+
+def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: Samples) -> None:
+    """A process whose batch has no rows in this optimizer step (it came out smaller) still takes part in
+    the summing of gradients, with zeros: a pass over one row (any row of its batch, else a training
+    prompt and an end token) whose loss is multiplied by 0."""
+    if samples.size:
+        micro = samples.sequences.rows(slice(0, 1))
+    else:
+        prompt = torch.tensor([parts.prompts.ids[0]])
+        micro = SequenceBatch(prompt, torch.ones_like(prompt), torch.tensor([[parts.eos_ids[0]]]),
+                              torch.ones(1, 1, dtype=torch.long))
+    with autocast(parts.device, parts.args.bf16):
+        logp_BT, _ = forward(micro, parts.args.temperature, False)
+    (logp_BT.sum() * 0.0).backward()
+
+
 def adapt_entropy_coef(bonus: core.EntropyBonus, totals: dict[str, float], progress: Progress) -> Progress:
     """Under adaptive entropy control, the coefficient after an optimizer step whose trained tokens (of
     every process, ``totals``) had the mean entropy it measures, which the next step's gating reads;
@@ -455,8 +483,7 @@ def adapt_entropy_coef(bonus: core.EntropyBonus, totals: dict[str, float], progr
 def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progress]:
     """Clip the accumulated gradients, step the optimizer and the schedule; (the gradient norm, the
     progress after the step). Non-finite gradients skip the update, and are counted."""
-    params = [p for p in parts.model.parameters() if p.requires_grad]
-    parts.world.sum_gradients(params)
+    params = [p for p in parts.model.parameters() if p.requires_grad]  # summed over the processes already
     clip = parts.args.max_grad_norm if parts.args.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
     if math.isfinite(grad_norm):

@@ -39,6 +39,7 @@ from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_sta
                                     written_whole)
 from covey.train.distributed import World, check_launcher_settings, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
+from covey.train.forward import TrainingForward
 from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
@@ -170,7 +171,8 @@ class GRPOTrainer:
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
                                setup.sampling_params(args), setup.loss_settings(args), correction,
-                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
+                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
+                               self.world.data_parallel(TrainingForward(policy), static_graph=args.gradient_checkpointing))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress(entropy_coef=args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
