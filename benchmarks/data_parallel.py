@@ -5,7 +5,7 @@ that holds every gradient, all-reduced once the backward is done), on the same w
 Two CPU processes (torchrun, gloo, one thread each) train the default model, full fine-tuning, on 1
 prompt x 8 generations each, up to 32 completion tokens, 2 micro-batches of 4 per optimizer step (the
 first without gradient sync), for a few steps; the two variants alternate, each in fresh processes.
-Each process reports the median of its steps' training time (``time/train``: the forward and backward
+The first process reports the median of its steps' training time (``time/train``: the forward and backward
 passes, the summing of gradients and the optimizer step, without sampling and scoring).
 
     python -m benchmarks.data_parallel --repeats 3
@@ -14,7 +14,6 @@ passes, the summing of gradients and the optimizer step, without sampling and sc
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -34,29 +33,33 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
     from covey import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(1)
-    torch.nn.parallel.DistributedDataParallel = functools.partial(torch.nn.parallel.DistributedDataParallel,
-                                                                  bucket_cap_mb=VARIANTS[variant])
+    class Bucketed(torch.nn.parallel.DistributedDataParallel):  # what covey builds, with this bucket size
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, bucket_cap_mb=VARIANTS[variant], **kwargs)
+
+    torch.nn.parallel.DistributedDataParallel = Bucketed
     args = GRPOConfig(num_generations=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       max_completion_length=32, max_steps=steps, eval_max_samples=0, save_steps=0,
                       log_completions=False, output_dir=out_dir)
     trainer = GRPOTrainer(args=args, quiet=True)
     trainer.train()
-    train_times = [line["time/train"] for line in trainer.history[1:]]  # the first step warms up
-    print("RESULT " + json.dumps({"rank": trainer.world.rank, "train_s": statistics.median(train_times)}), flush=True)
+    if trainer.world.is_main:  # which logs the steps (the processes wait for each other in every backward)
+        train_times = [line["time/train"] for line in trainer.history[1:]]  # the first step warms up
+        print("RESULT " + json.dumps({"train_s": statistics.median(train_times)}), flush=True)
     torch.distributed.destroy_process_group()
 
 
-def measure(variant: str, steps: int) -> list[dict]:
-    """One run of two processes; each one's result, by rank."""
+def measure(variant: str, steps: int) -> float:
+    """One run of two processes: the first's median time/train."""
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               "-m", "benchmarks.data_parallel", "--worker", variant, "--steps", str(steps),
                               "--out-dir", os.path.join(tmp, "run")],
                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or len(results) != 2:
+    if out.returncode != 0 or len(results) != 1:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
-    return sorted(results, key=lambda r: r["rank"])
+    return results[0]["train_s"]
 
 
 def main() -> None:
@@ -69,21 +72,17 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.out_dir)
         return
-    runs: dict[str, list[list[dict]]] = {variant: [] for variant in VARIANTS}
+    runs: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for _ in range(args.repeats):
         for variant in VARIANTS:
             runs[variant].append(measure(variant, args.steps))
-    print("| gradients summed | process | time/train (s), median | per run |")
-    print("|---|---|---|---|")
-    for variant, results in runs.items():
-        for rank in (0, 1):
-            times = [run[rank]["train_s"] for run in results]
-            print(f"| {variant} | {rank} | {statistics.median(times):.2f} | {', '.join(f'{t:.2f}' for t in times)} |",
-                  flush=True)
-    ratios = [a[0]["train_s"] / o[0]["train_s"] for o, a in zip(runs["overlapped"], runs["after the backward"])]
-    print(f"after the backward / overlapped, process 0, per pair: {', '.join(f'{r:.2f}' for r in ratios)} "
+    print("| gradients summed | time/train (s), median | per run |")
+    print("|---|---|---|")
+    for variant, times in runs.items():
+        print(f"| {variant} | {statistics.median(times):.2f} | {', '.join(f'{t:.2f}' for t in times)} |", flush=True)
+    ratios = [after / overlapped for overlapped, after in zip(runs["overlapped"], runs["after the backward"])]
+    print(f"after the backward / overlapped, per pair: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.2f})")
-
 
 if __name__ == "__main__":
     main()

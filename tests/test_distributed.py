@@ -592,3 +592,19 @@ def test_an_accelerate_config_asking_for_what_covey_does_not_do_is_refused_befor
                     args=GRPOConfig(output_dir=str(tmp_path / "run")))
     check_launcher_settings(True, {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_BACKEND": "NO",
                                    "ACCELERATE_USE_CPU": "true"})  # a plain data-parallel config, bf16 both places
+
+
+def _train_and_leave_with_the_trainer_alive(rank: int, port: int, output_dir: str) -> None:
+    as_launched(rank, port)
+    torch.set_num_threads(1)
+    trainer = GRPOTrainer(model=make_model(len(make_tokenizer()), seed=1), reward_funcs=[count_a],
+                          args=settings(output_dir, 2, max_steps=1), train_dataset=ROWS,
+                          processing_class=make_tokenizer(), quiet=True)
+    trainer.train()
+    torch.distributed.destroy_process_group()  # as a script may: the trainer is freed only at exit, after it
+
+
+def test_a_process_exits_when_its_trainer_outlives_the_process_group(tmp_path):
+    """A script that closes the process group and then ends, its trainer still alive: it exits (gloo's
+    teardown under a data-parallel wrapper freed after the group deadlocked)."""
+    run_in_two_processes(_train_and_leave_with_the_trainer_alive, (free_port(), str(tmp_path / "run")), seconds=120)

@@ -80,7 +80,7 @@ class StepParts:
     correction: core.EngineCorrection | None  # for an engine whose log-probs are not exact (None: turned off)
     agent: Agent | None = None  # tools and an environment: episodes of several turns (None: one completion)
     rollout_func: Callable[[list], dict] | None = None  # the user's own generation, TRL's rollout_func
-    training_forward: torch.nn.Module | None = None  # the pass that trains (World.data_parallel; None: the model's)
+    training_forward: torch.nn.Module | None = None  # the pass that trains, under train() (World.data_parallel; None: the model's)
 
     @property
     def device(self) -> torch.device:
@@ -409,6 +409,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     # differ from the trainer's (drift between the two included), else the old policy's
     behaviour_from_engine = settings.off_policy_mask_threshold is not None and not sampled_exactly(parts)
     totals: dict[str, float] = {"loss": 0.0}
+    if parts.training_forward is None and parts.world.size > 1:
+        raise RuntimeError("several processes train through World.data_parallel (GRPOTrainer.train sets it up)")
     forward = parts.training_forward or TrainingForward(model)
     starts = range(window.start, window.stop, args.per_device_train_batch_size)
     if not starts and parts.world.size > 1:  # no rows of its own: its share of the gradients is zero

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import signal
 import threading
@@ -60,8 +61,8 @@ class GRPOTrainer:
     ``model``: hub id, folder or loaded model (default: ``args.model``). ``reward_funcs``: callables,
     names, or reward models (a sequence classifier's hub id, folder or object; default:
     ``args.reward_funcs``), with ``reward_processing_classes`` their tokenizers (TRL's: one per
-    function, None for those that are not models; default: each model's own). ``train_dataset``: rows, a ``datasets.Dataset`` or a dataset
-    spec (default: ``args.dataset``). Episodes of several turns, in TRL's conventions (docs/agents.md):
+    function, None for those that are not models; default: each model's own). ``train_dataset``:
+    rows, a ``datasets.Dataset`` or a dataset spec (default: ``args.dataset``). Episodes of several turns, in TRL's conventions (docs/agents.md):
     ``tools`` (functions, default: ``args.tools``), ``environment_factory`` (a class, default:
     ``args.environment_factory``), or the user's own ``rollout_func(prompts, trainer)``;
     ``tool_call_format`` replaces ``args.tool_call_parser``. ``callbacks``: transformers'
@@ -171,8 +172,7 @@ class GRPOTrainer:
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
                                setup.sampling_params(args), setup.loss_settings(args), correction,
-                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
-                               self.world.data_parallel(TrainingForward(policy), static_graph=args.gradient_checkpointing))
+                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress(entropy_coef=args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
@@ -236,7 +236,7 @@ class GRPOTrainer:
                                  first_step=self.global_step + 1) if self.world.is_main else []
         with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                                               record=self.world.is_main) as log,
-              self._stop_on_signals(log), self.hub or contextlib.nullcontext()):
+              self._stop_on_signals(log), self.hub or contextlib.nullcontext(), self._gradients_summed()):
             callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
@@ -295,6 +295,20 @@ class GRPOTrainer:
                               "checks the token and the repo before any model loads; set push_to_hub: true, or "
                               f"upload {self.run_dir / 'final_model'} with `hf upload`")
         return self.hub.url
+
+    @contextlib.contextmanager
+    def _gradients_summed(self):
+        """Over several processes, DistributedDataParallel over the training pass while train() runs. It
+        is released at the end, while the process group is still open: released after it is closed (at
+        exit, say), gloo's teardown can deadlock against the thread that finishes its last transfers."""
+        forward = self.world.data_parallel(TrainingForward(self.model), static_graph=self.args.gradient_checkpointing)
+        self.parts = dataclasses.replace(self.parts, training_forward=forward)
+        try:
+            yield
+        finally:
+            self.parts = dataclasses.replace(self.parts, training_forward=None)
+            del forward
+            gc.collect()  # its reducer sits in reference cycles
 
     def _open_run_dir(self) -> Path:
         """The run folder, taken for this run (or reopened to resume it), with the run's config saved."""
