@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -86,3 +91,17 @@ def load_default():
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     model = load_policy(EMBEDDED_MODEL).eval()
     return model, tokenizer, eos_token_ids(model, tokenizer)
+
+
+def results_of_two_processes(module: str, variant: str, steps: int) -> list[dict]:
+    """``python -m module --worker variant --steps steps --out-dir DIR`` in two processes of one torchrun
+    (fresh, in a temporary folder); the JSON each printed on a line ``RESULT {...}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", module, "--worker", variant, "--steps", str(steps),
+                              "--out-dir", os.path.join(tmp, "run")],
+                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not results:
+        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
+    return results

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
-import torch
+
+from benchmarks.common import results_of_two_processes
 
 # DistributedDataParallel's bucket size in MB: its default, and one bucket for every gradient of the model
 VARIANTS = {"while the backward runs": 25, "after the backward": 100_000}
@@ -51,15 +48,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
 
 def measure(variant: str, steps: int) -> float:
     """One run of two processes: the first's median time/train."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              "-m", "benchmarks.data_parallel", "--worker", variant, "--steps", str(steps),
-                              "--out-dir", os.path.join(tmp, "run")],
-                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or len(results) != 1:
-        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
-    return results[0]["train_s"]
+    return results_of_two_processes("benchmarks.data_parallel", variant, steps)[0]["train_s"]
 
 
 def main() -> None:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 import torch
+
+from benchmarks.common import results_of_two_processes
 
 VARIANTS = {"whole": False, "sharded": True}
 
@@ -48,15 +46,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
 
 def measure(variant: str, steps: int) -> list[dict]:
     """One run of two processes; each one's result, by rank."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              "-m", "benchmarks.sharded_optimizer", "--worker", variant, "--steps", str(steps),
-                              "--out-dir", os.path.join(tmp, "run")],
-                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or len(results) != 2:
-        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
-    return sorted(results, key=lambda r: r["rank"])
+    return sorted(results_of_two_processes("benchmarks.sharded_optimizer", variant, steps), key=lambda r: r["rank"])
 
 
 def main() -> None:
