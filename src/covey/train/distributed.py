@@ -176,7 +176,8 @@ class World:
 
         device = next(forward.parameters()).device
         return DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None,
-                                       forward_sync_buffers=False, init_sync=False, static_graph=static_graph)
+                                       forward_sync_buffers=False, init_sync=False, static_graph=static_graph,
+                                       gradient_as_bucket_view=True)
 
     def gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The whole ``state_dict()`` of an optimizer whose state is sharded over the processes (torch's
