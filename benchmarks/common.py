@@ -93,6 +93,28 @@ def load_default():
     return model, tokenizer, eos_token_ids(model, tokenizer)
 
 
+def alternating_runs(description: str, variants: list[str], steps: int, worker, measure) -> dict[str, list] | None:
+    """The command line of a two-process benchmark: as ``--worker VARIANT`` (inside torchrun) call
+    ``worker(variant, steps, out_dir)`` and return None; else ``--repeats`` rounds of ``measure(variant,
+    steps)`` for each variant in turn, each in fresh processes: every variant's results, in order."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--worker", choices=variants)
+    parser.add_argument("--out-dir")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.out_dir)
+        return None
+    runs: dict[str, list] = {variant: [] for variant in variants}
+    for _ in range(args.repeats):
+        for variant in variants:
+            runs[variant].append(measure(variant, args.steps))
+    return runs
+
+
 def results_of_two_processes(module: str, variant: str, steps: int) -> list[dict]:
     """``python -m module --worker variant --steps steps --out-dir DIR`` in two processes of one torchrun
     (fresh, in a temporary folder); the JSON each printed on a line ``RESULT {...}``."""

@@ -13,12 +13,11 @@ passes, the summing of gradients and the optimizer step, without sampling and sc
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 
-from benchmarks.common import results_of_two_processes
+from benchmarks.common import alternating_runs, results_of_two_processes
 
 # DistributedDataParallel's bucket size in MB: its default, and one bucket for every gradient of the model
 VARIANTS = {"while the backward runs": 25, "after the backward": 100_000}
@@ -52,19 +51,9 @@ def measure(variant: str, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--worker", choices=list(VARIANTS))
-    parser.add_argument("--out-dir")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.steps, args.out_dir)
+    runs = alternating_runs(__doc__.splitlines()[0], list(VARIANTS), 4, worker, measure)
+    if runs is None:  # a worker
         return
-    runs: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.repeats):
-        for variant in VARIANTS:
-            runs[variant].append(measure(variant, args.steps))
     print("| gradients summed | time/train (s), median | per run |")
     print("|---|---|---|")
     for variant, times in runs.items():
@@ -72,6 +61,7 @@ def main() -> None:
     ratios = [after / during for during, after in zip(runs["while the backward runs"], runs["after the backward"])]
     print(f"after the backward / while it runs, per pair: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.2f})")
+
 
 if __name__ == "__main__":
     main()

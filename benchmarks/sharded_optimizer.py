@@ -11,7 +11,6 @@ process reports its own peak RSS, the optimizer state it holds and its time per 
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -19,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.common import results_of_two_processes
+from benchmarks.common import alternating_runs, results_of_two_processes
 
 VARIANTS = {"whole": False, "sharded": True}
 
@@ -50,19 +49,9 @@ def measure(variant: str, steps: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--worker", choices=list(VARIANTS))
-    parser.add_argument("--out-dir")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.steps, args.out_dir)
+    runs = alternating_runs(__doc__.splitlines()[0], list(VARIANTS), 3, worker, measure)
+    if runs is None:  # a worker
         return
-    runs: dict[str, list[list[dict]]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.repeats):
-        for variant in VARIANTS:
-            runs[variant].append(measure(variant, args.steps))
     print("| optimizer state | process | peak RSS (MiB), median | per run | optimizer state held (MiB) | s / step |")
     print("|---|---|---|---|---|---|")
     for variant, results in runs.items():
