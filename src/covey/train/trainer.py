@@ -278,14 +278,15 @@ class GRPOTrainer:
             raise ConfigError(f"save_model: {target} already holds files, and covey overwrites nothing; give a new "
                               f"or empty folder (the model is also in {final})")
 
-        def write() -> Path:
-            with written_whole(target, f"{target.name}-*") as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True)
-                with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-                    tokenizer.save_pretrained(tmp)
-            return target
+        return self.world.on_main(lambda: self._write_model(target))
 
-        return self.world.on_main(write)
+    def _write_model(self, folder: Path) -> Path:
+        """The model and its tokenizer (as loaded) in ``folder``, whole or not at all."""
+        with written_whole(folder, f"{folder.name}-*") as tmp:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                tokenizer.save_pretrained(tmp)
+        return folder
 
     def push_to_hub(self, commit_message: str | None = None, **_: Any) -> str:
         """The repo train() pushed the final model to (push_to_hub: true pushes at the end of train(), as
@@ -544,15 +545,8 @@ class GRPOTrainer:
         be written (a full disk), a checkpoint is tried, so that the trained weights are not lost."""
         final = self.run_dir / "final_model"
 
-        def write() -> Path:
-            with written_whole(final, "final_model-*") as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True)
-                with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-                    tokenizer.save_pretrained(tmp)
-            return final
-
         try:
-            return self.world.on_main(write)
+            return self.world.on_main(lambda: self._write_model(final))
         except Exception as e:  # OSError, or safetensors' own error type for a full disk (in every process)
             try:
                 saved = self._checkpoint_every_process()
