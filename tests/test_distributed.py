@@ -86,8 +86,8 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
                           rollout_engine=ScriptedEngine(tokenizer), quiet=True)
     gradients, step = [], trainer.optimizer.step
 
-    def recording_step(*args, **kwargs):
-        gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    def recording_step(*args, **kwargs):  # a sharded gradient is gathered whole (every process at once)
+        gradients.append([whole(p.grad).clone() for p in model.parameters() if p.grad is not None])
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
@@ -102,6 +102,11 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.progress.rounds_sampled),
             "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor, or a sharded one (a DTensor, under fsdp) gathered whole."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, dropout: float,

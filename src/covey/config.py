@@ -195,6 +195,8 @@ class GRPOConfig:
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    fsdp: str = _f("", "shard the model, its gradients and AdamW's state over the processes with FSDP2, per transformer block (TRL's words): full_shard, or shard_grad_op (a block's parameters stay gathered from its forward to its backward); '' for none")
+    fsdp_config: dict | None = _f(None, "TRL's FSDP options: version (2), reshard_after_forward, transformer_layer_cls_to_wrap (the block classes; default: the model's decoder layers); others are refused unless at what covey does")
     shard_optimizer_state: bool = _f(False, "several processes: each holds and updates the AdamW state of its share of the parameters only, then sends them to the others (ZeRO stage 1); no effect in one process")
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
     warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
@@ -240,6 +242,8 @@ class GRPOConfig:
         # older TRL configs use true/false (a YAML bool, or text from the command line)
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        if isinstance(self.fsdp, (list, tuple)) or self.fsdp is None:  # TRL takes a list of its words too
+            self.fsdp = " ".join(map(str, self.fsdp or []))
         problems = []  # every bad value at once
         for f in dataclasses.fields(self):
             try:
@@ -302,6 +306,11 @@ class GRPOConfig:
             raise config_errors(problems)
 
     def _ranges(self, need: Callable[[bool, str], None]) -> None:
+        if self.fsdp or self.fsdp_config:
+            from covey.train.sharding import Sharding, check_sharded_run
+
+            Sharding.from_settings(self.fsdp, self.fsdp_config, {})
+            check_sharded_run(self)
         need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
         spg = self.micro_batches_per_generation
         need(

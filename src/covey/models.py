@@ -378,15 +378,22 @@ def dequantized(layer: torch.nn.Module) -> torch.Tensor:
 def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the policy under the plain model's names; a LoRA model
     yields W + scale * B @ A for each adapted layer. One tensor at a time, and the training model is
-    never modified (merging in place and back would drift the base weights in floating point).
+    never modified (merging in place and back would drift the base weights in floating point). A
+    sharded model's weights are gathered a block at a time, in every process at once (each must iterate
+    to the end), and come as copies.
 
     A tied input embedding and output head stop sharing a matrix when an adapter changes either
     side: the head then comes as ``lm_head.weight`` beside the embedding. ``tied_copy``: the weights
     go to a plain copy of the model that ties its head (vLLM, a covey server), where such a head has
     no place: an error. Adapters other than plain LoRA: an error (``lora_merge_blocker``)."""
+    from covey.train.sharding import parameters_whole
+
     if not is_peft_model(model):
-        for name, param in model.named_parameters():
-            yield name, param.detach()
+        met: set[int] = set()
+        for name, param in parameters_whole(model):
+            if id(param) not in met:  # a tied head and embedding: one tensor
+                met.add(id(param))
+                yield name, param.detach()
         return
     from peft.tuners.lora import LoraLayer
 
@@ -397,7 +404,7 @@ def policy_weights(model: torch.nn.Module, tied_copy: bool = False) -> Iterator[
     adapters = list(model.active_adapters)
     lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
     changed_by: dict[int, str] = {}  # each tensor met so far: the layer whose adapter changes it there ("" if none)
-    for name, param in base.named_parameters(remove_duplicate=False):
+    for name, param in parameters_whole(base):
         target = base_parameter_name(name, adapters)
         if target is None:
             continue

@@ -28,7 +28,7 @@ AS_COVEY_DOES = {
     "dataloader_num_workers": (0,), "dataloader_persistent_workers": (False,), "dataloader_pin_memory": (True, False),
     "dataloader_prefetch_factor": (None,), "debug": ("", []), "deepspeed": (None,), "ds3_gather_for_generation": (True,),
     "enable_jit_checkpoint": (False,), "eval_accumulation_steps": (None,), "eval_delay": (0, 0.0),
-    "eval_do_concat_batches": (True,), "eval_use_gather_object": (False,), "fsdp": (None, "", []), "fsdp_config": (None,),
+    "eval_do_concat_batches": (True,), "eval_use_gather_object": (False,),
     "full_determinism": (False,), "greater_is_better": (None,), "include_for_metrics": ([],),
     "include_num_input_tokens_seen": ("no", False), "label_names": (None,), "label_smoothing_factor": (0.0, 0),
     "length_column_name": ("length",), "liger_kernel_config": (None,), "load_best_model_at_end": (False,),

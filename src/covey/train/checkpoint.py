@@ -9,13 +9,17 @@ A checkpoint is a folder ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
                             scheduler, the data position, the step counters and the metric history
     rng-<n>.safetensors     the RNG states of process n (with rng-<n>.json) of a run of several
 
+Under ``fsdp`` the model, the optimizer and a moving reference are in ``sharded/`` instead, in the
+format of ``torch.distributed.checkpoint``: each process wrote its own shards, and any number of
+processes, sharded or not, reads them back (its metadata file is that library's own, a pickle).
+
 Under ``save_only_model`` a checkpoint holds ``model/`` and a ``state.json`` that says so, and
 nothing else: no run resumes from it (it lacks what would make the continuation exact), but its
 ``model/`` loads as any model folder.
 
 It is written into a hidden temporary folder, flushed to disk, then renamed into place, so a crash
 or a full disk never leaves a half-written ``checkpoint-<step>`` behind and never harms the
-previous one. No file is a pickle.
+previous one. Apart from that metadata, no file is a pickle.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from covey.data.sampler import python_random_state
 from covey.errors import CheckpointError, ConfigError
 from covey.models import is_peft_model
 from covey.train.distributed import sharded_part
+from covey.train.forward import TrainingForward
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
 MODEL_ONLY = "model_only"  # the state.json key of a checkpoint written under save_only_model
+SHARDED = "sharded"  # the folder of a sharded run's model, optimizer and reference (torch.distributed.checkpoint)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -90,24 +96,31 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any] | None,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
-                    total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = ()) -> Path:
+                    total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = (),
+                    sharded: Path | None = None, model_state: dict | None = None) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
     or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
     left out too); ``state`` is the trainer's JSON-able state (counters, data position, scheduler,
     metric history); ``tokenizer``, saved beside the model, makes its folder a model that loads on its
-    own; ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several."""
+    own; ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several;
+    ``sharded``: the folder ``save_sharded`` wrote (the model, optimizer and reference of a sharded run),
+    moved in as ``sharded/``; ``model_state``: the whole state dict of a sharded model, for ``model/``."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:
         with written_whole(final, f"{PREFIX}*") as tmp:
-            model.save_pretrained(tmp / "model", safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "model")
-            if optimizer_state is None:
-                _write_json(tmp / "state.json", {"step": step, MODEL_ONLY: True})
+            if sharded is not None:
+                sharded.rename(tmp / SHARDED)
+                _write_rng_and_state(tmp, step, state, other_processes_rng)
             else:
-                _write_training_state(tmp, step, optimizer_state, state, reference, other_processes_rng)
+                model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp / "model")
+                if optimizer_state is None:
+                    _write_json(tmp / "state.json", {"step": step, MODEL_ONLY: True})
+                else:
+                    _write_training_state(tmp, step, optimizer_state, state, reference, other_processes_rng)
     except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
         previous = [p.name for p in checkpoint_dirs(run_dir)]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
@@ -121,6 +134,55 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
     return final
 
 
+def sharded_staging(run_dir: Path, step: int) -> Path:
+    """The empty folder that every process of a sharded run writes its shards of checkpoint-<step> into
+    (``save_sharded``), before the first process moves it into the checkpoint; leftovers cleared."""
+    folder = Path(run_dir) / CHECKPOINTS
+    for stale in folder.glob(f".{SHARDED}-{PREFIX}*"):  # of a writer killed midway
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = folder / f".{SHARDED}-{PREFIX}{step}"
+    staging.mkdir(parents=True)
+    return staging
+
+
+def save_sharded(folder: Path, policy_pass: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 reference_pass: torch.nn.Module | None = None) -> None:
+    """The sharded model, optimizer state and (moving) reference into ``folder``, each process its own
+    shards (torch.distributed.checkpoint); every process calls it, together."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(policy_pass, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if reference_pass is not None:
+        state["reference"] = get_model_state_dict(reference_pass)
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def _load_sharded(folder: Path, policy_pass: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  reference_pass: torch.nn.Module | None) -> None:
+    """``save_sharded``'s folder into a run of any number of processes, sharded or not: each reads the
+    parts of the saved shards that its own shards (or whole tensors) cover."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    own_settings = [{key: group.get(key) for key in RUN_OPTIMIZER_SETTINGS} for group in optimizer.param_groups]
+    model_state, optimizer_state = get_state_dict(policy_pass, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    if reference_pass is not None and not any(key.startswith("reference.") for key in saved):
+        reference_pass = None  # written while the reference did not move
+    if reference_pass is not None:
+        state["reference"] = get_model_state_dict(reference_pass)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(policy_pass, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if reference_pass is not None:
+        set_model_state_dict(reference_pass, state["reference"])
+    for group, settings in zip(optimizer.param_groups, own_settings):  # as in a plain resume
+        group.update(settings)
+
+
 def _write_training_state(folder: Path, step: int, optimizer_state: dict[str, Any], state: dict[str, Any],
                           reference: torch.nn.Module | None, other_processes_rng: list) -> None:
     """Everything of a checkpoint beside the model: optimizer, reference, random states, trainer state."""
@@ -129,6 +191,10 @@ def _write_training_state(folder: Path, step: int, optimizer_state: dict[str, An
     _write_json(folder / "optimizer.json", rest)
     if reference is not None:
         save_model(reference, str(folder / "reference.safetensors"))
+    _write_rng_and_state(folder, step, state, other_processes_rng)
+
+
+def _write_rng_and_state(folder: Path, step: int, state: dict[str, Any], other_processes_rng: list) -> None:
     torch_states, other_states = rng_states()
     save_file(torch_states, folder / "rng.safetensors")
     _write_json(folder / "state.json", {**state, "step": step, "rng": other_states})
@@ -249,9 +315,35 @@ RUN_OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay", "fused", "foreach")
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    reference: torch.nn.Module | None = None, process: int = 0) -> dict[str, Any]:
+                    reference: torch.nn.Module | None = None, process: int = 0,
+                    policy_pass: torch.nn.Module | None = None, reference_pass: torch.nn.Module | None = None
+                    ) -> dict[str, Any]:
     """Restore the model, optimizer, reference and every RNG from ``path``; the trainer's state.
-    ``process``: the RNGs are that process's where the checkpoint has them (else the first one's)."""
+    ``process``: the RNGs are that process's where the checkpoint has them (else the first one's).
+    ``policy_pass``, ``reference_pass``: a sharded run's passes around the policy and the reference."""
+    if (path / SHARDED).is_dir():
+        _load_sharded(path / SHARDED, policy_pass or TrainingForward(model), optimizer,
+                      None if reference is None else reference_pass or TrainingForward(reference))
+    elif policy_pass is not None:
+        raise CheckpointError(f"{path} was written by a run without fsdp, and this run shards the model (fsdp); "
+                              "resume it without fsdp (at any number of processes), or start the sharded run from "
+                              f"its weights (model: {path / 'model'})")
+    else:
+        _load_whole(path, model, optimizer, reference)
+    trainer_state = json.loads((path / "state.json").read_text())
+    first_process_rng = trainer_state.pop("rng")
+    if process and (path / f"rng-{process}.safetensors").is_file():
+        _restore_rng(load_file(path / f"rng-{process}.safetensors"), json.loads((path / f"rng-{process}.json").read_text()))
+    else:
+        _restore_rng(load_file(path / "rng.safetensors"), first_process_rng)
+        if process:  # written by fewer processes: streams of its own, drawn from the first process's
+            _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
+    return trainer_state
+
+
+def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                reference: torch.nn.Module | None) -> None:
+    """The model, optimizer and reference of a checkpoint that holds them whole."""
     _load_model(path / "model", model)
     share = sharded_part(optimizer)
     # a process that holds a part of the optimizer state reads that part only: reading the whole file in
@@ -284,15 +376,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     param_state[key] = value.to(param.dtype)
     if reference is not None and (path / "reference.safetensors").is_file():
         load_model(reference, str(path / "reference.safetensors"))
-    trainer_state = json.loads((path / "state.json").read_text())
-    first_process_rng = trainer_state.pop("rng")
-    if process and (path / f"rng-{process}.safetensors").is_file():
-        _restore_rng(load_file(path / f"rng-{process}.safetensors"), json.loads((path / f"rng-{process}.json").read_text()))
-    else:
-        _restore_rng(load_file(path / "rng.safetensors"), first_process_rng)
-        if process:  # written by fewer processes: streams of its own, drawn from the first process's
-            _seed_all(int(torch.randint(2 ** 62, (1,))) + process)
-    return trainer_state
 
 
 def _indices_held(optimizer: torch.optim.Optimizer, share: torch.optim.Optimizer) -> set[int]:

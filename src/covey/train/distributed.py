@@ -223,10 +223,10 @@ class _TensorSpec:
 
 
 # what `accelerate launch` passes its processes from an accelerate config, and what covey says of it: covey
-# runs its own data parallelism and never reads these, so a config that asks for more is refused, not ignored
+# runs DDP or FSDP2 (an FSDP config is read by covey.train.sharding), so a config that asks for another
+# engine is refused, not ignored
 ACCELERATE_ENGINES = {
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-    "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
     "ACCELERATE_USE_PARALLELISM_CONFIG": "a parallelism config (tensor, context or sequence parallel)",
 }
@@ -234,13 +234,13 @@ ACCELERATE_ENGINES = {
 
 def check_launcher_settings(bf16: bool, environ: dict[str, str] | None = None) -> None:
     """Refuse what an accelerate config asks for that covey would not do: another distributed engine, a
-    compiler, or a mixed precision that the run's own bf16 setting does not give. (covey's processes each
-    hold the whole model and sum their gradients; see docs/distributed.md.)"""
+    compiler, or a mixed precision that the run's own bf16 setting does not give. (covey runs plain data
+    parallelism, or FSDP2 under an FSDP config or fsdp: full_shard; see docs/distributed.md.)"""
     environ = os.environ if environ is None else environ
     asked = [engine for key, engine in ACCELERATE_ENGINES.items() if environ.get(key, "").lower() == "true"]
-    problems = [f"the accelerate config asks for {engine}, which covey does not run: its processes each hold the "
-                "whole model and sum their gradients (plain data parallelism); launch with an accelerate config of "
-                "distributed_type MULTI_GPU or MULTI_CPU, or with torchrun" for engine in asked]
+    problems = [f"the accelerate config asks for {engine}, which covey does not run: it runs plain data parallelism "
+                "(DDP) or shards the model with FSDP2; launch with an accelerate config of distributed_type "
+                "MULTI_GPU, MULTI_CPU or FSDP (fsdp_version: 2), or with torchrun" for engine in asked]
     if environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("no", ""):
         problems.append(f"the accelerate config compiles with dynamo_backend {environ['ACCELERATE_DYNAMO_BACKEND']}, "
                         "which covey does not do; set dynamo_backend: 'no' in it")

@@ -24,6 +24,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from covey.core import token_logprobs
 from covey.models import cache_keyword, plain_model
+from covey.train.sharding import is_sharded
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 
@@ -54,17 +55,19 @@ class SequenceBatch:
 
 
 class TrainingForward(torch.nn.Module):
-    """``completion_logprobs`` of ``model`` as a module's forward, so that DistributedDataParallel can wrap
-    the whole training pass (its calls into the model's parts, for the shared prompts and the packed head,
-    included) and sum the gradients while the backward runs."""
+    """``completion_logprobs`` of ``model`` as a module's forward: the pass that torch's distributed
+    engines wrap whole (its calls into the model's parts, for the shared prompts and the packed head,
+    included). DistributedDataParallel sums the gradients of the training pass while the backward runs;
+    under FSDP2 it is the root unit (``covey.train.sharding``), and every pass of the model goes through it."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: SequenceBatch, temperature: float, entropy_grad: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_logprobs(self.model, batch, temperature, with_entropy=True, entropy_grad=entropy_grad)
+    def forward(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_logprobs(self.model, batch, temperature, with_entropy=with_entropy,
+                                   entropy_grad=entropy_grad)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
@@ -127,7 +130,9 @@ def _sparse_tied_embedding_gradient(model: torch.nn.Module):
     base = plain_model(model)
     embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
     tied = isinstance(embedding, torch.nn.Embedding) and getattr(head, "weight", None) is embedding.weight
-    if not (torch.is_grad_enabled() and tied and embedding.weight.requires_grad) or embedding.sparse:
+    # a sharded model's gradients are reduce-scattered dense
+    if not (torch.is_grad_enabled() and tied and embedding.weight.requires_grad) or embedding.sparse or \
+            is_sharded(base):
         yield
         return
     embedding.sparse = True  # read when the lookup runs; its backward keeps the choice

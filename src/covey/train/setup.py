@@ -9,6 +9,7 @@ import dataclasses
 import math
 import warnings
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from covey.config import GRPOConfig
 from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError
-from covey.models import (ModelLoading, adapted_shared_matrix, add_lora, check_quantization, default_device,
+from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
                           disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
                           merged_model, quiet_transformers, resolve_model_path)
 from covey.rewards import (RewardFunc, RewardModel, check_reward_columns, load_reward_func, preflight_check,
@@ -33,6 +34,8 @@ from covey.rollout.weight_transfer import BACKEND
 from covey.rollout.wire import server_token
 from covey.sources import load_reference
 from covey.train.distributed import World
+from covey.train.forward import TrainingForward
+from covey.train.sharding import PolicyCopy, Sharding, shard
 
 # ---- rewards and data -----------------------------------------------------------------------------
 
@@ -233,6 +236,36 @@ def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Mod
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     return policy
+
+
+# the engines that sample in the training process, from a whole copy of a sharded policy
+ENGINES_IN_PROCESS = ("fast", "hf")
+
+
+@dataclass(frozen=True)
+class ShardedRun:
+    """A run's passes under fsdp (``covey.train.sharding``): around the policy, and around the frozen
+    reference (None: no reference, or LoRA's, which is the policy with its adapter off), and the whole
+    copy of the policy that an engine in this process samples from (None for the others)."""
+
+    policy_pass: torch.nn.Module
+    reference_pass: torch.nn.Module | None
+    policy_copy: PolicyCopy | None
+
+
+def shard_run(args: GRPOConfig, sharding: Sharding, policy: torch.nn.Module, reference: Reference | None,
+              own_engine: bool, world: World) -> ShardedRun:
+    """The policy and the frozen reference sharded over the processes (each wrapped in the pass that runs
+    it, the root unit); ``own_engine``: the run brings its own engine (no copy is made for it). In one
+    process nothing is sharded, but the run is one (its checkpoints are shards, of one process)."""
+    one = world.size == 1
+    copy = None if one or own_engine or engine_name(args) not in ENGINES_IN_PROCESS else PolicyCopy(policy)  # first
+
+    def wrapped(model: torch.nn.Module) -> torch.nn.Module:
+        return TrainingForward(model) if one else shard(TrainingForward(model), sharding, args.bf16)
+
+    frozen = None if reference is None else reference.frozen
+    return ShardedRun(wrapped(policy), None if frozen is None else wrapped(frozen), copy)
 
 
 def make_optimizer(args: GRPOConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:

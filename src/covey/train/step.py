@@ -19,6 +19,7 @@ gradients are summed over the processes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -34,13 +35,14 @@ from covey import core
 from covey.config import GRPOConfig
 from covey.agents import Agent
 from covey.data import PromptSampler, extra_columns
-from covey.models import Reference, autocast
+from covey.models import Reference, autocast, policy_weights
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context, reward_name, score_completions
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from covey.train import generation
 from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
 from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
+from covey.train.sharding import PolicyCopy, grad_norm_value
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class StepParts:
     agent: Agent | None = None  # tools and an environment: episodes of several turns (None: one completion)
     rollout_func: Callable[[list], dict] | None = None  # the user's own generation, TRL's rollout_func
     training_forward: torch.nn.Module | None = None  # the pass that trains, under train() (World.data_parallel; None: the model's)
+    # under fsdp: the sharded passes around the policy and the frozen reference, through which every pass of
+    # theirs runs, and the whole copy of the policy that an engine in this process samples from
+    policy_pass: torch.nn.Module | None = None
+    reference_pass: torch.nn.Module | None = None
+    policy_copy: PolicyCopy | None = None
 
     @property
     def device(self) -> torch.device:
@@ -124,6 +131,8 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
         t_train = time.perf_counter()
         totals, grad_norm, progress = optimizer_step(parts, batch, fixed, window, policy_unchanged, progress)
         parts.engine.policy_changed(parts.model)
+        if parts.policy_copy is not None:
+            parts.policy_copy.stale = True
         if parts.reference is not None and args.sync_ref_model and progress.global_step % args.ref_model_sync_steps == 0:
             parts.reference.sync(args.ref_model_mixup_alpha)
         now = time.perf_counter()
@@ -352,15 +361,23 @@ def logprobs_no_grad(parts: StepParts, model: torch.nn.Module, sequences: Sequen
     out = torch.zeros(B, T)
     was_training = model.training
     model.eval()
+    forward = logprob_pass(parts, model)
     try:
         for start in range(0, B, args.per_device_train_batch_size):
             rows = slice(start, start + args.per_device_train_batch_size)
             with autocast(parts.device, args.bf16):
-                logp, _ = completion_logprobs(model, sequences.rows(rows), args.temperature)
+                logp, _ = forward(sequences.rows(rows), args.temperature, False)
             out[rows, : logp.shape[1]] = logp.float().cpu()
     finally:
         model.train(was_training)
     return out
+
+
+def logprob_pass(parts: StepParts, model: torch.nn.Module) -> torch.nn.Module:
+    """The pass that computes ``model``'s log-probs: under fsdp the sharded one around it (the policy's or
+    the reference's), else a plain ``TrainingForward``."""
+    sharded = (p for p in (parts.policy_pass, parts.reference_pass) if p is not None and p.model is model)
+    return next(sharded, None) or TrainingForward(model)
 
 
 # ---- 5-6. loss and optimizer step ---------------------------------------------------------------------
@@ -411,7 +428,7 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     totals: dict[str, float] = {"loss": 0.0}
     if parts.training_forward is None and parts.world.size > 1:
         raise RuntimeError("several processes train through World.data_parallel (GRPOTrainer.train sets it up)")
-    forward = parts.training_forward or TrainingForward(model)
+    forward = parts.training_forward or logprob_pass(parts, model)
     starts = range(window.start, window.stop, args.per_device_train_batch_size)
     if not starts and parts.world.size > 1:  # no rows of its own: its share of the gradients is zero
         take_part_without_rows(parts, forward, samples)
@@ -422,7 +439,7 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         mask_BT = samples.loss_mask_BT[rows, :T].to(device)
         last = start == starts[-1]
         with gradients_summed_if(forward, last), autocast(device, args.bf16):
-            logp_BT, entropy_BT = forward(micro, args.temperature, bonus.enabled)
+            logp_BT, entropy_BT = forward(micro, args.temperature, True, bonus.enabled)
         reuse = fixed.old_BT is None or policy_unchanged
         old_BT = logp_BT.detach() if reuse else fixed.old_BT[rows, :T].to(device)
         ref_BT = None if fixed.ref_BT is None else fixed.ref_BT[rows, :T].to(device)
@@ -468,7 +485,7 @@ def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: 
         micro = SequenceBatch(prompt, torch.ones_like(prompt), torch.tensor([[parts.eos_ids[0]]]),
                               torch.ones(1, 1, dtype=torch.long))
     with autocast(parts.device, parts.args.bf16):
-        logp_BT, _ = forward(micro, parts.args.temperature, False)
+        logp_BT, _ = forward(micro, parts.args.temperature, True, False)
     (logp_BT.sum() * 0.0).backward()
 
 
@@ -487,7 +504,7 @@ def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progre
     progress after the step). Non-finite gradients skip the update, and are counted."""
     params = [p for p in parts.model.parameters() if p.requires_grad]  # summed over the processes already
     clip = parts.args.max_grad_norm if parts.args.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(params, clip))
     if math.isfinite(grad_norm):
         parts.optimizer.step()
         bad, in_a_row = progress.bad_steps, 0
@@ -503,12 +520,17 @@ def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progre
 
 
 def push_shared_policy(parts: StepParts) -> None:
-    """Several processes sampling from one copy of the weights (a vLLM or covey server), before they sample:
-    the first pushes the policy if it changed since its last push, and the others learn which copy
-    holds it."""
+    """Before sampling. Under fsdp, the whole copy that an engine in this process samples from takes the
+    policy's new weights. Several processes sampling from one copy of the weights (a vLLM or covey server):
+    the first pushes the policy if it changed since its last push (sharded: gathered with the others'
+    help), and the others learn which copy holds it."""
     engine, world = parts.engine, parts.world
+    if parts.policy_copy is not None:  # every process, from the shards
+        parts.policy_copy.refresh(parts.policy_pass, parts.model)
     if world.size == 1 or not engine.shared_by_processes or not engine.policy_stale:
         return
+    if parts.policy_pass is not None and not world.is_main:  # the first gathers the shards with the others' help
+        collections.deque(policy_weights(parts.model, tied_copy=True), maxlen=0)
     holder = world.on_main(lambda: engine.push_policy(parts.model))
     if not world.is_main:
         engine.follow_pushes(holder)

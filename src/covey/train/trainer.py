@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import signal
 import threading
 import warnings
@@ -36,13 +37,14 @@ from covey.telemetry.trackers import check_trackers, make_trackers
 from covey.train import setup
 from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
-from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, saved_step,
-                                    written_whole)
+from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, save_sharded,
+                                    saved_step, sharded_staging, written_whole)
 from covey.train.distributed import World, check_launcher_settings, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.forward import TrainingForward
 from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
+from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
 from covey.train.step import Rewards, StepParts, grpo_step, push_shared_policy
 
@@ -86,6 +88,9 @@ class GRPOTrainer:
                               f"has {processes} (WORLD_SIZE); with several processes use vllm_mode: server (one "
                               "`covey server` for all of them) or rollout_engine: fast, or train in one process")
         check_launcher_settings(args.bf16)
+        self.sharding = Sharding.from_settings(args.fsdp, args.fsdp_config, os.environ)  # None: not sharded
+        if self.sharding is not None:
+            check_sharded_run(args)
         self.world = World.from_environment()
         set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
@@ -156,7 +161,10 @@ class GRPOTrainer:
         self.eos_ids = eos_token_ids(policy, tokenizer)
         if agent is not None:  # a turn ends at any of the model's end tokens
             agent = dataclasses.replace(agent, eos_ids=self.eos_ids)
-        engine = rollout_engine or setup.build_engine(args, policy, tokenizer, self.eos_ids)
+        sharded = (None if self.sharding is None else
+                   setup.shard_run(args, self.sharding, policy, reference, rollout_engine is not None, self.world))
+        sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
+        engine = rollout_engine or setup.build_engine(args, sampled, tokenizer, self.eos_ids)
         correction = setup.engine_correction(args)
         if (args.loss_type == "vespo" and correction is not None and correction.level == "sequence"
                 and not (engine.exact_logprobs and rollout_func is None)):
@@ -172,7 +180,8 @@ class GRPOTrainer:
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
                                setup.sampling_params(args), setup.loss_settings(args), correction,
-                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
+                               agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
+                               **({} if sharded is None else vars(sharded)))
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress(entropy_coef=args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
@@ -278,12 +287,17 @@ class GRPOTrainer:
             raise ConfigError(f"save_model: {target} already holds files, and covey overwrites nothing; give a new "
                               f"or empty folder (the model is also in {final})")
 
-        return self.world.on_main(lambda: self._write_model(target))
+        return self._write_model(target)
 
     def _write_model(self, folder: Path) -> Path:
-        """The model and its tokenizer (as loaded) in ``folder``, whole or not at all."""
+        """The model and its tokenizer (as loaded) in ``folder``, whole or not at all, by the first process
+        (a sharded model gathered there first, with every process's help)."""
+        whole = None if self.parts.policy_pass is None else whole_state_dict(self.parts.policy_pass)
+        return self.world.on_main(lambda: self._write_model_here(folder, whole))
+
+    def _write_model_here(self, folder: Path, state_dict: dict | None) -> Path:
         with written_whole(folder, f"{folder.name}-*") as tmp:
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             with tokenizer_as_loaded(self.tokenizer) as tokenizer:
                 tokenizer.save_pretrained(tmp)
         return folder
@@ -302,7 +316,8 @@ class GRPOTrainer:
         """Over several processes, DistributedDataParallel over the training pass while train() runs. It
         is released at the end, while the process group is still open: released after it is closed (at
         exit, say), gloo's teardown can deadlock against the thread that finishes its last transfers."""
-        forward = self.world.data_parallel(TrainingForward(self.model), static_graph=self.args.gradient_checkpointing)
+        forward = self.parts.policy_pass or self.world.data_parallel(  # sharded: FSDP2 reduces the gradients
+            TrainingForward(self.model), static_graph=self.args.gradient_checkpointing)
         self.parts = dataclasses.replace(self.parts, training_forward=forward)
         try:
             yield
@@ -443,31 +458,42 @@ class GRPOTrainer:
     def _checkpoint_every_process(self) -> Path:
         """A checkpoint, written by the first process with what the others send it: their random states
         (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
-        if self.args.save_only_model:  # the model alone, which every process holds whole
-            return self.world.on_main(self.save_checkpoint)
+        policy_pass = self.parts.policy_pass
+        if self.args.save_only_model:  # the model alone, whole (gathered first where it is sharded)
+            whole = None if policy_pass is None else whole_state_dict(policy_pass)
+            return self.world.on_main(lambda: self.save_checkpoint(model_state=whole))
+        if policy_pass is not None:  # every process writes its shards, then the first the rest
+            staging = self.world.on_main(lambda: sharded_staging(self.run_dir, self.global_step))
+            save_sharded(staging, policy_pass, self.optimizer,
+                         self.parts.reference_pass if self._moving_reference() is not None else None)
+            process_rngs = self.world.gather(rng_states())
+            return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging))
         sharded = sharded_part(self.optimizer) is not None
         optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
         return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
 
-    def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None) -> Path:
+    def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None,
+                        sharded: Path | None = None, model_state: dict | None = None) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
         ``other_processes_rng``: the random states of the other processes, which it then holds too;
-        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own).
-        Under save_only_model: the model alone."""
+        ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own);
+        ``sharded``, ``model_state``: under fsdp, the folder of the processes' shards, or the whole
+        model's state dict (save_only_model). Under save_only_model: the model alone."""
         state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
                  "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
         whole = not self.args.save_only_model
         with tokenizer_as_loaded(self.tokenizer) as tokenizer:
             return save_checkpoint(self.run_dir, self.global_step, self.model,
-                                   (optimizer_state or self.optimizer.state_dict()) if whole else None, state,
-                                   self._moving_reference(), self.args.save_total_limit, tokenizer,
-                                   other_processes_rng)
+                                   (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
+                                   else None, state, self._moving_reference(), self.args.save_total_limit, tokenizer,
+                                   other_processes_rng, sharded, model_state)
 
     def _restore(self, path: Path) -> None:
         try:
-            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference(), self.world.rank)
+            state = load_checkpoint(path, self.model, self.optimizer, self._moving_reference(), self.world.rank,
+                                    self.parts.policy_pass, self.parts.reference_pass)
             self.scheduler.load_state_dict(state["scheduler"])
             self.sampler.load_state_dict(state["sampler"])
             # a field an older checkpoint lacks keeps its start value
@@ -546,7 +572,7 @@ class GRPOTrainer:
         final = self.run_dir / "final_model"
 
         try:
-            return self.world.on_main(lambda: self._write_model(final))
+            return self._write_model(final)
         except Exception as e:  # OSError, or safetensors' own error type for a full disk (in every process)
             try:
                 saved = self._checkpoint_every_process()
