@@ -73,17 +73,19 @@ def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def train(output_dir, processes: int, signalled: bool = False, dropout: float = 0.0, **overrides) -> dict:
+def train(output_dir, processes: int, signalled: bool = False, dropout: float = 0.0, sampled: bool = False,
+          **overrides) -> dict:
     """Train; the summed gradient of every optimizer step (as the optimizer saw it), where the run
     stands in the data, and the signal that stopped it. ``signalled``: as if sent SIGINT at the start;
-    ``dropout``: on the attention weights, drawn from the torch random stream of each process."""
+    ``dropout``: on the attention weights, drawn from the torch random stream of each process;
+    ``sampled``: the completions sampled by the configured engine instead of scripted."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = dropout
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=settings(output_dir, processes, **overrides),
                           train_dataset=ROWS, eval_dataset=HELD_OUT, processing_class=tokenizer,
-                          rollout_engine=ScriptedEngine(tokenizer), quiet=True)
+                          rollout_engine=None if sampled else ScriptedEngine(tokenizer), quiet=True)
     gradients, step = [], trainer.optimizer.step
 
     def recording_step(*args, **kwargs):  # a sharded gradient is gathered whole (every process at once)

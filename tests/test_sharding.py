@@ -61,3 +61,35 @@ def test_a_sharded_checkpoint_resumes_at_another_number_of_processes(tmp_path, f
     final, expected = _final_weights(run), _final_weights(tmp_path / "straight")
     for name in expected:
         assert torch.allclose(final[name], expected[name], atol=1e-6), name
+
+
+def test_fsdp_trains_a_lora_adapter_as_one_process_does(tmp_path):
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-2)
+    one = train(tmp_path / "one", 1, **lora)["gradients"]
+    two = [result["gradients"] for result in train_in_two_processes(tmp_path, fsdp="full_shard", **lora)]
+    assert len(one[0]) == len(two[0][0]) > 0 and all(g.dim() == 2 for g in one[0])  # the adapter's matrices only
+    for step in range(2):
+        for single, rank0, rank1 in zip(one[step], two[0][step], two[1][step]):
+            assert torch.equal(rank0, rank1)
+            assert torch.allclose(single, rank0, atol=1e-6, rtol=1e-4)
+    one_adapter = load_file(tmp_path / "one" / "final_model" / "adapter_model.safetensors")
+    two_adapter = load_file(tmp_path / "two" / "final_model" / "adapter_model.safetensors")
+    assert one_adapter.keys() == two_adapter.keys()
+    for name in one_adapter:
+        assert torch.allclose(one_adapter[name], two_adapter[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_peft": True, "lora_dropout": 0.0, "learning_rate": 1e-2}])
+def test_the_fast_engine_samples_the_sharded_policy_as_data_parallel_processes_do(tmp_path, overrides):
+    """Each process samples with the fast engine from a whole copy of the policy, refreshed from the shards
+    before each round: the same completions as under DDP, where each process holds the policy whole."""
+    settings = dict(sampled=True, max_steps=3, temperature=1.0, **overrides)
+    train_in_two_processes(tmp_path, run="ddp", **settings)
+    train_in_two_processes(tmp_path, run="fsdp", fsdp="full_shard", **settings)
+    completions = {run: [(c["step"], c["completion"]) for c in map(json.loads, (tmp_path / run / "completions.jsonl")
+                                                                  .read_text().splitlines())] for run in ("ddp", "fsdp")}
+    assert len(completions["fsdp"]) == 16 and {step for step, _ in completions["fsdp"]} == {1, 3}  # first and last
+    assert completions["fsdp"] == completions["ddp"]  # sampled after each update from the same weights
+    ddp, fsdp = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "fsdp")
+    for key in ("reward", "loss", "grad_norm"):
+        assert [m[key] for m in fsdp] == pytest.approx([m[key] for m in ddp], rel=1e-4, abs=1e-7), key

@@ -156,7 +156,7 @@ def save_sharded(folder: Path, policy_pass: torch.nn.Module, optimizer: torch.op
     state = {"model": model_state, "optimizer": optimizer_state}
     if reference_pass is not None:
         state["reference"] = get_model_state_dict(reference_pass)
-    dcp.save(state, checkpoint_id=str(folder))
+    dcp.save(state, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
 
 
 def _load_sharded(folder: Path, policy_pass: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -175,7 +175,7 @@ def _load_sharded(folder: Path, policy_pass: torch.nn.Module, optimizer: torch.o
         reference_pass = None  # written while the reference did not move
     if reference_pass is not None:
         state["reference"] = get_model_state_dict(reference_pass)
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
     set_state_dict(policy_pass, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if reference_pass is not None:
         set_model_state_dict(reference_pass, state["reference"])
