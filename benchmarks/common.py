@@ -115,11 +115,12 @@ def alternating_runs(description: str, variants: list[str], steps: int, worker, 
     return runs
 
 
-def results_of_two_processes(module: str, variant: str, steps: int) -> list[dict]:
-    """``python -m module --worker variant --steps steps --out-dir DIR`` in two processes of one torchrun
-    (fresh, in a temporary folder); the JSON each printed on a line ``RESULT {...}``."""
+def results_of_two_processes(module: str, variant: str, steps: int, processes: int = 2) -> list[dict]:
+    """``python -m module --worker variant --steps steps --out-dir DIR`` in two processes (or ``processes``)
+    of one torchrun (fresh, in a temporary folder); the JSON each printed on a line ``RESULT {...}``."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                              str(processes),
                               "-m", module, "--worker", variant, "--steps", str(steps),
                               "--out-dir", os.path.join(tmp, "run")],
                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -475,10 +475,12 @@ def test_a_process_that_does_not_push_stops_the_run_when_the_server_restarted():
         server.close()
 
 
-def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_path):
+@pytest.mark.parametrize("overrides", [{}, {"fsdp": "full_shard"}])
+def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_path, overrides):
     """vllm_mode: server with two training processes (the server runs covey's fast engine): the
     first process pushes the policy before anyone samples from a changed one, never the others,
-    and the last evaluation samples from the trained weights."""
+    and the last evaluation samples from the trained weights (under fsdp, gathered from the shards
+    with the other process's help)."""
     from safetensors.torch import load_file
 
     from covey.rollout.server import FastBackend
@@ -489,7 +491,7 @@ def test_processes_share_one_rollout_server_that_the_first_keeps_up_to_date(tmp_
     results = str(tmp_path / "outcome")
     try:
         run_in_two_processes(_train_with_server, (free_port(), server.server_address[1], str(tmp_path / "run"), results,
-                                                  {}))
+                                                  overrides))
     finally:
         server.close()
     assert [torch.load(f"{results}-{rank}.pt") for rank in (0, 1)] == ["finished", "finished"]
@@ -583,7 +585,10 @@ def test_covey_closes_only_the_process_group_it_started(tmp_path):
 
 @pytest.mark.parametrize("environ, message", [
     ({"ACCELERATE_USE_DEEPSPEED": "true"}, "the accelerate config asks for DeepSpeed, which covey does not run"),
-    ({"ACCELERATE_USE_FSDP": "true"}, "asks for FSDP, which covey does not run"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "covey shards with FSDP2 only: set fsdp_version: 2"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+     "offload_params='true' is not supported"),
+    ({"ACCELERATE_USE_MEGATRON_LM": "true"}, "asks for Megatron-LM, which covey does not run"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "compiles with dynamo_backend INDUCTOR"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision: fp16, and covey takes its precision from its own"),
     ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "set bf16: true there"),

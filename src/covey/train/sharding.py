@@ -274,22 +274,30 @@ def grad_norm_value(norm: torch.Tensor) -> float:
 
 class PolicyCopy:
     """A whole, plain copy of a sharded policy, for an engine that samples in the training process (fast,
-    hf). It is made before the policy is sharded, and ``refresh`` copies the trained parameters from the
-    shards, a block at a time, when the policy has changed since (every process at once)."""
+    hf). Made before the policy is sharded; its weights are held only while the engine samples: ``refresh``
+    gathers them from the shards, a block at a time (every process at once), and ``release`` frees them
+    again, so that the copy never sits beside the training pass's gradients and activations."""
 
     def __init__(self, policy: torch.nn.Module):
         self.model = copy.deepcopy(policy).requires_grad_(False)
-        self.trained = {name for name, p in policy.named_parameters(remove_duplicate=False) if p.requires_grad}
-        self.stale = False
+        self.held = True  # its weights are there (and are the policy's, unless stale)
+        self.stale = False  # the policy has changed since they were taken
 
     @torch.no_grad()
     def refresh(self, root: torch.nn.Module, policy: torch.nn.Module) -> None:
-        """``policy``'s trained parameters, from the sharded pass ``root`` around it, if it changed."""
-        if not self.stale:
+        """``policy``'s weights, from the sharded pass ``root`` around it, unless held and current."""
+        if self.held and not self.stale:
             return
         own = dict(self.model.named_parameters(remove_duplicate=False))
+        taken: set[int] = set()  # a tied head is the embedding's tensor
         for name, param in gathered_parameters(root, policy):
-            if name in self.trained:
-                own[name].copy_(param)
-        self.stale = False
+            if id(own[name]) not in taken:
+                own[name].data = param.detach().clone()
+                taken.add(id(own[name]))
+        self.held, self.stale = True, False
 
+    def release(self) -> None:
+        """Free the weights until the next ``refresh``."""
+        for param in self.model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.held = False

@@ -114,9 +114,9 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
     started = time.perf_counter()
     if events is not None:
         events.step_begin(progress.global_step)
-    push_shared_policy(parts)
     # 1-2. generate and score
-    generated = generate_and_score(parts, sampler, progress)
+    with sampling_from_policy(parts):
+        generated = generate_and_score(parts, sampler, progress)
     # 3. advantages, over the rewards of every process
     batch, reward_errors = with_advantages(parts, generated.samples, generated.reward_errors)
     progress = dataclasses.replace(progress, rounds_sampled=progress.rounds_sampled + generated.rounds,
@@ -517,6 +517,19 @@ def apply_gradients(parts: StepParts, progress: Progress) -> tuple[float, Progre
 
 
 # ---- several processes sharing one engine -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def sampling_from_policy(parts: StepParts):
+    """Around a round's (or an evaluation's) sampling: the engine's weights are the policy's
+    (``push_shared_policy``); under fsdp the whole copy an engine in this process samples from is freed
+    after it."""
+    push_shared_policy(parts)
+    try:
+        yield
+    finally:
+        if parts.policy_copy is not None:
+            parts.policy_copy.release()
 
 
 def push_shared_policy(parts: StepParts) -> None:

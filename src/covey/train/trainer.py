@@ -46,7 +46,7 @@ from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
-from covey.train.step import Rewards, StepParts, grpo_step, push_shared_policy
+from covey.train.step import Rewards, StepParts, grpo_step, sampling_from_policy
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
@@ -441,14 +441,14 @@ class GRPOTrainer:
         rows = rows if rows is not None else self.eval_rows
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
-        push_shared_policy(self.parts)
         rewards = self.parts.rewards
         state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
         # every process evaluates its share of the rows
-        parts = self.world.gather(evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs,
-                                           rewards.weights, self.args, rewards.pool, reward_context(state),
-                                           agent=self.parts.agent, rollout_func=self.parts.rollout_func,
-                                           eos_ids=self.eos_ids))
+        with sampling_from_policy(self.parts):
+            mine = evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
+                            self.args, rewards.pool, reward_context(state), agent=self.parts.agent,
+                            rollout_func=self.parts.rollout_func, eos_ids=self.eos_ids)
+        parts = self.world.gather(mine)
         result = merge_evaluations(parts)
         self.callback_handler.evaluate(self.global_step, result)
         return result
