@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def results_of_two_processes(module: str, variant: str, steps: int, processes: i
                               "-m", module, "--worker", variant, "--steps", str(steps),
                               "--out-dir", os.path.join(tmp, "run")],
                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    # flat JSON objects, found wherever they are: two processes' lines can run into each other
+    results = [json.loads(found) for found in re.findall(r"RESULT (\{[^{}]*\})", out.stdout)]
     if out.returncode != 0 or not results:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
     return results

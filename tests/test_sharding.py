@@ -34,11 +34,13 @@ def _final_weights(run):
     return load_file(run / "final_model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_a_sharded_checkpoint_resumes_at_another_number_of_processes(tmp_path, first, then):
-    """Each process writes its own shards (torch.distributed.checkpoint); a run of another size reads them
-    and takes the steps the run never stopped would have (the same global batch of 2 prompts x 4)."""
-    sharded = dict(fsdp="full_shard", max_steps=4, save_steps=2)
+@pytest.mark.parametrize("first, then, kind", [(2, 2, "FULL_STATE_DICT"), (2, 1, "SHARDED_STATE_DICT"),
+                                               (1, 2, "SHARDED_STATE_DICT")])
+def test_a_sharded_checkpoint_resumes_at_another_number_of_processes(tmp_path, first, then, kind):
+    """Each process writes its own shards (torch.distributed.checkpoint); a run reads them and takes the
+    steps the run never stopped would have (the same global batch of 2 prompts x 4): bit for bit at the
+    same number of processes, to float32 rounding at another (the gradients are summed in another order)."""
+    sharded = dict(fsdp="full_shard", max_steps=4, save_steps=2, fsdp_config={"state_dict_type": kind})
     straight = train_in_two_processes(tmp_path, run="straight", **sharded)
     run = tmp_path / "stopped"
 
@@ -50,17 +52,23 @@ def test_a_sharded_checkpoint_resumes_at_another_number_of_processes(tmp_path, f
 
     part(first, max_steps=2)
     checkpoint = run / "checkpoints" / "checkpoint-2"
-    assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model").exists()
+    assert (checkpoint / "sharded" / ".metadata").is_file()
     assert len(list((checkpoint / "sharded").glob("*.distcp"))) == first  # one file of shards per process
+    # FULL_STATE_DICT: the model whole beside the shards, a folder that loads on its own
+    assert (checkpoint / "model").exists() == (kind == "FULL_STATE_DICT")
+    if kind == "FULL_STATE_DICT":
+        assert load_file(checkpoint / "model" / "model.safetensors").keys() == _final_weights(tmp_path / "straight").keys()
     with pytest.warns(UserWarning, match="written by a run of") if then == 1 else contextlib.nullcontext():
         resumed = part(then, resume_from_checkpoint=str(checkpoint))
     assert len(resumed["gradients"]) == 2
+    same = first == then
     for single, whole in zip(resumed["gradients"], straight[0]["gradients"][2:]):
         for a, b in zip(single, whole):
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+            assert torch.equal(a, b) if same else torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     final, expected = _final_weights(run), _final_weights(tmp_path / "straight")
     for name in expected:
-        assert torch.allclose(final[name], expected[name], atol=1e-6), name
+        assert torch.equal(final[name], expected[name]) if same else \
+            torch.allclose(final[name], expected[name], atol=1e-6), name
 
 
 def test_fsdp_trains_a_lora_adapter_as_one_process_does(tmp_path):
@@ -93,3 +101,92 @@ def test_the_fast_engine_samples_the_sharded_policy_as_data_parallel_processes_d
     ddp, fsdp = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "fsdp")
     for key in ("reward", "loss", "grad_norm"):
         assert [m[key] for m in fsdp] == pytest.approx([m[key] for m in ddp], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"fsdp": "full_shard offload"}, "fsdp: 'offload' asks for offloading parameters to the CPU, which covey does not do"),
+    ({"fsdp": "hybrid_shard"}, "hybrid sharding"),
+    ({"fsdp": "fully_shard"}, "'fully_shard' is not an FSDP option"),
+    ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 1}}, "covey shards with FSDP2 only"),
+    ({"fsdp": "full_shard", "fsdp_config": {"state_dict_type": "LOCAL_STATE_DICT"}}, "is not SHARDED_STATE_DICT or"),
+    ({"fsdp": "full_shard", "fsdp_config": {"offload_params": True}}, "covey keeps the parameters on the device"),
+    ({"fsdp": "full_shard", "fsdp_config": {"limit_all_gathers": True}}, "'limit_all_gathers' is not an FSDP option"),
+    ({"fsdp": "full_shard", "fsdp_config": {"reshard_after_forward": "sometimes"}}, "is not true or false"),
+    ({"fsdp_config": {"reshard_after_forward": True}}, "fsdp_config is given but fsdp is not set"),
+    ({"fsdp": "full_shard", "shard_optimizer_state": True}, "fsdp shards it already"),
+    ({"fsdp": "full_shard", "push_to_hub": True}, "hub_strategy: every_save pushes checkpoints"),
+])
+def test_what_covey_does_not_shard_is_refused_when_the_config_is_read(settings, message):
+    from covey import GRPOConfig
+    from covey.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**settings)
+
+
+def test_trl_and_accelerate_name_the_sharding_covey_does():
+    from covey import GRPOConfig
+    from covey.errors import ConfigError
+    from covey.train.sharding import Sharding
+
+    assert GRPOConfig(fsdp=["full_shard", "auto_wrap"]).fsdp == "full_shard auto_wrap"  # TRL's list form
+    assert Sharding.from_settings("", None, {}) is None
+    assert Sharding.from_settings("full_shard auto_wrap", {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                                           "fsdp_version": 2}, {}) == \
+        Sharding(True, ("LlamaDecoderLayer",))
+    assert Sharding.from_settings("shard_grad_op", None, {}) == Sharding(False, None)
+    # what `accelerate launch --config_file` passes from TRL's fsdp2.yaml (accelerate's defaults included)
+    launched = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+                "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false",
+                "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+                "FSDP_ACTIVATION_CHECKPOINTING": "false", "FSDP_MIN_NUM_PARAMS": "100000000",
+                "FSDP_SYNC_MODULE_STATES": "true", "FSDP_USE_ORIG_PARAMS": "true", "FSDP_FORWARD_PREFETCH": "false"}
+    with pytest.warns(UserWarning, match="covey loads the model in every process"):
+        assert Sharding.from_settings("", None, launched) == Sharding(True, None, whole_model_in_checkpoints=True)
+    quiet = {**launched, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+    assert Sharding.from_settings("", None, {**quiet, "FSDP_RESHARD_AFTER_FORWARD": "false"}) == Sharding(False, None)
+    with pytest.raises(ConfigError, match="forward_prefetch='true' is not supported"):
+        Sharding.from_settings("", None, {**quiet, "FSDP_FORWARD_PREFETCH": "true"})
+
+
+def test_a_model_without_the_named_blocks_says_which_classes_it_has(tiny_model):
+    from covey.errors import ConfigError
+    from covey.train.forward import TrainingForward
+    from covey.train.sharding import transformer_blocks
+
+    assert len(transformer_blocks(TrainingForward(tiny_model), None)) == tiny_model.config.num_hidden_layers
+    with pytest.raises(ConfigError, match="transformer_layer_cls_to_wrap to its decoder layer's class "
+                                          r"\(LlamaDecoderLayer\)"):
+        transformer_blocks(TrainingForward(tiny_model), ("GPT2Block",))
+
+
+@pytest.mark.parametrize("overrides", [{"gradient_checkpointing": True}, {"bf16": True}])
+def test_fsdp_with_checkpointed_layers_or_bfloat16_makes_one_process_update(tmp_path, overrides):
+    """Checkpointed layers recompute their forward in the backward, gathering their parameters again: the
+    same gradients. Under bf16 the gathered parameters are bfloat16 where one process computes under
+    autocast from float32 weights: the same direction, to bfloat16's precision."""
+    one = train(tmp_path / "one", 1, **overrides)["gradients"]
+    two = train_in_two_processes(tmp_path, fsdp="full_shard", **overrides)[0]["gradients"]
+    for step in range(2):
+        for single, sharded in zip(one[step], two[step]):
+            assert sharded.dtype == torch.float32  # reduced in float32
+            if overrides.get("bf16"):
+                cosine = torch.nn.functional.cosine_similarity(single.flatten(), sharded.flatten(), dim=0)
+                assert cosine > 0.99 and torch.allclose(single.norm(), sharded.norm(), rtol=0.05)
+            else:
+                assert torch.allclose(single, sharded, atol=1e-6, rtol=1e-4)
+
+
+def test_a_moving_reference_is_sharded_into_the_checkpoint_and_resumes_exactly(tmp_path):
+    moving = dict(fsdp="full_shard", max_steps=4, save_steps=2, sync_ref_model=True, ref_model_sync_steps=1,
+                  ref_model_mixup_alpha=0.5)
+    straight = train_in_two_processes(tmp_path, run="straight", **moving)[0]
+    train_in_two_processes(tmp_path, run="stopped", **{**moving, "max_steps": 2})
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "checkpoint-2"
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(checkpoint / "sharded")).read_metadata().state_dict_metadata
+    assert any(key.startswith("reference.") for key in saved)
+    resumed = train_in_two_processes(tmp_path, run="stopped", **{**moving, "resume_from_checkpoint": str(checkpoint)})[0]
+    for mine, theirs in zip(resumed["gradients"], straight["gradients"][2:]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))  # the KL term reads the moved reference

@@ -97,7 +97,7 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any] | None,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = (),
-                    sharded: Path | None = None, model_state: dict | None = None) -> Path:
+                    sharded: Path | None = None, model_state: dict | None = None, whole_model: bool = False) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
     or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
@@ -105,7 +105,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
     metric history); ``tokenizer``, saved beside the model, makes its folder a model that loads on its
     own; ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several;
     ``sharded``: the folder ``save_sharded`` wrote (the model, optimizer and reference of a sharded run),
-    moved in as ``sharded/``; ``model_state``: the whole state dict of a sharded model, for ``model/``."""
+    moved in as ``sharded/``, with ``model/`` beside it only if ``whole_model``; ``model_state``: the whole
+    state dict of a sharded model, for ``model/``."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:
@@ -113,6 +114,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
             if sharded is not None:
                 sharded.rename(tmp / SHARDED)
                 _write_rng_and_state(tmp, step, state, other_processes_rng)
+                if whole_model:  # beside the shards, as a model that loads on its own
+                    model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
             else:
                 model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
                 if tokenizer is not None:

@@ -18,6 +18,7 @@ covey server receives the weights gathered block by block (``covey.models.policy
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -47,16 +48,19 @@ ACCELERATE_VARIABLES = {"FSDP_VERSION": "version", "FSDP_RESHARD_AFTER_FORWARD":
                         "FSDP_OFFLOAD_PARAMS": "offload_params",
                         "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
                         "FSDP_ACTIVATION_CHECKPOINTING": "activation_checkpointing",
-                        "FSDP_MIN_NUM_PARAMS": "min_num_params"}
+                        "FSDP_SYNC_MODULE_STATES": "sync_module_states", "FSDP_USE_ORIG_PARAMS": "use_orig_params",
+                        "FSDP_FORWARD_PREFETCH": "forward_prefetch", "FSDP_BACKWARD_PREFETCH": "backward_prefetch"}
 
 
 @dataclass(frozen=True)
 class Sharding:
-    """How the model is sharded: ``reshard_after_forward`` (full_shard) or not (shard_grad_op), and the
-    names of the block classes that are units of their own (None: the model's ``_no_split_modules``)."""
+    """How the model is sharded: ``reshard_after_forward`` (full_shard) or not (shard_grad_op), the names
+    of the block classes that are units of their own (None: the model's ``_no_split_modules``), and
+    whether checkpoints hold the model whole too (``state_dict_type: FULL_STATE_DICT``)."""
 
     reshard_after_forward: bool = True
     block_classes: tuple[str, ...] | None = None
+    whole_model_in_checkpoints: bool = False
 
     @staticmethod
     def from_settings(fsdp: str | list | None, fsdp_config: Mapping | None,
@@ -79,21 +83,27 @@ class Sharding:
             for variable, key in ACCELERATE_VARIABLES.items():
                 if variable in environ and key not in options:
                     options[key] = environ[variable]
-            strategy = environ.get("FSDP_SHARDING_STRATEGY", "")
-            if strategy and not strategy.isdigit() and strategy.lower() in FSDP_WORDS | REFUSED_WORDS:
-                words.append(strategy.lower())
         reshard = "shard_grad_op" not in words
         if "reshard_after_forward" in options:
             reshard = _flag(options.pop("reshard_after_forward"), "reshard_after_forward", problems, reshard)
         block_classes = options.pop("transformer_layer_cls_to_wrap", None)
         if isinstance(block_classes, str):
             block_classes = [name.strip() for name in block_classes.split(",") if name.strip()]
+        kind = str(options.pop("state_dict_type", None) or "SHARDED_STATE_DICT").upper()
+        if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+            problems.append(f"fsdp_config: state_dict_type={kind!r} is not SHARDED_STATE_DICT or FULL_STATE_DICT")
+        if _flag(options.pop("cpu_ram_efficient_loading", False), "cpu_ram_efficient_loading", problems, False):
+            warnings.warn("fsdp_config: cpu_ram_efficient_loading (accelerate's default) asks that only the first "
+                          "process read the weights from disk; covey loads the model in every process, then gives "
+                          "every one the first one's weights: the same start, without that saving of host memory at "
+                          "load. Set it false in the accelerate config to silence this", stacklevel=3)
         problems += _unsupported_options(options)
         if problems:
             raise ConfigError("; ".join(problems) + ". covey shards with FSDP2 (fully_shard) per transformer block: "
                               "fsdp: full_shard or shard_grad_op, with fsdp_config keys version: 2, "
-                              "reshard_after_forward, transformer_layer_cls_to_wrap (docs/distributed.md)")
-        return Sharding(reshard, tuple(block_classes) if block_classes else None)
+                              "reshard_after_forward, transformer_layer_cls_to_wrap, state_dict_type "
+                              "(docs/distributed.md)")
+        return Sharding(reshard, tuple(block_classes) if block_classes else None, kind == "FULL_STATE_DICT")
 
 
 def check_sharded_run(args) -> None:
@@ -127,22 +137,17 @@ def _flag(value, key: str, problems: list[str], default: bool) -> bool:
 
 # fsdp_config values that ask for nothing beyond what covey does
 PLAIN_OPTIONS = {"version": ("2", 2), "auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
-                 "state_dict_type": ("SHARDED_STATE_DICT",), "offload_params": (False, "false"),
-                 "cpu_ram_efficient_loading": (False, "false"), "activation_checkpointing": (False, "false"),
+                 "offload_params": (False, "false"), "activation_checkpointing": (False, "false"),
                  "sync_module_states": (True, "true"), "use_orig_params": (True, "true"),
-                 "forward_prefetch": (False, "false"), "min_num_params": (0, "0")}
+                 "forward_prefetch": (False, "false")}
 OPTION_ADVICE = {
     "version": "covey shards with FSDP2 only: set fsdp_version: 2",
     "auto_wrap_policy": "covey makes every transformer block a unit (TRANSFORMER_BASED_WRAP)",
-    "state_dict_type": "covey's checkpoints are sharded (torch.distributed.checkpoint, resumable at any number of "
-                       "processes) and its final model is written whole either way: set SHARDED_STATE_DICT",
     "offload_params": "covey keeps the parameters on the device",
-    "cpu_ram_efficient_loading": "every process loads the model, then the first one's weights are broadcast",
     "activation_checkpointing": "covey's own setting is gradient_checkpointing: true",
     "sync_module_states": "covey always starts every process from the first one's weights",
     "use_orig_params": "FSDP2 always keeps the original parameters",
     "forward_prefetch": "FSDP2 prefetches the next block's parameters itself",
-    "min_num_params": "covey wraps by block, not by size",
 }
 
 
@@ -154,6 +159,8 @@ def _unsupported_options(options: dict) -> list[str]:
         if key == "backward_prefetch":  # FSDP1's; FSDP2 prefetches backward by itself
             if value not in (None, "BACKWARD_PRE", "NO_PREFETCH"):
                 problems.append(f"fsdp_config: backward_prefetch={value!r} is not an FSDP2 setting")
+            continue
+        if key == "min_num_params":  # read by size-based wrapping only, which auto_wrap_policy refuses
             continue
         if key in PLAIN_OPTIONS and value not in PLAIN_OPTIONS[key] and str(value) not in map(str, PLAIN_OPTIONS[key]):
             problems.append(f"fsdp_config: {key}={value!r} is not supported ({OPTION_ADVICE[key]})")

@@ -466,20 +466,25 @@ class GRPOTrainer:
             staging = self.world.on_main(lambda: sharded_staging(self.run_dir, self.global_step))
             save_sharded(staging, policy_pass, self.optimizer,
                          self.parts.reference_pass if self._moving_reference() is not None else None)
+            with_model = self.sharding.whole_model_in_checkpoints  # state_dict_type: FULL_STATE_DICT
+            whole = whole_state_dict(policy_pass) if with_model else None
             process_rngs = self.world.gather(rng_states())
-            return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging))
+            return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging,
+                                                                   model_state=whole, whole_model=with_model))
         sharded = sharded_part(self.optimizer) is not None
         optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
         return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
 
     def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None,
-                        sharded: Path | None = None, model_state: dict | None = None) -> Path:
+                        sharded: Path | None = None, model_state: dict | None = None,
+                        whole_model: bool = False) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
         ``other_processes_rng``: the random states of the other processes, which it then holds too;
         ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own);
-        ``sharded``, ``model_state``: under fsdp, the folder of the processes' shards, or the whole
-        model's state dict (save_only_model). Under save_only_model: the model alone."""
+        ``sharded``, ``model_state``: under fsdp, the folder of the processes' shards, and the whole
+        model's state dict (under save_only_model, or ``whole_model``: model/ beside the shards).
+        Under save_only_model: the model alone."""
         state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
                  "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
@@ -488,7 +493,7 @@ class GRPOTrainer:
             return save_checkpoint(self.run_dir, self.global_step, self.model,
                                    (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
                                    else None, state, self._moving_reference(), self.args.save_total_limit, tokenizer,
-                                   other_processes_rng, sharded, model_state)
+                                   other_processes_rng, sharded, model_state, whole_model)
 
     def _restore(self, path: Path) -> None:
         try:
