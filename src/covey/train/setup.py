@@ -261,11 +261,11 @@ def shard_run(args: GRPOConfig, sharding: Sharding, policy: torch.nn.Module, ref
     one = world.size == 1
     copy = None if one or own_engine or engine_name(args) not in ENGINES_IN_PROCESS else PolicyCopy(policy)  # first
 
-    def wrapped(model: torch.nn.Module) -> torch.nn.Module:
-        return TrainingForward(model) if one else shard(TrainingForward(model), sharding, args.bf16)
+    def wrapped(model: torch.nn.Module, trained: bool) -> torch.nn.Module:
+        return TrainingForward(model) if one else shard(TrainingForward(model), sharding, args.bf16, trained)
 
     frozen = None if reference is None else reference.frozen
-    return ShardedRun(wrapped(policy), None if frozen is None else wrapped(frozen), copy)
+    return ShardedRun(wrapped(policy, True), None if frozen is None else wrapped(frozen, False), copy)
 
 
 def make_optimizer(args: GRPOConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:

@@ -167,7 +167,7 @@ def _unsupported_options(options: dict) -> list[str]:
     return problems
 
 
-def shard(module: torch.nn.Module, sharding: Sharding, bf16: bool) -> torch.nn.Module:
+def shard(module: torch.nn.Module, sharding: Sharding, bf16: bool, trained: bool = True) -> torch.nn.Module:
     """``module`` (a pass around the model, whose parameters are the model's) sharded in place over the
     process group: each transformer block a ``fully_shard`` unit, then ``module`` itself, which holds the
     rest. Under ``bf16`` the gathered parameters are bfloat16 and the gradients are reduced in float32
@@ -179,8 +179,9 @@ def shard(module: torch.nn.Module, sharding: Sharding, bf16: bool) -> torch.nn.M
         MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, reshard_after_forward=sharding.reshard_after_forward, mp_policy=policy)
-    # the root's parameters are gathered for the whole pass anyway
-    fully_shard(module, reshard_after_forward=False, mp_policy=policy)
+    # a trained pass's root parameters are needed again at once by its backward; a frozen one (the
+    # reference) has none, so its root frees them after the forward too
+    fully_shard(module, reshard_after_forward=not trained, mp_policy=policy)
     _ROOTS.add(module)
     return module
 
