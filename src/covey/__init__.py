@@ -9,5 +9,13 @@ from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError
 from covey.train.trainer import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "ConfigError", "CoveyError"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "ConfigError", "CoveyError", "verify_trl"]
 __version__ = "0.1.0"
+
+
+def verify_trl(trainer, num_prompts: int = 2):
+    """covey verify's stage checks on a ``trl.GRPOTrainer`` (covey.verify.trl); the report, which
+    ``covey.verify.print_report`` prints."""
+    from covey.verify.trl import verify_trl as check
+
+    return check(trainer, num_prompts)

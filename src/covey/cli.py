@@ -5,6 +5,7 @@
     covey train my.yaml --output-dir runs/a --resume-from-checkpoint auto
     covey eval runs/20261129-101500               # a run folder's final model on its held-out split
     covey verify my.yaml                          # check every stage of the pipeline on one batch
+    covey verify --trl train_grpo.py [args]       # the same checks on a TRL GRPO script's trainer
     covey generate my.yaml --num-prompts 3        # completions, rewards and advantages, no training
     covey report runs/20261129-101500             # plots and an HTML page of a run
     covey compare runs/a runs/b                   # reward curves of several runs in one plot
@@ -162,6 +163,8 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
+    if argv[:1] == ["--trl"]:  # covey verify --trl train_grpo.py [its own arguments]
+        return _verify_trl_script(argv[1:])
     namespace, overrides = _parse_command(
         "covey verify", "Run every stage of the pipeline on one small batch and check its invariant; "
         "exit 1 naming the first failing stage.", argv, num_prompts_help="prompts in the checked batch")
@@ -171,6 +174,21 @@ def cmd_verify(argv: list[str]) -> int:
     from covey.verify import print_report, verify
 
     return print_report(verify(args, num_prompts=namespace.num_prompts), Console())
+
+
+def _verify_trl_script(argv: list[str]) -> int:
+    """Run a TRL GRPO script up to its trainer.train(), then check that trainer stage by stage."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: covey verify --trl SCRIPT [SCRIPT ARGS ...]\n\nRun your TRL GRPO script unchanged up to "
+              "trainer.train(); instead of training, check every stage of its pipeline (TRL's own code, as "
+              "installed) and exit 1 naming the first failing stage.")
+        return 0 if argv else 2
+    from rich.console import Console
+
+    from covey.verify import print_report
+    from covey.verify.trl import run_until_train, verify_trl
+
+    return print_report(verify_trl(run_until_train(argv[0], argv[1:])), Console())
 
 
 def cmd_generate(argv: list[str]) -> int:

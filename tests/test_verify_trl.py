@@ -1,0 +1,159 @@
+"""covey verify --trl: the stage checks on a TRL GRPOTrainer, a clean pipeline and defects planted one at
+a time in TRL's own functions and in user code, each caught at its own stage."""
+
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from tests.conftest import make_model, make_tokenizer
+
+trl = pytest.importorskip("trl")
+import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
+
+from covey.verify.trl import verify_trl  # noqa: E402
+
+
+def accuracy(completions, answer, **kwargs):
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+def brevity(completions, **kwargs):
+    return [-len(c) / 100 for c in completions]
+
+
+def trl_trainer(tmp_path, reward_funcs=(accuracy, brevity), beta=0.04, loss_type="dapo"):
+    from datasets import Dataset
+
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer), seed=1).train()
+    rows = Dataset.from_dict({"prompt": ["what is 2+2?", "what is 3+3?"], "answer": ["4", "6"]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=16, report_to=[], use_cpu=True, beta=0.0, loss_type=loss_type,
+                          logging_steps=1, bf16=False, reward_weights=[1.0, 0.5][:len(reward_funcs)])
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=rows,
+                              processing_class=tokenizer)
+    if beta:  # a reference model of our own (TRL would load one from the hub by the model's name)
+        import copy
+
+        trainer.beta, trainer.ref_model = beta, copy.deepcopy(model).eval()
+    return trainer
+
+
+def failing(report):
+    return sorted({c.stage for c in report.checks if c.status == "FAIL"})
+
+
+def plant(monkeypatch, name, old, new):
+    """A defect in the installed TRL: GRPOTrainer.<name> rebuilt from its source with ``old`` -> ``new``."""
+    source = textwrap.dedent(inspect.getsource(getattr(trl_grpo.GRPOTrainer, name)))
+    assert old in source, f"{old!r} is not in GRPOTrainer.{name} of this TRL"
+    namespace = {}
+    exec(compile(source.replace(old, new), trl_grpo.__file__, "exec"), trl_grpo.__dict__, namespace)
+    monkeypatch.setattr(trl_grpo.GRPOTrainer, name, namespace[name])
+
+
+def test_a_clean_trl_pipeline_passes_every_stage(tmp_path):
+    report = verify_trl(trl_trainer(tmp_path))
+    assert failing(report) == [], [(c.stage, c.name, c.value) for c in report.checks if c.status != "PASS"]
+    assert {c.stage for c in report.checks} >= {"data", "decode", "rewards", "advantages", "logprobs", "loss",
+                                                 "direction"}
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+def shifted(completions, answer, **kwargs):  # user code: the values of the row before
+    values = [float(a in c) for c, a in zip(completions, answer)]
+    return values[-1:] + values[:-1]
+
+
+def always_one(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+BLANKING = ("completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)",
+            "completions = [c if '<think>' in c else '' for c in "
+            "self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)]")
+
+
+@pytest.mark.parametrize("defect, stage", [
+    ("reversed log-softmax", "logprobs"),
+    ("advantage epsilon 1e4", "advantages"),
+    ("decoder blanks plain answers", "decode"),
+    ("flipped advantage sign", "advantages"),
+    ("KL sign flipped", "loss"),
+    ("padding in the loss mask", "logprobs"),
+    ("rewards shifted by one", "rewards"),
+    ("a reward of 1.0 for everything", "rewards"),
+])
+def test_each_planted_defect_is_caught_at_its_own_stage(tmp_path, monkeypatch, defect, stage):
+    funcs = (accuracy, brevity)
+    if defect == "reversed log-softmax":  # log p = logsumexp - logit instead of logit - logsumexp
+        original = trl_grpo.GRPOTrainer._get_per_token_logps_and_entropies
+
+        def reversed_operands(self, *args, **kwargs):
+            logps, *rest = original(self, *args, **kwargs)
+            return (-logps, *rest)
+        monkeypatch.setattr(trl_grpo.GRPOTrainer, "_get_per_token_logps_and_entropies", reversed_operands)
+    elif defect == "advantage epsilon 1e4":
+        plant(monkeypatch, "_generate_and_score_completions", "std_rewards + 1e-4", "std_rewards + 1e4")
+    elif defect == "decoder blanks plain answers":
+        plant(monkeypatch, "_generate", *BLANKING)
+    elif defect == "flipped advantage sign":
+        plant(monkeypatch, "_generate_and_score_completions", "advantages = rewards - mean_grouped_rewards",
+              "advantages = mean_grouped_rewards - rewards")
+    elif defect == "KL sign flipped":
+        plant(monkeypatch, "_compute_loss", "per_token_loss + self.beta * per_token_kl",
+              "per_token_loss - self.beta * per_token_kl")
+    elif defect == "padding in the loss mask":
+        plant(monkeypatch, "_generate_and_score_completions", "completion_mask, padding_value=0,",
+              "completion_mask, padding_value=1,")
+    elif defect == "rewards shifted by one":
+        funcs = (shifted, brevity)
+    else:
+        funcs = (always_one, brevity)
+    report = verify_trl(trl_trainer(tmp_path, reward_funcs=funcs))
+    assert report.first_failure == stage, [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def test_several_defects_at_once_are_each_reported(tmp_path, monkeypatch):
+    plant(monkeypatch, "_generate_and_score_completions", "std_rewards + 1e-4", "std_rewards + 1e4")
+    plant(monkeypatch, "_compute_loss", "per_token_loss + self.beta * per_token_kl",
+          "per_token_loss - self.beta * per_token_kl")
+    report = verify_trl(trl_trainer(tmp_path, reward_funcs=(shifted, brevity)))
+    assert {"rewards", "advantages", "loss"} <= set(failing(report))
+    assert report.first_failure == "rewards"
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+import trl
+from tests.test_verify_trl import accuracy, brevity
+from tests.conftest import make_model, make_tokenizer
+from datasets import Dataset
+
+tokenizer = make_tokenizer()
+rows = Dataset.from_dict({{"prompt": ["what is 2+2?", "what is 3+3?"], "answer": ["4", "6"]}})
+args = trl.GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=16, report_to=[], use_cpu=True, reward_weights=[1.0, 0.5])
+trainer = trl.GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[accuracy, brevity], args=args,
+                          train_dataset=rows, processing_class=tokenizer)
+trainer.train()
+raise SystemExit("trained, which covey verify --trl must not let happen")
+"""
+
+
+def test_covey_verify_trl_runs_the_script_up_to_train_and_checks_its_trainer(tmp_path, capsys):
+    from pathlib import Path
+
+    from covey.cli import main
+
+    script = tmp_path / "train_grpo.py"
+    script.write_text(SCRIPT.format(root=str(Path(__file__).parent.parent)))
+    assert main(["verify", "--trl", str(script), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "every stage passed" in out and "direction" in out
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(FileNotFoundError, match="is not a file; give the path of your TRL training script"):
+        main(["verify", "--trl", str(tmp_path / "missing.py")])
