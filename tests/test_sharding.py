@@ -116,12 +116,13 @@ def test_the_fast_engine_samples_the_sharded_policy_as_data_parallel_processes_d
     ({"fsdp": "full_shard", "shard_optimizer_state": True}, "fsdp shards it already"),
     ({"fsdp": "full_shard", "push_to_hub": True}, "hub_strategy: every_save pushes checkpoints"),
 ])
-def test_what_covey_does_not_shard_is_refused_when_the_config_is_read(settings, message):
-    from covey import GRPOConfig
+def test_what_covey_does_not_shard_is_refused_before_anything_loads(tmp_path, settings, message):
+    from covey import GRPOConfig, GRPOTrainer
     from covey.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        GRPOConfig(**settings)
+        GRPOTrainer(model=str(tmp_path / "never-loaded"), reward_funcs=[lambda completions, **kw: [0.0]],
+                    train_dataset=[{"prompt": "p"}], args=GRPOConfig(output_dir=str(tmp_path / "run"), **settings))
 
 
 def test_trl_and_accelerate_name_the_sharding_covey_does():

@@ -306,11 +306,6 @@ class GRPOConfig:
             raise config_errors(problems)
 
     def _ranges(self, need: Callable[[bool, str], None]) -> None:
-        if self.fsdp or self.fsdp_config:
-            from covey.train.sharding import Sharding, check_sharded_run
-
-            Sharding.from_settings(self.fsdp, self.fsdp_config, {})
-            check_sharded_run(self)
         need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
         spg = self.micro_batches_per_generation
         need(

@@ -23,8 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from covey.core import token_logprobs
-from covey.models import cache_keyword, plain_model
-from covey.train.sharding import is_sharded
+from covey.models import cache_keyword, is_sharded, plain_model
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
 
 from covey.errors import ConfigError
+from covey.models import SHARDED_PASSES, gathered_parameters, is_sharded
 
 # TRL's (TrainingArguments') words for `fsdp`, and what each is here
 FSDP_WORDS = {"full_shard": "parameters, gradients and optimizer state sharded; a block's parameters freed after "
@@ -182,25 +182,8 @@ def shard(module: torch.nn.Module, sharding: Sharding, bf16: bool, trained: bool
     # a trained pass's root parameters are needed again at once by its backward; a frozen one (the
     # reference) has none, so its root frees them after the forward too
     fully_shard(module, reshard_after_forward=not trained, mp_policy=policy)
-    _ROOTS.add(module)
+    SHARDED_PASSES.add(module)
     return module
-
-
-_ROOTS: weakref.WeakSet = weakref.WeakSet()  # the passes sharded so far (``parameters_whole`` finds its root there)
-
-
-def parameters_whole(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module.named_parameters(remove_duplicate=False)``, each parameter whole: for a module inside a
-    sharded pass, gathered a block at a time (every process at once) and copied; else the parameters."""
-    root = next((root for root in _ROOTS if any(m is module for m in root.modules())), None)
-    if root is None:
-        yield from module.named_parameters(remove_duplicate=False)
-        return
-    copies: dict[int, torch.Tensor] = {}  # a tensor met under two names (a tied head) is copied once
-    for name, param in gathered_parameters(root, module):
-        if id(param) not in copies:
-            copies[id(param)] = param.detach().clone()
-        yield name, copies[id(param)]
 
 
 def transformer_blocks(module: torch.nn.Module, names: tuple[str, ...] | None) -> list[torch.nn.Module]:
@@ -218,44 +201,6 @@ def transformer_blocks(module: torch.nn.Module, names: tuple[str, ...] | None) -
                           f"{sorted(wanted) or '(the model names none)'}; set fsdp_config: "
                           f"transformer_layer_cls_to_wrap to its decoder layer's class ({', '.join(found) or 'none found'})")
     return blocks
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether any part of ``module`` is a ``fully_shard`` unit."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def gathered_parameters(root: torch.nn.Module, of: torch.nn.Module | None = None
-                        ) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``of.named_parameters(remove_duplicate=False)`` (``of``: a module inside the sharded ``root``, by
-    default ``root``) with each parameter whole: the parameters of each unit are gathered when the
-    iteration enters it and freed when it leaves, so that no more than one block beside the root's
-    parameters is whole at once. Every process must iterate it to the end, together. A tensor yielded
-    is valid until the iteration leaves its unit: copy what must stay."""
-    of = root if of is None else of
-    prefix = next(name for name, module in root.named_modules() if module is of)
-    prefix = prefix + "." if prefix else ""
-    for name, param in _gathered(root, ""):
-        if name.startswith(prefix):
-            yield name[len(prefix):], param
-
-
-def _gathered(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    from torch.distributed.fsdp import FSDPModule
-
-    unit = isinstance(module, FSDPModule)
-    if unit:
-        module.unshard()
-    try:
-        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            yield prefix + name, param
-        for name, child in module.named_children():
-            yield from _gathered(child, f"{prefix}{name}.")
-    finally:
-        if unit:
-            module.reshard()
 
 
 def whole_state_dict(root: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("setup", "data", "decode", "episodes", "rewards", "advantages", "logprobs", "loss", "direction", "engine")
+STAGES = ("setup", "data", "decode", "episodes", "rewards", "advantages", "logprobs", "loss", "engine")
 
 
 @dataclass
@@ -18,8 +18,9 @@ class Check:
 
 
 class Report:
-    def __init__(self) -> None:
+    def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.checks: list[Check] = []
+        self.stages = stages  # in the order of the loop
 
     def add(self, stage: str, name: str, ok: bool, value: str, hint: str = "", warn_only: bool = False) -> bool:
         status = "PASS" if ok else ("WARN" if warn_only else "FAIL")
@@ -29,7 +30,7 @@ class Report:
     @property
     def first_failure(self) -> str | None:
         failed = {c.stage for c in self.checks if c.status == "FAIL"}
-        return next((s for s in STAGES if s in failed), None)
+        return next((s for s in self.stages if s in failed), None)
 
 
 def print_report(report: Report, console) -> int:

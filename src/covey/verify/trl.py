@@ -43,6 +43,7 @@ TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_sta
                         "environments", "kwargs"}
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "label")
 LOSS_TYPES_CHECKED = ("grpo", "bnpo", "dr_grpo", "dapo")
+STAGES = ("setup", "data", "decode", "rewards", "advantages", "logprobs", "loss", "direction")
 
 
 class _Stop(BaseException):
@@ -83,7 +84,7 @@ def run_until_train(script: str | Path, argv: list[str]) -> Any:
 
 def verify_trl(trainer: Any, num_prompts: int = 2) -> Report:
     """The stage checks on a ``trl.GRPOTrainer`` (not trained, not saved); the report."""
-    report = Report()
+    report = Report(STAGES)
     check = _Checks(trainer, report, num_prompts)
     with check.trainer_left_as_it_was():
         check.setup()
