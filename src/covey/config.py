@@ -242,8 +242,8 @@ class GRPOConfig:
         # older TRL configs use true/false (a YAML bool, or text from the command line)
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
-        if isinstance(self.fsdp, (list, tuple)) or self.fsdp is None:  # TRL takes a list of its words too
-            self.fsdp = " ".join(map(str, self.fsdp or []))
+        if self.fsdp is None or (isinstance(self.fsdp, (list, tuple)) and all(isinstance(w, str) for w in self.fsdp)):
+            self.fsdp = " ".join(self.fsdp or [])  # TRL takes a list of its words too
         problems = []  # every bad value at once
         for f in dataclasses.fields(self):
             try:
