@@ -27,20 +27,12 @@ import torch
 from covey.errors import ConfigError
 from covey.models import SHARDED_PASSES, gathered_parameters, is_sharded
 
-# TRL's (TrainingArguments') words for `fsdp`, and what each is here
-FSDP_WORDS = {"full_shard": "parameters, gradients and optimizer state sharded; a block's parameters freed after "
-                            "its forward and gathered again for its backward",
-              "shard_grad_op": "as full_shard, but a block's parameters stay gathered from its forward to its "
-                               "backward (faster, more memory: ZeRO stage 2)",
-              "auto_wrap": "every transformer block its own unit (what covey always does)"}
+# TRL's (TrainingArguments') words for `fsdp` that covey does: full_shard; shard_grad_op (a block's parameters
+# stay gathered from its forward to its backward); auto_wrap (every block its own unit, as covey always does)
+FSDP_WORDS = ("full_shard", "shard_grad_op", "auto_wrap")
 REFUSED_WORDS = {"offload": "offloading parameters to the CPU", "hybrid_shard": "hybrid sharding (within a node, "
                  "replicated across nodes)", "hybrid_shard_zero2": "hybrid sharding", "no_shard": "FSDP without "
                  "sharding (use plain data parallelism: leave fsdp out)"}
-# the keys of TRL's fsdp_config (and accelerate's FSDP plugin) that covey honours; the fsdp_ prefix is optional
-CONFIG_KEYS = ("version", "reshard_after_forward", "transformer_layer_cls_to_wrap", "auto_wrap_policy",
-               "state_dict_type", "offload_params", "cpu_ram_efficient_loading", "activation_checkpointing",
-               "sync_module_states", "use_orig_params", "forward_prefetch", "backward_prefetch",
-               "min_num_params")
 # accelerate launch passes an FSDP config to its processes as these variables (accelerate.utils.launch)
 ACCELERATE_VARIABLES = {"FSDP_VERSION": "version", "FSDP_RESHARD_AFTER_FORWARD": "reshard_after_forward",
                         "FSDP_TRANSFORMER_CLS_TO_WRAP": "transformer_layer_cls_to_wrap",
@@ -151,6 +143,11 @@ OPTION_ADVICE = {
 }
 
 
+# the keys of TRL's fsdp_config (and accelerate's FSDP plugin) that covey knows; the fsdp_ prefix is optional
+CONFIG_KEYS = ("reshard_after_forward", "transformer_layer_cls_to_wrap", "state_dict_type", "cpu_ram_efficient_loading",
+               "backward_prefetch", "min_num_params", *PLAIN_OPTIONS)
+
+
 def _unsupported_options(options: dict) -> list[str]:
     """The fsdp_config options (``transformer_layer_cls_to_wrap`` and ``reshard_after_forward`` taken out)
     set to anything but what covey does."""
@@ -235,6 +232,10 @@ class PolicyCopy:
         self.model = copy.deepcopy(policy).requires_grad_(False)
         self.held = True  # its weights are there (and are the policy's, unless stale)
         self.stale = False  # the policy has changed since they were taken
+
+    def policy_changed(self) -> None:
+        """After an optimizer step: the next ``refresh`` gathers the weights again."""
+        self.stale = True
 
     @torch.no_grad()
     def refresh(self, root: torch.nn.Module, policy: torch.nn.Module) -> None:

@@ -132,7 +132,7 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
         totals, grad_norm, progress = optimizer_step(parts, batch, fixed, window, policy_unchanged, progress)
         parts.engine.policy_changed(parts.model)
         if parts.policy_copy is not None:
-            parts.policy_copy.stale = True
+            parts.policy_copy.policy_changed()
         if parts.reference is not None and args.sync_ref_model and progress.global_step % args.ref_model_sync_steps == 0:
             parts.reference.sync(args.ref_model_mixup_alpha)
         now = time.perf_counter()

@@ -292,8 +292,13 @@ class GRPOTrainer:
     def _write_model(self, folder: Path) -> Path:
         """The model and its tokenizer (as loaded) in ``folder``, whole or not at all, by the first process
         (a sharded model gathered there first, with every process's help)."""
-        whole = None if self.parts.policy_pass is None else whole_state_dict(self.parts.policy_pass)
+        whole = self._whole_model_state()
         return self.world.on_main(lambda: self._write_model_here(folder, whole))
+
+    def _whole_model_state(self) -> dict | None:
+        """Under fsdp, the policy's whole state dict on the first process (every process takes part); else
+        None, where the model writes its own."""
+        return None if self.parts.policy_pass is None else whole_state_dict(self.parts.policy_pass)
 
     def _write_model_here(self, folder: Path, state_dict: dict | None) -> Path:
         with written_whole(folder, f"{folder.name}-*") as tmp:
@@ -460,14 +465,14 @@ class GRPOTrainer:
         (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
         policy_pass = self.parts.policy_pass
         if self.args.save_only_model:  # the model alone, whole (gathered first where it is sharded)
-            whole = None if policy_pass is None else whole_state_dict(policy_pass)
+            whole = self._whole_model_state()
             return self.world.on_main(lambda: self.save_checkpoint(model_state=whole))
         if policy_pass is not None:  # every process writes its shards, then the first the rest
             staging = self.world.on_main(lambda: sharded_staging(self.run_dir, self.global_step))
             save_sharded(staging, policy_pass, self.optimizer,
                          self.parts.reference_pass if self._moving_reference() is not None else None)
             with_model = self.sharding.whole_model_in_checkpoints  # state_dict_type: FULL_STATE_DICT
-            whole = whole_state_dict(policy_pass) if with_model else None
+            whole = self._whole_model_state() if with_model else None
             process_rngs = self.world.gather(rng_states())
             return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging,
                                                                    model_state=whole, whole_model=with_model))

@@ -187,14 +187,13 @@ class _Checks:
         ids = [c[2] for group in self.groups for c in group]
         t._generate_single_turn = types.MethodType(lambda self, *a, **k: ([list(x) for x in ids], None), t)
         t.reward_funcs = [self._recording(i, f) for i, f in enumerate(t.reward_funcs)]
-        original = type(t)._calculate_rewards
+        original, checks = type(t)._calculate_rewards, self
 
-        def calculate(self, *args, **kwargs):
-            self_rewards = original(self, *args, **kwargs)
-            checks.rewards_per_func = self_rewards.detach().cpu().clone()
-            return self_rewards
+        def calculate(trainer, *args, **kwargs):  # TRL's own, its result kept
+            rewards_per_func = original(trainer, *args, **kwargs)
+            checks.rewards_per_func = rewards_per_func.detach().cpu().clone()
+            return rewards_per_func
 
-        checks = self
         t._calculate_rewards = types.MethodType(calculate, t)
         t.model.train()
         inputs = [row for row in self.rows for _ in range(self.G)]
@@ -356,7 +355,6 @@ class _Checks:
         positive = float(got[on].max()) if on.any() else 0.0
         self.report.add("logprobs", "every log-prob is <= 0", positive <= 1e-6, f"max {positive:.3g}",
                         "a log-probability above 0 is no probability: log_softmax's operands are reversed?")
-        self.logits_to_keep = K
         return got
 
     # ---- loss ---------------------------------------------------------------------------------
