@@ -1,6 +1,7 @@
 """covey verify --trl: the stage checks on a TRL GRPOTrainer, a clean pipeline and defects planted one at
 a time in TRL's own functions and in user code, each caught at its own stage."""
 
+import copy
 import inspect
 import textwrap
 
@@ -12,31 +13,52 @@ from tests.conftest import make_model, make_tokenizer
 trl = pytest.importorskip("trl")
 import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 
+from trl.chat_template_utils import parse_response as trl_parse_response  # noqa: E402
+
 from covey.verify.trl import verify_trl  # noqa: E402
 
 
+def text(completion):  # a conversational completion is [{"role": "assistant", "content": ...}]
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
 def accuracy(completions, answer, **kwargs):
-    return [float(a in c) for c, a in zip(completions, answer)]
+    return [float(a in text(c)) for c, a in zip(completions, answer)]
 
 
 def brevity(completions, **kwargs):
-    return [-len(c) / 100 for c in completions]
+    return [-len(text(c)) / 100 for c in completions]
 
 
-def trl_trainer(tmp_path, reward_funcs=(accuracy, brevity), beta=0.04, loss_type="dapo"):
+def reasoning_template():
+    """TRL's response template for Qwen3 (the reasoning in <think> apart from the answer), fitted to the
+    chat template of the test tokenizer."""
+    from trl.chat_template_utils import qwen3_template
+
+    template = copy.deepcopy(qwen3_template)
+    template["start_anchor"] = "<s>assistant\n"
+    template["fields"]["content"]["close_pattern"] = r"</s>\s*"
+    return template
+
+
+def trl_trainer(tmp_path, reward_funcs=(accuracy, brevity), beta=0.04, loss_type="dapo", reasoning=False):
+    """A TRL pipeline on a tiny model; with ``reasoning``, a chat dataset whose completions TRL parses with a
+    response template into the answer and the reasoning apart."""
     from datasets import Dataset
 
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer), seed=1).train()
-    rows = Dataset.from_dict({"prompt": ["what is 2+2?", "what is 3+3?"], "answer": ["4", "6"]})
+    questions = ["what is 2+2?", "what is 3+3?"]
+    if reasoning:
+        tokenizer.response_template = reasoning_template()
+        questions = [[{"role": "user", "content": q}] for q in questions]
+    rows = Dataset.from_dict({"prompt": questions, "answer": ["4", "6"]})
     args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=16, report_to=[], use_cpu=True, beta=0.0, loss_type=loss_type,
                           logging_steps=1, bf16=False, reward_weights=[1.0, 0.5][:len(reward_funcs)])
     trainer = trl.GRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=rows,
                               processing_class=tokenizer)
     if beta:  # a reference model of our own (TRL would load one from the hub by the model's name)
-        import copy
-
         trainer.beta, trainer.ref_model = beta, copy.deepcopy(model).eval()
     return trainer
 
@@ -54,11 +76,14 @@ def plant(monkeypatch, name, old, new):
     monkeypatch.setattr(trl_grpo.GRPOTrainer, name, namespace[name])
 
 
-def test_a_clean_trl_pipeline_passes_every_stage(tmp_path):
-    report = verify_trl(trl_trainer(tmp_path))
+@pytest.mark.parametrize("reasoning", [False, True], ids=["plain decode", "reasoning parsed apart"])
+def test_a_clean_trl_pipeline_passes_every_stage(tmp_path, reasoning):
+    report = verify_trl(trl_trainer(tmp_path, reasoning=reasoning))
     assert failing(report) == [], [(c.stage, c.name, c.value) for c in report.checks if c.status != "PASS"]
     assert {c.stage for c in report.checks} >= {"data", "decode", "rewards", "advantages", "logprobs", "loss",
                                                  "direction"}
+    decode = [c.name for c in report.checks if c.stage == "decode"]
+    assert len(decode) == 3 and all(("response template" in name) == reasoning for name in decode), decode
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
 
 
@@ -74,6 +99,23 @@ def always_one(completions, **kwargs):
 BLANKING = ("completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)",
             "completions = [c if '<think>' in c else '' for c in "
             "self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)]")
+
+
+def keeping_the_reasoning(tokenizer, ids, prefix=None, tools=None):  # the whole text as the answer
+    return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+
+
+def blanking_plain_answers(tokenizer, ids, prefix=None, tools=None):  # no reasoning tags: no answer
+    parsed = trl_parse_response(tokenizer, ids, prefix=prefix, tools=tools)
+    return parsed if "reasoning_content" in parsed else {**parsed, "content": ""}
+
+
+@pytest.mark.parametrize("decoder", [keeping_the_reasoning, blanking_plain_answers])
+def test_a_reasoning_aware_decoder_that_hands_over_the_wrong_text_is_caught_at_decode(tmp_path, monkeypatch,
+                                                                                      decoder):
+    monkeypatch.setattr(trl_grpo, "parse_response", decoder)
+    report = verify_trl(trl_trainer(tmp_path, reasoning=True))
+    assert report.first_failure == "decode", [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
 
 
 @pytest.mark.parametrize("defect, stage", [

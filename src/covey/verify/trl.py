@@ -43,6 +43,7 @@ TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_sta
                         "environments", "kwargs"}
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "label")
 LOSS_TYPES_CHECKED = ("grpo", "bnpo", "dr_grpo", "dapo")
+REASONING_FIELDS = {"reasoning_content", "thinking"}  # where a parsed message keeps the reasoning
 STAGES = ("setup", "data", "decode", "rewards", "advantages", "logprobs", "loss", "direction")
 
 
@@ -229,23 +230,33 @@ class _Checks:
             self.report.add("decode", "the reward functions receive the completions", False, "no function was called",
                             "only reward models in this run: the decoded text is not checked", warn_only=True)
             return
-        received = [_text(c) for c in self.calls[0]["kwargs"]["completions"]]
+        completions = self.calls[0]["kwargs"]["completions"]
+        received = [_text(c) for c in completions]
+        aware = self._reasoning_aware(completions)
+        how = "parsed with the tokenizer's response template" if aware else "decoded"
         chosen = [c for group in self.groups for c in group]
         for kind in ("plain", "closed think", "unterminated think"):
             at = [j for j, c in enumerate(chosen) if c[0] == kind]
             if not at:
                 continue
             j = at[0]
-            expected = self.tokenizer.decode(chosen[j][2], skip_special_tokens=True)
-            answer_after = expected.split("</think>")[-1] if kind == "closed think" else None
-            if kind == "closed think":  # the reasoning kept, or taken out by a reasoning-aware decoder
-                ok = received[j] in (expected, answer_after.strip(), answer_after)
-            else:
-                ok = received[j] == expected
-            self.report.add("decode", f"a {kind} answer reaches the rewards as decoded", ok,
-                            f"received {received[j]!r}, decoded {expected!r}",
+            decoded = self.tokenizer.decode(chosen[j][2], skip_special_tokens=True)
+            expected = _expected_texts(kind, decoded, aware)
+            self.report.add("decode", f"a {kind} answer reaches the rewards {how}", received[j] in expected,
+                            f"received {received[j]!r}, expected {' or '.join(map(repr, expected))}",
                             f"TRL's decoding path hands the reward functions {received[j]!r} for the ids of "
-                            f"{expected!r}: check the decode step of your TRL install (trainer._generate)")
+                            f"{decoded!r}: check the decode step of your TRL install (trainer._generate"
+                            + (", trl.chat_template_utils.parse_response)" if aware else ")"))
+
+    def _reasoning_aware(self, completions: list) -> bool:
+        """Whether TRL parses completions into messages with the reasoning apart, as it does for a
+        conversational dataset when the tokenizer has a response template (or a legacy response schema)."""
+        conversational = bool(completions) and isinstance(completions[0], list)
+        templated = any(getattr(self.tokenizer, name, None) is not None
+                        for name in ("response_template", "response_schema"))
+        split = any(isinstance(c, list) and c and isinstance(c[-1], dict) and REASONING_FIELDS & set(c[-1])
+                    for c in completions)
+        return conversational and (templated or split)
 
     # ---- rewards ------------------------------------------------------------------------------
 
@@ -400,12 +411,14 @@ class _Checks:
         t, out = self.trainer, self.out
         model = t.model  # stepped and put back (TRL patches its forward in place, so a copy would not run alone)
         model.train()
-        adv = out["advantages"].float()
-        best, worst = int(adv.argmax()), int(adv.argmin())
-        if float(adv[best] - adv[worst]) < 1e-6:
+        adv = out["advantages"].float().view(-1, self.G)
+        spread = (adv.max(1).values - adv.min(1).values) > 1e-6
+        if not spread.any():
             self.report.add("direction", "one step raises the best completion", False, "all advantages equal",
                             "no completion stands out, so the direction is not checked", warn_only=True)
             return
+        offset = torch.arange(adv.shape[0]) * self.G  # each group's best and worst, as rows of the batch
+        best, worst = (adv.argmax(1) + offset)[spread], (adv.argmin(1) + offset)[spread]
         before = self._sequence_logp(model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         saved = [(p.detach().clone(), p.grad) for p in trainable]
@@ -424,9 +437,12 @@ class _Checks:
                 for p, (value, grad) in zip(trainable, saved):
                     p.copy_(value)
                     p.grad = grad
-        ok = float(moved[best]) > 0 > float(moved[worst])
-        self.report.add("direction", "one small step raises the best completion of a group and lowers the worst", ok,
-                        f"best {float(moved[best]):+.3g}, worst {float(moved[worst]):+.3g}",
+        # Each completion moves by its own advantage and by what it shares with the others (the EOS token,
+        # a common opening), so the worst may rise a little too; against the best of its group it must fall.
+        gap = moved[best] - moved[worst]
+        self.report.add("direction", "one small step raises the best completion of each group against its worst",
+                        bool((gap > 0).all()), f"best {_short(moved[best].tolist())}, worst "
+                        f"{_short(moved[worst].tolist())} (change of the sequence log-prob)",
                         "the update moves the wrong way: a sign in the advantages or the loss")
 
     def _sequence_logp(self, model) -> torch.Tensor:
@@ -458,6 +474,19 @@ def _formula(t, loss_type: str, logp, old, ref, adv, mask, out, beta: float) -> 
     # dapo: over the generation batch's completion tokens, one accumulation window of them
     window = out["num_items_in_batch"].clamp(min=1) / t.accelerator.num_processes / t.args.steps_per_generation
     return (per_token * mask).sum() / window
+
+
+def _expected_texts(kind: str, decoded: str, aware: bool) -> tuple[str, ...]:
+    """The texts a reward function may receive for a completion decoded as ``decoded``. A reasoning-aware
+    decoder hands over the answer after ``</think>`` alone, and no answer for an unterminated block (or, where
+    its pattern does not match, the text as it is); a plain decoder hands over the text, or (a decoder of the
+    user's own) the answer after a closed block."""
+    if kind == "plain":
+        return (decoded,)
+    if kind == "unterminated think":
+        return ("", decoded) if aware else (decoded,)
+    answer = decoded.split("</think>")[-1]
+    return tuple(dict.fromkeys((answer.strip(), answer) if aware else (decoded, answer.strip(), answer)))
 
 
 def _k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
