@@ -3,6 +3,7 @@ a time in TRL's own functions and in user code, each caught at its own stage."""
 
 import copy
 import inspect
+import os
 import textwrap
 
 import pytest
@@ -70,6 +71,8 @@ def failing(report):
 def plant(monkeypatch, name, old, new):
     """A defect in the installed TRL: GRPOTrainer.<name> rebuilt from its source with ``old`` -> ``new``."""
     source = textwrap.dedent(inspect.getsource(getattr(trl_grpo.GRPOTrainer, name)))
+    if old not in source and os.environ.get("COVEY_TRL_SWEEP"):  # tests/trl_versions.sh: other releases
+        pytest.skip(f"{old!r} is not in GRPOTrainer.{name} of TRL {trl.__version__}: this defect is not planted")
     assert old in source, f"{old!r} is not in GRPOTrainer.{name} of this TRL"
     namespace = {}
     exec(compile(source.replace(old, new), trl_grpo.__file__, "exec"), trl_grpo.__dict__, namespace)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from covey.verify.report import Report
+from covey.verify.stages import written_answer
 
 # what TRL passes every reward function besides the dataset's columns
 TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
@@ -169,8 +170,11 @@ class _Checks:
 
     def chosen_completions(self, row: dict) -> list[tuple[str, str, list[int]]]:
         """(kind, text, token ids) of the completions of one group: cycles of a plain answer, a closed
-        think block, an unterminated one and an empty completion."""
-        answer = _reference(row) or "4"
+        think block, an unterminated one and an empty completion. The answer is the row's reference, written
+        as its prompt asks (in <answer> tags, \\boxed{} or after ####)."""
+        reference = _reference(row)
+        answer = written_answer(reference if reference is not None else "4", _prompt_text(row.get("prompt")),
+                                strip_reasoning=True)
         eos = self.tokenizer.eos_token_id
         kinds = [("plain", f"The answer is {answer}", True), ("closed think", f"<think>let me see</think>{answer}", True),
                  ("unterminated think", "<think>let me see, it is", False), ("empty", "", True)]
@@ -496,6 +500,12 @@ def _k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 def _reference(row: dict) -> str | None:
     value = next((row[c] for c in REFERENCE_COLUMNS if c in row), None)
     return None if value is None else str(value).split("####")[-1].strip()
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, list):  # conversational: the messages' text
+        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    return str(prompt or "")
 
 
 def _text(completion) -> str:
