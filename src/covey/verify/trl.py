@@ -45,6 +45,9 @@ TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_sta
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "label")
 LOSS_TYPES_CHECKED = ("grpo", "bnpo", "dr_grpo", "dapo")
 REASONING_FIELDS = {"reasoning_content", "thinking"}  # where a parsed message keeps the reasoning
+# where an error in TRL's scoring path shows which stage broke (a reward function's own error: rewards)
+FAILING_FUNCTION_STAGES = {"parse_response": "decode", "batch_decode": "decode", "recorded": "rewards",
+                           "_calculate_rewards": "rewards", "_get_per_token_logps_and_entropies": "logprobs"}
 STAGES = ("setup", "data", "decode", "rewards", "advantages", "logprobs", "loss", "direction")
 
 
@@ -94,13 +97,13 @@ def verify_trl(trainer: Any, num_prompts: int = 2) -> Report:
             check.data()
             batch = check.score()
             if batch is not None:
-                check.decode()
-                check.rewards()
-                check.advantages()
-                logp = check.logprobs()
+                check.guarded("decode", check.decode)
+                check.guarded("rewards", check.rewards)
+                check.guarded("advantages", check.advantages)
+                logp = check.guarded("logprobs", check.logprobs)
                 if logp is not None:
-                    check.loss(logp)
-                    check.direction()
+                    check.guarded("loss", check.loss, logp)
+                    check.guarded("direction", check.direction)
     return report
 
 
@@ -116,6 +119,16 @@ class _Checks:
         self.calls: list[dict] = []  # each reward function's calls: completions, kwargs, values
         self.out: dict | None = None
         self.rewards_per_func: torch.Tensor | None = None
+
+    def guarded(self, stage: str, check: Callable, *args):
+        """``check(*args)``; an error in TRL's code (or the script's) on the way is that stage's FAIL."""
+        try:
+            return check(*args)
+        except Exception as e:
+            self.report.add(stage, f"TRL's code runs through the {stage} check", False,
+                            f"{type(e).__name__}: {e} (in {_where(e)})",
+                            "this part of TRL (or of the script) fails on a batch, so training would fail there too")
+            return None
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -205,8 +218,9 @@ class _Checks:
         try:
             self.out = t._generate_and_score_completions(inputs)
         except Exception as e:
-            self.report.add("rewards", "TRL scores a batch of chosen completions", False, f"{type(e).__name__}: {e}",
-                            "the error above came from the script's reward functions or TRL's scoring path")
+            self.report.add(_failed_stage(e), "TRL scores a batch of chosen completions", False,
+                            f"{type(e).__name__}: {e} (in {_where(e)})", "TRL's scoring path (or a reward "
+                            "function of the script) fails on a batch, so training would fail there too")
             return None
         self.inputs = inputs
         return self.out
@@ -253,14 +267,29 @@ class _Checks:
                             + (", trl.chat_template_utils.parse_response)" if aware else ")"))
 
     def _reasoning_aware(self, completions: list) -> bool:
-        """Whether TRL parses completions into messages with the reasoning apart, as it does for a
-        conversational dataset when the tokenizer has a response template (or a legacy response schema)."""
-        conversational = bool(completions) and isinstance(completions[0], list)
-        templated = any(getattr(self.tokenizer, name, None) is not None
-                        for name in ("response_template", "response_schema"))
-        split = any(isinstance(c, list) and c and isinstance(c[-1], dict) and REASONING_FIELDS & set(c[-1])
-                    for c in completions)
-        return conversational and (templated or split)
+        """Whether TRL hands the rewards the answer apart from the reasoning: a conversational run whose
+        messages carry the reasoning in a field of their own, or whose tokenizer splits it out (its response
+        template, parsed by transformers) where the installed TRL parses completions with that template."""
+        if not (completions and isinstance(completions[0], list)):
+            return False
+        if any(c and isinstance(c[-1], dict) and REASONING_FIELDS & set(c[-1]) for c in completions):
+            return True
+        import trl
+
+        trl_source = inspect.getsource(sys.modules[trl.GRPOTrainer.__module__])
+        attribute = next((a for a in ("response_template", "response_schema")
+                          if getattr(self.tokenizer, a, None) is not None and a in trl_source), None)
+        if attribute is None:
+            return False
+        ids = self.tokenizer.encode("<think>a</think>b", add_special_tokens=False)
+        try:
+            try:  # transformers >= 5.13 asks for the prompt before the completion; these ids need none
+                parsed = self.tokenizer.parse_response(ids, prefix=[])
+            except TypeError:
+                parsed = self.tokenizer.parse_response(ids)
+        except Exception:  # a template that cannot parse: TRL falls back to a plain decode
+            return False
+        return isinstance(parsed, dict) and bool(REASONING_FIELDS & set(parsed))
 
     # ---- rewards ------------------------------------------------------------------------------
 
@@ -500,6 +529,28 @@ def _k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 def _reference(row: dict) -> str | None:
     value = next((row[c] for c in REFERENCE_COLUMNS if c in row), None)
     return None if value is None else str(value).split("####")[-1].strip()
+
+
+def _failed_stage(error: BaseException) -> str:
+    """The stage of the innermost of TRL's functions that an error passed through."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return next((FAILING_FUNCTION_STAGES[f] for f in reversed(frames) if f in FAILING_FUNCTION_STAGES), "rewards")
+
+
+def _where(error: BaseException) -> str:
+    """The innermost frame of an error, as file:line in function (the file from its package folder on)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "an unknown place"
+    path = Path(tb.tb_frame.f_code.co_filename)
+    parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
+    return f"{'/'.join(parts)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
 
 
 def _prompt_text(prompt) -> str:
