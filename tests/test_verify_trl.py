@@ -224,3 +224,43 @@ def test_an_error_in_the_scoring_path_names_its_stage_and_place(tmp_path, monkey
     monkeypatch.setattr(trl_grpo.GRPOTrainer, "_get_per_token_logps_and_entropies", no_kernel)
     report = verify_trl(trl_trainer(tmp_path, beta=0.0))
     assert report.first_failure == "logprobs", [(c.stage, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def reward_model(vocab_size: int):
+    """A sequence classifier with one label, as TRL takes for a reward model."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    return LlamaForSequenceClassification(config).eval()
+
+
+class RowsShifted(torch.nn.Module):
+    """A reward model whose scores come back one row late (as a batch put together in the wrong order)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        out = self.model(**inputs)
+        out.logits = out.logits.roll(1, 0)
+        return out
+
+
+@pytest.mark.parametrize("defect", [None, "scores shifted by one row"])
+def test_a_reward_model_is_scored_row_by_row_through_trl(tmp_path, defect):
+    trainer = trl_trainer(tmp_path, reward_funcs=(accuracy, brevity))
+    model = reward_model(len(trainer.processing_class))
+    trainer.reward_funcs.append(RowsShifted(model) if defect else model)
+    trainer.reward_processing_classes.append(trainer.processing_class)
+    trainer.reward_func_names.append("tiny-reward-model")
+    trainer.reward_weights = torch.tensor([1.0, 0.5, 1.0])
+    trainer.args.reward_weights = [1.0, 0.5, 1.0]
+    report = verify_trl(trainer)
+    checks = {c.name: c.status for c in report.checks if "tiny-reward-model" in c.name}
+    assert checks["tiny-reward-model is not constant"] == "PASS"
+    lined_up = checks["tiny-reward-model: each value is its own completion's"]
+    assert lined_up == ("FAIL" if defect else "PASS"), [(c.name, c.value) for c in report.checks]
+    assert report.first_failure == ("rewards" if defect else None)

@@ -119,6 +119,7 @@ class _Checks:
         self.calls: list[dict] = []  # each reward function's calls: completions, kwargs, values
         self.out: dict | None = None
         self.rewards_per_func: torch.Tensor | None = None
+        self.score_alone: Callable[[int], torch.Tensor] | None = None  # TRL's rewards of one completion alone
 
     def guarded(self, stage: str, check: Callable, *args):
         """``check(*args)``; an error in TRL's code (or the script's) on the way is that stage's FAIL."""
@@ -207,9 +208,15 @@ class _Checks:
         t.reward_funcs = [self._recording(i, f) for i, f in enumerate(t.reward_funcs)]
         original, checks = type(t)._calculate_rewards, self
 
-        def calculate(trainer, *args, **kwargs):  # TRL's own, its result kept
+        def calculate(trainer, *args, **kwargs):  # TRL's own, its result kept, and how to score one row alone
             rewards_per_func = original(trainer, *args, **kwargs)
             checks.rewards_per_func = rewards_per_func.detach().cpu().clone()
+            n = len(rewards_per_func)
+
+            def alone(j: int) -> torch.Tensor:
+                row = [[a[j]] if isinstance(a, list) and len(a) == n else a for a in args]
+                return original(trainer, *row, **kwargs).detach().cpu()[0]
+            checks.score_alone = alone
             return rewards_per_func
 
         t._calculate_rewards = types.MethodType(calculate, t)
@@ -300,7 +307,23 @@ class _Checks:
         self.report.add("rewards", "one value per completion and reward function", rpf is not None and
                         tuple(rpf.shape) == (N, len(funcs)), f"shape {None if rpf is None else tuple(rpf.shape)}",
                         f"expected ({N}, {len(funcs)})")
-        for call in self.calls:
+        calls = list(self.calls)  # scoring alone below calls the functions again
+        models = [i for i, f in enumerate(funcs) if isinstance(f, torch.nn.Module)]
+        if models and self.score_alone is not None:  # a reward model: each row scored alone through TRL
+            alone_rows = torch.stack([self.score_alone(j) for j in range(N)])
+            names = getattr(t, "reward_func_names", None) or [_name(f) for f in funcs]
+            for i in models:
+                lined_up = torch.allclose(alone_rows[:, i], rpf[:, i], rtol=1e-3, atol=1e-4)
+                self.report.add("rewards", f"{names[i]}: each value is its own completion's", lined_up,
+                                f"batch {_short(rpf[:, i].tolist())}, one by one {_short(alone_rows[:, i].tolist())}",
+                                f"the reward model {names[i]} scores a completion differently in a batch than alone: "
+                                "check the padding side of its tokenizer and that each row's logits[:, 0] is its own")
+                spread = float(rpf[:, i].max() - rpf[:, i].min())
+                self.report.add("rewards", f"{names[i]} is not constant", spread > 1e-6, f"spread {spread:.3g} over "
+                                f"{N} different completions", f"the reward model {names[i]} gives every completion "
+                                "the same score: is its head trained, and does it read the completion?")
+            self.calls = calls
+        for call in calls:
             func = funcs[call["index"]]
             name, values, kwargs = _name(func), call["values"], call["kwargs"]
             # each value against the function's value for its completion alone
