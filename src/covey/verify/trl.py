@@ -6,7 +6,8 @@ written here:
 
     data        the columns the reward functions read are in the dataset, and reach them row by row
     decode      the text a reward function receives for a plain answer, a closed <think> block and an
-                unterminated one, against the tokenizer's own decode of those ids
+                unterminated one, against the tokenizer's own decode of those ids (the answer alone where
+                TRL parses the reasoning apart)
     rewards     one value per completion, each the function's value for that completion alone; able to
                 tell the row's reference answer from an empty completion; the weights TRL applies
     advantages  TRL's against a recomputation from its rewards: mean zero per group, order follows
@@ -15,7 +16,7 @@ written here:
                 mask without padding and with the EOS token
     loss        TRL's loss at ratio 1 and away from it against the formula of its loss_type; KL >= 0 and
                 0 at the reference
-    direction   one small step on a copy raises the best completion of a group and lowers the worst
+    direction   one small step (then undone) raises each group's best completion against its worst
 
 ``run_until_train(script, argv)`` runs a user's script unchanged up to its ``trainer.train()`` and
 returns that trainer instead of training. Nothing is written to the output folder or pushed.
