@@ -184,6 +184,9 @@ class GRPOConfig:
     entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: how much entropy_coef moves after each optimizer step")
     entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: the lowest entropy_coef may go")
     entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: the highest entropy_coef may go")
+    async_generation: bool = _f(False, "sample and score the next generation rounds in a worker thread while the trainer trains on earlier ones; each row is corrected for the policy that sampled it (docs/async.md)")
+    max_staleness: int = _f(1, "async_generation: the most optimizer steps the policy that sampled a round may lag the trained one at the round's first step (whole rounds: at least the optimizer steps per round); staler rounds are dropped")
+    async_schedule: str = _f("fixed", "async_generation: fixed samples each round with the weights exactly max_staleness steps (whole rounds) old, so a seeded run is reproducible; latest with the newest weights when the round starts", choices=("fixed", "latest"))
     vllm_importance_sampling_correction: bool = _f(True, "correct for the engine's sampling distribution differing from the trainer's")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "how the engine/trainer ratio is applied", choices=ENGINE_IS_MODES)
     vllm_importance_sampling_clip_max: float = _f(3.0, "upper bound C_max of the engine/trainer ratio")
@@ -322,6 +325,15 @@ class GRPOConfig:
         if self.clip_ratio_c is not None:
             need(self.clip_ratio_c > 1, f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip uses about 3)")
         self._check_loss_variant(need)
+        if self.async_generation:
+            steps = self.optimizer_steps_per_generation
+            need(self.max_staleness >= steps, f"async_generation: max_staleness={self.max_staleness} is below the "
+                 f"{steps} optimizer step(s) of each generation round, so no round could be sampled ahead; set "
+                 f"max_staleness to {steps} (one round ahead) or more")
+            need(self.vllm_importance_sampling_correction, "async_generation samples with an older policy, and "
+                 "vllm_importance_sampling_correction: false turns off the correction for it; leave it on")
+            need(self.rollout_engine in ("fast", "hf"), f"async_generation: rollout_engine {self.rollout_engine} is "
+                 "not supported yet (the worker samples with fast or hf over its own copy of the policy)")
         cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.loss_type == "cispo" and cap <= 1:
             warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "

@@ -39,6 +39,7 @@ from covey.models import Reference, autocast, policy_weights
 from covey.rewards import RewardFunc, RewardPool, TrainerState, reward_context, reward_name, score_completions
 from covey.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from covey.train import generation
+from covey.train.asynchronous import AsyncGeneration
 from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
 from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
@@ -88,6 +89,8 @@ class StepParts:
     policy_pass: torch.nn.Module | None = None
     reference_pass: torch.nn.Module | None = None
     policy_copy: PolicyCopy | None = None
+    # under async_generation: the worker that samples the next rounds while this one trains
+    asynchronous: AsyncGeneration | None = None
 
     @property
     def device(self) -> torch.device:
@@ -114,9 +117,13 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
     started = time.perf_counter()
     if events is not None:
         events.step_begin(progress.global_step)
-    # 1-2. generate and score
-    with sampling_from_policy(parts):
-        generated = generate_and_score(parts, sampler, progress)
+    # 1-2. generate and score (under async_generation: take the round the worker sampled ahead)
+    if parts.asynchronous is not None:
+        generated, async_metrics = parts.asynchronous.take(progress.global_step)
+        generated = dataclasses.replace(generated, timings={**generated.timings, **async_metrics})
+    else:
+        with sampling_from_policy(parts):
+            generated = generate_and_score(parts, sampler, progress)
     # 3. advantages, over the rewards of every process
     batch, reward_errors = with_advantages(parts, generated.samples, generated.reward_errors)
     progress = dataclasses.replace(progress, rounds_sampled=progress.rounds_sampled + generated.rounds,
@@ -142,6 +149,8 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
         stop = events is not None and events.step_end(updates[-1])
         if stop or progress.consecutive_bad_steps >= args.max_consecutive_bad_steps:
             break
+    if parts.asynchronous is not None:  # the weights the worker samples later rounds with
+        parts.asynchronous.publish(parts.model, progress.global_step)
     return StepResult(batch, updates, progress, generated.reward_metrics, generated.dynamic_sampling)
 
 
@@ -348,8 +357,9 @@ def fixed_logprobs(parts: StepParts, batch: ScoredBatch) -> FixedLogprobs:
 
 def sampled_exactly(parts: StepParts) -> bool:
     """Whether the sampling log-probs are the trainer's own (an engine that computes exactly what the
-    training forward does); a rollout_func's come from its own sampler and never count as such."""
-    return parts.engine.exact_logprobs and parts.rollout_func is None
+    training forward does); a rollout_func's come from its own sampler, and an asynchronous worker's
+    from an older policy: those never count as such."""
+    return parts.engine.exact_logprobs and parts.rollout_func is None and parts.asynchronous is None
 
 
 @torch.no_grad()

@@ -46,7 +46,8 @@ from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
-from covey.train.step import Rewards, StepParts, grpo_step, sampling_from_policy
+from covey.train.asynchronous import AsyncGeneration, AsyncSchedule, check_async_run
+from covey.train.step import Rewards, StepParts, generate_and_score, grpo_step, sampling_from_policy
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
@@ -164,6 +165,7 @@ class GRPOTrainer:
         sharded = (None if self.sharding is None else
                    setup.shard_run(args, self.sharding, policy, reference, rollout_engine is not None, self.world))
         sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
+        check_async_run(args, self.world.size, rollout_engine is not None, sharded is not None)
         engine = rollout_engine or setup.build_engine(args, sampled, tokenizer, self.eos_ids)
         correction = setup.engine_correction(args)
         if (args.loss_type == "vespo" and correction is not None and correction.level == "sequence"
@@ -254,12 +256,13 @@ class GRPOTrainer:
                 self.before = self.evaluate()
                 log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
-            while self.global_step < args.max_steps and not callbacks.stop_asked():
-                steps_before, passes_before = self.global_step, self.sampler.passes_done
-                result = grpo_step(self.parts, self.sampler, self.progress, callbacks)
-                self.progress = result.progress
-                whole = self._log_step(log, result, self._evaluate_if_due(log, steps_before))
-                self._after_step(log, steps_before, passes_before, whole.records() if whole is not None else [])
+            with self._generating_ahead():
+                while self.global_step < args.max_steps and not callbacks.stop_asked():
+                    steps_before, passes_before = self.global_step, self.sampler.passes_done
+                    result = grpo_step(self.parts, self.sampler, self.progress, callbacks)
+                    self.progress = result.progress
+                    whole = self._log_step(log, result, self._evaluate_if_due(log, steps_before))
+                    self._after_step(log, steps_before, passes_before, whole.records() if whole is not None else [])
             if self.global_step < args.max_steps:  # only a callback ends the loop early
                 log.info(f"a callback stopped the training at step {self.global_step} of {args.max_steps}")
             final = self._save_final_model()  # before anything else can fail
@@ -273,6 +276,22 @@ class GRPOTrainer:
         if not self.quiet:
             print_summary(log.console, self.before, after, self.run_dir)
         return summary
+
+    @contextlib.contextmanager
+    def _generating_ahead(self):
+        """Under async_generation, the worker that samples the next rounds, for the training loop."""
+        if not self.args.async_generation:
+            yield
+            return
+        worker = AsyncGeneration(self.parts, self.sampler, AsyncSchedule.from_args(self.args),
+                                 lambda model: setup.build_engine(self.args, model, self.tokenizer, self.eos_ids),
+                                 generate_and_score, self.progress)
+        self.parts = dataclasses.replace(self.parts, asynchronous=worker)
+        try:
+            with worker:
+                yield
+        finally:
+            self.parts = dataclasses.replace(self.parts, asynchronous=None)
 
     # ---- what TRL's scripts call after train() ------------------------------------------------
 

@@ -1,0 +1,218 @@
+"""Asynchronous generation: a worker thread samples and scores the next generation rounds while the
+trainer trains on earlier ones.
+
+The worker has a copy of the policy of its own and an engine over it. After each round of optimizer
+steps the trainer publishes the trained weights (a snapshot, numbered by the rounds trained); the
+worker loads a snapshot before it samples a round. With ``a = max_staleness // optimizer steps per
+round`` rounds ahead, round r is sampled with snapshot ``r - a`` (``async_schedule: fixed``, so that a
+seeded run is reproducible) or with the newest snapshot there is, never older than ``r - a``
+(``latest``). Each row carries the optimizer step of the policy that sampled it and its sampling
+log-probs; the step corrects every row for that policy (``covey.core.engine_importance_weights``, the
+engine/trainer correction) and drops rounds staler than max_staleness, counting them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from covey.config import GRPOConfig
+from covey.data import PromptSampler
+from covey.errors import ConfigError
+from covey.train.batch import Progress
+
+
+@dataclass(frozen=True)
+class AsyncSchedule:
+    """How far the worker runs ahead of the trainer."""
+
+    rounds_ahead: int  # generation rounds sampled before the trainer reaches them
+    max_staleness: int  # optimizer steps a round's policy may lag the trainer's at the round's first step
+    fixed: bool  # round r sampled with exactly the weights after r - rounds_ahead rounds of training
+
+    @classmethod
+    def from_args(cls, args: GRPOConfig) -> "AsyncSchedule":
+        return cls(args.max_staleness // args.optimizer_steps_per_generation, args.max_staleness,
+                   args.async_schedule == "fixed")
+
+    def snapshot_for(self, round_index: int) -> int:
+        """The oldest snapshot (rounds trained) round ``round_index`` may be sampled with."""
+        return max(0, round_index - self.rounds_ahead)
+
+
+def check_async_run(args: GRPOConfig, processes: int, engine_given: bool, sharded: bool) -> None:
+    """What asynchronous generation cannot do yet, refused before anything is loaded."""
+    if not args.async_generation:
+        return
+    problems = [
+        (processes > 1, f"{processes} processes: the worker and the weight snapshots serve one process; "
+                        "train asynchronously in one process"),
+        (sharded, "fsdp: the worker needs a whole copy of the policy; turn fsdp off"),
+        (engine_given, "a rollout_engine object: the worker builds its own engine over its copy of the policy "
+                       "(rollout_engine: fast or hf)"),
+    ]
+    for refused, why in problems:
+        if refused:
+            raise ConfigError(f"async_generation: {why}")
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A round the worker sampled: what generate_and_score gave, and the policy it sampled with."""
+
+    round_index: int
+    version: int  # the optimizer step of the policy that sampled it
+    generated: Any  # covey.train.step.Generated
+    waited_for_weights: float  # seconds the worker waited for the snapshot it sampled with
+
+
+class AsyncGeneration:
+    """The worker thread, its queue of sampled rounds (at most rounds_ahead), and the published weights.
+
+    ``generate(parts, sampler, progress)`` is steps 1-2 of a step (``covey.train.step.generate_and_score``)
+    run by the worker on its own parts; ``parts`` are the trainer's with the worker's model and engine."""
+
+    def __init__(self, parts: Any, sampler: PromptSampler, schedule: AsyncSchedule,
+                 build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress):
+        self.schedule = schedule
+        model = copy.deepcopy(parts.model).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.model = model
+        self.parts = dataclasses.replace(parts, model=model, engine=build_engine(model))
+        self.sampler, self.generate = sampler, generate
+        self.trained = [name for name, p in parts.model.named_parameters() if p.requires_grad]
+        self.rounds_trained = 0  # snapshots published after the first: rounds the trainer finished
+        self.snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # rounds trained -> (step, weights)
+        self.loaded: int | None = None  # the snapshot the worker's model holds
+        self.next_round, self.rounds_sampled = 0, progress.rounds_sampled
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, schedule.rounds_ahead))
+        self.changed = threading.Condition()
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.threads_before = torch.get_num_threads()
+        self.dropped_rows = 0
+        self.publish(parts.model, progress.global_step, first=True)
+
+    # ---- trainer side -------------------------------------------------------------------------
+
+    def start(self) -> "AsyncGeneration":
+        # the trainer and the worker share the cores: half each
+        torch.set_num_threads(max(1, self.threads_before // 2))
+        self.thread = threading.Thread(target=self._work, name="covey-async-generation", daemon=True)
+        self.thread.start()
+        return self
+
+    def publish(self, model: torch.nn.Module, global_step: int, first: bool = False) -> None:
+        """The weights after a round of training (``first``: before any), for the rounds that wait for them."""
+        named = dict(model.named_parameters())
+        weights = {name: named[name].detach().to("cpu", copy=True) for name in self.trained}
+        with self.changed:
+            if not first:
+                self.rounds_trained += 1
+            self.snapshots[self.rounds_trained] = (global_step, weights)
+            self.changed.notify_all()
+
+    def take(self, global_step: int) -> tuple[Any, dict[str, float]]:
+        """The next sampled round fresh enough to train at ``global_step``, and the async metrics:
+        staleness, queue depth, the seconds the trainer waited for it, those the worker waited for
+        weights, and the rows dropped as staler than max_staleness so far."""
+        started = time.perf_counter()
+        while True:
+            item = self._get()
+            staleness = global_step - item.version
+            if staleness <= self.schedule.max_staleness:
+                break
+            self.dropped_rows += item.generated.samples.size  # a round's rows share its policy
+        waited = time.perf_counter() - started
+        metrics = {"async/staleness": float(staleness), "async/queue_depth": float(self.queue.qsize()),
+                   "async/dropped_rows": float(self.dropped_rows), "time/wait_for_data": waited,
+                   "time/wait_for_weights": item.waited_for_weights}
+        return item.generated, metrics
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self.changed:
+            self.changed.notify_all()
+        while self.thread is not None and self.thread.is_alive():
+            try:  # a worker blocked on a full queue
+                self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.1)
+        torch.set_num_threads(self.threads_before)
+
+    def __enter__(self) -> "AsyncGeneration":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _get(self) -> InFlight:
+        while True:
+            try:
+                item = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if self.thread is None or not self.thread.is_alive():
+                    raise RuntimeError("the asynchronous generation worker stopped without a word") from None
+                continue
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"asynchronous generation failed: {type(item).__name__}: {item}") from item
+            return item
+
+    # ---- worker side --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        torch.set_num_threads(max(1, self.threads_before // 2))
+        try:
+            while not self.stopping.is_set():
+                round_index = self.next_round
+                t0 = time.perf_counter()
+                version = self._load_weights(self.schedule.snapshot_for(round_index))
+                if version is None:
+                    return
+                waited = time.perf_counter() - t0
+                progress = Progress(global_step=version, rounds_sampled=self.rounds_sampled)
+                generated = self.generate(self.parts, self.sampler, progress)
+                self.rounds_sampled += generated.rounds
+                self.next_round += 1
+                self._put(InFlight(round_index, version, generated, waited))
+        except BaseException as e:  # handed to the trainer, which raises it
+            self._put(e)
+
+    def _load_weights(self, oldest: int) -> int | None:
+        """Load the snapshot round ``oldest`` is sampled with (waiting for it to be published); its step."""
+        with self.changed:
+            while oldest not in self.snapshots and not self.stopping.is_set():
+                if self.snapshots and max(self.snapshots) > oldest and not self.schedule.fixed:
+                    break
+                self.changed.wait(timeout=1.0)
+            if self.stopping.is_set():
+                return None
+            index = oldest if self.schedule.fixed else max(self.snapshots)
+            version, weights = self.snapshots[index]
+            for stale in [i for i in self.snapshots if i < oldest]:  # no later round takes an older one
+                del self.snapshots[stale]
+        if index != self.loaded:
+            named = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in weights.items():
+                    named[name].copy_(value)
+            self.parts.engine.policy_changed(self.model)
+            self.loaded = index
+        return version
+
+    def _put(self, item: InFlight | BaseException) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
