@@ -68,7 +68,11 @@ def assert_same_weights(a: Path, b: Path) -> None:
     dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]),
     # run state beside the model's: the adapted coefficient and the entropy its next step's gate reads
     dict(use_adaptive_entropy=True, entropy_target=50.0, entropy_coef_delta=0.01, loss_type="sapo"),
-], ids=["full", "kl-sync-ref-iterations-cosine-logging-3", "lora", "adaptive-entropy-sapo"])
+    # the rounds sampled ahead are in the checkpoint, and trained next by the resumed run
+    dict(async_generation=True),
+    dict(async_generation=True, max_staleness=2),
+], ids=["full", "kl-sync-ref-iterations-cosine-logging-3", "lora", "adaptive-entropy-sapo", "async-one-round-ahead",
+        "async-two-rounds-ahead"])
 def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, tokenizer, variant):
     whole = trainer_for(run_args(tmp_path / "whole", save_total_limit=None, **variant), tokenizer)
     whole.train()

@@ -13,6 +13,7 @@ engine/trainer correction) and drops rounds staler than max_staleness, counting 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import queue
@@ -80,7 +81,8 @@ class AsyncGeneration:
     run by the worker on its own parts; ``parts`` are the trainer's with the worker's model and engine."""
 
     def __init__(self, parts: Any, sampler: PromptSampler, schedule: AsyncSchedule,
-                 build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress):
+                 build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress,
+                 restored: dict | None = None):
         self.schedule = schedule
         model = copy.deepcopy(parts.model).eval()
         for p in model.parameters():
@@ -94,11 +96,21 @@ class AsyncGeneration:
         self.loaded: int | None = None  # the snapshot the worker's model holds
         self.next_round, self.rounds_sampled = 0, progress.rounds_sampled
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, schedule.rounds_ahead))
-        self.changed = threading.Condition()
+        self.changed = threading.Condition()  # guards the snapshots and the worker's state
         self.stopping = threading.Event()
+        self.holding = False  # a checkpoint asks the worker to stop at the next round it would sample
+        self.idle = False  # the worker waits (for weights, for room in the queue, or held)
+        self.pending: InFlight | None = None  # a round sampled, waiting for room in the queue
         self.thread: threading.Thread | None = None
         self.threads_before = torch.get_num_threads()
         self.dropped_rows = 0
+        if restored is not None:  # the rounds a checkpoint captured in flight, queued again
+            self.next_round, self.rounds_sampled = restored["next_round"], restored["rounds_sampled"]
+            self.rounds_trained, self.dropped_rows = restored["rounds_trained"], restored["dropped_rows"]
+            rounds = list(restored["rounds"])
+            for item in rounds[:self.queue.maxsize]:
+                self.queue.put_nowait(item)
+            self.pending = rounds[self.queue.maxsize] if len(rounds) > self.queue.maxsize else None
         self.publish(parts.model, progress.global_step, first=True)
 
     # ---- trainer side -------------------------------------------------------------------------
@@ -127,6 +139,8 @@ class AsyncGeneration:
         started = time.perf_counter()
         while True:
             item = self._get()
+            with self.changed:  # room in the queue for a worker that waits
+                self.changed.notify_all()
             staleness = global_step - item.version
             if staleness <= self.schedule.max_staleness:
                 break
@@ -136,6 +150,24 @@ class AsyncGeneration:
                    "async/dropped_rows": float(self.dropped_rows), "time/wait_for_data": waited,
                    "time/wait_for_weights": item.waited_for_weights}
         return item.generated, metrics
+
+    @contextlib.contextmanager
+    def held(self):
+        """The worker held at a round boundary, where every round it has not sampled yet needs weights from
+        now on; gives what a checkpoint captures: the rounds in flight, sampled but not trained (the
+        prompt sampler, shared with the worker, is at the worker's position meanwhile)."""
+        with self.changed:
+            self.holding = True
+            self.changed.notify_all()
+            while not self.idle and self.thread is not None and self.thread.is_alive():
+                self.changed.wait(timeout=0.5)
+            rounds = list(self.queue.queue) + ([self.pending] if self.pending is not None else [])
+            try:
+                yield {"rounds": rounds, "next_round": self.next_round, "rounds_sampled": self.rounds_sampled,
+                       "rounds_trained": self.rounds_trained, "dropped_rows": self.dropped_rows}
+            finally:
+                self.holding = False
+                self.changed.notify_all()
 
     def close(self) -> None:
         self.stopping.set()
@@ -172,6 +204,8 @@ class AsyncGeneration:
     def _work(self) -> None:
         torch.set_num_threads(max(1, self.threads_before // 2))
         try:
+            if self.pending is not None:  # a round in flight a checkpoint held: queued first
+                self._put(self.pending)
             while not self.stopping.is_set():
                 round_index = self.next_round
                 t0 = time.perf_counter()
@@ -179,6 +213,11 @@ class AsyncGeneration:
                 if version is None:
                     return
                 waited = time.perf_counter() - t0
+                with self.changed:  # a checkpoint in progress: the sampler stays where it is, once the worker
+                    # has caught up with the rounds that need older weights than the checkpoint's
+                    while (self.holding and self.schedule.snapshot_for(round_index) >= self.rounds_trained
+                           and not self.stopping.is_set()):
+                        self._wait_idle()
                 progress = Progress(global_step=version, rounds_sampled=self.rounds_sampled)
                 generated = self.generate(self.parts, self.sampler, progress)
                 self.rounds_sampled += generated.rounds
@@ -193,7 +232,7 @@ class AsyncGeneration:
             while oldest not in self.snapshots and not self.stopping.is_set():
                 if self.snapshots and max(self.snapshots) > oldest and not self.schedule.fixed:
                     break
-                self.changed.wait(timeout=1.0)
+                self._wait_idle()
             if self.stopping.is_set():
                 return None
             index = oldest if self.schedule.fixed else max(self.snapshots)
@@ -209,10 +248,21 @@ class AsyncGeneration:
             self.loaded = index
         return version
 
+    def _wait_idle(self) -> None:
+        """Wait for a change, idle meanwhile (the caller holds ``changed``)."""
+        self.idle = True
+        self.changed.notify_all()
+        self.changed.wait(timeout=0.5)
+        self.idle = False
+
     def _put(self, item: InFlight | BaseException) -> None:
+        with self.changed:
+            self.pending = item if isinstance(item, InFlight) else None
         while not self.stopping.is_set():
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+            with self.changed:
+                try:
+                    self.queue.put_nowait(item)
+                    self.pending = None
+                    return
+                except queue.Full:
+                    self._wait_idle()

@@ -94,10 +94,14 @@ def resolve_checkpoint(spec: str, output_dir: str | None) -> Path:
 # ---- writing ---------------------------------------------------------------------------------
 
 
+IN_FLIGHT = "in_flight.pt"  # async_generation: the rounds sampled ahead when the checkpoint was written
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any] | None,
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = (),
-                    sharded: Path | None = None, model_state: dict | None = None, whole_model: bool = False) -> Path:
+                    sharded: Path | None = None, model_state: dict | None = None, whole_model: bool = False,
+                    in_flight: dict | None = None) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
     or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
@@ -106,7 +110,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
     own; ``other_processes_rng``: ``rng_states()`` of processes 1, 2, ... of a run of several;
     ``sharded``: the folder ``save_sharded`` wrote (the model, optimizer and reference of a sharded run),
     moved in as ``sharded/``, with ``model/`` beside it only if ``whole_model``; ``model_state``: the whole
-    state dict of a sharded model, for ``model/``."""
+    state dict of a sharded model, for ``model/``; ``in_flight``: under async_generation, the rounds
+    sampled ahead and not trained yet (``in_flight.pt``), which a resumed run trains next."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:
@@ -124,6 +129,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
                     _write_json(tmp / "state.json", {"step": step, MODEL_ONLY: True})
                 else:
                     _write_training_state(tmp, step, optimizer_state, state, reference, other_processes_rng)
+                    if in_flight is not None:
+                        torch.save(in_flight, tmp / IN_FLIGHT)
     except Exception as e:  # OSError, or safetensors' own error type for the same disk and permission faults
         previous = [p.name for p in checkpoint_dirs(run_dir)]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"

@@ -37,7 +37,7 @@ from covey.telemetry.trackers import check_trackers, make_trackers
 from covey.train import setup
 from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
-from covey.train.checkpoint import (load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, save_sharded,
+from covey.train.checkpoint import (IN_FLIGHT, load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, save_sharded,
                                     saved_step, sharded_staging, written_whole)
 from covey.train.distributed import World, check_launcher_settings, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
@@ -190,6 +190,7 @@ class GRPOTrainer:
         self.history: list[dict] = []  # logged metrics, restored on resume
         self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this step
+        self.in_flight: dict | None = None  # async_generation: the rounds in flight a checkpoint resumed holds
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.callback_handler = Callbacks(callbacks or [], CallbackArgs(args, self.run_dir, self.world), self.world,
@@ -285,7 +286,8 @@ class GRPOTrainer:
             return
         worker = AsyncGeneration(self.parts, self.sampler, AsyncSchedule.from_args(self.args),
                                  lambda model: setup.build_engine(self.args, model, self.tokenizer, self.eos_ids),
-                                 generate_and_score, self.progress)
+                                 generate_and_score, self.progress, self.in_flight)
+        self.in_flight = None
         self.parts = dataclasses.replace(self.parts, asynchronous=worker)
         try:
             with worker:
@@ -509,15 +511,19 @@ class GRPOTrainer:
         ``sharded``, ``model_state``: under fsdp, the folder of the processes' shards, and the whole
         model's state dict (under save_only_model, or ``whole_model``: model/ beside the shards).
         Under save_only_model: the model alone."""
-        state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
-                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
-        whole = not self.args.save_only_model
-        with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-            return save_checkpoint(self.run_dir, self.global_step, self.model,
-                                   (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
-                                   else None, state, self._moving_reference(), self.args.save_total_limit, tokenizer,
-                                   other_processes_rng, sharded, model_state, whole_model)
+        worker = self.parts.asynchronous
+        # under async_generation the worker is held meanwhile: the rounds it sampled ahead are saved with
+        # the prompt sampler at its position, and a resumed run trains them next
+        with worker.held() if worker is not None else contextlib.nullcontext() as in_flight:
+            state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
+                     "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
+            whole = not self.args.save_only_model
+            with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+                return save_checkpoint(self.run_dir, self.global_step, self.model,
+                                       (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
+                                       else None, state, self._moving_reference(), self.args.save_total_limit,
+                                       tokenizer, other_processes_rng, sharded, model_state, whole_model, in_flight)
 
     def _restore(self, path: Path) -> None:
         try:
@@ -532,6 +538,8 @@ class GRPOTrainer:
                 self.progress = dataclasses.replace(self.progress, entropy_coef=self.args.entropy_coef)
             self.history, self.before = state["history"], state["before"]
             self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
+            in_flight = path / IN_FLIGHT
+            self.in_flight = torch.load(in_flight, weights_only=False) if in_flight.is_file() else None
             saved_processes = state.get("processes", 1)
         except CheckpointError:
             raise
@@ -539,6 +547,10 @@ class GRPOTrainer:
             raise CheckpointError(f"could not resume from {path}: {type(e).__name__}: {e}. It is damaged or was "
                                   "written by a different setup (model, LoRA settings); resume from an earlier "
                                   "checkpoint or start a new run") from None
+        if self.in_flight is not None and not self.args.async_generation:
+            warnings.warn(f"{path} holds {len(self.in_flight['rounds'])} round(s) sampled ahead under async_generation, "
+                          "which this run (async_generation: false) does not train: the run does not continue as it "
+                          "would have; resume with async_generation: true for that", stacklevel=3)
         if saved_processes != self.world.size:
             warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
                           f"{self.world.size}: each optimizer step now takes the prompts of {self.world.size}, so "
