@@ -1,6 +1,7 @@
 """Asynchronous generation: the next rounds sampled by a worker while the trainer trains, each row
 corrected for the policy that sampled it, staleness bounded, a fixed schedule reproducible."""
 
+import dataclasses
 import json
 
 import pytest
@@ -61,3 +62,39 @@ def test_the_schedule_runs_whole_rounds_ahead():
     schedule = AsyncSchedule.from_args(args)
     assert args.optimizer_steps_per_generation == 2 and schedule.rounds_ahead == 2
     assert [schedule.snapshot_for(r) for r in range(5)] == [0, 0, 0, 1, 2]
+
+
+def verify_async(tokenizer=None):
+    from covey.verify import verify
+    from tests.test_verify import ROWS as VERIFY_ROWS, mentions_answer, variety
+
+    tokenizer = tokenizer or make_tokenizer()
+    args = GRPOConfig(num_generations=4, max_completion_length=10, temperature=0.7, seed=3, async_generation=True)
+    return verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                  train_dataset=VERIFY_ROWS, reward_funcs=[variety, mentions_answer])
+
+
+def test_verify_checks_the_correction_against_a_deliberately_older_policy():
+    report = verify_async()
+    checks = [c for c in report.checks if c.stage == "async"]
+    assert [c.status for c in checks] == ["PASS", "PASS"], [(c.name, c.value) for c in report.checks]
+    assert "current policy is" in checks[0].value and " 0 away" not in checks[0].value
+
+
+@pytest.mark.parametrize("defect", ["no correction", "the current policy's log-probs"])
+def test_verify_catches_a_correction_that_ignores_the_policy_that_sampled(monkeypatch, defect):
+    import covey.train.step as step_module
+
+    if defect == "no correction":  # the rows treated as sampled by the policy that trains
+        monkeypatch.setattr(step_module, "sampled_exactly", lambda parts: True)
+    else:  # the rows' sampling log-probs replaced by the trainer's at the time it trains
+        original = step_module.fixed_logprobs
+
+        def current_as_sampling(parts, batch):
+            current = step_module.logprobs_no_grad(parts, parts.model, batch.samples.sequences)
+            samples = dataclasses.replace(batch.samples, sampling_logp_BT=current)
+            object.__setattr__(batch, "samples", samples)
+            return original(parts, batch)
+        monkeypatch.setattr(step_module, "fixed_logprobs", current_as_sampling)
+    report = verify_async()
+    assert report.first_failure == "async", [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]

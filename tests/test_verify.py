@@ -46,7 +46,7 @@ def test_clean_pipeline_passes(tokenizer):
     report = run_verify(tokenizer)
     failures = [c for c in report.checks if c.status == "FAIL"]
     assert not failures, failures
-    assert {c.stage for c in report.checks} == set(STAGES)
+    assert {c.stage for c in report.checks} == set(STAGES) - {"async"}  # async: under async_generation only
 
 
 def _shifted_rewards(original):

@@ -91,6 +91,22 @@ truncation = sustained_above(
     "(soft_overlong_penalty) / mask_truncated_completions: true.")
 
 
+def trainer_waits(history):
+    """Under async_generation: the trainer waited for the worker over half of each of the last 3 logged steps."""
+    recent = [h for h in history[-3:] if isinstance(h.get("time/wait_for_data"), (int, float)) and h.get("step_time")]
+    if len(recent) == 3 and all(h["time/wait_for_data"] > 0.5 * h["step_time"] for h in recent):
+        return HealthWarning("time/wait_for_data", "the trainer waited for sampled rounds over half of each of the "
+                             "last 3 logged steps: generation is the slower side, so asynchronous generation gains "
+                             "little. Sample less per round (shorter max_completion_length, fewer generations), give "
+                             "the worker a faster engine, or let it run further ahead (a larger max_staleness).")
+
+
+most_rows_stale = sustained_above(
+    "async/dropped_fraction", 0.5, 1, "over half of the rows sampled ahead were dropped as staler than max_staleness: "
+    "the worker samples with weights too old for the bound. Raise max_staleness, or use async_schedule: fixed, "
+    "which never samples staler than the bound.")
+
+
 def loss_near_zero(history):
     if len(history) == 1:
         return HealthWarning("loss-info", "note: a GRPO loss near 0 is expected (advantages are centred within each "
@@ -98,7 +114,7 @@ def loss_near_zero(history):
 
 
 RULES: list[Callable[[list[dict]], HealthWarning | None]] = [
-    loss_near_zero, reward_collapse, constant_groups, high_kl, flat_reward, truncation]
+    loss_near_zero, reward_collapse, constant_groups, high_kl, flat_reward, truncation, trainer_waits, most_rows_stale]
 
 
 class HealthMonitor:

@@ -196,6 +196,11 @@ def panels(run: Run) -> list[Panel]:
               ("completions/min_length", "completions/max_length")),
         Panel("entropy", "entropy (nats per token)", "entropy"),
         Panel("learning_rate", "learning rate", "learning_rate"),
+        # async_generation only
+        Panel("async_staleness", "staleness (optimizer steps the sampling policy lagged the trained one)",
+              "async/staleness"),
+        Panel("async_wait_for_data", "seconds the trainer waited for a sampled round", "time/wait_for_data"),
+        Panel("async_queue_depth", "rounds sampled ahead, waiting", "async/queue_depth"),
     ]
 
 

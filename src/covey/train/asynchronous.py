@@ -103,10 +103,11 @@ class AsyncGeneration:
         self.pending: InFlight | None = None  # a round sampled, waiting for room in the queue
         self.thread: threading.Thread | None = None
         self.threads_before = torch.get_num_threads()
-        self.dropped_rows = 0
+        self.dropped_rows = self.trained_rows = 0  # rows of the rounds taken: dropped as stale, and trained
         if restored is not None:  # the rounds a checkpoint captured in flight, queued again
             self.next_round, self.rounds_sampled = restored["next_round"], restored["rounds_sampled"]
             self.rounds_trained, self.dropped_rows = restored["rounds_trained"], restored["dropped_rows"]
+            self.trained_rows = restored["trained_rows"]
             rounds = list(restored["rounds"])
             for item in rounds[:self.queue.maxsize]:
                 self.queue.put_nowait(item)
@@ -143,11 +144,14 @@ class AsyncGeneration:
                 self.changed.notify_all()
             staleness = global_step - item.version
             if staleness <= self.schedule.max_staleness:
+                self.trained_rows += item.generated.samples.size
                 break
             self.dropped_rows += item.generated.samples.size  # a round's rows share its policy
         waited = time.perf_counter() - started
         metrics = {"async/staleness": float(staleness), "async/queue_depth": float(self.queue.qsize()),
-                   "async/dropped_rows": float(self.dropped_rows), "time/wait_for_data": waited,
+                   "async/dropped_rows": float(self.dropped_rows),
+                   "async/dropped_fraction": self.dropped_rows / (self.dropped_rows + self.trained_rows),
+                   "time/wait_for_data": waited,
                    "time/wait_for_weights": item.waited_for_weights}
         return item.generated, metrics
 
@@ -164,7 +168,8 @@ class AsyncGeneration:
             rounds = list(self.queue.queue) + ([self.pending] if self.pending is not None else [])
             try:
                 yield {"rounds": rounds, "next_round": self.next_round, "rounds_sampled": self.rounds_sampled,
-                       "rounds_trained": self.rounds_trained, "dropped_rows": self.dropped_rows}
+                       "rounds_trained": self.rounds_trained, "dropped_rows": self.dropped_rows,
+                       "trained_rows": self.trained_rows}
             finally:
                 self.holding = False
                 self.changed.notify_all()

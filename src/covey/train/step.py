@@ -359,7 +359,7 @@ def sampled_exactly(parts: StepParts) -> bool:
     """Whether the sampling log-probs are the trainer's own (an engine that computes exactly what the
     training forward does); a rollout_func's come from its own sampler, and an asynchronous worker's
     from an older policy: those never count as such."""
-    return parts.engine.exact_logprobs and parts.rollout_func is None and parts.asynchronous is None
+    return parts.engine.exact_logprobs and parts.rollout_func is None and not parts.args.async_generation
 
 
 @torch.no_grad()

@@ -15,6 +15,8 @@ FAIL names the broken stage:
                 active), KL >= 0 and 0 at the reference, one step raises the best completion and
                 lowers the worst
     engine      the sampler samples a batch, and its log-probs agree with the trainer's forward
+    async       (async_generation) a batch sampled by an older policy carries its log-probs, and the
+                step's correction equals pi_current / pi_sampling written out
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import inspect
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
 from covey.rewards import reward_name
-from covey.train.setup import one_batch_settings
+from covey.train.setup import build_engine, one_batch_settings
 from covey.train.step import Rewards, fixed_logprobs, score_prompts
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages
@@ -83,6 +85,9 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
+    if settings.async_generation:
+        stages.check_async_correction(report, parts, indices,
+                                      lambda model: build_engine(settings, model, parts.tokenizer, eos_ids))
     return report
 
 

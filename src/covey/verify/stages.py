@@ -3,9 +3,11 @@ computation (``covey.verify.formulas``) on the batch the step's own functions pr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -492,3 +494,52 @@ def _example_arguments(parameters: dict) -> dict:
     """Arguments of each type a schema names, for a round trip through a tool-call format."""
     examples = {"string": "2 + 3", "integer": 7, "number": 1.5, "boolean": True, "array": [1, 2], "object": {"k": 1}}
     return {name: examples.get(spec.get("type"), "x") for name, spec in parameters.get("properties", {}).items()}
+
+
+def check_async_correction(report: Report, parts: StepParts, indices: list[int],
+                           build_engine: Callable[[torch.nn.Module], Any]) -> None:
+    """Under async_generation: a batch sampled by a deliberately older policy (the weights moved by about
+    1%) carries that policy's log-probs, and the correction the step applies equals the weights written
+    out from them and the current policy's log-probs."""
+    older = copy.deepcopy(parts.model).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in older.parameters():
+            if p.requires_grad:
+                p.mul_(1 + 0.01 * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
+    batch = step.score_prompts(dataclasses.replace(parts, engine=build_engine(older)), indices)
+    samples, correction = batch.samples, parts.correction
+    mask = samples.loss_mask_BT.float()
+    on = mask.bool()
+    T = mask.shape[1]
+    sampling = samples.sampling_logp_BT[:, :T]
+    older_logp = step.logprobs_no_grad(parts, older, samples.sequences)[:, :T]
+    current = step.logprobs_no_grad(parts, parts.model, samples.sequences)[:, :T]
+    own = float((sampling - older_logp)[on].abs().max())
+    apart = float((current - older_logp)[on].abs().mean())
+    tolerance = 0.1 if parts.args.sample_in_bf16(parts.device) else 1e-3
+    report.add("async", "the rows carry the log-probs of the older policy that sampled them", own < tolerance,
+               f"max |sampling - older| {own:.2g}; the current policy is {apart:.2g} away on average",
+               "the sampling log-probs are not those of the policy that sampled: the correction would use the "
+               "wrong ones (see covey.train.asynchronous)")
+    # the step's own correction, through an optimizer step that moves nothing (SGD at learning rate 0)
+    sgd = torch.optim.SGD([p for p in parts.model.parameters() if p.requires_grad], lr=0.0)
+    still = dataclasses.replace(parts, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
+    totals, _, _ = step.optimizer_step(still, batch, step.fixed_logprobs(parts, batch), slice(0, samples.size), True,
+                                       Progress(entropy_coef=parts.args.entropy_coef))
+    log_w = (current.double() - sampling.double()) * mask.double()
+    w = torch.exp(log_w.sum(1) if correction.level == "sequence" else log_w)
+    low = correction.clip_min if correction.clip_min is not None else 0.0
+    if correction.action == "truncate":
+        w = w.clamp(low, correction.clip_max)
+    else:
+        w = torch.where((w < low) | (w > correction.clip_max), torch.zeros_like(w), w)
+    expected = float(w.sum() if correction.level == "sequence" else (w * mask).sum())
+    got = totals.get("engine_weight_sum")
+    ok = got is not None and math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6)
+    mean = expected / (samples.size if correction.level == "sequence" else float(mask.sum()))
+    report.add("async", "the step's correction equals pi_current / pi_sampling written out", ok,
+               f"sum of weights {got if got is None else f'{got:.6g}'} vs {expected:.6g} (mean {mean:.4g}, "
+               f"{correction.level} level, {correction.action})",
+               "the step corrects with other log-probs than the rows' own sampling ones, or none: see "
+               "covey.train.step.sampled_exactly and core.engine_importance_weights")
