@@ -98,3 +98,35 @@ def test_verify_catches_a_correction_that_ignores_the_policy_that_sampled(monkey
         monkeypatch.setattr(step_module, "fixed_logprobs", current_as_sampling)
     report = verify_async()
     assert report.first_failure == "async", [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
+
+
+def test_an_error_in_the_worker_stops_the_run_with_that_error(tmp_path):
+    from covey.errors import RewardError
+
+    def failing(completions, **kwargs):
+        raise ValueError("the judge is down")
+
+    tokenizer = make_tokenizer()
+    trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a, failing],
+                          args=async_args(tmp_path), train_dataset=ROWS, processing_class=tokenizer, quiet=True)
+    with pytest.raises(RewardError, match="the judge is down"):
+        trainer.train()
+    assert trainer.global_step == 0
+
+
+def test_rounds_staler_than_the_bound_are_dropped_and_counted(tmp_path, monkeypatch):
+    # a worker stuck on the starting weights: from round 2 on, every round is 2 steps stale
+    monkeypatch.setattr(AsyncSchedule, "snapshot_for", lambda self, round_index: 0)
+    tokenizer = make_tokenizer()
+    trainer = GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a],
+                          args=async_args(tmp_path, max_steps=3), train_dataset=ROWS, processing_class=tokenizer,
+                          quiet=True)
+    with pytest.raises(RuntimeError, match="5 rounds in a row were staler than max_staleness=1"):
+        trainer.train()
+    assert trainer.global_step == 2
+
+
+def test_the_latest_schedule_samples_with_the_newest_weights_within_the_bound(tmp_path):
+    _, metrics = train(async_args(tmp_path, async_schedule="latest", max_staleness=2, max_steps=5))
+    staleness = [m["async/staleness"] for m in metrics if "async/staleness" in m]
+    assert len(staleness) == 5 and all(0 <= s <= 2 for s in staleness) and staleness[0] == 0

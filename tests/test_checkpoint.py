@@ -26,7 +26,7 @@ from covey.train.checkpoint import checkpoint_dirs, written_whole
 from tests.conftest import make_model
 from tests.test_trainer import ROWS, count_a
 
-TIMING_KEYS = ("step_time", "time/", "tokens_per_second")
+TIMING_KEYS = ("step_time", "time/", "tokens_per_second", "async/queue_depth")  # what timing decides
 
 
 def run_args(out: Path, **overrides) -> GRPOConfig:

@@ -30,6 +30,9 @@ from covey.errors import ConfigError
 from covey.train.batch import Progress
 
 
+STALE_ROUNDS_IN_A_ROW = 4  # rounds dropped one after another before the run stops: the worker is stuck
+
+
 @dataclass(frozen=True)
 class AsyncSchedule:
     """How far the worker runs ahead of the trainer."""
@@ -138,7 +141,7 @@ class AsyncGeneration:
         staleness, queue depth, the seconds the trainer waited for it, those the worker waited for
         weights, and the rows dropped as staler than max_staleness so far."""
         started = time.perf_counter()
-        while True:
+        for _ in range(STALE_ROUNDS_IN_A_ROW + 1):
             item = self._get()
             with self.changed:  # room in the queue for a worker that waits
                 self.changed.notify_all()
@@ -147,6 +150,10 @@ class AsyncGeneration:
                 self.trained_rows += item.generated.samples.size
                 break
             self.dropped_rows += item.generated.samples.size  # a round's rows share its policy
+        else:
+            raise RuntimeError(f"asynchronous generation: {STALE_ROUNDS_IN_A_ROW + 1} rounds in a row were staler than "
+                               f"max_staleness={self.schedule.max_staleness} (the last sampled at step {item.version}, "
+                               f"trained at {global_step}): the worker does not sample with the weights published")
         waited = time.perf_counter() - started
         metrics = {"async/staleness": float(staleness), "async/queue_depth": float(self.queue.qsize()),
                    "async/dropped_rows": float(self.dropped_rows),
@@ -200,8 +207,8 @@ class AsyncGeneration:
                 if self.thread is None or not self.thread.is_alive():
                     raise RuntimeError("the asynchronous generation worker stopped without a word") from None
                 continue
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"asynchronous generation failed: {type(item).__name__}: {item}") from item
+            if isinstance(item, BaseException):  # the worker's error, as a synchronous run would raise it
+                raise item
             return item
 
     # ---- worker side --------------------------------------------------------------------------
