@@ -35,10 +35,11 @@ from covey.telemetry.runlog import RunLog, latest_run_config, write_json
 from covey.telemetry.tables import accuracy_change, model_card, percent, print_summary
 from covey.telemetry.trackers import check_trackers, make_trackers
 from covey.train import setup
+from covey.train.asynchronous import AsyncGeneration, AsyncSchedule, check_async_run
 from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
-from covey.train.checkpoint import (IN_FLIGHT, load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint, save_sharded,
-                                    saved_step, sharded_staging, written_whole)
+from covey.train.checkpoint import (IN_FLIGHT, load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint,
+                                    save_sharded, saved_step, sharded_staging, written_whole)
 from covey.train.distributed import World, check_launcher_settings, sharded_part
 from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.forward import TrainingForward
@@ -46,7 +47,6 @@ from covey.train.hub import HubPush
 from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
-from covey.train.asynchronous import AsyncGeneration, AsyncSchedule, check_async_run
 from covey.train.step import Rewards, StepParts, generate_and_score, grpo_step, sampling_from_policy
 
 # hyperparameters the model card lists, as the run used them
@@ -548,9 +548,9 @@ class GRPOTrainer:
                                   "written by a different setup (model, LoRA settings); resume from an earlier "
                                   "checkpoint or start a new run") from None
         if self.in_flight is not None and not self.args.async_generation:
-            warnings.warn(f"{path} holds {len(self.in_flight['rounds'])} round(s) sampled ahead under async_generation, "
-                          "which this run (async_generation: false) does not train: the run does not continue as it "
-                          "would have; resume with async_generation: true for that", stacklevel=3)
+            warnings.warn(f"{path} holds {len(self.in_flight['rounds'])} round(s) sampled ahead under "
+                          "async_generation, which this run (async_generation: false) does not train: the run does "
+                          "not continue as it would have; resume with async_generation: true for that", stacklevel=3)
         if saved_processes != self.world.size:
             warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
                           f"{self.world.size}: each optimizer step now takes the prompts of {self.world.size}, so "
