@@ -185,12 +185,8 @@ class AsyncGeneration:
         self.stopping.set()
         with self.changed:
             self.changed.notify_all()
-        while self.thread is not None and self.thread.is_alive():
-            try:  # a worker blocked on a full queue
-                self.queue.get_nowait()
-            except queue.Empty:
-                pass
-            self.thread.join(timeout=0.1)
+        if self.thread is not None:  # it stops at its next wait, or once the round it samples is done
+            self.thread.join()
         torch.set_num_threads(self.threads_before)
 
     def __enter__(self) -> "AsyncGeneration":
