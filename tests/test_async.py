@@ -54,6 +54,8 @@ def test_async_settings_that_cannot_be_honoured_are_refused(tmp_path):
         async_args(tmp_path, vllm_importance_sampling_correction=False)
     with pytest.raises(ConfigError, match="rollout_engine vllm is not supported yet"):
         async_args(tmp_path, use_vllm=True)
+    with pytest.raises(ConfigError, match="save_strategy: epoch"):
+        async_args(tmp_path, save_strategy="epoch")
 
 
 def test_the_schedule_runs_whole_rounds_ahead():
