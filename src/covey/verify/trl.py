@@ -31,6 +31,7 @@ import inspect
 import math
 import runpy
 import sys
+import traceback
 import types
 from pathlib import Path
 from typing import Any, Callable
@@ -122,13 +123,14 @@ class _Checks:
         self.rewards_per_func: torch.Tensor | None = None
         self.score_alone: Callable[[int], torch.Tensor] | None = None  # TRL's rewards of one completion alone
 
-    def guarded(self, stage: str, check: Callable, *args):
-        """``check(*args)``; an error in TRL's code (or the script's) on the way is that stage's FAIL."""
+    def guarded(self, stage: str | None, check: Callable, *args):
+        """``check(*args)``; an error in TRL's code (or the script's) on the way is a FAIL of ``stage``
+        (None: of the stage of TRL's function it passed through)."""
         try:
             return check(*args)
         except Exception as e:
-            self.report.add(stage, f"TRL's code runs through the {stage} check", False,
-                            f"{type(e).__name__}: {e} (in {_where(e)})",
+            name = f"TRL's code runs through the {stage} check" if stage else "TRL scores a batch of chosen completions"
+            self.report.add(stage or _failed_stage(e), name, False, f"{type(e).__name__}: {e} (in {_where(e)})",
                             "this part of TRL (or of the script) fails on a batch, so training would fail there too")
             return None
 
@@ -223,14 +225,8 @@ class _Checks:
         t._calculate_rewards = types.MethodType(calculate, t)
         t.model.train()
         inputs = [row for row in self.rows for _ in range(self.G)]
-        try:
-            self.out = t._generate_and_score_completions(inputs)
-        except Exception as e:
-            self.report.add(_failed_stage(e), "TRL scores a batch of chosen completions", False,
-                            f"{type(e).__name__}: {e} (in {_where(e)})", "TRL's scoring path (or a reward "
-                            "function of the script) fails on a batch, so training would fail there too")
-            return None
         self.inputs = inputs
+        self.out = self.guarded(None, t._generate_and_score_completions, inputs)
         return self.out
 
     def _recording(self, index: int, func):
@@ -557,24 +553,18 @@ def _reference(row: dict) -> str | None:
 
 def _failed_stage(error: BaseException) -> str:
     """The stage of the innermost of TRL's functions that an error passed through."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return next((FAILING_FUNCTION_STAGES[f] for f in reversed(frames) if f in FAILING_FUNCTION_STAGES), "rewards")
+    names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    return next((FAILING_FUNCTION_STAGES[f] for f in reversed(names) if f in FAILING_FUNCTION_STAGES), "rewards")
 
 
 def _where(error: BaseException) -> str:
     """The innermost frame of an error, as file:line in function (the file from its package folder on)."""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
         return "an unknown place"
-    path = Path(tb.tb_frame.f_code.co_filename)
+    path = Path(frames[-1].filename)
     parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
-    return f"{'/'.join(parts)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+    return f"{'/'.join(parts)}:{frames[-1].lineno} in {frames[-1].name}"
 
 
 def _prompt_text(prompt) -> str:
