@@ -71,7 +71,6 @@ def check_async_run(args: GRPOConfig, processes: int, engine_given: bool, sharde
 class InFlight:
     """A round the worker sampled: what generate_and_score gave, and the policy it sampled with."""
 
-    round_index: int
     version: int  # the optimizer step of the policy that sampled it
     generated: Any  # covey.train.step.Generated
     waited_for_weights: float  # seconds the worker waited for the snapshot it sampled with
@@ -136,10 +135,10 @@ class AsyncGeneration:
             self.snapshots[self.rounds_trained] = (global_step, weights)
             self.changed.notify_all()
 
-    def take(self, global_step: int) -> tuple[Any, dict[str, float]]:
-        """The next sampled round fresh enough to train at ``global_step``, and the async metrics:
-        staleness, queue depth, the seconds the trainer waited for it, those the worker waited for
-        weights, and the rows dropped as staler than max_staleness so far."""
+    def take(self, global_step: int) -> Any:
+        """The next sampled round fresh enough to train at ``global_step`` (what generate_and_score gave),
+        its timings joined by the async metrics: staleness, queue depth, the seconds the trainer waited for
+        it, those the worker waited for weights, and the rows dropped as staler than max_staleness so far."""
         started = time.perf_counter()
         for _ in range(STALE_ROUNDS_IN_A_ROW + 1):
             item = self._get()
@@ -160,7 +159,7 @@ class AsyncGeneration:
                    "async/dropped_fraction": self.dropped_rows / (self.dropped_rows + self.trained_rows),
                    "time/wait_for_data": waited,
                    "time/wait_for_weights": item.waited_for_weights}
-        return item.generated, metrics
+        return dataclasses.replace(item.generated, timings={**item.generated.timings, **metrics})
 
     @contextlib.contextmanager
     def held(self):
@@ -230,7 +229,7 @@ class AsyncGeneration:
                 generated = self.generate(self.parts, self.sampler, progress)
                 self.rounds_sampled += generated.rounds
                 self.next_round += 1
-                self._put(InFlight(round_index, version, generated, waited))
+                self._put(InFlight(version, generated, waited))
         except BaseException as e:  # handed to the trainer, which raises it
             self._put(e)
 

@@ -119,8 +119,7 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
         events.step_begin(progress.global_step)
     # 1-2. generate and score (under async_generation: take the round the worker sampled ahead)
     if parts.asynchronous is not None:
-        generated, async_metrics = parts.asynchronous.take(progress.global_step)
-        generated = dataclasses.replace(generated, timings={**generated.timings, **async_metrics})
+        generated = parts.asynchronous.take(progress.global_step)
     else:
         with sampling_from_policy(parts):
             generated = generate_and_score(parts, sampler, progress)

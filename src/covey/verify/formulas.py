@@ -81,6 +81,17 @@ def formula_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, lev
     return torch.exp(logp - old)
 
 
+def formula_correction(current: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, correction) -> torch.Tensor:
+    """The engine/trainer weights pi_current / pi_sampling written out, per token (B, T) or per completion
+    (B,), truncated to [clip_min, clip_max] or zero outside it (``correction``: a core.EngineCorrection)."""
+    log_w = (current.double() - sampling.double()) * mask.double()
+    w = torch.exp(log_w.sum(1) if correction.level == "sequence" else log_w)
+    low = correction.clip_min if correction.clip_min is not None else 0.0
+    if correction.action == "truncate":
+        return w.clamp(low, correction.clip_max)
+    return torch.where((w < low) | (w > correction.clip_max), torch.zeros_like(w), w)
+
+
 def eos_mask(ids_BT: torch.Tensor, eos_ids: list[int], pad_id: int, finish_reasons: list[str],
              max_length: int) -> torch.Tensor:
     """1 up to and including the first EOS of each row; a row cut at the length limit: all of its

@@ -20,7 +20,8 @@ from covey.rollout import Rollout
 from covey.train import step
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.step import StepParts
-from covey.verify.formulas import advantages_written_out, eos_mask, episode_layout, formula_loss, formula_ratio
+from covey.verify.formulas import (advantages_written_out, eos_mask, episode_layout, formula_correction,
+                                   formula_loss, formula_ratio)
 from covey.verify.report import Report
 
 
@@ -192,7 +193,7 @@ def check_reward_probes(report: Report, parts: StepParts, calls: list[dict]) -> 
     kwargs = without_logging(calls[0])
     n, row = len(kwargs["completions"]), parts.prompts.rows[0]
     prompt = kwargs["prompts"][0]
-    prompt_text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+    prompt_text = whole_prompt_text(prompt)
     for func in parts.rewards.funcs:
         column = next((c for c in sorted(required_columns(func)) if isinstance(row.get(c), (str, int, float))), None)
         if column is None:
@@ -222,6 +223,13 @@ def check_reward_probes(report: Report, parts: StepParts, calls: list[dict]) -> 
                 "answer: is it inverted, or reading another column?")
         report.add("rewards", f"{name} tells a right answer from wrong ones",
                    not alike and not right < max(empty, echoed), value, hint, warn_only=True)
+
+
+def whole_prompt_text(prompt: object) -> str:
+    """A prompt's text, every message of a conversation joined (the system prompt says how to answer)."""
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    return str(prompt or "")
 
 
 def written_answer(reference: object, prompt_text: str, strip_reasoning: bool) -> str:
@@ -527,14 +535,8 @@ def check_async_correction(report: Report, parts: StepParts, indices: list[int],
     still = dataclasses.replace(parts, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
     totals, _, _ = step.optimizer_step(still, batch, step.fixed_logprobs(parts, batch), slice(0, samples.size), True,
                                        Progress(entropy_coef=parts.args.entropy_coef))
-    log_w = (current.double() - sampling.double()) * mask.double()
-    w = torch.exp(log_w.sum(1) if correction.level == "sequence" else log_w)
-    low = correction.clip_min if correction.clip_min is not None else 0.0
-    if correction.action == "truncate":
-        w = w.clamp(low, correction.clip_max)
-    else:
-        w = torch.where((w < low) | (w > correction.clip_max), torch.zeros_like(w), w)
-    expected = float(w.sum() if correction.level == "sequence" else (w * mask).sum())
+    w = formula_correction(current, sampling, mask, correction)
+    expected = float(w.sum() if correction.level == "sequence" else (w * mask.double()).sum())
     got = totals.get("engine_weight_sum")
     ok = got is not None and math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6)
     mean = expected / (samples.size if correction.level == "sequence" else float(mask.sum()))

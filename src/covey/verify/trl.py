@@ -39,7 +39,8 @@ from typing import Any, Callable
 import torch
 
 from covey.verify.report import Report
-from covey.verify.stages import written_answer
+from covey.data.text import THINK_CLOSE, answer_after_reasoning
+from covey.verify.stages import whole_prompt_text, written_answer
 
 # what TRL passes every reward function besides the dataset's columns
 TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
@@ -190,7 +191,7 @@ class _Checks:
         think block, an unterminated one and an empty completion. The answer is the row's reference, written
         as its prompt asks (in <answer> tags, \\boxed{} or after ####)."""
         reference = _reference(row)
-        answer = written_answer(reference if reference is not None else "4", _prompt_text(row.get("prompt")),
+        answer = written_answer(reference if reference is not None else "4", whole_prompt_text(row.get("prompt")),
                                 strip_reasoning=True)
         eos = self.tokenizer.eos_token_id
         kinds = [("plain", f"The answer is {answer}", True), ("closed think", f"<think>let me see</think>{answer}", True),
@@ -536,10 +537,11 @@ def _expected_texts(kind: str, decoded: str, aware: bool) -> tuple[str, ...]:
     user's own) the answer after a closed block."""
     if kind == "plain":
         return (decoded,)
+    answer = answer_after_reasoning(decoded)  # "" for an unterminated block
     if kind == "unterminated think":
-        return ("", decoded) if aware else (decoded,)
-    answer = decoded.split("</think>")[-1]
-    return tuple(dict.fromkeys((answer.strip(), answer) if aware else (decoded, answer.strip(), answer)))
+        return (answer, decoded) if aware else (decoded,)
+    unstripped = decoded.rsplit(THINK_CLOSE, 1)[-1]
+    return tuple(dict.fromkeys((answer, unstripped) if aware else (decoded, answer, unstripped)))
 
 
 def _k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -565,12 +567,6 @@ def _where(error: BaseException) -> str:
     path = Path(frames[-1].filename)
     parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
     return f"{'/'.join(parts)}:{frames[-1].lineno} in {frames[-1].name}"
-
-
-def _prompt_text(prompt) -> str:
-    if isinstance(prompt, list):  # conversational: the messages' text
-        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
-    return str(prompt or "")
 
 
 def _text(completion) -> str:
