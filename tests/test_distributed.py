@@ -4,6 +4,7 @@ Two processes, each with its own share of a round's prompts, must make the very 
 makes on the whole batch; one of them alone writes the run folder, from metrics over both.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -138,15 +139,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_in_two_processes(function, args: tuple, seconds: float = 300) -> None:
-    """``function(rank, *args)`` in two processes; fails rather than hangs where they wait for each other."""
-    processes = mp.start_processes(function, nprocs=2, start_method="spawn", join=False, args=args)
+def run_in_two_processes(function, args: tuple, seconds: float = 300, natural_exit: bool = False) -> None:
+    """``function(rank, *args)`` in two processes; fails rather than hangs where they wait for each other.
+
+    Each process dumps its Python stacks if it crashes (faulthandler), and, once ``function`` returned,
+    leaves the process group and ends at once, without the interpreter's teardown: a gloo worker thread
+    still alive then can abort the process (SIGABRT, "terminate called without an active exception")
+    after everything the test checks was written. ``natural_exit`` keeps the teardown, for a test of it."""
+    processes = mp.start_processes(_in_process, nprocs=2, start_method="spawn", join=False,
+                                   args=(function, natural_exit, *args))
     deadline = time.monotonic() + seconds
     while not processes.join(timeout=2):
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
             pytest.fail(f"the two processes did not finish within {seconds} s (waiting for each other?)")
+
+
+def _in_process(rank: int, function, natural_exit: bool, *args) -> None:
+    faulthandler.enable()
+    function(rank, *args)
+    if natural_exit:
+        return
+    if torch.distributed.is_initialized():
+        leave_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train_in_two_processes(tmp_path, run="two", signalled_rank=None, dropout=0.0, **overrides):
@@ -619,4 +638,5 @@ def _train_and_leave_with_the_trainer_alive(rank: int, port: int, output_dir: st
 def test_a_process_exits_when_its_trainer_outlives_the_process_group(tmp_path):
     """A script that closes the process group and then ends, its trainer still alive: it exits (gloo's
     teardown under a data-parallel wrapper freed after the group deadlocked)."""
-    run_in_two_processes(_train_and_leave_with_the_trainer_alive, (free_port(), str(tmp_path / "run")), seconds=120)
+    run_in_two_processes(_train_and_leave_with_the_trainer_alive, (free_port(), str(tmp_path / "run")), seconds=120,
+                         natural_exit=True)
