@@ -52,10 +52,8 @@ def test_async_settings_that_cannot_be_honoured_are_refused(tmp_path):
         async_args(tmp_path, steps_per_generation=4)
     with pytest.raises(ConfigError, match="vllm_importance_sampling_correction: false"):
         async_args(tmp_path, vllm_importance_sampling_correction=False)
-    with pytest.raises(ConfigError, match="rollout_engine vllm is not supported yet"):
-        async_args(tmp_path, use_vllm=True)
-    with pytest.raises(ConfigError, match="save_strategy: epoch"):
-        async_args(tmp_path, save_strategy="epoch")
+    with pytest.raises(ConfigError, match="vllm_enable_sleep_mode puts vLLM to sleep"):
+        async_args(tmp_path, use_vllm=True, vllm_enable_sleep_mode=True)
 
 
 def test_the_schedule_runs_whole_rounds_ahead():
@@ -132,3 +130,50 @@ def test_the_latest_schedule_samples_with_the_newest_weights_within_the_bound(tm
     _, metrics = train(async_args(tmp_path, async_schedule="latest", max_staleness=2, max_steps=5))
     staleness = [m["async/staleness"] for m in metrics if "async/staleness" in m]
     assert len(staleness) == 5 and all(0 <= s <= 2 for s in staleness) and staleness[0] == 0
+
+
+def test_through_a_server_each_round_is_sampled_with_its_snapshot_and_evaluations_with_the_trained_policy(tmp_path):
+    """rollout_engine: vllm with vllm_mode: server (here covey's own server): the worker and the trainer
+    share the one server. The worker pushes each round's snapshot before the round; an evaluation, mid-run
+    or after training, is sampled with the trained policy, the worker held meanwhile."""
+    from transformers import TrainerCallback
+
+    from tests.test_server import distinct_chars, serve
+
+    tokenizer = make_tokenizer()
+    server = serve(make_model(len(tokenizer), seed=6), tokenizer)  # started from other weights
+    name = "model.layers.0.self_attn.q_proj.weight"
+    served = []  # (greedy: an evaluation's request, the server's weights) at each completion request
+    generate = server.backend.generate
+
+    def recording(prompt_ids, n, params, seed=None):
+        served.append((params.greedy, dict(server.backend.model.named_parameters())[name].detach().clone()))
+        return generate(prompt_ids, n, params, seed)
+    server.backend.generate = recording
+
+    trained = []  # the trainer's weights before training and after each optimizer step (one per round)
+
+    class Weights(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            trained.append(dict(model.named_parameters())[name].detach().clone())
+
+    model = make_model(len(tokenizer), seed=1)
+    trained.append(dict(model.named_parameters())[name].detach().clone())
+    args = async_args(tmp_path, rollout_engine="vllm", vllm_mode="server", vllm_server_port=server.server_address[1],
+                      vllm_server_timeout=5.0, eval_strategy="steps", eval_steps=2, gradient_accumulation_steps=1,
+                      per_device_train_batch_size=8)
+    try:
+        trainer = GRPOTrainer(model=model, reward_funcs=[distinct_chars], args=args, train_dataset=ROWS,
+                              eval_dataset=ROWS[:2], processing_class=tokenizer, callbacks=[Weights()], quiet=True)
+        trainer.train()
+    finally:
+        server.close()
+    assert len(trained) == 5 and all(not torch.equal(a, b) for a, b in zip(trained, trained[1:]))
+
+    def which(weights):
+        return next((i for i, w in enumerate(trained) if torch.equal(w, weights)), None)
+    rounds = [which(w) for greedy, w in served if not greedy]
+    evaluations = [which(w) for greedy, w in served if greedy]
+    # one round ahead: rounds 0 and 1 from the start, then round r from the weights after r - 1 rounds
+    assert rounds == [0, 0, 0, 0, 1, 1, 2, 2]  # two prompts a round, one request each
+    assert evaluations == [0, 0, 2, 2, 4, 4]  # before training, at step 2, after it

@@ -232,10 +232,14 @@ def test_under_two_processes_every_process_calls_its_callbacks_and_a_stop_in_one
 # ---- save_strategy and save_only_model ------------------------------------------------------------
 
 
-def test_save_strategy_epoch_checkpoints_at_the_end_of_each_pass_over_the_prompts(tmp_path, tokenizer):
-    """3 prompts a round of 8 rows: the first pass ends within round 3, the second within round 6."""
+@pytest.mark.parametrize("async_generation", [False, True])
+def test_save_strategy_epoch_checkpoints_at_the_end_of_each_pass_over_the_prompts(tmp_path, tokenizer,
+                                                                                 async_generation):
+    """3 prompts a round of 8 rows: the first pass ends within round 3, the second within round 6 (the
+    rounds trained: under async_generation the worker has drawn the next round's prompts already)."""
     args = small_args(tmp_path, max_steps=7, per_device_train_batch_size=12, gradient_accumulation_steps=1,
-                      save_strategy="epoch", save_steps=1, save_total_limit=None, eval_max_samples=0)
+                      save_strategy="epoch", save_steps=1, save_total_limit=None, eval_max_samples=0,
+                      async_generation=async_generation)
     trainer_for(args, tokenizer).train()
     assert [step_of(p) for p in checkpoint_dirs(tmp_path / "run")] == [3, 6]
 

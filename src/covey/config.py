@@ -332,11 +332,9 @@ class GRPOConfig:
                  f"max_staleness to {steps} (one round ahead) or more")
             need(self.vllm_importance_sampling_correction, "async_generation samples with an older policy, and "
                  "vllm_importance_sampling_correction: false turns off the correction for it; leave it on")
-            need(self.rollout_engine in ("fast", "hf"), f"async_generation: rollout_engine {self.rollout_engine} is "
-                 "not supported yet (the worker samples with fast or hf over its own copy of the policy)")
-            need(self.save_strategy != "epoch", "async_generation with save_strategy: epoch: the worker draws prompts "
-                 "rounds ahead of training, so the end of a pass is not the end of a trained one; use "
-                 "save_strategy: steps")
+            need(not self.vllm_enable_sleep_mode, "async_generation: vllm_enable_sleep_mode puts vLLM to sleep "
+                 "between generations, and under async_generation it samples while the trainer trains; set "
+                 "vllm_enable_sleep_mode: false")
         cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.loss_type == "cispo" and cap <= 1:
             warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "

@@ -90,6 +90,26 @@ def test_a_training_run_samples_with_vllm_and_keeps_it_up_to_date(colocated, mod
     assert_greedy_of(trained, prompts, colocated.generate(prompts, 1, GREEDY), [default_tokenizer.eos_token_id])
 
 
+def test_an_async_run_samples_ahead_with_vllm_and_leaves_it_holding_the_trained_policy(colocated, model_folder,
+                                                                                       tmp_path, prompts,
+                                                                                       default_tokenizer):
+    """async_generation with the colocated vLLM: the worker samples each round one round behind, from
+    its own thread, into the one vLLM; every row is corrected for the older policy; once training ends
+    vLLM samples with the trained policy."""
+    args = GRPOConfig(model=model_folder, output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4,
+                      per_device_train_batch_size=8, max_completion_length=32, learning_rate=2e-5,
+                      eval_max_samples=0, rollout_engine="vllm", seed=0, log_completions=False,
+                      async_generation=True)
+    trainer = GRPOTrainer(args=args, rollout_engine=colocated, quiet=True)
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["async/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    for m in metrics:  # an older policy and vLLM's kernels: still close, the weights near 1
+        assert 0.8 < m["engine_is/mean_weight"] < 1.2 and m["engine_is/masked_fraction"] < 0.2, m
+    trained = trainer.model.eval()
+    assert_greedy_of(trained, prompts, colocated.generate(prompts, 1, GREEDY), [default_tokenizer.eos_token_id])
+
+
 def test_sleep_mode_is_refused_where_vllm_has_none(colocated):
     from vllm.platforms import current_platform
 

@@ -38,6 +38,10 @@ class PromptSampler:
         """Whole passes over the data drawn so far (a pass ends with the draw of its last row)."""
         return self.epoch if self.epoch and not self.order else max(self.epoch - 1, 0)
 
+    def passes_in(self, draws: int) -> int:
+        """Whole passes over the data in the first ``draws`` draws (``passes_done`` after them)."""
+        return draws * self.prompts_per_step // self.num_rows
+
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
         return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}

@@ -1,7 +1,10 @@
 """Asynchronous generation: a worker thread samples and scores the next generation rounds while the
 trainer trains on earlier ones.
 
-The worker has a copy of the policy of its own and an engine over it. After each round of optimizer
+The worker has a copy of the policy of its own. An engine that samples with a policy module (fast, hf)
+is built again over that copy; one that holds its own copy of the weights (vLLM in this process, a vLLM
+or covey server) is the trainer's, and the worker pushes the weights it loads into it, between its
+rounds: no request is in flight then, so nothing is drained or paused midway. After each round of optimizer
 steps the trainer publishes the trained weights (a snapshot, numbered by the rounds trained); the
 worker loads a snapshot before it samples a round. With ``a = max_staleness // optimizer steps per
 round`` rounds ahead, round r is sampled with snapshot ``r - a`` (``async_schedule: fixed``, so that a
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -27,6 +31,7 @@ import torch
 from covey.config import GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import ConfigError
+from covey.rollout import OwnWeights
 from covey.train.batch import Progress
 
 
@@ -51,7 +56,7 @@ class AsyncSchedule:
         return max(0, round_index - self.rounds_ahead)
 
 
-def check_async_run(args: GRPOConfig, processes: int, engine_given: bool, sharded: bool) -> None:
+def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool) -> None:
     """What asynchronous generation cannot do yet, refused before anything is loaded."""
     if not args.async_generation:
         return
@@ -59,8 +64,10 @@ def check_async_run(args: GRPOConfig, processes: int, engine_given: bool, sharde
         (processes > 1, f"{processes} processes: the worker and the weight snapshots serve one process; "
                         "train asynchronously in one process"),
         (sharded, "fsdp: the worker needs a whole copy of the policy; turn fsdp off"),
-        (engine_given, "a rollout_engine object: the worker builds its own engine over its copy of the policy "
-                       "(rollout_engine: fast or hf)"),
+        (engine is not None and not isinstance(engine, OwnWeights),
+         f"rollout_engine {type(engine).__name__}: the worker builds its own engine over its copy of the "
+         "policy (rollout_engine: fast or hf), or pushes that copy into an engine with its own weights "
+         "(a covey.rollout.OwnWeights: vLLM's)"),
     ]
     for refused, why in problems:
         if refused:
@@ -80,7 +87,9 @@ class AsyncGeneration:
     """The worker thread, its queue of sampled rounds (at most rounds_ahead), and the published weights.
 
     ``generate(parts, sampler, progress)`` is steps 1-2 of a step (``covey.train.step.generate_and_score``)
-    run by the worker on its own parts; ``parts`` are the trainer's with the worker's model and engine."""
+    run by the worker on its own parts: the trainer's, with the worker's model and engine. An engine with
+    its own copy of the weights (``OwnWeights``) is shared with the trainer (``shares_engine``): the
+    trainer samples with it only while the worker is held (``engine_lent``)."""
 
     def __init__(self, parts: Any, sampler: PromptSampler, schedule: AsyncSchedule,
                  build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress,
@@ -89,8 +98,10 @@ class AsyncGeneration:
         model = copy.deepcopy(parts.model).eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        self.model = model
-        self.parts = dataclasses.replace(parts, model=model, engine=build_engine(model))
+        self.model, self.trainer_model = model, parts.model
+        self.shares_engine = isinstance(parts.engine, OwnWeights)  # one vLLM (or server) for both
+        engine = parts.engine if self.shares_engine else build_engine(model)
+        self.parts = dataclasses.replace(parts, model=model, engine=engine)
         self.sampler, self.generate = sampler, generate
         self.trained = [name for name, p in parts.model.named_parameters() if p.requires_grad]
         self.rounds_trained = 0  # snapshots published after the first: rounds the trainer finished
@@ -114,6 +125,10 @@ class AsyncGeneration:
             for item in rounds[:self.queue.maxsize]:
                 self.queue.put_nowait(item)
             self.pending = rounds[self.queue.maxsize] if len(rounds) > self.queue.maxsize else None
+        # the worker samples no round the trainer will not train: up to the rounds taken (trained or dropped)
+        # and those max_steps still needs, counted again after each round
+        self.rounds_taken = self.next_round - (len(restored["rounds"]) if restored is not None else 0)
+        self.round_limit = self.rounds_taken
         self.publish(parts.model, progress.global_step, first=True)
 
     # ---- trainer side -------------------------------------------------------------------------
@@ -133,6 +148,9 @@ class AsyncGeneration:
             if not first:
                 self.rounds_trained += 1
             self.snapshots[self.rounds_trained] = (global_step, weights)
+            args = self.parts.args
+            self.round_limit = self.rounds_taken + math.ceil(max(0, args.max_steps - global_step)
+                                                             / args.optimizer_steps_per_generation)
             self.changed.notify_all()
 
     def take(self, global_step: int) -> Any:
@@ -143,12 +161,16 @@ class AsyncGeneration:
         for _ in range(STALE_ROUNDS_IN_A_ROW + 1):
             item = self._get()
             with self.changed:  # room in the queue for a worker that waits
+                self.rounds_taken += 1
                 self.changed.notify_all()
             staleness = global_step - item.version
             if staleness <= self.schedule.max_staleness:
                 self.trained_rows += item.generated.samples.size
                 break
             self.dropped_rows += item.generated.samples.size  # a round's rows share its policy
+            with self.changed:  # and one more round to sample in its place
+                self.round_limit += 1
+                self.changed.notify_all()
         else:
             raise RuntimeError(f"asynchronous generation: {STALE_ROUNDS_IN_A_ROW + 1} rounds in a row were staler than "
                                f"max_staleness={self.schedule.max_staleness} (the last sampled at step {item.version}, "
@@ -180,6 +202,21 @@ class AsyncGeneration:
                 self.holding = False
                 self.changed.notify_all()
 
+    @contextlib.contextmanager
+    def engine_lent(self):
+        """The engine the trainer samples with (to evaluate) holding the trained policy meanwhile: a shared
+        one is taken from the worker, held at a round boundary, and given back with the worker's own
+        weights pushed again before its next round."""
+        if not self.shares_engine:
+            yield
+            return
+        with self.held():
+            self.parts.engine.policy_changed(self.trainer_model)
+            try:
+                yield
+            finally:
+                self.loaded = None  # reloaded (and pushed) before the worker samples again
+
     def close(self) -> None:
         self.stopping.set()
         with self.changed:
@@ -187,6 +224,8 @@ class AsyncGeneration:
         if self.thread is not None:  # it stops at its next wait, or once the round it samples is done
             self.thread.join()
         torch.set_num_threads(self.threads_before)
+        if self.shares_engine:  # the trainer samples with it from now on: the trained policy, pushed
+            self.parts.engine.policy_changed(self.trainer_model)
 
     def __enter__(self) -> "AsyncGeneration":
         return self.start()
@@ -215,6 +254,9 @@ class AsyncGeneration:
                 self._put(self.pending)
             while not self.stopping.is_set():
                 round_index = self.next_round
+                with self.changed:
+                    while round_index >= self.round_limit and not self.stopping.is_set():
+                        self._wait_idle()  # every round max_steps needs is sampled
                 t0 = time.perf_counter()
                 version = self._load_weights(self.schedule.snapshot_for(round_index))
                 if version is None:

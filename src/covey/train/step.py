@@ -136,7 +136,8 @@ def grpo_step(parts: StepParts, sampler: PromptSampler, progress: Progress,
             events.step_begin(progress.global_step)
         t_train = time.perf_counter()
         totals, grad_norm, progress = optimizer_step(parts, batch, fixed, window, policy_unchanged, progress)
-        parts.engine.policy_changed(parts.model)
+        if parts.asynchronous is None:  # else the worker loads the weights each of its rounds is sampled with
+            parts.engine.policy_changed(parts.model)
         if parts.policy_copy is not None:
             parts.policy_copy.policy_changed()
         if parts.reference is not None and args.sync_ref_model and progress.global_step % args.ref_model_sync_steps == 0:

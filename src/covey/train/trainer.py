@@ -165,7 +165,7 @@ class GRPOTrainer:
         sharded = (None if self.sharding is None else
                    setup.shard_run(args, self.sharding, policy, reference, rollout_engine is not None, self.world))
         sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
-        check_async_run(args, self.world.size, rollout_engine is not None, sharded is not None)
+        check_async_run(args, self.world.size, rollout_engine, sharded is not None)
         engine = rollout_engine or setup.build_engine(args, sampled, tokenizer, self.eos_ids)
         correction = setup.engine_correction(args)
         if (args.loss_type == "vespo" and correction is not None and correction.level == "sequence"
@@ -259,7 +259,7 @@ class GRPOTrainer:
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             with self._generating_ahead():
                 while self.global_step < args.max_steps and not callbacks.stop_asked():
-                    steps_before, passes_before = self.global_step, self.sampler.passes_done
+                    steps_before, passes_before = self.global_step, self.passes_trained
                     result = grpo_step(self.parts, self.sampler, self.progress, callbacks)
                     self.progress = result.progress
                     whole = self._log_step(log, result, self._evaluate_if_due(log, steps_before))
@@ -430,6 +430,12 @@ class GRPOTrainer:
         return ScoredBatch.concat([batch for batch, _, _ in parts], self.tokenizer.pad_token_id), reward_metrics, \
             dynamic_sampling
 
+    @property
+    def passes_trained(self) -> int:
+        """Whole passes over the training prompts trained on (under async_generation the sampler, shared
+        with the worker, is rounds ahead)."""
+        return self.sampler.passes_in(self.progress.rounds_sampled)
+
     def _after_step(self, log: RunLog, steps_before: int, passes_before: int, records: list[dict]) -> None:
         """After a step's optimizer steps (``steps_before`` were taken before it, ``passes_before`` passes
         over the prompts drawn): record its completions when due, then checkpoint as save_strategy says,
@@ -445,7 +451,7 @@ class GRPOTrainer:
         if args.save_strategy == "steps":
             due = args.save_steps > 0 and _crossed(steps_before, step, args.save_steps)
         else:
-            due = args.save_strategy == "epoch" and self.sampler.passes_done > passes_before
+            due = args.save_strategy == "epoch" and self.passes_trained > passes_before
         if not (callbacks.take("should_save") or due or stopping):
             return
         path = self._checkpoint_every_process()
@@ -453,7 +459,7 @@ class GRPOTrainer:
         callbacks.call("on_save", step)
         if self.hub is not None:
             callbacks.call("on_push_begin", step)
-            progress = f"epoch {self.sampler.passes_done}" if args.save_strategy == "epoch" else f"step {step}"
+            progress = f"epoch {self.passes_trained}" if args.save_strategy == "epoch" else f"step {step}"
             for line in self.hub.push_checkpoint(path, f"Training in progress, {progress}"):
                 log.info(line)
         if stopping:
@@ -470,7 +476,8 @@ class GRPOTrainer:
         rewards = self.parts.rewards
         state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
         # every process evaluates its share of the rows
-        with sampling_from_policy(self.parts):
+        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
+        with lent, sampling_from_policy(self.parts):
             mine = evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
                             self.args, rewards.pool, reward_context(state), agent=self.parts.agent,
                             rollout_func=self.parts.rollout_func, eos_ids=self.eos_ids)
