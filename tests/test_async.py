@@ -56,6 +56,23 @@ def test_async_settings_that_cannot_be_honoured_are_refused(tmp_path):
         async_args(tmp_path, use_vllm=True, vllm_enable_sleep_mode=True)
 
 
+def test_what_the_worker_cannot_sample_for_is_refused_before_the_model_loads(tmp_path):
+    from covey.rollout import SamplesWithPolicy
+
+    class OwnLoop(SamplesWithPolicy):  # samples with the module it is given: the worker cannot rebuild it
+        def generate(self, *args, **kwargs):
+            raise AssertionError("never reached")
+
+    never = str(tmp_path / "never-loaded")
+    with pytest.raises(ConfigError, match="async_generation: rollout_engine OwnLoop: the worker builds its own"):
+        GRPOTrainer(model=never, reward_funcs=[count_a], args=async_args(tmp_path), train_dataset=ROWS,
+                    rollout_engine=OwnLoop())
+    with pytest.raises(ConfigError, match="async_generation: rollout_func samples the completions itself"):
+        GRPOTrainer(model=never, reward_funcs=[count_a], args=async_args(tmp_path), train_dataset=ROWS,
+                    rollout_func=lambda prompts, trainer: {})
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_schedule_runs_whole_rounds_ahead():
     args = GRPOConfig(async_generation=True, max_staleness=5, steps_per_generation=2, per_device_train_batch_size=4,
                       num_generations=4, gradient_accumulation_steps=1)

@@ -6,6 +6,7 @@ The tests share one server, in file order: the last leaves it half-updated, then
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -129,6 +130,28 @@ def test_two_training_processes_share_the_server_and_the_first_keeps_it_up_to_da
     assert vllm_server.requests("/start_weight_update") == updates + 3
     engine = vllm_server.engine(eos=[default_tokenizer.eos_token_id])
     assert engine.api.get("/weight_info")["weight_version"] == first
+    trained = load_policy(str(tmp_path / "run" / "final_model")).eval()
+    assert_greedy_of(trained, prompts, engine.generate(prompts, 1, GREEDY), [default_tokenizer.eos_token_id])
+
+
+def test_an_async_run_pushes_each_round_s_weights_and_leaves_the_server_holding_the_trained_policy(
+        vllm_server, model_folder, tmp_path, prompts, default_tokenizer):
+    """async_generation against vLLM's server: the worker pushes, before each round, the weights its
+    schedule names (one round behind: rounds 0 and 1 both from the start, so one push for the two); the
+    evaluation after training samples with the trained policy."""
+    updates = vllm_server.requests("/start_weight_update")
+    args = GRPOConfig(model=model_folder, output_dir=str(tmp_path / "run"), rollout_engine="vllm", vllm_mode="server",
+                      vllm_server_port=vllm_server.port, vllm_server_timeout=60, max_steps=3, num_generations=4,
+                      per_device_train_batch_size=4, max_completion_length=16, learning_rate=1e-4, beta=0.0,
+                      eval_max_samples=2, seed=1, log_completions=False, async_generation=True)
+    trainer = GRPOTrainer(args=args, quiet=True)
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["async/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    # the evaluation before training, rounds 0-1, round 2 (after one round trained), the evaluation after
+    assert vllm_server.requests("/start_weight_update") == updates + 4
+    engine = vllm_server.engine(eos=[default_tokenizer.eos_token_id])
+    assert engine.api.get("/weight_info")["weight_version"] == trainer.engine.pushed_version
     trained = load_policy(str(tmp_path / "run" / "final_model")).eval()
     assert_greedy_of(trained, prompts, engine.generate(prompts, 1, GREEDY), [default_tokenizer.eos_token_id])
 

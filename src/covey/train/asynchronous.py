@@ -56,7 +56,7 @@ class AsyncSchedule:
         return max(0, round_index - self.rounds_ahead)
 
 
-def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool) -> None:
+def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool, own_rollouts: bool) -> None:
     """What asynchronous generation cannot do yet, refused before anything is loaded."""
     if not args.async_generation:
         return
@@ -64,6 +64,8 @@ def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool
         (processes > 1, f"{processes} processes: the worker and the weight snapshots serve one process; "
                         "train asynchronously in one process"),
         (sharded, "fsdp: the worker needs a whole copy of the policy; turn fsdp off"),
+        (own_rollouts, "rollout_func samples the completions itself, with whatever weights it reaches, so no round "
+                       "would be sampled with the weights its schedule names; train a rollout_func synchronously"),
         (engine is not None and not isinstance(engine, OwnWeights),
          f"rollout_engine {type(engine).__name__}: the worker builds its own engine over its copy of the "
          "policy (rollout_engine: fast or hf), or pushes that copy into an engine with its own weights "
@@ -116,6 +118,9 @@ class AsyncGeneration:
         self.pending: InFlight | None = None  # a round sampled, waiting for room in the queue
         self.thread: threading.Thread | None = None
         self.threads_before = torch.get_num_threads()
+        # the trainer and a worker that samples in this process share the cores, half each; a server samples
+        # in its own process
+        self.threads = self.threads_before if engine.shared_by_processes else max(1, self.threads_before // 2)
         self.dropped_rows = self.trained_rows = 0  # rows of the rounds taken: dropped as stale, and trained
         if restored is not None:  # the rounds a checkpoint captured in flight, queued again
             self.next_round, self.rounds_sampled = restored["next_round"], restored["rounds_sampled"]
@@ -134,8 +139,7 @@ class AsyncGeneration:
     # ---- trainer side -------------------------------------------------------------------------
 
     def start(self) -> "AsyncGeneration":
-        # the trainer and the worker share the cores: half each
-        torch.set_num_threads(max(1, self.threads_before // 2))
+        torch.set_num_threads(self.threads)
         self.thread = threading.Thread(target=self._work, name="covey-async-generation", daemon=True)
         self.thread.start()
         return self
@@ -248,7 +252,7 @@ class AsyncGeneration:
     # ---- worker side --------------------------------------------------------------------------
 
     def _work(self) -> None:
-        torch.set_num_threads(max(1, self.threads_before // 2))
+        torch.set_num_threads(self.threads)
         try:
             if self.pending is not None:  # a round in flight a checkpoint held: queued first
                 self._put(self.pending)

@@ -123,6 +123,7 @@ class GRPOTrainer:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
             check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
+        check_async_run(args, self.world.size, rollout_engine, self.sharding is not None, rollout_func is not None)
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         setup.check_model_settings(args, model, peft_config)
@@ -165,7 +166,6 @@ class GRPOTrainer:
         sharded = (None if self.sharding is None else
                    setup.shard_run(args, self.sharding, policy, reference, rollout_engine is not None, self.world))
         sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
-        check_async_run(args, self.world.size, rollout_engine, sharded is not None)
         engine = rollout_engine or setup.build_engine(args, sampled, tokenizer, self.eos_ids)
         correction = setup.engine_correction(args)
         if (args.loss_type == "vespo" and correction is not None and correction.level == "sequence"
