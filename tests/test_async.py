@@ -60,6 +60,8 @@ def test_what_the_worker_cannot_sample_for_is_refused_before_the_model_loads(tmp
     from covey.rollout import SamplesWithPolicy
 
     class OwnLoop(SamplesWithPolicy):  # samples with the module it is given: the worker cannot rebuild it
+        exact_logprobs = True
+
         def generate(self, *args, **kwargs):
             raise AssertionError("never reached")
 
