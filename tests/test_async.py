@@ -75,6 +75,18 @@ def test_what_the_worker_cannot_sample_for_is_refused_before_the_model_loads(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_several_processes_train_asynchronously_unless_their_workers_would_share_a_server_or_a_refill():
+    from covey.train.asynchronous import check_async_run
+
+    plain, refill = GRPOConfig(async_generation=True), GRPOConfig(async_generation=True, dynamic_sampling=True)
+    check_async_run(plain, 2, None, sharded=False, own_rollouts=False, server=False)  # DDP, an engine each
+    with pytest.raises(ConfigError, match="2 processes sampling from one server"):
+        check_async_run(plain, 2, None, sharded=False, own_rollouts=False, server=True)
+    with pytest.raises(ConfigError, match="dynamic_sampling with 2 processes"):
+        check_async_run(refill, 2, None, sharded=False, own_rollouts=False, server=False)
+    check_async_run(refill, 1, None, sharded=False, own_rollouts=False, server=True)  # one process: both fine
+
+
 def test_the_schedule_runs_whole_rounds_ahead():
     args = GRPOConfig(async_generation=True, max_staleness=5, steps_per_generation=2, per_device_train_batch_size=4,
                       num_generations=4, gradient_accumulation_steps=1)

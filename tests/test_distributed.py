@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.cli import main
 from covey.core import completion_mask
 from covey.data import PromptSampler
+from covey.train import setup
 from covey.train.distributed import World, sharded_part
 from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout, SamplesWithPolicy
@@ -81,6 +83,9 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     ``dropout``: on the attention weights, drawn from the torch random stream of each process;
     ``sampled``: the completions sampled by the configured engine instead of scripted."""
     tokenizer = make_tokenizer()
+    if not sampled and overrides.get("async_generation"):  # the worker builds its own engine: scripted too
+        with mock.patch.object(setup, "build_engine", lambda args, policy, tok, eos_ids: ScriptedEngine(tokenizer)):
+            return train(output_dir, processes, signalled, dropout, sampled=True, **overrides)
     model = make_model(len(tokenizer), seed=1)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = dropout
@@ -183,6 +188,8 @@ def _metrics(run):
     # the adaptive entropy coefficient moves on the entropy of every process's tokens
     {"loss_type": "sapo", "use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 50.0,
      "off_policy_mask_threshold": 0.5},
+    # each process's worker samples its share of the next round while the trainers train, one round behind
+    {"async_generation": True},
 ])
 def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
     one = train(tmp_path / "one", 1, **overrides)["gradients"]
@@ -197,6 +204,9 @@ def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_
     for key in ("reward", "reward_std", "loss", "kl", "entropy", "completions/mean_length", "grad_norm") + (
             ("entropy_coef",) if "entropy_coef" in overrides else ()):
         assert [m[key] for m in two_metrics] == pytest.approx([m[key] for m in one_metrics], rel=1e-4, abs=1e-7), key
+    if "async_generation" in overrides:  # the second round was sampled by the starting policy, and corrected
+        assert [m["async/staleness"] for m in two_metrics] == [m["async/staleness"] for m in one_metrics] == [0, 1]
+        assert two_metrics[1]["engine_is/mean_weight"] == pytest.approx(one_metrics[1]["engine_is/mean_weight"])
     completions = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
     first_step = [c for c in completions if c["step"] == 1]
     assert len(first_step) == 8 and len({str(c["prompt"]) for c in first_step}) == 2  # each process a prompt
@@ -240,6 +250,26 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint_and_the_run_resume
     with pytest.warns(UserWarning, match="written by a run of 2 process"):
         train(tmp_path / "one", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoints" / "checkpoint-1"))
 
+
+
+def test_under_async_generation_a_checkpoint_holds_each_process_s_rounds_in_flight_and_the_run_resumes_exactly(
+        tmp_path):
+    """Stopped after step 1, each process's worker had sampled round 2 already (one round behind): the
+    checkpoint holds both shares, and the resumed run trains them as the run that went on did."""
+    straight = train_in_two_processes(tmp_path, run="straight", async_generation=True)
+    stopped = train_in_two_processes(tmp_path, run="stopped", signalled_rank=1, async_generation=True)
+    assert [len(result["gradients"]) for result in stopped] == [1, 1]
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "checkpoint-1"
+    in_flight = torch.load(checkpoint / "in_flight.pt", weights_only=False)
+    assert [len(process["rounds"]) for process in in_flight] == [1, 1]
+    resumed = train_in_two_processes(tmp_path, run="stopped", resume_from_checkpoint="auto", async_generation=True)
+    for rank in (0, 1):
+        assert len(resumed[rank]["gradients"]) == 1
+        for after_resume, straight_on in zip(resumed[rank]["gradients"][0], straight[rank]["gradients"][1]):
+            assert torch.equal(after_resume, straight_on)
+    assert [m["async/staleness"] for m in _metrics(tmp_path / "stopped")] == [0, 1]
+    with pytest.raises(CheckpointError, match="holds the rounds 2 process\\(es\\) sampled ahead"):
+        train(tmp_path / "one", 1, resume_from_checkpoint=str(checkpoint), async_generation=True)
 
 
 def test_a_sharded_optimizer_state_makes_the_same_updates_from_half_the_memory_and_resumes_exactly(tmp_path):

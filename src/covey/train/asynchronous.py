@@ -56,13 +56,19 @@ class AsyncSchedule:
         return max(0, round_index - self.rounds_ahead)
 
 
-def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool, own_rollouts: bool) -> None:
-    """What asynchronous generation cannot do yet, refused before anything is loaded."""
+def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool, own_rollouts: bool,
+                    server: bool) -> None:
+    """What asynchronous generation cannot do yet, refused before anything is loaded. ``server``: the
+    run samples from a vLLM or covey server."""
     if not args.async_generation:
         return
     problems = [
-        (processes > 1, f"{processes} processes: the worker and the weight snapshots serve one process; "
-                        "train asynchronously in one process"),
+        (processes > 1 and server, f"{processes} processes sampling from one server: each process's worker would "
+                                   "push its own snapshots to it; train asynchronously against a server in one process"),
+        (processes > 1 and args.dynamic_sampling, f"dynamic_sampling with {processes} processes: the worker's refill "
+                                                  "agrees with the other processes' workers, which the trainers' own "
+                                                  "exchanges would interleave with; turn dynamic_sampling off or "
+                                                  "train in one process"),
         (sharded, "fsdp: the worker needs a whole copy of the policy; turn fsdp off"),
         (own_rollouts, "rollout_func samples the completions itself, with whatever weights it reaches, so no round "
                        "would be sampled with the weights its schedule names; train a rollout_func synchronously"),
@@ -168,7 +174,8 @@ class AsyncGeneration:
                 self.rounds_taken += 1
                 self.changed.notify_all()
             staleness = global_step - item.version
-            if staleness <= self.schedule.max_staleness:
+            # every process drops the round if one does: they train the same rounds, in step
+            if not self.parts.world.any(staleness > self.schedule.max_staleness):
                 self.trained_rows += item.generated.samples.size
                 break
             self.dropped_rows += item.generated.samples.size  # a round's rows share its policy

@@ -101,7 +101,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = (),
                     sharded: Path | None = None, model_state: dict | None = None, whole_model: bool = False,
-                    in_flight: dict | None = None) -> Path:
+                    in_flight: list | None = None) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
     or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
@@ -111,7 +111,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
     ``sharded``: the folder ``save_sharded`` wrote (the model, optimizer and reference of a sharded run),
     moved in as ``sharded/``, with ``model/`` beside it only if ``whole_model``; ``model_state``: the whole
     state dict of a sharded model, for ``model/``; ``in_flight``: under async_generation, the rounds
-    sampled ahead and not trained yet (``in_flight.pt``), which a resumed run trains next."""
+    each process sampled ahead and had not trained yet (``in_flight.pt``, in process order), which a
+    resumed run trains next."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:

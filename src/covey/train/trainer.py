@@ -123,7 +123,8 @@ class GRPOTrainer:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
             check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
-        check_async_run(args, self.world.size, rollout_engine, self.sharding is not None, rollout_func is not None)
+        check_async_run(args, self.world.size, rollout_engine, self.sharding is not None, rollout_func is not None,
+                        setup.engine_name(args) == "server" or getattr(rollout_engine, "shared_by_processes", False))
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         setup.check_model_settings(args, model, peft_config)
@@ -490,11 +491,18 @@ class GRPOTrainer:
 
     def _checkpoint_every_process(self) -> Path:
         """A checkpoint, written by the first process with what the others send it: their random states
-        (each resumes its own streams) and their parts of a sharded optimizer state. Its path."""
+        (each resumes its own streams), their parts of a sharded optimizer state, and under
+        async_generation the rounds each process's worker sampled ahead, the worker held meanwhile (its
+        prompt sampler at the worker's position; a resumed run trains those rounds next). Its path."""
+        worker = self.parts.asynchronous
+        with worker.held() if worker is not None else contextlib.nullcontext() as in_flight:
+            return self._checkpoint_with(self.world.gather(in_flight) if worker is not None else None)
+
+    def _checkpoint_with(self, in_flight: list | None) -> Path:
         policy_pass = self.parts.policy_pass
         if self.args.save_only_model:  # the model alone, whole (gathered first where it is sharded)
             whole = self._whole_model_state()
-            return self.world.on_main(lambda: self.save_checkpoint(model_state=whole))
+            return self.world.on_main(lambda: self.save_checkpoint(model_state=whole, in_flight=in_flight))
         if policy_pass is not None:  # every process writes its shards, then the first the rest
             staging = self.world.on_main(lambda: sharded_staging(self.run_dir, self.global_step))
             save_sharded(staging, policy_pass, self.optimizer,
@@ -502,35 +510,32 @@ class GRPOTrainer:
             with_model = self.sharding.whole_model_in_checkpoints  # state_dict_type: FULL_STATE_DICT
             whole = self._whole_model_state() if with_model else None
             process_rngs = self.world.gather(rng_states())
-            return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging,
-                                                                   model_state=whole, whole_model=with_model))
+            return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], sharded=staging, model_state=whole,
+                                                                   whole_model=with_model, in_flight=in_flight))
         sharded = sharded_part(self.optimizer) is not None
         optimizer_state = self.world.gather_optimizer_state(self.optimizer) if sharded else None
         process_rngs = self.world.gather(rng_states())
-        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state))
+        return self.world.on_main(lambda: self.save_checkpoint(process_rngs[1:], optimizer_state, in_flight=in_flight))
 
     def save_checkpoint(self, other_processes_rng: list = (), optimizer_state: dict | None = None,
                         sharded: Path | None = None, model_state: dict | None = None,
-                        whole_model: bool = False) -> Path:
+                        whole_model: bool = False, in_flight: list | None = None) -> Path:
         """Write checkpoints/checkpoint-<step> (atomically) and prune old ones; its path.
         ``other_processes_rng``: the random states of the other processes, which it then holds too;
         ``optimizer_state``: the whole state of a sharded optimizer (by default the optimizer's own);
         ``sharded``, ``model_state``: under fsdp, the folder of the processes' shards, and the whole
-        model's state dict (under save_only_model, or ``whole_model``: model/ beside the shards).
+        model's state dict (under save_only_model, or ``whole_model``: model/ beside the shards);
+        ``in_flight``: under async_generation, each process's rounds sampled ahead (``AsyncGeneration.held``).
         Under save_only_model: the model alone."""
-        worker = self.parts.asynchronous
-        # under async_generation the worker is held meanwhile: the rounds it sampled ahead are saved with
-        # the prompt sampler at its position, and a resumed run trains them next
-        with worker.held() if worker is not None else contextlib.nullcontext() as in_flight:
-            state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
-                     "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
-            whole = not self.args.save_only_model
-            with tokenizer_as_loaded(self.tokenizer) as tokenizer:
-                return save_checkpoint(self.run_dir, self.global_step, self.model,
-                                       (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
-                                       else None, state, self._moving_reference(), self.args.save_total_limit,
-                                       tokenizer, other_processes_rng, sharded, model_state, whole_model, in_flight)
+        state = {**dataclasses.asdict(self.progress), "history": self.history, "before": self.before,
+                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "unlogged_metrics": self.unlogged_metrics, "processes": self.world.size}
+        whole = not self.args.save_only_model
+        with tokenizer_as_loaded(self.tokenizer) as tokenizer:
+            return save_checkpoint(self.run_dir, self.global_step, self.model,
+                                   (optimizer_state or self.optimizer.state_dict()) if whole and sharded is None
+                                   else None, state, self._moving_reference(), self.args.save_total_limit,
+                                   tokenizer, other_processes_rng, sharded, model_state, whole_model, in_flight)
 
     def _restore(self, path: Path) -> None:
         try:
@@ -546,7 +551,7 @@ class GRPOTrainer:
             self.history, self.before = state["history"], state["before"]
             self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
             in_flight = path / IN_FLIGHT
-            self.in_flight = torch.load(in_flight, weights_only=False) if in_flight.is_file() else None
+            in_flight = torch.load(in_flight, weights_only=False) if in_flight.is_file() else None
             saved_processes = state.get("processes", 1)
         except CheckpointError:
             raise
@@ -554,8 +559,13 @@ class GRPOTrainer:
             raise CheckpointError(f"could not resume from {path}: {type(e).__name__}: {e}. It is damaged or was "
                                   "written by a different setup (model, LoRA settings); resume from an earlier "
                                   "checkpoint or start a new run") from None
-        if self.in_flight is not None and not self.args.async_generation:
-            warnings.warn(f"{path} holds {len(self.in_flight['rounds'])} round(s) sampled ahead under "
+        if in_flight is not None and len(in_flight) != self.world.size and self.args.async_generation:
+            raise CheckpointError(f"{path} holds the rounds {len(in_flight)} process(es) sampled ahead under "
+                                  f"async_generation, each its share of the prompts, and this run has {self.world.size}: "
+                                  f"resume with {len(in_flight)} process(es), or from a checkpoint of a synchronous run")
+        self.in_flight = None if in_flight is None or len(in_flight) != self.world.size else in_flight[self.world.rank]
+        if in_flight is not None and not self.args.async_generation:
+            warnings.warn(f"{path} holds {len(in_flight[0]['rounds'])} round(s) sampled ahead under "
                           "async_generation, which this run (async_generation: false) does not train: the run does "
                           "not continue as it would have; resume with async_generation: true for that", stacklevel=3)
         if saved_processes != self.world.size:
