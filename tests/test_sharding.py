@@ -12,9 +12,11 @@ from safetensors.torch import load_file
 from tests.test_distributed import _metrics, train, train_in_two_processes
 
 
-def test_fsdp_makes_the_update_one_process_makes_on_the_whole_batch(tmp_path):
-    one = train(tmp_path / "one", 1)["gradients"]
-    two = [result["gradients"] for result in train_in_two_processes(tmp_path, fsdp="full_shard")]
+# under async_generation each process's worker samples from a whole copy of its own, one round behind
+@pytest.mark.parametrize("overrides", [{}, {"async_generation": True}])
+def test_fsdp_makes_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
+    one = train(tmp_path / "one", 1, **overrides)["gradients"]
+    two = [result["gradients"] for result in train_in_two_processes(tmp_path, fsdp="full_shard", **overrides)]
     assert len(one) == len(two[0]) == len(two[1]) == 2
     for step in range(2):
         for single, rank0, rank1 in zip(one[step], two[0][step], two[1][step]):
@@ -23,11 +25,27 @@ def test_fsdp_makes_the_update_one_process_makes_on_the_whole_batch(tmp_path):
     one_metrics, two_metrics = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     for key in ("reward", "loss", "kl", "entropy", "grad_norm"):
         assert [m[key] for m in two_metrics] == pytest.approx([m[key] for m in one_metrics], rel=1e-4, abs=1e-7), key
+    if overrides:
+        assert [m["async/staleness"] for m in two_metrics] == [0, 1]
     one_final = load_file(tmp_path / "one" / "final_model" / "model.safetensors")
     two_final = load_file(tmp_path / "two" / "final_model" / "model.safetensors")
     assert one_final.keys() == two_final.keys(), one_final.keys() ^ two_final.keys()
     for name in one_final:
         assert torch.allclose(one_final[name], two_final[name], atol=1e-6), name
+
+
+def test_under_async_generation_the_workers_of_a_sharded_run_sample_with_the_whole_trained_weights(tmp_path):
+    """Sampled by the fast engine over each worker's copy: round 3, sampled with the weights after step 1
+    (gathered from the shards), is the round an unsharded run of two processes samples."""
+    runs = {name: train_in_two_processes(tmp_path, run=name, sampled=True, async_generation=True, max_steps=3,
+                                         **fields) for name, fields in (("ddp", {}), ("fsdp", {"fsdp": "full_shard"}))}
+    texts = {name: [(c["step"], c["completion"]) for c in map(json.loads, (tmp_path / name / "completions.jsonl")
+                                                              .read_text().splitlines())] for name in runs}
+    assert 3 in {step for step, _ in texts["fsdp"]}  # logged at the first step and the last
+    assert texts["fsdp"] == texts["ddp"]
+    ddp, fsdp = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "fsdp")
+    assert [m["async/staleness"] for m in fsdp] == [0, 1, 1]
+    assert [m["reward"] for m in fsdp] == pytest.approx([m["reward"] for m in ddp], rel=1e-6)
 
 
 def _final_weights(run):

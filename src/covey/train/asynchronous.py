@@ -33,6 +33,7 @@ from covey.data import PromptSampler
 from covey.errors import ConfigError
 from covey.rollout import OwnWeights
 from covey.train.batch import Progress
+from covey.train.sharding import whole
 
 
 STALE_ROUNDS_IN_A_ROW = 4  # rounds dropped one after another before the run stops: the worker is stuck
@@ -56,8 +57,7 @@ class AsyncSchedule:
         return max(0, round_index - self.rounds_ahead)
 
 
-def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool, own_rollouts: bool,
-                    server: bool) -> None:
+def check_async_run(args: GRPOConfig, processes: int, engine: Any, own_rollouts: bool, server: bool) -> None:
     """What asynchronous generation cannot do yet, refused before anything is loaded. ``server``: the
     run samples from a vLLM or covey server."""
     if not args.async_generation:
@@ -69,7 +69,6 @@ def check_async_run(args: GRPOConfig, processes: int, engine: Any, sharded: bool
                                                   "agrees with the other processes' workers, which the trainers' own "
                                                   "exchanges would interleave with; turn dynamic_sampling off or "
                                                   "train in one process"),
-        (sharded, "fsdp: the worker needs a whole copy of the policy; turn fsdp off"),
         (own_rollouts, "rollout_func samples the completions itself, with whatever weights it reaches, so no round "
                        "would be sampled with the weights its schedule names; train a rollout_func synchronously"),
         (engine is not None and not isinstance(engine, OwnWeights),
@@ -91,6 +90,15 @@ class InFlight:
     waited_for_weights: float  # seconds the worker waited for the snapshot it sampled with
 
 
+def whole_policy(parts: Any) -> torch.nn.Module:
+    """The policy as a plain module with every weight whole: under fsdp, the whole copy an engine in this
+    process samples from (its weights gathered from the shards: every process calls this at once)."""
+    if parts.policy_copy is None:
+        return parts.model
+    parts.policy_copy.refresh(parts.policy_pass, parts.model)
+    return parts.policy_copy.model
+
+
 class AsyncGeneration:
     """The worker thread, its queue of sampled rounds (at most rounds_ahead), and the published weights.
 
@@ -103,7 +111,9 @@ class AsyncGeneration:
                  build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress,
                  restored: dict | None = None):
         self.schedule = schedule
-        model = copy.deepcopy(parts.model).eval()
+        model = copy.deepcopy(whole_policy(parts)).eval()
+        if parts.policy_copy is not None:  # the worker's copy is whole; the engine's is freed until it samples
+            parts.policy_copy.release()
         for p in model.parameters():
             p.requires_grad_(False)
         self.model, self.trainer_model = model, parts.model
@@ -153,7 +163,7 @@ class AsyncGeneration:
     def publish(self, model: torch.nn.Module, global_step: int, first: bool = False) -> None:
         """The weights after a round of training (``first``: before any), for the rounds that wait for them."""
         named = dict(model.named_parameters())
-        weights = {name: named[name].detach().to("cpu", copy=True) for name in self.trained}
+        weights = {name: whole(named[name]).detach().to("cpu", copy=True) for name in self.trained}
         with self.changed:
             if not first:
                 self.rounds_trained += 1

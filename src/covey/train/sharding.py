@@ -217,9 +217,14 @@ def whole_state_dict(root: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return {name.removeprefix("model."): tensor for name, tensor in state.items() if name not in repeats}
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor, or a sharded one (a DTensor) gathered whole: every process calls this at once."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def grad_norm_value(norm: torch.Tensor) -> float:
     """The float value of a gradient norm (a DTensor's, under sharding, is whole already)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return float(whole(norm))
 
 
 class PolicyCopy:

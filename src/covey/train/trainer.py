@@ -123,7 +123,7 @@ class GRPOTrainer:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
             check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
-        check_async_run(args, self.world.size, rollout_engine, self.sharding is not None, rollout_func is not None,
+        check_async_run(args, self.world.size, rollout_engine, rollout_func is not None,
                         setup.engine_name(args) == "server" or getattr(rollout_engine, "shared_by_processes", False))
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
