@@ -95,12 +95,13 @@ def test_the_schedule_runs_whole_rounds_ahead():
     assert [schedule.snapshot_for(r) for r in range(5)] == [0, 0, 0, 1, 2]
 
 
-def verify_async(tokenizer=None):
+def verify_async(tokenizer=None, **fields):
     from covey.verify import verify
     from tests.test_verify import ROWS as VERIFY_ROWS, mentions_answer, variety
 
     tokenizer = tokenizer or make_tokenizer()
-    args = GRPOConfig(num_generations=4, max_completion_length=10, temperature=0.7, seed=3, async_generation=True)
+    args = GRPOConfig(num_generations=4, max_completion_length=10, temperature=0.7, seed=3, async_generation=True,
+                      **fields)
     return verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
                   train_dataset=VERIFY_ROWS, reward_funcs=[variety, mentions_answer])
 
@@ -110,6 +111,20 @@ def test_verify_checks_the_correction_against_a_deliberately_older_policy():
     checks = [c for c in report.checks if c.stage == "async"]
     assert [c.status for c in checks] == ["PASS", "PASS"], [(c.name, c.value) for c in report.checks]
     assert "current policy is" in checks[0].value and " 0 away" not in checks[0].value
+
+
+def test_verify_checks_the_correction_through_a_server_the_older_policy_pushed_to_it():
+    from tests.test_server import serve
+
+    tokenizer = make_tokenizer()
+    server = serve(make_model(len(tokenizer), seed=6), tokenizer)
+    try:
+        report = verify_async(tokenizer, rollout_engine="vllm", vllm_mode="server",
+                              vllm_server_port=server.server_address[1], vllm_server_timeout=5.0)
+    finally:
+        server.close()
+    checks = [c for c in report.checks if c.stage == "async"]
+    assert [c.status for c in checks] == ["PASS", "PASS"], [(c.name, c.value) for c in report.checks]
 
 
 @pytest.mark.parametrize("defect", ["no correction", "the current policy's log-probs"])

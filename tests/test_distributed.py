@@ -27,6 +27,7 @@ from covey.core import completion_mask
 from covey.data import PromptSampler
 from covey.train import setup
 from covey.train.distributed import World, sharded_part
+from covey.train.sharding import whole
 from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout, SamplesWithPolicy
 from tests.conftest import make_model, make_tokenizer
@@ -110,11 +111,6 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.progress.rounds_sampled),
             "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor, or a sharded one (a DTensor, under fsdp) gathered whole."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _process(rank: int, port: int, output_dir: str, results: str, signalled_rank: int | None, dropout: float,

@@ -86,7 +86,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
     if settings.async_generation:
-        stages.check_async_correction(report, parts, indices,
+        stages.check_async_correction(report, dataclasses.replace(parts, engine=engine.engine), indices,
                                       lambda model: build_engine(settings, model, parts.tokenizer, eos_ids))
     return report
 

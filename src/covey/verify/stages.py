@@ -16,7 +16,7 @@ from covey.data import text
 from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, returned_values, reward_name, without_logging
 from covey.agents import ToolCall
 from covey.rewards.answers import reference_number
-from covey.rollout import Rollout
+from covey.rollout import OwnWeights, Rollout
 from covey.train import step
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.step import StepParts
@@ -515,7 +515,14 @@ def check_async_correction(report: Report, parts: StepParts, indices: list[int],
         for p in older.parameters():
             if p.requires_grad:
                 p.mul_(1 + 0.01 * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
-    batch = step.score_prompts(dataclasses.replace(parts, engine=build_engine(older)), indices)
+    if isinstance(parts.engine, OwnWeights):  # vLLM's, shared as the worker shares it: the older weights pushed
+        parts.engine.policy_changed(older)
+        try:
+            batch = step.score_prompts(parts, indices)
+        finally:
+            parts.engine.policy_changed(parts.model)
+    else:
+        batch = step.score_prompts(dataclasses.replace(parts, engine=build_engine(older)), indices)
     samples, correction = batch.samples, parts.correction
     mask = samples.loss_mask_BT.float()
     on = mask.bool()
