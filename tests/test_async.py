@@ -79,12 +79,12 @@ def test_several_processes_train_asynchronously_unless_their_workers_would_share
     from covey.train.asynchronous import check_async_run
 
     plain, refill = GRPOConfig(async_generation=True), GRPOConfig(async_generation=True, dynamic_sampling=True)
-    check_async_run(plain, 2, None, sharded=False, own_rollouts=False, server=False)  # DDP, an engine each
+    check_async_run(plain, 2, None, own_rollouts=False, server=False)  # DDP, an engine each
     with pytest.raises(ConfigError, match="2 processes sampling from one server"):
-        check_async_run(plain, 2, None, sharded=False, own_rollouts=False, server=True)
+        check_async_run(plain, 2, None, own_rollouts=False, server=True)
     with pytest.raises(ConfigError, match="dynamic_sampling with 2 processes"):
-        check_async_run(refill, 2, None, sharded=False, own_rollouts=False, server=False)
-    check_async_run(refill, 1, None, sharded=False, own_rollouts=False, server=True)  # one process: both fine
+        check_async_run(refill, 2, None, own_rollouts=False, server=False)
+    check_async_run(refill, 1, None, own_rollouts=False, server=True)  # one process: both fine
 
 
 def test_the_schedule_runs_whole_rounds_ahead():
