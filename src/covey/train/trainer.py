@@ -550,8 +550,8 @@ class GRPOTrainer:
                 self.progress = dataclasses.replace(self.progress, entropy_coef=self.args.entropy_coef)
             self.history, self.before = state["history"], state["before"]
             self.unlogged_metrics = state.get("unlogged_metrics", [])  # older checkpoints do not carry it
-            in_flight = path / IN_FLIGHT
-            in_flight = torch.load(in_flight, weights_only=False) if in_flight.is_file() else None
+            in_flight_file = path / IN_FLIGHT  # async_generation: each process's rounds sampled ahead
+            in_flight = torch.load(in_flight_file, weights_only=False) if in_flight_file.is_file() else None
             saved_processes = state.get("processes", 1)
         except CheckpointError:
             raise
