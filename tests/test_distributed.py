@@ -146,7 +146,7 @@ def run_in_two_processes(function, args: tuple, seconds: float = 300, natural_ex
     Each process dumps its Python stacks if it crashes (faulthandler), and, once ``function`` returned,
     leaves the process group and ends at once, without the interpreter's teardown. A rare SIGABRT in the
     first process ("terminate called without an active exception", a C++ thread destroyed while running)
-    has failed these tests after both had trained, at a place not yet seen: the teardown, with gloo's
+    has failed these tests once both had begun training, at a place not yet seen: the teardown, with gloo's
     threads, is where such aborts come from. ``natural_exit`` keeps the teardown, for a test of it."""
     processes = mp.start_processes(_in_process, nprocs=2, start_method="spawn", join=False,
                                    args=(function, natural_exit, *args))
