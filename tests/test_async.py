@@ -47,6 +47,26 @@ def test_a_fixed_schedule_makes_a_seeded_async_run_reproducible(tmp_path):
     assert [[m.get(k) for k in keys] for m in first] == [[m.get(k) for k in keys] for m in second]
 
 
+def test_the_epoch_logs_and_callbacks_see_is_that_of_the_rounds_trained(tmp_path):
+    from transformers import TrainerCallback
+
+    def epochs(async_generation):
+        seen = []
+
+        class Epochs(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                seen.append((logs["epoch"], state.epoch))
+
+        tokenizer = make_tokenizer()
+        args = async_args(tmp_path, f"run-{async_generation}", async_generation=async_generation, logging_steps=1)
+        GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                    processing_class=tokenizer, callbacks=[Epochs()], quiet=True).train()
+        return seen
+    synchronous = epochs(False)
+    assert synchronous == [(0.25, 0.25), (0.5, 0.5), (0.75, 0.75), (1.0, 1.0)]  # 2 of the 8 prompts a round
+    assert epochs(True) == synchronous  # though the worker has drawn a round further
+
+
 def test_async_settings_that_cannot_be_honoured_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="max_staleness=1 is below the 2 optimizer step"):
         async_args(tmp_path, steps_per_generation=4)

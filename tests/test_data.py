@@ -92,6 +92,15 @@ def test_prompt_sampler_covers_every_row_each_pass_and_is_seeded():
     assert next(again) + next(again) == first_pass
 
 
+@pytest.mark.parametrize("rows, per_draw", [(10, 5), (7, 3), (8, 8), (5, 7)])
+def test_the_passes_after_a_number_of_draws_are_those_the_sampler_reaches(rows, per_draw):
+    """What the trainer reckons from the rounds it trained (under async_generation the sampler is ahead)."""
+    sampler = PromptSampler(rows, per_draw, seed=1)
+    for draws in range(12):
+        assert (sampler.passes_in(draws), sampler.progress_in(draws)) == (sampler.passes_done, sampler.progress)
+        next(sampler)
+
+
 def test_hub_dataset_ids_go_to_datasets_with_the_split(monkeypatch):
     import datasets
 

@@ -42,6 +42,16 @@ class PromptSampler:
         """Whole passes over the data in the first ``draws`` draws (``passes_done`` after them)."""
         return draws * self.prompts_per_step // self.num_rows
 
+    def progress_in(self, draws: int) -> float:
+        """Passes over the data in the first ``draws`` draws, a fraction within the last (``progress`` after
+        them, reckoned the same way)."""
+        drawn = draws * self.prompts_per_step
+        if not drawn:
+            return 0.0
+        shuffles = -(-drawn // self.num_rows)
+        left = shuffles * self.num_rows - drawn
+        return max(shuffles - 1, 0) + (self.num_rows - left) / self.num_rows
+
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
         return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}

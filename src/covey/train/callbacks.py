@@ -30,7 +30,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from covey.config import AS_COVEY_DOES, GRPOConfig  # TRL's settings whose values are what covey does
 from covey.data import PromptSampler
@@ -104,14 +104,15 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
 
 class Callbacks:
     """The run's callbacks and the state and control they share. ``sampler``: the run's, whose passes
-    over the training prompts are the epochs; ``objects``: what every event is handed besides (model,
+    over the training prompts are the epochs; ``epoch()``: the passes trained on so far (under
+    async_generation the sampler is rounds ahead); ``objects``: what every event is handed besides (model,
     processing_class, optimizer, lr_scheduler). transformers is imported only once there is a callback
     or ``state`` is read, so that a run without callbacks does not pay for it."""
 
     def __init__(self, callbacks: Iterable[Any], args: CallbackArgs, world: World, sampler: PromptSampler,
-                 **objects: Any):
+                 epoch: Callable[[], float], **objects: Any):
         self.callbacks: list[Any] = []
-        self.args, self.world, self.sampler, self.objects = args, world, sampler, objects
+        self.args, self.world, self.sampler, self.epoch, self.objects = args, world, sampler, epoch, objects
         self.global_step = 0
         self.log_history: list[dict] = []
         self._state = self._control = None
@@ -153,7 +154,7 @@ class Callbacks:
                 train_batch_size=args.per_device_train_batch_size, num_train_epochs=self._epochs(),
                 log_history=self.log_history, is_world_process_zero=self.world.is_main,
                 is_local_process_zero=local == 0)
-        self._state.global_step, self._state.epoch = self.global_step, self.sampler.progress
+        self._state.global_step, self._state.epoch = self.global_step, self.epoch()
         return self._state
 
     def _epochs(self) -> int:
@@ -229,7 +230,7 @@ class Callbacks:
 
     def log(self, global_step: int, metrics: dict[str, float]) -> None:
         """on_log with the first process's logged ``metrics`` (the others compute none)."""
-        logs = {**self.world.on_main(lambda: metrics), "epoch": self.sampler.progress}
+        logs = {**self.world.on_main(lambda: metrics), "epoch": self.epoch()}
         self.log_history.append({**logs, "step": global_step})
         self.call("on_log", global_step, logs=logs)
 

@@ -195,8 +195,8 @@ class GRPOTrainer:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.callback_handler = Callbacks(callbacks or [], CallbackArgs(args, self.run_dir, self.world), self.world,
-                                          self.sampler, model=policy, processing_class=tokenizer, optimizer=optimizer,
-                                          lr_scheduler=scheduler)
+                                          self.sampler, lambda: self.epochs_trained, model=policy,
+                                          processing_class=tokenizer, optimizer=optimizer, lr_scheduler=scheduler)
         self.callback_handler.log_history.extend(self.history)
         self.callback_handler.call("on_init_end", self.global_step)
 
@@ -437,6 +437,12 @@ class GRPOTrainer:
         with the worker, is rounds ahead)."""
         return self.sampler.passes_in(self.progress.rounds_sampled)
 
+    @property
+    def epochs_trained(self) -> float:
+        """The passes over the training prompts trained on, a fraction within the last (the epoch of logs,
+        callbacks and evaluations)."""
+        return self.sampler.progress_in(self.progress.rounds_sampled)
+
     def _after_step(self, log: RunLog, steps_before: int, passes_before: int, records: list[dict]) -> None:
         """After a step's optimizer steps (``steps_before`` were taken before it, ``passes_before`` passes
         over the prompts drawn): record its completions when due, then checkpoint as save_strategy says,
@@ -475,7 +481,7 @@ class GRPOTrainer:
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
         rewards = self.parts.rewards
-        state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.sampler.progress)
+        state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.epochs_trained)
         # every process evaluates its share of the rows
         lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
         with lent, sampling_from_policy(self.parts):
