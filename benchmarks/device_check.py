@@ -1,6 +1,7 @@
 """The checks that need a CUDA GPU, in one short run: the fast engine on CUDA (float32 and
 bfloat16) against transformers ``generate`` and a full forward, rollout speed, a few bf16 training
-steps of the default run, and, where vLLM is installed, vLLM itself: colocated (log-probs, pushed
+steps of the default run, synchronous against asynchronous generation (step times side by side, the
+trainer and the worker sharing the GPU), and, where vLLM is installed, vLLM itself: colocated (log-probs, pushed
 weights taking effect, sleep mode, speed against the fast engine), as a server taking pushes (over
 NCCL with two GPUs; over covey_gloo with one, since NCCL refuses two ranks on one GPU), and a short
 GRPO run sampling with it. Each vLLM part runs in a process of its own (one vLLM per process).
@@ -205,6 +206,36 @@ def check_vllm_training(steps: int) -> None:
           "step times " + ", ".join(f"{h['step_time']:.2f}" for h in history) + f" s; engine/trainer weights {weights}")
 
 
+def check_async(steps: int) -> None:
+    """The default run synchronous and then asynchronous (one round ahead, the fast engine): the async
+    run's staleness and losses are checked; step times and peak GPU memory are reported side by side."""
+    from covey import GRPOConfig, GRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    seen = {}
+    for variant in ("synchronous", "asynchronous"):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with tempfile.TemporaryDirectory() as folder:
+            trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda,
+                                                  eval_max_samples=0, logging_steps=1,
+                                                  async_generation=variant == "asynchronous"), quiet=True)
+            trainer.train()
+        history = trainer.history
+        seen[variant] = (statistics.median(h["step_time"] for h in history[1:] or history),
+                         torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"), history)
+        del trainer
+    history = seen["asynchronous"][2]
+    staleness = [h.get("async/staleness") for h in history]
+    finite = all(torch.isfinite(torch.tensor(float(h["loss"]))) for h in history)
+    check("asynchronous GRPO steps, one round behind", staleness == [0.0] + [1.0] * (steps - 1) and finite,
+          f"staleness {staleness}; engine/trainer weights "
+          + ", ".join(f"{h.get('engine_is/mean_weight', float('nan')):.3f}" for h in history))
+    (sync_s, sync_gb, _), (async_s, async_gb, _) = seen["synchronous"], seen["asynchronous"]
+    print(f"info median step (after the first): synchronous {sync_s:.2f} s, asynchronous {async_s:.2f} s "
+          f"({sync_s / async_s:.2f}x); peak GPU memory {sync_gb:.2f} / {async_gb:.2f} GiB", flush=True)
+
+
 VLLM_PARTS = {"colocated": check_vllm_colocated, "server": check_vllm_server, "training": check_vllm_training}
 
 
@@ -278,6 +309,7 @@ def main() -> int:
         finite = all(torch.isfinite(torch.tensor(float(h["loss"]))) for h in history)
         check("bf16 training steps", summary["steps"] == steps and finite,
               "step times " + ", ".join(f"{h['step_time']:.2f}" for h in history) + " s")
+    check_async(3 if args.quick else 6)
     if importlib.util.find_spec("vllm") is None:
         print("info vLLM is not installed here: its checks were not run")
     else:
