@@ -138,19 +138,23 @@ class AsyncGeneration:
         # in its own process
         self.threads = self.threads_before if engine.shared_by_processes else max(1, self.threads_before // 2)
         self.dropped_rows = self.trained_rows = 0  # rows of the rounds taken: dropped as stale, and trained
-        if restored is not None:  # the rounds a checkpoint captured in flight, queued again
-            self.next_round, self.rounds_sampled = restored["next_round"], restored["rounds_sampled"]
-            self.rounds_trained, self.dropped_rows = restored["rounds_trained"], restored["dropped_rows"]
-            self.trained_rows = restored["trained_rows"]
-            rounds = list(restored["rounds"])
-            for item in rounds[:self.queue.maxsize]:
-                self.queue.put_nowait(item)
-            self.pending = rounds[self.queue.maxsize] if len(rounds) > self.queue.maxsize else None
+        queued = self._requeue(restored) if restored is not None else 0
         # the worker samples no round the trainer will not train: up to the rounds taken (trained or dropped)
         # and those max_steps still needs, counted again after each round
-        self.rounds_taken = self.next_round - (len(restored["rounds"]) if restored is not None else 0)
+        self.rounds_taken = self.next_round - queued
         self.round_limit = self.rounds_taken
         self.publish(parts.model, progress.global_step, first=True)
+
+    def _requeue(self, restored: dict) -> int:
+        """The worker's state and the rounds in flight a checkpoint captured (``held``), queued again; how many."""
+        self.next_round, self.rounds_sampled = restored["next_round"], restored["rounds_sampled"]
+        self.rounds_trained, self.dropped_rows = restored["rounds_trained"], restored["dropped_rows"]
+        self.trained_rows = restored["trained_rows"]
+        rounds = list(restored["rounds"])
+        for item in rounds[:self.queue.maxsize]:
+            self.queue.put_nowait(item)
+        self.pending = rounds[self.queue.maxsize] if len(rounds) > self.queue.maxsize else None
+        return len(rounds)
 
     # ---- trainer side -------------------------------------------------------------------------
 

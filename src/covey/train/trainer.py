@@ -502,9 +502,11 @@ class GRPOTrainer:
         prompt sampler at the worker's position; a resumed run trains those rounds next). Its path."""
         worker = self.parts.asynchronous
         with worker.held() if worker is not None else contextlib.nullcontext() as in_flight:
-            return self._checkpoint_with(self.world.gather(in_flight) if worker is not None else None)
+            return self._write_checkpoint(self.world.gather(in_flight) if worker is not None else None)
 
-    def _checkpoint_with(self, in_flight: list | None) -> Path:
+    def _write_checkpoint(self, in_flight: list | None) -> Path:
+        """The checkpoint as this run's layout writes it (whole, sharded, or the model alone), with
+        ``in_flight``: each process's rounds sampled ahead (None without async_generation)."""
         policy_pass = self.parts.policy_pass
         if self.args.save_only_model:  # the model alone, whole (gathered first where it is sharded)
             whole = self._whole_model_state()
