@@ -175,7 +175,7 @@ def test_a_cispo_cap_below_one_is_warned_of():
 
 def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("lr: 1e-5\nnum_generation: 8\nbeta: warm\nddp_timeout: 60\nloss_type: nope\n"
+    config.write_text("lr: 1e-5\nnum_generation: 8\nbeta: warm\noptim: sgd\nloss_type: nope\n"
                       "max_steps: 10\n")
     with pytest.raises(ConfigError) as caught:
         GRPOConfig.from_yaml(config)
@@ -183,7 +183,7 @@ def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     assert message.startswith(f"{config}: 5 problems:\n- ")
     for part in ("unknown config key 'lr' (covey's name for it: learning_rate)",
                  "unknown config key 'num_generation' (did you mean 'num_generations'?)",
-                 "'ddp_timeout' is a TRL field that covey does not support",
+                 "optim: 'sgd' is a TRL setting covey does not support (covey works as optim: 'adamw_torch_fused' or",
                  "beta='warm' is not a valid float", "loss_type='nope' is not one of"):
         assert part in message, part
     with pytest.raises(ConfigError) as caught:  # the range checks, all of them too

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import inspect
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import yaml
 
 from covey.errors import ConfigError
 from covey.sources import EMBEDDED_MODEL
-from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, TRL_FIELDS, as_covey_does
+from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, as_covey_does
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -200,6 +201,7 @@ class GRPOConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     fsdp: str = _f("", "shard the model, its gradients and AdamW's state over the processes with FSDP2, per transformer block (TRL's words): full_shard, or shard_grad_op (a block's parameters stay gathered from its forward to its backward); '' for none")
     fsdp_config: dict | None = _f(None, "TRL's FSDP options: version (2), reshard_after_forward, transformer_layer_cls_to_wrap (the block classes; default: the model's decoder layers); others are refused unless at what covey does")
+    ddp_timeout: int = _f(3600, "several processes: seconds one waits for the others at a collective, such as while the first writes a large checkpoint (TRL's default: 1800)")
     shard_optimizer_state: bool = _f(False, "several processes: each holds and updates the AdamW state of its share of the parameters only, then sends them to the others (ZeRO stage 1); no effect in one process")
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
     warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
@@ -222,6 +224,7 @@ class GRPOConfig:
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
     num_completions_to_print: int = _f(4, "rows of the console completions table")
     report_to: list = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
+    project: str | None = _f(None, "Trackio's project the run is logged under (None: TRACKIO_PROJECT, else covey; TRL's default: huggingface)")
     run_name: str | None = _f(None, "the run's name in trackers (default: the run folder's name)")
     save_strategy: str = _f("steps", "when checkpoints are written: every save_steps optimizer steps, after each pass over the training prompts, or never (as TRL; the final model is always saved)", choices=SAVE_STRATEGIES)
     save_steps: int = _f(500, "save_strategy: steps writes a checkpoint every this many optimizer steps (0 = none)")
@@ -285,6 +288,13 @@ class GRPOConfig:
         self.model_init_kwargs = kwargs or None
         if self.dtype not in DTYPES:
             raise ConfigError(f"model_init_kwargs: dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def __getattr__(self, name: str) -> Any:
+        """A TRL setting covey accepts as what it does (``optim``, ``do_eval``, ...) reads as given, or as
+        TRL's default; scripts read them back."""
+        if name in AS_COVEY_DOES:
+            return self.__dict__.get("trl_settings", {}).get(name, AS_COVEY_DOES[name][0])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def quantization(self) -> str | None:
@@ -406,6 +416,7 @@ class GRPOConfig:
              f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
              f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")
         need(1 <= self.vllm_server_port <= 65535, f"vllm_server_port={self.vllm_server_port} must be in 1..65535")
+        need(self.ddp_timeout >= 1, f"ddp_timeout={self.ddp_timeout} must be at least 1 second")
         need(self.vllm_server_timeout > 0, f"vllm_server_timeout={self.vllm_server_timeout} must be positive")
         need(0 <= self.vllm_group_port <= 65535, f"vllm_group_port={self.vllm_group_port} must be in 0..65535 (0: a free one)")
         need((self.overlong_max_length is None or self.overlong_max_length >= 1)
@@ -542,60 +553,13 @@ class GRPOConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
         """The config of ``values`` (``source`` names where they came from); every unknown key and bad
-        value is said at once, in one ConfigError."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        problems = []
-        for alias, name in SAME_AS.items():  # TRL's model and script arguments
-            if alias in values:
-                if name in values and values[name] != values[alias]:
-                    problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
-                                    "(TRL's name and covey's); give one")
-                values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
-        if "generation_batch_size" in values:  # TRL's field; covey's is computed from steps_per_generation
-            values, problem = _generation_batch_as_steps(values)
-            problems.extend(problem)
-        if (url := values.get("vllm_server_base_url")) is not None:  # TRL's one-field form of host and port
-            values, problem = _server_url_as_host_and_port(values, url)
-            problems.extend(problem)
-        if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
-            if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
-                problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
-                                f"{values['eval_split']!r} name the same setting (TRL's name and covey's); give one")
-            values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
-                "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
-                    "dataset", cls.__dataclass_fields__["dataset"].default)}
-        for key in values:
-            if not isinstance(key, str):
-                problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
-            elif key in known or as_covey_does(key, values[key]):
-                continue
-            elif key in AS_COVEY_DOES:
-                problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
-                                f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
-            elif key in TRL_FIELDS:
-                problems.append(f"{key!r} is a TRL field that covey does not support; remove it (covey never "
-                                "ignores a setting silently)")
-            else:
-                problems.append(f"unknown config key {key!r}{suggest_field(key)}")
-        values = {key: value for key, value in values.items() if key in known}  # the TRL settings covey matches go
+        value is said at once, in one ConfigError. The same door as ``GRPOConfig(**values)``."""
         try:
-            config = cls._from_known(values, source)
+            return cls(**values)
         except ConfigError as e:
-            problems.extend(getattr(e, "problems", [str(e)]))
-        if problems:
-            raise config_errors(problems, source)
-        return config
-
-    @classmethod
-    def _from_known(cls, values: dict[str, Any], source: str) -> "GRPOConfig":
-        if values.get("num_train_epochs") is not None:  # TRL's rule: a max_steps given wins over the epochs
-            if "max_steps" not in values:
-                values = {**values, "max_steps": -1}
-            elif _coerce("max_steps", values["max_steps"], (int, False)) != -1:  # text from the command line
-                warnings.warn(f"{source}: num_train_epochs={values['num_train_epochs']} has no effect: "
-                              f"max_steps={values['max_steps']} sets the run's length (as in TRL)", stacklevel=2)
-                values = {**values, "num_train_epochs": None}
-        return cls(**values)
+            raise config_errors(getattr(e, "problems", [str(e)]), source) from None
+        except TypeError as e:  # a key that is no name (a number in YAML) cannot be a keyword
+            raise config_errors([f"config keys must be field names such as learning_rate: {e}"], source) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
@@ -622,6 +586,83 @@ class GRPOConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
         return cls.from_dict({**values, **(overrides or {})}, source=str(path))
+
+
+def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """TRL's names and rules turned into covey's fields: (covey's fields, the TRL settings accepted as what
+    covey does anyway, the problems). Both doors (Python's ``GRPOConfig(...)``, and YAML and the command
+    line through ``from_dict``) pass here, so a setting is accepted or refused alike in each."""
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    problems: list[str] = []
+    for alias, name in SAME_AS.items():  # TRL's model and script arguments
+        if alias in values:
+            if name in values and values[name] != values[alias]:
+                problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
+                                "(TRL's name and covey's); give one")
+            values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
+    if "generation_batch_size" in values:  # TRL's field; covey's is computed from steps_per_generation
+        values, problem = _generation_batch_as_steps(values)
+        problems.extend(problem)
+    if (url := values.get("vllm_server_base_url")) is not None:  # TRL's one-field form of host and port
+        values, problem = _server_url_as_host_and_port(values, url)
+        problems.extend(problem)
+    elif "vllm_server_base_url" in values:  # None: TRL's default, host and port say where
+        values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
+    if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
+        if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
+            problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
+                            f"{values['eval_split']!r} name the same setting (TRL's name and covey's); give one")
+        values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
+            "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
+                "dataset", GRPOConfig.__dataclass_fields__["dataset"].default)}
+    if values.get("num_train_epochs") is not None and "max_steps" not in values:
+        values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
+    elif values.get("num_train_epochs") is not None and str(values["max_steps"]).strip() != "-1":
+        warnings.warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
+                      f"{values['max_steps']} sets the run's length (as in TRL)", stacklevel=3)
+        values = {**values, "num_train_epochs": None}
+    accepted = {}
+    for key in values:
+        if not isinstance(key, str):
+            problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
+        elif key in known:
+            continue
+        elif as_covey_does(key, values[key]):
+            accepted[key] = values[key]
+        elif key in AS_COVEY_DOES:
+            problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
+                            f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
+        else:
+            problems.append(f"unknown config key {key!r}{suggest_field(key)}")
+    return {key: value for key, value in values.items() if key in known}, accepted, problems
+
+
+_init_fields = GRPOConfig.__init__  # the dataclass's own: covey's fields only
+
+
+def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> None:
+    """``GRPOConfig(...)`` takes what TRL's takes: covey's fields, TRL's names for them, and every TRL and
+    TrainingArguments field at a value that describes what covey does (kept in ``trl_settings``); any
+    other is refused with every problem at once. One positional argument is output_dir, as in TRL."""
+    if output_dir:
+        if len(output_dir) > 1 or "output_dir" in values:
+            raise ConfigError("GRPOConfig takes one positional argument, output_dir (as TRL's); give the others "
+                              "by name, such as GRPOConfig(output_dir='runs/a', learning_rate=1e-5)")
+        values = {"output_dir": output_dir[0], **values}
+    fields, accepted, problems = covey_names(values)
+    try:
+        _init_fields(self, **fields)
+    except ConfigError as e:
+        problems.extend(getattr(e, "problems", [str(e)]))
+    if problems:
+        raise config_errors(problems)
+    self.__dict__["trl_settings"] = accepted
+
+
+_init_with_trl_names.__signature__ = inspect.signature(_init_fields).replace(  # for help() and editors
+    parameters=[*inspect.signature(_init_fields).parameters.values(),
+                inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
+GRPOConfig.__init__ = _init_with_trl_names
 
 
 def _generation_batch_as_steps(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -7,7 +7,7 @@ describes what covey does anyway: those are accepted (and have nothing more to d
 """
 
 AS_COVEY_DOES = {
-    "optim": ("adamw_torch", "adamw_torch_fused"),  # covey's optimizer is torch's AdamW
+    "optim": ("adamw_torch_fused", "adamw_torch"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "shuffle_dataset": (True,),
@@ -16,9 +16,9 @@ AS_COVEY_DOES = {
     "torch_compile": (False,), "use_liger_kernel": (False,), "disable_tqdm": (None, False),
     "ignore_data_skip": (False,), "data_seed": (None,),
     # read by scripts, not by TRL's trainer
-    "do_train": (True, False), "do_eval": (True, False), "do_predict": (True, False),
+    "do_train": (False, True), "do_eval": (False, True), "do_predict": (False, True),
     # TRL's model and script arguments whose value is what covey does
-    "eval_on_start": (True,),  # covey evaluates before training whenever it has held-out data
+    "eval_on_start": (False, True),  # covey evaluates before training whenever it has held-out data
     "lora_task_type": ("CAUSAL_LM",), "dataset_streaming": (False,), "ignore_bias_buffers": (False,),
     # TrainingArguments at TRL's defaults, as a saved or full recipe lists them: features that are off,
     # or machinery covey does not have (a dataloader, DeepSpeed, accelerate), whose default changes nothing
@@ -32,7 +32,7 @@ AS_COVEY_DOES = {
     "full_determinism": (False,), "greater_is_better": (None,), "include_for_metrics": ([],),
     "include_num_input_tokens_seen": ("no", False), "label_names": (None,), "label_smoothing_factor": (0.0, 0),
     "length_column_name": ("length",), "liger_kernel_config": (None,), "load_best_model_at_end": (False,),
-    "local_rank": (-1,), "log_completions_hub_repo": (None,), "log_multimodal": (True, False), "log_on_each_node": (True,),
+    "local_rank": (-1,), "log_completions_hub_repo": (None,), "log_multimodal": (True, False), "log_on_each_node": (True, False),  # one machine: the first process logs
     "log_unique_prompts": (False,), "metric_for_best_model": (None,), "neftune_noise_alpha": (None,),
     "optim_args": (None,), "optim_target_modules": (None,), "parallelism_config": (None,), "prediction_loss_only": (False,),
     "restore_callback_states_from_checkpoint": (False,), "router_aux_loss_coef": (None,), "save_on_each_node": (False,),
@@ -44,6 +44,11 @@ AS_COVEY_DOES = {
     "vllm_model_impl": ("vllm",), "vllm_structured_outputs_regex": (None,), "vllm_tensor_parallel_size": (1,),
     "use_cache": (False, True),  # only how generate is computed: covey's engines keep a KV cache, same numbers
     "pad_to_multiple_of": ("auto", None),  # padding covey packs away (train/forward.py)
+    "average_tokens_across_devices": (True,),  # the loss's token counts are summed over the processes
+    "ddp_backend": (None,), "ddp_broadcast_buffers": (None,), "ddp_bucket_cap_mb": (None,),
+    "ddp_find_unused_parameters": (None,), "ddp_static_graph": (None,),  # covey sets up DDP itself
+    "log_level_replica": ("warning",), "logging_nan_inf_filter": (True,),  # a NaN step is skipped, not averaged
+    "train_sampling_strategy": ("random",),  # the prompts are shuffled, every pass anew
 }
 
 

@@ -109,13 +109,14 @@ class WandbTracker(_RunTracker):
 
 class TrackioTracker(_RunTracker):
     """A run in Trackio's local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio; ``trackio show``
-    opens it), in the project TRACKIO_PROJECT (default "covey"). Trackio needs no network unless
+    opens it), in ``project`` (default: TRACKIO_PROJECT, else "covey"). Trackio needs no network unless
     TRACKIO_SPACE_ID names a Hugging Face Space to sync to."""
 
-    def __init__(self, run_name: str, config: dict[str, Any]):
+    def __init__(self, run_name: str, config: dict[str, Any], project: str | None = None):
         import trackio
 
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=run_name, config=config)
+        self.run = trackio.init(project=project or os.environ.get("TRACKIO_PROJECT", PROJECT), name=run_name,
+                                config=config)
 
 
 class MLflowTracker:
@@ -180,16 +181,16 @@ def check_trackers(report_to: list[str]) -> None:
 
 
 def make_trackers(report_to: list[str], run_dir: Path, run_name: str, config: dict[str, Any],
-                  first_step: int = 1) -> list[Tracker]:
+                  first_step: int = 1, project: str | None = None) -> list[Tracker]:
     """Open the trackers named in ``report_to`` ("none" or an empty list: none) for one run, whose
-    next logged step is ``first_step`` (later than 1 when it resumes)."""
+    next logged step is ``first_step`` (later than 1 when it resumes); ``project``: Trackio's project."""
     names = [name for name in dict.fromkeys(report_to) if name != "none"]
     if names:
         run_dir.mkdir(parents=True, exist_ok=True)  # W&B and the MLflow store need the folder to exist
     makers = {
         "tensorboard": lambda: TensorBoardTracker(run_dir, config, first_step),
         "wandb": lambda: WandbTracker(run_dir, run_name, config),
-        "trackio": lambda: TrackioTracker(run_name, config),
+        "trackio": lambda: TrackioTracker(run_name, config, project),
         "mlflow": lambda: MLflowTracker(run_dir, run_name, config),
     }
     opened: list[Tracker] = []

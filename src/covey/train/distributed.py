@@ -50,9 +50,10 @@ class World:
         return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
     @staticmethod
-    def from_environment() -> World:
+    def from_environment(timeout_s: float = 3600) -> World:
         """One process unless a launcher set WORLD_SIZE > 1; then joins (or starts) the process group:
-        NCCL with one GPU per process where CUDA is available, gloo on CPUs."""
+        NCCL with one GPU per process where CUDA is available, gloo on CPUs; a process waits for the others
+        at most ``timeout_s`` seconds at a collective."""
         size = World.launched_size()
         if size <= 1:
             return World()
@@ -63,8 +64,7 @@ class World:
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            # the other processes wait at the next collective while the first saves a large checkpoint
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
             World.joined = True
         return World(dist.get_rank(), dist.get_world_size())
 

@@ -92,7 +92,7 @@ class GRPOTrainer:
         self.sharding = Sharding.from_settings(args.fsdp, args.fsdp_config, os.environ)  # None: not sharded
         if self.sharding is not None:
             check_sharded_run(args)
-        self.world = World.from_environment()
+        self.world = World.from_environment(args.ddp_timeout)
         set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
@@ -246,7 +246,7 @@ class GRPOTrainer:
         callbacks = self.callback_handler
         callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
-                                 first_step=self.global_step + 1) if self.world.is_main else []
+                                 first_step=self.global_step + 1, project=args.project) if self.world.is_main else []
         with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                                               record=self.world.is_main) as log,
               self._stop_on_signals(log), self.hub or contextlib.nullcontext(), self._gradients_summed()):
