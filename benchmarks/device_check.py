@@ -198,7 +198,8 @@ def check_vllm_training(steps: int) -> None:
                                               logging_steps=1, rollout_engine="vllm",
                                               vllm_gpu_memory_utilization=VLLM_MEMORY),
                               quiet=True)
-        summary = trainer.train()
+        trainer.train()
+        summary = trainer.summary
     history = trainer.history
     finite = all(torch.isfinite(torch.tensor(float(h["loss"]))) for h in history)
     weights = ", ".join(f"{h.get('engine_is/mean_weight', float('nan')):.3f}" for h in history)
@@ -304,7 +305,8 @@ def main() -> int:
         steps = 2 if args.quick else 5
         trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=True, eval_max_samples=0,
                                               logging_steps=1), quiet=True)
-        summary = trainer.train()
+        trainer.train()
+        summary = trainer.summary
         history = trainer.history
         finite = all(torch.isfinite(torch.tensor(float(h["loss"]))) for h in history)
         check("bf16 training steps", summary["steps"] == steps and finite,

@@ -45,7 +45,8 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           eval_dataset=ROWS, processing_class=tokenizer, quiet=True)
     before = _snapshot(trainer.model)
-    summary = trainer.train()
+    trainer.train()
+    summary = trainer.summary
     after = _snapshot(trainer.model)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert trainer.reference is not None and all(
@@ -266,7 +267,8 @@ def test_max_steps_minus_one_trains_for_num_train_epochs_as_in_trl(tmp_path, tok
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           processing_class=tokenizer)
     assert trainer.args.max_steps == 6 and args.max_steps == -1  # the caller's config is left as it was
-    summary = trainer.train()
+    trainer.train()
+    summary = trainer.summary
     assert summary["steps"] == 6 and trainer.sampler.progress == pytest.approx(1.5)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["max_steps"] == -1 and saved["num_train_epochs"] == 1.5  # as given: a resume resolves it again
@@ -302,8 +304,9 @@ def test_num_train_epochs_moves_across_from_a_trl_config(tmp_path):
         warnings.simplefilter("error")
         args = GRPOConfig.from_dict({"num_train_epochs": "2", "max_steps": "-1"})  # as text from the command line
     assert args.max_steps == -1 and args.num_train_epochs == 2
-    with pytest.raises(ConfigError, match="num_train_epochs=2 sets the run's length only with max_steps=-1"):
-        GRPOConfig(num_train_epochs=2)
+    assert GRPOConfig(num_train_epochs=2).max_steps == -1  # Python's door follows the same rule
+    with pytest.warns(UserWarning, match="num_train_epochs=2 has no effect: max_steps=5"):
+        assert GRPOConfig(num_train_epochs=2, max_steps=5).num_train_epochs is None
     with pytest.raises(ConfigError, match="max_steps=0 must be at least 1, or -1"):
         GRPOConfig(max_steps=0)
     with pytest.raises(ConfigError, match="num_train_epochs=0 must be positive"):
@@ -398,13 +401,13 @@ def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenize
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[fails_on_held_out_rows], args=args, train_dataset=ROWS,
                           eval_dataset=[*held_out[:2], {**held_out[2], "answer": "held-out"}, held_out[3]],
                           processing_class=tokenizer, quiet=True)
-    result = trainer.evaluate()
+    result = trainer.held_out_result()
     # the over-long prompt is dropped as in training; the failing row is scored None, not an error
     assert result["n"] == 3 and len(result["samples"]) == 3
     assert result["mean_reward"] == 1.0 and result["accuracy"] is not None
 
     no_answers = [{"prompt": r["prompt"]} for r in ROWS[:2]]
-    result = trainer.evaluate(no_answers)
+    result = trainer.held_out_result(no_answers)
     assert result["accuracy"] is None  # nothing to check against: not 0%
     from covey.telemetry.tables import before_after_rows
 
@@ -413,7 +416,7 @@ def test_held_out_evaluation_runs_under_the_training_settings(tmp_path, tokenize
     always_two = [{"prompt": r["prompt"], "answer": a} for r, a in zip(ROWS, ["2", "unknown", None])]
     trainer.engine.generate = lambda prompt_ids, n, params, seed=None: _answering("<answer>2</answer>", tokenizer,
                                                                                   len(prompt_ids))
-    assert trainer.evaluate(always_two)["accuracy"] == 1.0
+    assert trainer.held_out_result(always_two)["accuracy"] == 1.0
     nothing = {"accuracy": None, "mean_reward": None, "n": 3}  # as summary.json holds a NaN mean
     assert before_after_rows(nothing, nothing) == [["before", "n/a", "n/a", "3"], ["after", "n/a", "n/a", "3"],
                                                    ["change", "n/a", "n/a", ""]]
@@ -586,8 +589,8 @@ def test_evaluation_during_training_is_logged_at_its_steps(tmp_path, tokenizer, 
     evaluations = []
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                           eval_dataset=ROWS[:2], processing_class=tokenizer, quiet=True)
-    evaluate = trainer.evaluate
-    trainer.evaluate = lambda *a: evaluations.append(trainer.global_step) or evaluate(*a)
+    evaluate = trainer.held_out_result
+    trainer.held_out_result = lambda *a: evaluations.append(trainer.global_step) or evaluate(*a)
     trainer.train()
     assert evaluations == [0, 2, 4, 5]  # before training, at steps 2 and 4, after training
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -610,7 +613,7 @@ def test_evaluation_batches_and_generations_per_row_follow_trl_s_eval_settings(t
     calls, real = [], trainer.engine.generate
     trainer.engine.generate = lambda ids, n, params, seed=None: calls.append((len(ids), n, params.greedy)) or real(
         ids, n, params, seed)
-    result = trainer.evaluate()
+    result = trainer.held_out_result()
     per_row = k or 1
     assert [c[0] * c[1] for c in calls] == ([6, 6, 3] if k else [5])  # at most 6 completions per call
     assert all(c[1] == per_row and c[2] == (k is None) for c in calls)  # k sampled, or one greedy

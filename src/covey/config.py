@@ -362,9 +362,6 @@ class GRPOConfig:
         epochs = "None" if self.num_train_epochs is None else f"{self.num_train_epochs:g}"
         need(self.num_train_epochs is None or self.num_train_epochs > 0,
              f"num_train_epochs={epochs} must be positive")
-        need(self.num_train_epochs is None or self.max_steps == -1,
-             f"num_train_epochs={epochs} sets the run's length only with max_steps=-1 (TRL's default); "
-             f"set max_steps=-1, or leave num_train_epochs out to train for max_steps={self.max_steps}")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                      "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
                      "dynamic_sampling_max_rounds", "max_consecutive_bad_steps"):

@@ -228,9 +228,10 @@ class Callbacks:
         self._gather_requests(update.global_step)
         return self.stopping
 
-    def log(self, global_step: int, metrics: dict[str, float]) -> None:
-        """on_log with the first process's logged ``metrics`` (the others compute none)."""
-        logs = {**self.world.on_main(lambda: metrics), "epoch": self.epoch()}
+    def log(self, global_step: int, metrics: dict[str, float], from_main: bool = True) -> None:
+        """on_log with ``metrics``, entered in log_history: the first process's (the others compute none;
+        every process calls this then), or with ``from_main`` False this process's own."""
+        logs = {**(self.world.on_main(lambda: metrics) if from_main else metrics), "epoch": self.epoch()}
         self.log_history.append({**logs, "step": global_step})
         self.call("on_log", global_step, logs=logs)
 

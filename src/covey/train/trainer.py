@@ -48,13 +48,14 @@ from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
 from covey.train.step import Rewards, StepParts, generate_and_score, grpo_step, sampling_from_policy
+from covey.train.trl_api import TRLSurface, TrainingClock, named_eval_sets
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
                      "epsilon_high", "scale_rewards", "temperature", "num_iterations", "use_peft", "seed")
 
 
-class GRPOTrainer:
+class GRPOTrainer(TRLSurface):
     """Train ``model`` with GRPO on ``train_dataset`` scored by ``reward_funcs``.
 
         trainer = GRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=[my_reward],
@@ -106,6 +107,9 @@ class GRPOTrainer:
         self.config_as_used = config_as_used(args, model, train_dataset, eval_dataset, reward_funcs, peft_config,
                                              tools, environment_factory)
         rewards = Rewards(funcs, weights, RewardPool(funcs, args.reward_num_workers, args.num_generations))
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given (TRL's members)
+        if eval_dataset is not None:  # several named sets (a dict, a DatasetDict) are evaluated together
+            eval_dataset = [dict(row) for rows in named_eval_sets(eval_dataset).values() for row in rows]
         rows = setup.load_run_rows(args, train_dataset, eval_dataset, funcs, self.world.size, environment,
                                    own_rollouts=rollout_func is not None)
         self.dataset_name, self.eval_rows = rows.source, rows.heldout
@@ -188,6 +192,7 @@ class GRPOTrainer:
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress(entropy_coef=args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
+        self.summary: dict | None = None  # what train() wrote to summary.json
         self.history: list[dict] = []  # logged metrics, restored on resume
         self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this step
@@ -206,7 +211,6 @@ class GRPOTrainer:
         return self.progress.global_step
 
     # the run's parts, as the step holds them
-    model = property(lambda self: self.parts.model, doc="The policy being trained.")
     reference = property(lambda self: self.parts.reference, doc="The reference model (None when beta == 0).")
     engine = property(lambda self: self.parts.engine, doc="The rollout engine.")
     tokenizer = property(lambda self: self.parts.tokenizer)
@@ -237,9 +241,18 @@ class GRPOTrainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def train(self) -> dict:
-        """Run max_steps optimizer steps; returns the summary that is also written to summary.json."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, **_: Any):
+        """Run max_steps optimizer steps. Returns transformers' ``TrainOutput`` (global_step, training_loss,
+        metrics), whose metrics also close state.log_history; ``self.summary`` is what summary.json holds.
+        ``resume_from_checkpoint`` (TRL's argument) is the config's field of that name."""
+        from transformers.trainer_utils import TrainOutput
+
         args = self.args
+        if resume_from_checkpoint not in (None, False) and self.resume_from is None:
+            raise ConfigError("train(resume_from_checkpoint=...) continues a run covey must restore before it "
+                              "builds the policy: set GRPOConfig(resume_from_checkpoint=...) ('auto' or a folder) "
+                              "and build the trainer with it")
+        clock = TrainingClock(self.global_step)
         if args.keep_freed_memory:
             keep_freed_memory()
         self.run_dir = self.world.on_main(self._open_run_dir)
@@ -255,7 +268,7 @@ class GRPOTrainer:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")
             elif self.eval_rows:
-                self.before = self.evaluate()
+                self.before = self.held_out_result()
                 log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
             with self._generating_ahead():
@@ -268,8 +281,12 @@ class GRPOTrainer:
             if self.global_step < args.max_steps:  # only a callback ends the loop early
                 log.info(f"a callback stopped the training at step {self.global_step} of {args.max_steps}")
             final = self._save_final_model()  # before anything else can fail
-            after = self.evaluate() if self.eval_rows else None
-        summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
+            after = self.held_out_result() if self.eval_rows else None
+        self.summary = self.world.on_main(lambda: self._write_outputs(final, self.before, after, log.history))
+        metrics = clock.closing_metrics(
+            self.global_step, args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world.size,
+            self.history)
+        callbacks.log(self.global_step, metrics)
         callbacks.call("on_train_end", self.global_step)
         if self.hub is not None:
             callbacks.call("on_push_begin", self.global_step)
@@ -277,7 +294,7 @@ class GRPOTrainer:
                 log.info(line)
         if not self.quiet:
             print_summary(log.console, self.before, after, self.run_dir)
-        return summary
+        return TrainOutput(self.global_step, metrics["train_loss"], metrics)
 
     @contextlib.contextmanager
     def _generating_ahead(self):
@@ -375,7 +392,7 @@ class GRPOTrainer:
             log.info(f"[yellow]step {step}: a callback asked for an evaluation (control.should_evaluate), and this "
                      "run has no held-out data (eval_dataset): none is made[/]")
             return {}
-        result = self.evaluate()
+        result = self.held_out_result()
         mean = "n/a" if result["mean_reward"] is None else f"{result['mean_reward']:.3f}"
         log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward {mean}, n={result['n']})")
         return {f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")}
@@ -475,8 +492,9 @@ class GRPOTrainer:
                 f"Continue with: covey train CONFIG --output-dir {self.run_dir} --resume-from-checkpoint auto",
                 stop_signal)
 
-    def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """Greedy accuracy and mean reward on held-out rows (default: the configured eval split)."""
+    def held_out_result(self, rows: list[dict] | None = None) -> dict:
+        """Greedy accuracy and mean reward on held-out rows (default: the configured eval split), with
+        the samples; ``evaluate()`` gives the same under TRL's metric names."""
         rows = rows if rows is not None else self.eval_rows
         if not rows:
             raise ConfigError("no held-out data to evaluate on: set eval_dataset")
