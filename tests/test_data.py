@@ -232,8 +232,12 @@ def test_system_prompt_comes_first_in_every_prompt(tmp_path):
     with pytest.raises(DataError, match="train_dataset, row 0: the prompt has a system message already"):
         load_rows([{"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}],
                   system_prompt="z")
-    with pytest.raises(DataError, match="arithmetic, row 0: the prompt has a system message already"):
-        load_rows("arithmetic", system_prompt="z")  # the built-in task brings its own
+    # the system message covey writes into a built-in task's and GSM8K-format rows gives way to the user's
+    assert load_rows("arithmetic", system_prompt="z")[0]["prompt"][:2] == [
+        {"role": "system", "content": "z"}, {"role": "user", "content": load_rows("arithmetic")[0]["prompt"][1]["content"]}]
+    gsm8k = load_rows([{"question": "How many?", "answer": "2 + 2 = 4\n#### 4"}], system_prompt="Think, then answer.")
+    assert gsm8k[0]["prompt"] == [{"role": "system", "content": "Think, then answer."},
+                                  {"role": "user", "content": "How many?"}]
 
 
 def test_trl_script_dataset_arguments_choose_the_config_and_the_held_out_split(monkeypatch):

@@ -194,8 +194,14 @@ def test_a_model_that_cannot_be_found_is_a_clear_error(tmp_path, tiny_model_dir)
 
 def test_prompt_longer_than_the_limit_is_reported(tmp_path, tokenizer, tiny_model):
     with pytest.raises(DataError, match="row 0: prompt is .* tokens, over max_prompt_length=5"):
-        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=small_args(tmp_path, max_prompt_length=5),
-                    train_dataset=ROWS, processing_class=tokenizer)
+        GRPOTrainer(model=tiny_model, reward_funcs=[count_a], train_dataset=ROWS, processing_class=tokenizer,
+                    args=small_args(tmp_path, max_prompt_length=5, prompt_overflow="error"))
+    # by default, as the TRL releases before 1.16 did, the prompt keeps its last tokens, with a warning
+    with pytest.warns(UserWarning, match=r"8 training prompts were longer than max_prompt_length=5 and were cut to "
+                                         r"their last tokens: up to \d+ tokens over \(row \d, \d+ tokens; first: row 0\)"):
+        trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], train_dataset=ROWS, processing_class=tokenizer,
+                              args=small_args(tmp_path, max_prompt_length=5), quiet=True)
+    assert all(len(ids) == 5 for ids in trainer.parts.prompts.ids)
 
 
 def test_plain_text_prompts_get_string_completions(tmp_path, tokenizer, tiny_model):

@@ -51,20 +51,27 @@ def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None,
         source = spec
     else:
         rows, source = [dict(r) for r in spec], "train_dataset"
+    covey_wrote_prompts = isinstance(spec, str) and spec in tasks.TASKS  # a built-in task's
     if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
-        rows = tasks.gsm8k_rows(rows, source)
+        rows, covey_wrote_prompts = tasks.gsm8k_rows(rows, source), True
     check_rows(rows, source)
-    return rows if system_prompt is None else with_system_prompt(rows, system_prompt, source)
+    if system_prompt is None:
+        return rows
+    return with_system_prompt(rows, system_prompt, source, replace_system=covey_wrote_prompts)
 
 
-def with_system_prompt(rows: list[dict], system_prompt: str, source: str) -> list[dict]:
+def with_system_prompt(rows: list[dict], system_prompt: str, source: str, replace_system: bool = False
+                       ) -> list[dict]:
     """The rows with ``system_prompt`` as the first message of each prompt (a plain-text prompt becomes
-    the user's message); a prompt that has a system message already is an error, not overwritten."""
+    the user's message). A system message covey wrote (``replace_system``: a built-in task's, GSM8K-format
+    data's) gives way to it; one the data has is an error, not overwritten."""
     out = []
     for i, row in enumerate(rows):
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if messages and messages[0].get("role") == "system":
+        if replace_system and messages and messages[0].get("role") == "system":
+            messages = messages[1:]
+        elif messages and messages[0].get("role") == "system":
             raise DataError(f"{source}, row {i}: the prompt has a system message already, and system_prompt gives "
                             "another; drop one of the two")
         out.append({**row, "prompt": [{"role": "system", "content": system_prompt}, *messages]})

@@ -10,13 +10,13 @@ from covey.errors import DataError
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
-                   overflow: str = "error", overflowed: list[int] | None = None,
+                   overflow: str = "error", overflowed: list[tuple[int, int]] | None = None,
                    tools: list[dict] | None = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
     turn opened, and ``tools`` for a template that renders them), plain strings as they are. A prompt
     over ``max_prompt_length`` is an error (``overflow="error"``), None (``"drop"``), or keeps its last
-    max_prompt_length tokens (``"truncate_left"``); the indices of such prompts are appended to
-    ``overflowed``."""
+    max_prompt_length tokens (``"truncate_left"``); (index, length in tokens) of each such prompt is
+    appended to ``overflowed``."""
     check_chat_template(tokenizer, prompts, source)
     encoded: list[list[int] | None] = []
     for i, prompt in enumerate(prompts):
@@ -31,7 +31,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
                                 f"{max_prompt_length}; raise max_prompt_length, shorten the prompt, or set "
                                 "prompt_overflow: drop | truncate_left")
             if overflowed is not None:
-                overflowed.append(i)
+                overflowed.append((i, len(ids)))
             ids = None if overflow == "drop" else ids[-max_prompt_length:]
         encoded.append(ids)
     return encoded

@@ -131,7 +131,7 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
                             agent: Agent | None = None) -> tuple[list[dict], list[list[int]], int]:
     """(the rows kept, their prompts' token ids, how many were over max_prompt_length): rows over it
     follow prompt_overflow. With an ``agent``, the prompts show the model its tools."""
-    overflowed: list[int] = []
+    overflowed: list[tuple[int, int]] = []
     prompts, tools = [r["prompt"] for r in rows], None
     if agent is not None:
         if (plain := next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)) is not None:
@@ -146,8 +146,11 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
         raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
     if overflowed:
         action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
+        row, longest = max(overflowed, key=lambda pair: pair[1])
         warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
-                      f"{args.max_prompt_length} and were {action} (first: row {overflowed[0]})", stacklevel=3)
+                      f"{args.max_prompt_length} and were {action}: up to {longest - args.max_prompt_length} tokens "
+                      f"over (row {row}, {longest} tokens; first: row {overflowed[0][0]}); raise max_prompt_length "
+                      "to keep them whole", stacklevel=3)
     return [rows[i] for i in kept], [prompt_ids[i] for i in kept], len(overflowed)
 
 
