@@ -85,6 +85,9 @@ def test_heldout_rows():
 
 
 def test_prompt_sampler_covers_every_row_each_pass_and_is_seeded():
+    assert next(PromptSampler(10, 4, seed=3, shuffle=False)) == [0, 1, 2, 3]  # shuffle_dataset: false
+    in_order = PromptSampler(3, 2, seed=3, shuffle=False)
+    assert [next(in_order) for _ in range(3)] == [[0, 1], [2, 0], [1, 2]]
     sampler = PromptSampler(10, 5, seed=3)
     first_pass = next(sampler) + next(sampler)
     assert sorted(first_pass) == list(range(10))

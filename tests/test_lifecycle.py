@@ -227,6 +227,7 @@ def test_under_two_processes_every_process_calls_its_callbacks_and_a_stop_in_one
     assert first["steps"] == second["steps"] == 2 and first["calls"] == second["calls"]
     assert first["logs"] == second["logs"] and [e["step"] for e in first["logs"]] == [1, 2, 2]
     assert first["logs"][-1]["train_loss"] == pytest.approx((first["logs"][0]["loss"] + first["logs"][1]["loss"]) / 2)
+    assert first["logs"][-1]["reward"] == first["logs"][1]["reward"]
     assert "reward" in second["logs"][0]  # the metrics the first process computed
     assert (first["zero"], second["zero"]) == (True, False)
 

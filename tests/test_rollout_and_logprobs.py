@@ -311,10 +311,18 @@ def test_generation_kwargs_reach_the_hf_and_vllm_samplers_and_are_refused_where_
     assert not ((rollout.completion_ids_BT >= 4) & (rollout.completion_ids_BT < 30)).any()  # suppressed
     vllm_params = sampling_params(GRPOConfig(rollout_engine="vllm", generation_kwargs={"presence_penalty": 0.5}))
     assert sampling_fields(vllm_params, 4, [3])["presence_penalty"] == 0.5  # vLLM's SamplingParams and server alike
-    with pytest.raises(ConfigError, match="generation_kwargs: temperature is covey's temperature, which the log-probs"):
-        GRPOConfig(rollout_engine="hf", generation_kwargs={"temperature": 0.7})
+    # keys that are covey's fields set them (the log-probs are computed with them too), as TRL scripts write them
+    lifted = GRPOConfig(generation_kwargs={"temperature": 0.7, "top_k": 50, "do_sample": True, "max_new_tokens": 9})
+    assert (lifted.temperature, lifted.top_k, lifted.max_completion_length, lifted.generation_kwargs,
+            lifted.rollout_engine) == (0.7, 50, 9, None, "fast")
+    with pytest.raises(ConfigError, match="generation_kwargs sets temperature=0.7 and temperature=0.9; give one"):
+        GRPOConfig(temperature=0.9, generation_kwargs={"temperature": 0.7})
+    with pytest.raises(ConfigError, match="generation_kwargs: do_sample is covey's temperature"):
+        GRPOConfig(generation_kwargs={"do_sample": False})  # covey always samples in training
+    # the others go to a sampler that takes them: transformers' generate, unless the config names an engine
+    assert GRPOConfig(generation_kwargs={"presence_penalty": 0.5}).rollout_engine == "hf"
     with pytest.raises(ConfigError, match=r"generation_kwargs \['presence_penalty'\] are settings of transformers' "
                                           "generate or vLLM, and rollout_engine: fast samples with covey's fields"):
-        GRPOConfig(generation_kwargs={"presence_penalty": 0.5})
+        GRPOConfig(rollout_engine="fast", generation_kwargs={"presence_penalty": 0.5})
     with pytest.raises(ConfigError, match="the fast engine samples with covey's settings only"):
         FastEngine(tiny_model, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate([[5, 6]], 2, params)

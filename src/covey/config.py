@@ -32,7 +32,7 @@ import yaml
 
 from covey.errors import ConfigError
 from covey.sources import EMBEDDED_MODEL
-from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, as_covey_does
+from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, UNSET_WHEN_NONE, as_covey_does
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -44,7 +44,7 @@ def _f(default: Any, help: str, **choices: Any) -> Any:
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -110,6 +110,7 @@ class GRPOConfig:
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
     prompt_overflow: str = _f("truncate_left", "a longer training prompt: keep its last tokens (as TRL did; a warning says how many), drop the row, or stop with an error", choices=("truncate_left", "drop", "error"))
     seed: int = _f(42, "seed for data order, sampling and initialisation")
+    shuffle_dataset: bool = _f(True, "draw the training prompts in a new seeded order every pass (false: in the dataset's order)")
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names, 'file.py:function' / 'package.module:function', or a reward model's hub id or folder")
     reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
@@ -207,6 +208,7 @@ class GRPOConfig:
     warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
     lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
     lr_scheduler_kwargs: dict | None = _f(None, "settings of the schedule, as transformers': cosine_with_min_lr takes min_lr_rate (a fraction of learning_rate) or min_lr")
+    router_aux_loss_coef: float | None = _f(None, "mixture-of-experts models: weight of the router's load-balancing loss added to the training loss (None: the architecture's own, as TRL; 0: none)")
     use_cpu: bool = _f(False, "keep the models on the CPU even where a CUDA GPU is (as TRL)")
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
@@ -222,7 +224,7 @@ class GRPOConfig:
     log_level: str = _f("passive", "what transformers prints while covey runs (passive: errors only)", choices=("passive", "debug", "info", "warning", "error", "critical"))
     log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
-    num_completions_to_print: int = _f(4, "rows of the console completions table")
+    num_completions_to_print: int | None = _f(4, "rows of the console completions table (None: all, as TRL)")
     report_to: list = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
     project: str | None = _f(None, "Trackio's project the run is logged under (None: TRACKIO_PROJECT, else covey; TRL's default: huggingface)")
     run_name: str | None = _f(None, "the run's name in trackers (default: the run folder's name)")
@@ -345,6 +347,13 @@ class GRPOConfig:
             need(not self.vllm_enable_sleep_mode, "async_generation: vllm_enable_sleep_mode puts vLLM to sleep "
                  "between generations, and under async_generation it samples while the trainer trains; set "
                  "vllm_enable_sleep_mode: false")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            warnings.warn(f"importance_sampling_level: sequence with loss_type: {self.loss_type}, a sum over tokens, "
+                          "weights each sequence by its completion length; GSPO's per-sequence objective is "
+                          "loss_type: grpo (LUSPO's length weighting on purpose: luspo)", stacklevel=3)
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            warnings.warn("loss_type: luspo weights each sequence's loss by its length, which the paper does with "
+                          "the sequence-level ratio; set importance_sampling_level: sequence", stacklevel=3)
         cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.loss_type == "cispo" and cap <= 1:
             warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
@@ -379,8 +388,8 @@ class GRPOConfig:
                                              "which the log-probs are computed with too; set that field instead")
         need(not self.generation_kwargs or self.rollout_engine != "fast",
              f"generation_kwargs {sorted(self.generation_kwargs or {})} are settings of transformers' generate or "
-             "vLLM, and rollout_engine: fast samples with covey's fields only; use rollout_engine: hf or vllm, or "
-             "remove them")
+             "vLLM, and rollout_engine: fast samples with covey's fields only; use rollout_engine: hf or vllm (the "
+             "default with generation_kwargs), or remove them")
         need(self.beta >= 0, f"beta={self.beta} must be >= 0")
         need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -446,7 +455,7 @@ class GRPOConfig:
         need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit} must be at least 1 (None keeps all)")
-        need(self.log_completions_steps >= 1 and self.num_completions_to_print >= 0,
+        need(self.log_completions_steps >= 1 and (self.num_completions_to_print or 0) >= 0,
              "log_completions_steps must be at least 1 and num_completions_to_print >= 0")
         need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
         trackers = {"tensorboard", "wandb", "trackio", "mlflow", "none"}
@@ -552,11 +561,14 @@ class GRPOConfig:
         """The config of ``values`` (``source`` names where they came from); every unknown key and bad
         value is said at once, in one ConfigError. The same door as ``GRPOConfig(**values)``."""
         try:
-            return cls(**values)
+            config = cls(**values)
         except ConfigError as e:
             raise config_errors(getattr(e, "problems", [str(e)]), source) from None
         except TypeError as e:  # a key that is no name (a number in YAML) cannot be a keyword
             raise config_errors([f"config keys must be field names such as learning_rate: {e}"], source) from None
+        # a config file or command line is a whole run: its data and rewards default to the demo's
+        config.__dict__["fields_given"] = config.fields_given | {"dataset", "reward_funcs"}
+        return config
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
@@ -591,7 +603,11 @@ def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
     line through ``from_dict``) pass here, so a setting is accepted or refused alike in each."""
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
     problems: list[str] = []
+    if "bf16" in values and values["bf16"] is None:  # TRL's None: bf16 where the GPU has it, unless use_cpu
+        values = {**values, "bf16": not values.get("use_cpu") and torch_cuda_bf16()}
     for alias, name in SAME_AS.items():  # TRL's model and script arguments
+        if alias in values and values[alias] is None and alias in UNSET_WHEN_NONE:  # an older name left unset
+            values = {k: v for k, v in values.items() if k != alias}
         if alias in values:
             if name in values and values[name] != values[alias]:
                 problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
@@ -612,6 +628,9 @@ def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
         values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
             "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
                 "dataset", GRPOConfig.__dataclass_fields__["dataset"].default)}
+    if values.get("generation_kwargs"):  # sampler settings that are covey's fields move there
+        values, problem = _lift_generation_kwargs(values)
+        problems.extend(problem)
     if values.get("num_train_epochs") is not None and "max_steps" not in values:
         values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
     elif values.get("num_train_epochs") is not None and str(values["max_steps"]).strip() != "-1":
@@ -654,12 +673,50 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
     if problems:
         raise config_errors(problems)
     self.__dict__["trl_settings"] = accepted
+    self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
 
 
 _init_with_trl_names.__signature__ = inspect.signature(_init_fields).replace(  # for help() and editors
     parameters=[*inspect.signature(_init_fields).parameters.values(),
                 inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
 GRPOConfig.__init__ = _init_with_trl_names
+
+
+# generation_kwargs keys that covey's own fields set (the log-probs are computed with them too)
+LIFTED_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
+                        "max_new_tokens": "max_completion_length", "stop": "stop_strings",
+                        "stop_strings": "stop_strings", "n": "num_generations", "num_return_sequences": "num_generations"}
+
+
+def _lift_generation_kwargs(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """generation_kwargs as TRL scripts write them: the keys that are covey fields set those fields (both
+    set differently: an error), do_sample: true is what covey does; the rest stay for a sampler that
+    takes them, which is transformers' generate unless the config names an engine."""
+    kwargs, problems = dict(values["generation_kwargs"]), []
+    if not isinstance(values["generation_kwargs"], dict):
+        return values, []  # the field's own check says what is wrong
+    lifted = {}
+    for key, name in LIFTED_SAMPLING_KEYS.items():
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if name in values and values[name] != value or lifted.get(name, value) != value:
+                problems.append(f"generation_kwargs sets {key}={value!r} and {name}={values.get(name, lifted.get(name))!r}; "
+                                "give one")
+            lifted[name] = value
+    if kwargs.get("do_sample") is True:
+        kwargs.pop("do_sample")  # covey always samples in training
+    values = {**values, **lifted, "generation_kwargs": kwargs or None}
+    if kwargs and "rollout_engine" not in values and not values.get("use_vllm"):
+        values["rollout_engine"] = "hf"  # the fast engine samples with covey's fields only
+    return values, problems
+
+
+def torch_cuda_bf16() -> bool:
+    """Whether a CUDA GPU that computes in bfloat16 is here (TRL's bf16=None turns bf16 on there)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def _generation_batch_as_steps(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -267,6 +267,7 @@ class LossSettings:
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's delta (None: no off-policy mask)
     entropy_bonus: EntropyBonus = EntropyBonus()
+    router_aux_loss_coef: float = 0.0  # mixture-of-experts models: weight of the router's load-balancing loss
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,8 @@ LOSS_NORMALISERS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], 
     "constant": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / (n.sequences * n.max_completion_length),
     # DAPO: token mean over the whole generation batch.
     "generation_token_mean": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / max(n.tokens, 1.0),
+    # LUSPO: each sequence's loss times its length (the sum over its tokens), then mean over sequences.
+    "sequence_sum": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / n.sequences,
 }
 
 # loss_type -> (objective, aggregation)
@@ -415,6 +418,7 @@ LOSS_TYPES = {
     "cispo": ("cispo", "generation_token_mean"),
     "sapo": ("sapo", "sequence_mean"),  # the SAPO paper's per-sequence mean, as TRL
     "vespo": ("vespo", "generation_token_mean"),  # a token mean over the batch, as TRL (and the paper code's default)
+    "luspo": ("clipped", "sequence_sum"),  # with importance_sampling_level: sequence, as the paper and TRL
 }
 
 # Estimators of KL(pi || pi_ref) per token from samples of pi; d = ref_logp - logp.
@@ -487,6 +491,7 @@ def policy_loss(
     engine_weights: torch.Tensor | None = None,
     behaviour_logp_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    router_aux_loss: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss of one micro-batch; returns (loss, detached stats).
 
@@ -495,7 +500,9 @@ def policy_loss(
     its gradient), and reported when given; ``engine_weights`` ((B, T) or (B, 1)) correct for the
     engine (they multiply the policy term, or enter the objective's own weight); ``behaviour_logp_BT``,
     the log-probs of the policy that sampled, is needed for ``off_policy_mask_threshold``;
-    ``entropy_coef`` is the entropy bonus's coefficient this step applies (``EntropyBonus.applied``).
+    ``entropy_coef`` is the entropy bonus's coefficient this step applies (``EntropyBonus.applied``);
+    ``router_aux_loss``: a mixture-of-experts model's load-balancing loss on this micro-batch, added with
+    ``router_aux_loss_coef`` (its mean over the micro-batches, whatever the loss_type).
     Stats are sums over masked tokens plus the token count, so micro-batches add up exactly.
     """
     s = settings
@@ -538,6 +545,11 @@ def policy_loss(
         loss = loss - entropy_coef * LOSS_NORMALISERS["micro_batch_token_mean"](entropy_BT, train_mask_BT, counts)
         stats["entropy_bonus_sum"] = (entropy_BT * train_mask_BT).sum().detach()
         stats["entropy_bonus_tokens"] = train_mask_BT.sum()
+    if s.router_aux_loss_coef:
+        if router_aux_loss is None:
+            raise ValueError("router_aux_loss_coef needs router_aux_loss")
+        loss = loss + s.router_aux_loss_coef * router_aux_loss / counts.micro_batches
+        stats["aux_loss_sum"], stats["aux_loss_count"] = router_aux_loss.detach(), torch.tensor(1.0)
     with torch.no_grad():
         stats["tokens"] = mask_BT.sum()
         if entropy_BT is not None:

@@ -10,7 +10,6 @@ AS_COVEY_DOES = {
     "optim": ("adamw_torch_fused", "adamw_torch"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
     "remove_unused_columns": (False,),  # every column reaches the reward functions
-    "shuffle_dataset": (True,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default
     "fp16": (False,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None, False),
     "torch_compile": (False,), "use_liger_kernel": (False,), "disable_tqdm": (None, False),
@@ -35,7 +34,7 @@ AS_COVEY_DOES = {
     "local_rank": (-1,), "log_completions_hub_repo": (None,), "log_multimodal": (True, False), "log_on_each_node": (True, False),  # one machine: the first process logs
     "log_unique_prompts": (False,), "metric_for_best_model": (None,), "neftune_noise_alpha": (None,),
     "optim_args": (None,), "optim_target_modules": (None,), "parallelism_config": (None,), "prediction_loss_only": (False,),
-    "restore_callback_states_from_checkpoint": (False,), "router_aux_loss_coef": (None,), "save_on_each_node": (False,),
+    "restore_callback_states_from_checkpoint": (False,), "save_on_each_node": (False,),
     "skip_memory_metrics": (True,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
     "torch_empty_cache_steps": (None,), "trackio_bucket_id": (None,), "trackio_space_id": (None,),
     "trackio_static_space_id": (None,), "transformers_continuous_batching_config": (None,),
@@ -61,6 +60,9 @@ SAME_AS = {
     "torch_dtype": "dtype",  # transformers' older name
     "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's older name
 }
+
+# older names TRL lists at None when they are unset (the newer name says the value)
+UNSET_WHEN_NONE = {"vllm_importance_sampling_cap"}
 
 # TRL fields that GRPOConfig.from_dict turns into covey's own (the computations are there)
 READ_AS = {

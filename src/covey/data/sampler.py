@@ -7,10 +7,11 @@ from typing import Iterator
 
 
 class PromptSampler:
-    """Row indices in shuffled passes over the dataset, a fixed number at a time, forever (seeded)."""
+    """Row indices in shuffled passes over the dataset (seeded; ``shuffle`` False: in the dataset's order),
+    a fixed number at a time, forever."""
 
-    def __init__(self, num_rows: int, prompts_per_step: int, seed: int):
-        self.num_rows, self.prompts_per_step = num_rows, prompts_per_step
+    def __init__(self, num_rows: int, prompts_per_step: int, seed: int, shuffle: bool = True):
+        self.num_rows, self.prompts_per_step, self.shuffle = num_rows, prompts_per_step, shuffle
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.epoch = 0
@@ -23,7 +24,10 @@ class PromptSampler:
         while len(batch) < self.prompts_per_step:
             if not self.order:
                 self.order = list(range(self.num_rows))
-                self.rng.shuffle(self.order)
+                if self.shuffle:
+                    self.rng.shuffle(self.order)
+                else:
+                    self.order.reverse()  # drawn from the end: row 0 first
                 self.epoch += 1
             batch.append(self.order.pop())
         return batch

@@ -175,6 +175,10 @@ def score_completions(
         for i, value in enumerate(values):
             if value is not None:
                 table[i, j] = reward_value(value, name, i)
+    if reward_funcs and torch.isnan(table).all(1).any():  # one message, so that it is shown once
+        warnings.warn("All reward functions returned None for some completions: those get no reward and no "
+                      "advantage (metrics: reward is the mean of the others); make sure at least one reward function "
+                      "scores every completion", stacklevel=2)
     return table
 
 
@@ -250,5 +254,8 @@ def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: 
     keywords = ["prompts", "completions", "completion_ids", *columns, *context]
     for func in reward_funcs:
         check_reward_signature(func, keywords, list(columns))
-    for func in reward_funcs:  # a raise on the placeholder text is not judged here ("skip")
-        score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip", context=context)
+    for func in reward_funcs:  # a raise on the placeholder text, or no score for it, is not judged here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip",
+                              context=context)

@@ -100,14 +100,15 @@ class RunLog:
             _rewrite_jsonl(self.completions_path, [r for r in records if r.get("step", 0) <= step])
         self.progress.update(self.task, completed=step)
 
-    def log_completions(self, step: int, records: list[dict], num_to_print: int = 0) -> None:
-        """Append the step's completions to completions.jsonl; show the first ``num_to_print`` as a table."""
+    def log_completions(self, step: int, records: list[dict], num_to_print: int | None = 0) -> None:
+        """Append the step's completions to completions.jsonl; show the first ``num_to_print`` (None: all) as
+        a table."""
         if not self.record:
             return
         with open(self.completions_path, "a") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")
-        if num_to_print and not self.quiet:
+        if num_to_print != 0 and not self.quiet:
             self.console.print(completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
 
     def info(self, message: str) -> None:

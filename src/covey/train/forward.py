@@ -64,31 +64,37 @@ class TrainingForward(torch.nn.Module):
         self.model = model
 
     def forward(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True,
-                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                entropy_grad: bool = False, router_aux_loss: bool = False) -> tuple[torch.Tensor, ...]:
         return completion_logprobs(self.model, batch, temperature, with_entropy=with_entropy,
-                                   entropy_grad=entropy_grad)
+                                   entropy_grad=entropy_grad, router_aux_loss=router_aux_loss)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
                         with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
-                        float32_attention: bool = True, entropy_grad: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        float32_attention: bool = True, entropy_grad: bool = False, router_aux_loss: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
     """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions. ``share_prompt``
     and ``pack`` (where the model allows it) only change the work done, not the numbers;
     ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says;
-    ``entropy_grad``: the entropy carries its gradient (for an entropy bonus)."""
+    ``entropy_grad``: the entropy carries its gradient (for an entropy bonus); ``router_aux_loss``: a
+    mixture-of-experts model's load-balancing loss over the rows comes third (every row then runs in full,
+    the router seeing each prompt once per row, as in transformers' own forward)."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
     # a checkpointed layer recomputes its forward in the backward, outside this call: the attention must be
     # the same there, so it stays the model's own
     float32_attention = float32_attention and not _checkpointing(model)
+    aux: list[torch.Tensor] = []  # the router's loss, where asked
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
-        logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
+        if router_aux_loss:
+            logits_NV, rows_N, cols_N = _every_row_in_full(model, batch, aux)
+        else:
+            logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
     logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature, entropy_grad=entropy_grad)
     at = (rows_N.to(device), cols_N.to(device))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
-    return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N)
+    return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N), *aux
 
 
 def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt: bool = True,
@@ -141,16 +147,21 @@ def _sparse_tied_embedding_gradient(model: torch.nn.Module):
         embedding.sparse = False
 
 
-def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch):
-    """Prompt and completion of every row in one forward (no sharing); logits as ``completion_token_logits``."""
+def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch, router_aux_loss: list | None = None):
+    """Prompt and completion of every row in one forward (no sharing); logits as ``completion_token_logits``.
+    ``router_aux_loss``: a list that gets the model's load-balancing loss (a mixture-of-experts model)."""
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
     input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
     attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
     # positions count real tokens only, exactly as generation numbers them under left padding
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                   position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False).logits
+    router = {} if router_aux_loss is None else {"output_router_logits": True}
+    outputs = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False, **router)
+    logits = outputs.logits
+    if router_aux_loss is not None:
+        router_aux_loss.append(outputs.aux_loss)
     rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
     return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N
 

@@ -46,6 +46,8 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
                         "clip_ratio/region_mean": (stats["clip_low_sum"] + stats["clip_high_sum"]) / tokens})
     if "vespo_phi_sum" in stats:
         metrics["vespo/phi_seq_mean"] = stats["vespo_phi_sum"] / max(stats["vespo_sequences"], 1.0)
+    if "aux_loss_sum" in stats:  # a mixture-of-experts model's load-balancing loss (TRL's name)
+        metrics["aux_loss"] = stats["aux_loss_sum"] / max(stats["aux_loss_count"], 1.0)
     if "off_policy_masked" in stats:
         metrics["off_policy_mask/masked_fraction"] = stats["off_policy_masked"] / max(stats["off_policy_sequences"], 1.0)
     metrics.update({

@@ -23,7 +23,7 @@ from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError
 from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
                           disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
-                          merged_model, quiet_transformers, resolve_model_path)
+                          merged_model, plain_model, quiet_transformers, resolve_model_path)
 from covey.rewards import (RewardFunc, RewardModel, check_reward_columns, load_reward_func, preflight_check,
                            reward_name)
 from covey.rollout import EngineSettings, RolloutEngine, SamplingParams, make_engine
@@ -48,13 +48,32 @@ def builtin_reward_settings(args: GRPOConfig) -> dict[str, dict]:
             "code_tests": {"timeout": args.code_timeout, "memory_limit_mb": args.code_memory_limit_mb}}
 
 
+def check_data_and_rewards_given(args: GRPOConfig, train_dataset: Any, reward_funcs: Any,
+                                 environment_factory: Any) -> None:
+    """In Python, as in TRL, the trainer needs its data and its rewards (an environment may bring either):
+    covey's defaults (the arithmetic task and its rewards) are the command line's demo, and fill in only
+    what a config file, the command line or GRPOConfig(dataset=..., reward_funcs=...) named."""
+    environment = environment_factory is not None or bool(args.environment_factory)
+    if train_dataset is None and "dataset" not in args.fields_given:
+        raise ConfigError("`train_dataset` is required" + (
+            " (an environment that makes its own prompts in reset() still needs rows to reset on in covey; give a "
+            "dataset whose columns reset reads)" if environment else
+            " unless an `environment_factory` is provided (as in TRL); give train_dataset=... (rows, a "
+            "datasets.Dataset, a file or a dataset id), or name one in GRPOConfig(dataset=...)"))
+    if not reward_funcs and "reward_funcs" not in args.fields_given and not environment:
+        raise ConfigError("No reward source provided: give reward_funcs=[...] (functions, built-in names such as "
+                          "'accuracy_reward', or a reward model's id), or an environment_factory whose environments "
+                          "score episodes (get_reward)")
+
+
 def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | None = None,
                  reward_processing_classes: Any = None) -> tuple[list[RewardFunc], list[float]]:
     """The reward functions (given, else ``args.reward_funcs``) and their weights (default: all 1.0).
     ``reward_processing_classes`` (TRL's): one tokenizer per function, None for those that are not reward
     models (a single tokenizer for a single function). Reward models given by name load onto the
     policy's device; one given as an object stays where it is (as the policy does), unless use_cpu."""
-    specs = list(reward_funcs or args.reward_funcs)
+    specs = list(reward_funcs if reward_funcs is not None or "reward_funcs" not in args.fields_given
+                 else args.reward_funcs)
     tokenizers = reward_tokenizers(reward_processing_classes, len(specs))
     device = default_device(args.use_cpu)
     quiet_transformers()  # a reward model loads as the policy does: without the library's loading bars
@@ -318,7 +337,21 @@ def sampling_params(args: GRPOConfig) -> SamplingParams:
                           extra=tuple((args.generation_kwargs or {}).items()))
 
 
-def loss_settings(args: GRPOConfig) -> core.LossSettings:
+def router_aux_loss_coef(args: GRPOConfig, policy: torch.nn.Module) -> float:
+    """The weight of a mixture-of-experts model's load-balancing loss: the config's, else (None) the
+    architecture's own (0 where it declares none), as TRL; a weight for a model without a router is refused."""
+    config = getattr(plain_model(policy), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    has_router = hasattr(text, "output_router_logits")
+    if args.router_aux_loss_coef and not has_router:
+        raise ConfigError(f"router_aux_loss_coef={args.router_aux_loss_coef} weighs a mixture-of-experts router's "
+                          f"load-balancing loss, and {type(plain_model(policy)).__name__} is not a Mixture-of-Experts "
+                          "model; remove it")
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if args.router_aux_loss_coef is None else args.router_aux_loss_coef
+    return float(coef or 0.0) if has_router else 0.0
+
+
+def loss_settings(args: GRPOConfig, router_aux_loss_coef: float = 0.0) -> core.LossSettings:
     entropy_bonus = core.EntropyBonus(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
                                       args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
     return core.LossSettings(
@@ -329,7 +362,8 @@ def loss_settings(args: GRPOConfig) -> core.LossSettings:
         top_entropy_quantile=args.top_entropy_quantile, sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
         vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
-        off_policy_mask_threshold=args.off_policy_mask_threshold, entropy_bonus=entropy_bonus)
+        off_policy_mask_threshold=args.off_policy_mask_threshold, entropy_bonus=entropy_bonus,
+        router_aux_loss_coef=router_aux_loss_coef)
 
 
 def engine_correction(args: GRPOConfig) -> core.EngineCorrection | None:

@@ -449,7 +449,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         mask_BT = samples.loss_mask_BT[rows, :T].to(device)
         last = start == starts[-1]
         with gradients_summed_if(forward, last), autocast(device, args.bf16):
-            logp_BT, entropy_BT = forward(micro, args.temperature, True, bonus.enabled)
+            logp_BT, entropy_BT, *router_aux = forward(micro, args.temperature, True, bonus.enabled,
+                                                       settings.router_aux_loss_coef != 0)
         reuse = fixed.old_BT is None or policy_unchanged
         old_BT = logp_BT.detach() if reuse else fixed.old_BT[rows, :T].to(device)
         ref_BT = None if fixed.ref_BT is None else fixed.ref_BT[rows, :T].to(device)
@@ -460,7 +461,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         weights = None if engine_weights is None else engine_weights[rows, :T].to(device)
         behaviour_BT = samples.sampling_logp_BT[rows, :T].to(device) if behaviour_from_engine else old_BT
         loss, stats = core.policy_loss(logp_BT, old_BT, batch.advantages_B[rows].to(device), mask_BT, counts,
-                                       settings, ref_BT, entropy_BT, weights, behaviour_BT, entropy_coef)
+                                       settings, ref_BT, entropy_BT, weights, behaviour_BT, entropy_coef,
+                                       *router_aux)
         with gradients_summed_if(forward, last):  # DistributedDataParallel averages; the step's gradient is the sum
             (loss * parts.world.size).backward()
         totals["loss"] += float(loss.detach())

@@ -97,10 +97,14 @@ class GRPOTrainer(TRLSurface):
         set_log_level(args.log_level)
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
+        setup.check_data_and_rewards_given(args, train_dataset, reward_funcs, environment_factory)
         funcs, weights = setup.load_rewards(args, reward_funcs, reward_processing_classes)
         environment = setup.load_environment(args, environment_factory)
         if environment is not None and environment.has_reward:  # the environment scores episodes too (TRL's)
             funcs, weights = [*funcs, environment.reward_function()], [*weights, 1.0]
+        if not funcs:
+            raise ConfigError(f"No reward source provided: the environment {environment.name} has no get_reward "
+                              "method, and reward_funcs is empty; give reward_funcs=[...] or define get_reward")
         if rollout_func is not None and (tools or args.tools or environment is not None):
             raise ConfigError("rollout_func generates the completions itself, so tools and environment_factory would "
                               "go unused: give one or the other")
@@ -183,10 +187,12 @@ class GRPOTrainer(TRLSurface):
         optimizer = setup.make_optimizer(args, policy, self.world)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
         # the prompts of every process, drawn together; each takes its share (World.share)
-        self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed)
+        self.sampler = PromptSampler(len(train_rows), args.prompts_per_round(self.world.size), args.seed,
+                                     args.shuffle_dataset)
         self.parts = StepParts(args, self.world, policy, reference, engine, tokenizer, self.eos_ids,
                                Prompts(train_rows, prompt_ids), rewards, optimizer, scheduler,
-                               setup.sampling_params(args), setup.loss_settings(args), correction,
+                               setup.sampling_params(args),
+                               setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)), correction,
                                agent, None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
                                **({} if sharded is None else vars(sharded)))
         self.quiet = quiet or not self.world.is_main
@@ -286,7 +292,9 @@ class GRPOTrainer(TRLSurface):
         metrics = clock.closing_metrics(
             self.global_step, args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world.size,
             self.history)
-        callbacks.log(self.global_step, metrics)
+        # the closing entry repeats the last step's metrics beside them, as TRL's holds those it had not logged yet
+        last = self.history[-1] if self.history and self.history[-1].get("step") == self.global_step else {}
+        callbacks.log(self.global_step, {**{k: v for k, v in last.items() if k not in ("step", "epoch")}, **metrics})
         callbacks.call("on_train_end", self.global_step)
         if self.hub is not None:
             callbacks.call("on_push_begin", self.global_step)

@@ -98,9 +98,29 @@ class TRLSurface:
         return None if self.parts.reference is None else self.parts.reference.frozen
 
     @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the loss includes a mixture-of-experts router's load-balancing loss (logged as aux_loss)."""
+        return self.parts.loss_settings.router_aux_loss_coef != 0
+
+    @property
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient now (moved after each step under use_adaptive_entropy)."""
         return self.progress.entropy_coef
+
+    @property
+    def tools(self) -> list:
+        """The functions the model may call: the standalone tools, then the environment's methods (of its
+        class, unbound, where the factory is one: each episode binds its own instance), as TRL lists them."""
+        agent = self.parts.agent
+        if agent is None:
+            return []
+        environment = agent.environment
+        if environment is None:
+            return [tool.function for tool in agent.tools]
+        factory = environment.factory  # a class, or a function that makes one instance (asked once here)
+        owner = factory if isinstance(factory, type) else factory()
+        methods = [getattr(owner, name) for name in environment.tool_names]
+        return [tool.function for tool in agent.tools] + methods
 
     # ---- the model ---------------------------------------------------------------------------
 

@@ -362,8 +362,8 @@ class ModelDecoder:
     @torch.no_grad()
     def prefill(self, ids_NP, mask_NP, positions_NP, repeats: int) -> torch.Tensor:
         logits = self._forward(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions_NP)
-        if repeats > 1:
-            self.cache.batch_repeat_interleave(repeats)
+        if repeats > 1:  # reorder_cache: every kind of layer has it (a hybrid model's linear attention too)
+            self.cache.reorder_cache(torch.arange(len(ids_NP), device=ids_NP.device).repeat_interleave(repeats))
         self.attention_BL = mask_NP.repeat_interleave(repeats, dim=0)
         return logits.repeat_interleave(repeats, dim=0)
 
@@ -374,5 +374,5 @@ class ModelDecoder:
                              position_ids=positions_B[:, None])
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
+        self.cache.reorder_cache(rows)
         self.attention_BL = self.attention_BL[rows]
