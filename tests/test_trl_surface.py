@@ -81,8 +81,9 @@ def test_the_trainer_s_public_members_are_trl_s(tmp_path, tokenizer, tiny_model)
     assert trainer.is_world_process_zero() and trainer.tools == [] and trainer.entropy_coef == 0.0
     metrics = trainer.evaluate()  # both named sets, together
     assert metrics["eval_n"] == 4  # eval_max_samples=4 of the five rows
+    assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] != 0
     metrics = trainer.evaluate(eval_dataset={"first": ROWS[:2], "second": ROWS[2:5]}, metric_key_prefix="test")
-    assert (metrics["test_first_n"], metrics["test_second_n"]) == (2, 3)
+    assert (metrics["test_first_n"], metrics["test_second_n"]) == (2, 3) and "test_first_loss" in metrics
     assert trainer.state.log_history[-1]["test_second_n"] == 3  # logged as transformers logs it
     with pytest.raises(ConfigError, match="trainer.model cannot be replaced once the trainer is built"):
         trainer.model = torch.nn.Linear(2, 2)
@@ -176,3 +177,17 @@ def test_the_router_loss_joins_the_policy_loss_as_its_mean_over_micro_batches():
                                           router_aux_loss=torch.tensor(3.0))
     assert with_router.item() == pytest.approx(plain.item() + 0.1 * 3.0 / 2)
     assert stats["aux_loss_sum"].item() == 3.0
+
+
+def test_the_held_out_loss_is_the_grpo_loss_at_ratio_one(tmp_path, tokenizer, tiny_model):
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=constant, train_dataset=ROWS, processing_class=tokenizer,
+                          eval_dataset=ROWS[:3], args=small_args(tmp_path, beta=0.1), quiet=True)
+    # equal rewards give no advantage, and the reference is the policy itself before training: no KL
+    assert trainer.evaluate()["eval_loss"] == 0.0
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert trainer.evaluate()["eval_loss"] > 0  # the KL term, once the policy moved from the reference

@@ -48,7 +48,7 @@ from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
 from covey.train.step import Rewards, StepParts, generate_and_score, grpo_step, sampling_from_policy
-from covey.train.trl_api import TRLSurface, TrainingClock, named_eval_sets
+from covey.train.trl_api import TRLSurface, TrainingClock, held_out_loss, named_eval_sets
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
@@ -518,6 +518,16 @@ class GRPOTrainer(TRLSurface):
         result = merge_evaluations(parts)
         self.callback_handler.evaluate(self.global_step, result)
         return result
+
+    def held_out_loss(self, rows: list[dict]) -> float:
+        """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), this process's share, averaged
+        over the processes."""
+        train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, self.world.share(rows),
+                                                           "eval_dataset", self.parts.agent)
+        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
+        with lent, sampling_from_policy(self.parts):
+            losses = self.world.gather(held_out_loss(self.parts, Prompts(train_rows, ids)))
+        return sum(losses) / len(losses)
 
     # ---- checkpoints ------------------------------------------------------------------------
 

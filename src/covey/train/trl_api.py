@@ -7,6 +7,7 @@ is listed in docs/trl.md ("The trainer's public surface").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -19,6 +20,8 @@ from covey import core
 from covey.data import load_rows
 from covey.errors import ConfigError
 from covey.rewards import RewardModel, check_reward_columns
+from covey.train import step
+from covey.train.batch import Prompts
 
 
 class TrainingClock:
@@ -55,6 +58,29 @@ def training_loss(history: list[dict], first_step: int) -> float:
             total, steps = total + loss * (step - previous), steps + step - previous
         previous = step
     return total / steps if steps else math.nan
+
+
+@torch.no_grad()
+def held_out_loss(parts: Any, prompts: Prompts) -> float:
+    """The GRPO loss on held-out ``prompts``, as TRL's evaluate() reports it (eval_loss): num_generations
+    completions of each, sampled and scored as in training, their advantages, and the loss at ratio 1 (the
+    policy that sampled is the one scored) with the KL term where beta > 0. The entropy terms (masking, the
+    bonus) and a router's loss are left out: they measure the training pass, not the held-out data."""
+    eval_parts = dataclasses.replace(parts, prompts=prompts)
+    batch = step.score_prompts(eval_parts, list(range(len(prompts.rows))))
+    samples = batch.samples
+    logp_BT = step.logprobs_no_grad(parts, parts.model, samples.sequences)
+    ref_BT = None
+    if parts.reference is not None:
+        with parts.reference.model() as ref_model:
+            ref_BT = step.logprobs_no_grad(parts, ref_model, samples.sequences)
+    mask_BT = samples.loss_mask_BT.float()
+    counts = core.BatchCounts(samples.size, float(mask_BT.sum()), 1, parts.args.max_completion_length)
+    settings = dataclasses.replace(parts.loss_settings, top_entropy_quantile=1.0, entropy_bonus=core.EntropyBonus(),
+                                   router_aux_loss_coef=0.0)
+    loss, _ = core.policy_loss(logp_BT, logp_BT, batch.advantages_B, mask_BT, counts, settings, ref_BT,
+                               behaviour_logp_BT=logp_BT)
+    return float(loss)
 
 
 def named_eval_sets(eval_dataset: Any) -> dict[str, Any]:
@@ -179,16 +205,20 @@ class TRLSurface:
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Held-out metrics under TRL's names: ``<prefix>_accuracy``, ``<prefix>_mean_reward`` and
-        ``<prefix>_n`` for ``eval_dataset`` (default: the run's held-out rows); a dict of datasets gives
-        each under ``<prefix>_<name>_...``. Also handed to the callbacks and state.log_history."""
+        """Held-out metrics under TRL's names for ``eval_dataset`` (default: the run's held-out rows):
+        ``<prefix>_loss`` (``held_out_loss``), and covey's greedy ``<prefix>_accuracy``, ``<prefix>_mean_reward``
+        and ``<prefix>_n``; a dict of datasets gives each under ``<prefix>_<name>_...``. Also handed to the
+        callbacks and state.log_history."""
         sets = {"": None} if eval_dataset is None else named_eval_sets(eval_dataset)
         metrics: dict[str, float] = {}
         for name, dataset in sets.items():
-            rows = None if dataset is None else self.heldout_rows_of(dataset)
-            result = self.held_out_result(rows)
+            rows = self.eval_rows if dataset is None else self.heldout_rows_of(dataset)
+            if not rows:
+                raise ConfigError("no held-out data to evaluate on: give evaluate(eval_dataset=...), or eval_dataset "
+                                  "to the trainer")
+            result = {**self.held_out_result(rows), "loss": self.held_out_loss(rows)}
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
-            metrics.update({prefix + key: result[key] for key in ("accuracy", "mean_reward", "n")
+            metrics.update({prefix + key: result[key] for key in ("loss", "accuracy", "mean_reward", "n")
                             if key not in (ignore_keys or ())})
         self.log(metrics)
         return metrics
