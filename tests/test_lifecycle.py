@@ -64,7 +64,7 @@ def test_callbacks_get_every_event_in_transformers_order_with_its_state(tmp_path
         ("on_step_begin", 0), ("on_step_end", 1), ("on_step_begin", 1), ("on_step_end", 2),
         ("on_log", 1), ("on_log", 2),
         ("on_step_begin", 2), ("on_step_end", 3), ("on_log", 3),
-        ("on_evaluate", 3), ("on_train_end", 3)]
+        ("on_evaluate", 3), ("on_log", 3), ("on_train_end", 3)]  # the closing log entry, as transformers
     log = recorder.seen["on_log"]["kwargs"]["logs"]
     assert {"loss", "reward", "reward_std", "grad_norm", "learning_rate", "epoch"} <= set(log)
     assert log["epoch"] == recorder.seen["on_log"]["epoch"] == 0.5  # 4 of the 8 prompts drawn
@@ -75,7 +75,8 @@ def test_callbacks_get_every_event_in_transformers_order_with_its_state(tmp_path
     assert recorder.seen["on_train_begin"]["output_dir"] == str(tmp_path / "run")
     state = trainer.state
     assert (state.global_step, state.max_steps, state.logging_steps, state.num_train_epochs) == (3, 3, 1, 1)
-    assert [entry["step"] for entry in state.log_history] == [1, 2, 3]
+    assert [entry["step"] for entry in state.log_history] == [1, 2, 3, 3]  # the last: train() closing
+    assert "train_loss" in state.log_history[-1] and "train_loss" not in state.log_history[-2]
     assert state.log_history[0]["loss"] == json.loads((tmp_path / "run" / "metrics.jsonl").read_text()
                                                       .splitlines()[0])["loss"]
     printed = capsys.readouterr().out.splitlines()  # transformers' PrinterCallback, unchanged
