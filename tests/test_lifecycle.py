@@ -80,7 +80,8 @@ def test_callbacks_get_every_event_in_transformers_order_with_its_state(tmp_path
     assert state.log_history[0]["loss"] == json.loads((tmp_path / "run" / "metrics.jsonl").read_text()
                                                       .splitlines()[0])["loss"]
     printed = capsys.readouterr().out.splitlines()  # transformers' PrinterCallback, unchanged
-    assert len(printed) == 3 and all("'reward'" in line and "'epoch'" in line for line in printed)
+    assert len(printed) == 4 and all("'reward'" in line and "'epoch'" in line for line in printed)
+    assert "'train_loss'" in printed[-1]  # the closing entry, printed as transformers prints it
 
 
 class StopAt(TrainerCallback):
