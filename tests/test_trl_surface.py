@@ -191,3 +191,32 @@ def test_the_held_out_loss_is_the_grpo_loss_at_ratio_one(tmp_path, tokenizer, ti
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     assert trainer.evaluate()["eval_loss"] > 0  # the KL term, once the policy moved from the reference
+
+
+def test_a_hybrid_model_with_recurrent_layers_samples_and_trains(tmp_path, tokenizer):
+    """Nemotron-H mixes Mamba, attention and expert layers: the fast sampler reorders its cache through
+    reorder_cache (which every kind of layer has), and the training pass runs each row in full (a recurrent
+    state cannot be shared the way a prompt's keys and values are)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from covey.train.forward import SequenceBatch, _has_recurrent_layers, completion_logprobs
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(vocab_size=len(tokenizer), hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=32, layers_block_type=["mamba", "attention", "moe"], mamba_num_heads=8,
+                             mamba_head_dim=4, mamba_n_groups=1, ssm_state_size=16, mamba_d_conv=4, mamba_expand=2,
+                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             moe_shared_expert_intermediate_size=32, pad_token_id=tokenizer.pad_token_id)
+    model = NemotronHForCausalLM(config)
+    assert _has_recurrent_layers(model)
+    trainer = GRPOTrainer(model=model, reward_funcs=count_a, train_dataset=ROWS, processing_class=tokenizer,
+                          args=small_args(tmp_path, max_steps=1, eval_max_samples=0), quiet=True)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
+    # the same log-probs as every row run in full, without the shared-prompt pass
+    batch = SequenceBatch(torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.ones(2, 3, dtype=torch.long),
+                          torch.tensor([[8, 9], [10, 11]]), torch.ones(2, 2, dtype=torch.long))
+    shared, _ = completion_logprobs(model.eval(), batch)
+    alone, _ = completion_logprobs(model, batch, share_prompt=False)
+    torch.testing.assert_close(shared, alone)

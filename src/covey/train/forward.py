@@ -103,8 +103,10 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
     ``pack``: pack the completions (only for a model ``_packable`` accepts)."""
     device = next(model.parameters()).device
     group_B = batch.prompt_groups()
-    # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt
-    if not share_prompt or _checkpointing(model) or int(group_B[-1]) + 1 == len(group_B):
+    # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt; a
+    # hybrid model's recurrent layers keep a state, not keys and values, for the completions to attend to
+    if (not share_prompt or _checkpointing(model) or int(group_B[-1]) + 1 == len(group_B)
+            or _has_recurrent_layers(model)):
         return _every_row_in_full(model, batch)
     # packed, the decoder runs without its output head, which then runs once, on the real slots only
     # (these architectures' head is a plain linear layer)
@@ -287,6 +289,20 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(_FLOAT32_SDPA, _sdpa_float32_on_cpu)
 AttentionMaskInterface.register(_FLOAT32_SDPA, sdpa_mask)
+
+
+def _has_recurrent_layers(model: torch.nn.Module) -> bool:
+    """Whether the model's cache holds a recurrent state in some layer (a hybrid of attention and linear
+    attention or state-space layers, such as Nemotron-H or Qwen3-Next)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    config = getattr(plain_model(model), "config", None)
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # a model whose config the cache cannot read: transformers decides in its forward
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:
