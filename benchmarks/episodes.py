@@ -68,7 +68,7 @@ def main() -> None:
     for n in options.prompts:
         rows = multiplication("test")[:n]
         shown = [agent.prompt(r["prompt"]) for r in rows]
-        prompt_ids = encode_prompts(tokenizer, [m for m, _ in shown], 1024, tools=shown[0][1])
+        prompt_ids = encode_prompts(tokenizer, [m for m, _ in shown], 1024, tools=[t for _, t in shown])
         results: dict[str, list] = {w: [] for w in ways}
         for _ in range(options.repeats):
             for way in ways:

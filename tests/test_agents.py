@@ -513,3 +513,99 @@ def test_an_engine_of_single_completions_needs_no_episodes_until_tools_come(tmp_
     trainer_with(tmp_path / "a", tokenizer, OneTurn(), tools=[])  # no tools: fine without generate_episodes
     with pytest.raises(ConfigError, match="lacks generate_episodes"):
         trainer_with(tmp_path / "b", tokenizer, OneTurn(), tools=[calculate])
+
+
+# ---- several environments, and environments that own the data (TRL 1.16's environment_factory) --------------
+
+
+class Adder:
+    def reset(self, **row):
+        self.total = 0
+        assert "environment" not in row  # the routing column is not the environment's
+
+    def add(self, a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        self.total = a + b
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total > 0)
+
+
+class Multiplier:
+    def reset(self, **row):
+        self.used = False
+
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        self.used = True
+        return str(a * b)
+
+
+def test_several_environments_are_chosen_row_by_row_each_showing_its_own_tools(tmp_path, tokenizer):
+    rows = [{**ROWS[0], "environment": "adding"}, {**ROWS[1], "environment": "multiplying"}]
+    engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}'
+                                      '</tool_call>')
+    trainer = trainer_with(tmp_path, tokenizer, engine, train_dataset=rows,
+                           environment_factory={"adding": Adder, "multiplying": Multiplier})
+    # get_reward of the class that has one: a reward named after it, None for the other class's episodes
+    assert trainer.reward_func_names == ["answer_correct", "Adder"]
+    assert [tool.__name__ for tool in trainer.tools] == ["add", "multiply"]
+    samples = scored_batch(trainer, [0, 1])[0].samples
+    shown = [text for text, _ in engine.turns if "what is" in text]
+    assert '"add"' in shown[0] and '"multiply"' not in shown[0]  # each prompt shows its environment's tools
+    assert '"multiply"' in shown[1] and '"add"' not in shown[1]
+    assert samples.rewards_BF[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # multiply is the adding row's unknown tool
+    assert samples.rewards_BF[:2, 1].tolist() == [0.0, 0.0] and samples.rewards_BF[2:, 1].isnan().all()
+    with pytest.raises(DataError, match=r"row 0: environment 'dividing' is not one of environment_factory's "
+                                        r"\(adding, multiplying\)"):
+        trainer_with(tmp_path / "b", tokenizer, train_dataset=[{**ROWS[0], "environment": "dividing"}],
+                     environment_factory={"adding": Adder, "multiplying": Multiplier})
+    with pytest.raises(DataError, match="has no 'environment' column"):
+        trainer_with(tmp_path / "c", tokenizer, environment_factory={"adding": Adder})
+
+
+class Quiz:
+    """An environment that owns the data: reset() returns the question."""
+
+    def reset(self, **row):
+        self.count = 0
+        return "what is 2 * 3?"
+
+    def note(self, text: str) -> str:
+        """Write a note.
+
+        Args:
+            text: the note
+        """
+        self.count += 1
+        return "noted"
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def test_an_environment_that_owns_the_data_needs_no_dataset(tmp_path, tokenizer):
+    engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "note", "arguments": {{"text": "{a}"}}}}</tool_call>')
+    trainer = GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path), environment_factory=Quiz,
+                          processing_class=tokenizer, rollout_engine=engine, quiet=True)
+    assert trainer.reward_func_names == ["Quiz"] and trainer.dataset_name == "the environment's reset()"
+    samples = scored_batch(trainer, [0, 1])[0].samples
+    assert samples.rewards_BF[:, 0].tolist() == [1.0] * 4  # each episode's note was counted
+    assert all("what is 2 * 3?" in text for text, _ in engine.turns[:2])
+    with pytest.raises(ConfigError, match="set max_steps"):
+        GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path / "b", max_steps=-1),
+                    environment_factory=Quiz, processing_class=tokenizer)
+    with pytest.raises(ConfigError, match="A `dict` environment_factory .* needs a train_dataset"):
+        GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path / "c"),
+                    environment_factory={"quiz": Quiz}, processing_class=tokenizer)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from covey.agents.chat import template_renders_tools, tool_message_ids, with_reset_text, with_tools
-from covey.agents.environments import EnvironmentKind
+from covey.agents.environments import Environments
 from covey.agents.formats import ToolCallFormat
 from covey.agents.tools import CallResult, Tool, call_tool
 from covey.errors import ConfigError
@@ -51,20 +51,21 @@ class Agent:
     tokenizer: Any
     eos_ids: list[int]
     tools: list[Tool]  # the standalone tools (an environment adds its own)
-    environment: EnvironmentKind | None
+    environment: Environments | None
     tool_format: ToolCallFormat
     max_tool_calling_iterations: int | None  # rounds of tool calls an episode may make (None: no limit)
     tool_timeout: float | None  # seconds one call may take
     renders_tools: bool  # the chat template shows the model its tools=; else the system prompt does
 
     @staticmethod
-    def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: EnvironmentKind | None,
+    def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: Environments | None,
               tool_format: ToolCallFormat, max_tool_calling_iterations: int | None,
               tool_timeout: float | None) -> Agent:
-        names = [t.name for t in tools] + (environment.tool_names if environment else [])
-        if repeated := sorted({n for n in names if names.count(n) > 1}):
-            raise ConfigError(f"two tools are both named {repeated[0]!r}: the model could not tell them apart; "
-                              "rename one")
+        for kind in environment.kinds.values() if environment else [None]:  # the tools one episode sees
+            names = [t.name for t in tools] + (kind.tool_names if kind else [])
+            if repeated := sorted({n for n in names if names.count(n) > 1}):
+                raise ConfigError(f"two tools are both named {repeated[0]!r}: the model could not tell them apart; "
+                                  "rename one")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("tools and environments need a model whose tokenizer has a chat template (an "
                               "instruct/chat model): a tool's result is a message of the conversation")
@@ -72,13 +73,14 @@ class Agent:
         return Agent(tokenizer, eos_ids, tools, environment, tool_format, max_tool_calling_iterations, tool_timeout,
                      template_renders_tools(tokenizer))
 
-    @property
-    def schemas(self) -> list[dict]:
-        return [t.schema for t in self.tools] + (self.environment.schemas if self.environment else [])
+    def schemas(self, row: dict | None = None) -> list[dict]:
+        """The tools shown with the prompt of ``row`` (with several environments, its own environment's;
+        without a row, every tool)."""
+        return [t.schema for t in self.tools] + (self.environment.schemas(row) if self.environment else [])
 
-    def prompt(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
-        """(messages, ``tools=``) of a prompt with this agent's tools shown to the model."""
-        return with_tools(messages, self.schemas, self.tool_format, self.renders_tools)
+    def prompt(self, messages: list[dict], row: dict | None = None) -> tuple[list[dict], list[dict] | None]:
+        """(messages, ``tools=``) of ``row``'s prompt with its tools shown to the model."""
+        return with_tools(messages, self.schemas(row), self.tool_format, self.renders_tools)
 
     def start(self, rows: list[dict], indices: list[int]) -> Episodes:
         """The episodes of a batch: one per row (``rows``, the G of a prompt in a row; ``indices``: their

@@ -11,9 +11,9 @@ from covey.errors import DataError
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
                    overflow: str = "error", overflowed: list[tuple[int, int]] | None = None,
-                   tools: list[dict] | None = None) -> list[list[int] | None]:
+                   tools: list[list[dict] | None] | None = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
-    turn opened, and ``tools`` for a template that renders them), plain strings as they are. A prompt
+    turn opened, and each prompt's ``tools`` for a template that renders them), plain strings as they are. A prompt
     over ``max_prompt_length`` is an error (``overflow="error"``), None (``"drop"``), or keeps its last
     max_prompt_length tokens (``"truncate_left"``); (index, length in tokens) of each such prompt is
     appended to ``overflowed``."""
@@ -23,7 +23,8 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
-            text = render_chat(tokenizer, prompt, True, **({} if tools is None else {"tools": tools}))
+            shown = None if tools is None else tools[i]
+            text = render_chat(tokenizer, prompt, True, **({} if shown is None else {"tools": shown}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             if overflow == "error":

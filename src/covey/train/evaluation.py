@@ -41,8 +41,8 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     """
     prompts, tools = [r["prompt"] for r in rows], None
     if agent is not None:
-        shown = [agent.prompt(p) for p in prompts]
-        prompts, tools = [messages for messages, _ in shown], shown[0][1]
+        shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
+        prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, "eval_dataset", args.prompt_overflow,
                                 tools=tools)
     kept = [(i, row, ids) for i, (row, ids) in enumerate(zip(rows, prompt_ids)) if ids is not None]

@@ -62,7 +62,7 @@ def _episodes(engine: RolloutEngine, agent: Agent, rows: list[dict], indices: li
     if agent.environment is None:  # the prompts are the dataset's, encoded with the tools when the run began
         row_ids = [p for p in prompt_ids for _ in range(G)]
     else:  # each episode's prompt holds what its environment's reset returned
-        row_ids = _episode_prompt_ids(agent, episodes, indices, max_prompt_length, prompt_overflow)
+        row_ids = _episode_prompt_ids(agent, episodes, rows, indices, max_prompt_length, prompt_overflow)
     groups = [row_ids[g:g + G] for g in range(0, len(row_ids), G)]
     if all(ids == group[0] for group in groups for ids in group):  # a group's prompt prefilled once
         rollout = engine.generate_episodes([group[0] for group in groups], G, params, seed, episodes.respond)
@@ -78,11 +78,12 @@ def _episodes(engine: RolloutEngine, agent: Agent, rows: list[dict], indices: li
                       [record.stats() for record in episodes.records])
 
 
-def _episode_prompt_ids(agent: Agent, episodes: Episodes, indices: list[int], max_prompt_length: int,
-                        prompt_overflow: str) -> list[list[int]]:
-    shown = [agent.prompt(messages) for messages in episodes.prompts]
+def _episode_prompt_ids(agent: Agent, episodes: Episodes, rows: list[dict], indices: list[int],
+                        max_prompt_length: int, prompt_overflow: str) -> list[list[int]]:
+    shown = [agent.prompt(messages, row) for messages, row in zip(episodes.prompts, rows)]
     ids = encode_prompts(agent.tokenizer, [messages for messages, _ in shown], max_prompt_length, "episodes",
-                         "truncate_left" if prompt_overflow == "truncate_left" else "drop", tools=shown[0][1])
+                         "truncate_left" if prompt_overflow == "truncate_left" else "drop",
+                         tools=[tools for _, tools in shown])
     if (over := next((b for b, row_ids in enumerate(ids) if row_ids is None), None)) is not None:
         raise DataError(f"row {indices[over]}: its prompt, with what the environment's reset added, is over "
                         f"max_prompt_length={max_prompt_length} tokens; raise max_prompt_length, shorten what reset "

@@ -16,7 +16,7 @@ import torch
 
 from covey import core
 from covey.agents import FORMATS, Agent, ToolCallFormat, load_tool
-from covey.agents.environments import EnvironmentKind
+from covey.agents.environments import Environments
 from covey.config import GRPOConfig
 from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
@@ -55,11 +55,17 @@ def check_data_and_rewards_given(args: GRPOConfig, train_dataset: Any, reward_fu
     what a config file, the command line or GRPOConfig(dataset=..., reward_funcs=...) named."""
     environment = environment_factory is not None or bool(args.environment_factory)
     if train_dataset is None and "dataset" not in args.fields_given:
-        raise ConfigError("`train_dataset` is required" + (
-            " (an environment that makes its own prompts in reset() still needs rows to reset on in covey; give a "
-            "dataset whose columns reset reads)" if environment else
-            " unless an `environment_factory` is provided (as in TRL); give train_dataset=... (rows, a "
-            "datasets.Dataset, a file or a dataset id), or name one in GRPOConfig(dataset=...)"))
+        if not environment:
+            raise ConfigError("`train_dataset` is required unless an `environment_factory` is provided (as in TRL); "
+                              "give train_dataset=... (rows, a datasets.Dataset, a file or a dataset id), or name one "
+                              "in GRPOConfig(dataset=...)")
+        if isinstance(environment_factory, dict):
+            raise ConfigError("A `dict` environment_factory (several environments) needs a train_dataset with an "
+                              "`environment` column to choose each row's environment; give one, or a single "
+                              "environment factory")
+        if args.max_steps < 1:
+            raise ConfigError("without a train_dataset the environment owns the data (reset() returns each prompt), "
+                              "so there are no epochs to count: set max_steps to the number of optimizer steps")
     if not reward_funcs and "reward_funcs" not in args.fields_given and not environment:
         raise ConfigError("No reward source provided: give reward_funcs=[...] (functions, built-in names such as "
                           "'accuracy_reward', or a reward model's id), or an environment_factory whose environments "
@@ -72,8 +78,10 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
     ``reward_processing_classes`` (TRL's): one tokenizer per function, None for those that are not reward
     models (a single tokenizer for a single function). Reward models given by name load onto the
     policy's device; one given as an object stays where it is (as the policy does), unless use_cpu."""
-    specs = list(reward_funcs if reward_funcs is not None or "reward_funcs" not in args.fields_given
-                 else args.reward_funcs)
+    if reward_funcs is not None:
+        specs = list(reward_funcs)
+    else:  # the config's, where it names them (covey's default rewards are the command line's demo)
+        specs = list(args.reward_funcs) if "reward_funcs" in args.fields_given else []
     tokenizers = reward_tokenizers(reward_processing_classes, len(specs))
     device = default_device(args.use_cpu)
     quiet_transformers()  # a reward model loads as the policy does: without the library's loading bars
@@ -115,15 +123,20 @@ class Rows:
 
 
 def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, reward_funcs: list[RewardFunc],
-                  processes: int, environment: EnvironmentKind | None = None, own_rollouts: bool = False) -> Rows:
+                  processes: int, environment: Environments | None = None, own_rollouts: bool = False) -> Rows:
     """The training and held-out rows, checked against the reward functions, which are also called once
     on placeholder completions (``preflight_check``; with fresh ``environment`` instances, not reset)
     before any model loads. ``own_rollouts``: a rollout_func makes the completions, and may give the
     rewards columns of its own, so the first batch checks those."""
     dataset = train_dataset if train_dataset is not None else args.dataset
     source = dataset if isinstance(dataset, str) else "an in-memory dataset"
-    train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt,
-                      config=args.dataset_config if train_dataset is None else None)
+    if train_dataset is None and "dataset" not in args.fields_given:  # the environment owns the data, as in TRL
+        dataset, source, train = None, "the environment's reset()", environment_owned_rows(args, processes)
+    else:
+        train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt,
+                          config=args.dataset_config if train_dataset is None else None)
+    if environment is not None:
+        environment.check_rows(train, source)
     check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
     for func in reward_funcs:
         if isinstance(func, RewardModel):  # a chat needs a chat template to be scored as one text
@@ -132,7 +145,7 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     steps = args.max_steps if args.max_steps != -1 else args.steps_for_epochs(len(train), processes)
     columns = extra_columns(train[:2])
     if environment is not None:
-        columns["environments"] = [environment.factory() for _ in train[:2]]
+        columns["environments"] = environment.instances_for(train[:2])
     if not own_rollouts:
         preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps)
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
@@ -156,8 +169,8 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
         if (plain := next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)) is not None:
             raise DataError(f"{source}, row {plain}: tools and environments need chat prompts (a list of messages): "
                             "a tool's result is a message of the conversation")
-        shown = [agent.prompt(p) for p in prompts]
-        prompts, tools = [messages for messages, _ in shown], shown[0][1]
+        shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
+        prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, source, args.prompt_overflow,
                                 overflowed, tools)
     kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
@@ -176,16 +189,22 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
 # ---- tools and environments ---------------------------------------------------------------------------
 
 
-def load_environment(args: GRPOConfig, environment_factory: Callable | None) -> EnvironmentKind | None:
-    """The environment of the run's episodes (given, else ``args.environment_factory``), probed: one
-    instance is made to read its tools, as TRL does."""
+def environment_owned_rows(args: GRPOConfig, processes: int) -> list[dict]:
+    """The rows of a run whose environment owns the data (no train_dataset): one round's worth of empty
+    prompts, to which each episode's reset() adds its own (as TRL)."""
+    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(args.prompts_per_round(processes))]
+
+
+def load_environment(args: GRPOConfig, environment_factory: Callable | dict | None) -> Environments | None:
+    """The environments of the run's episodes (given, else ``args.environment_factory``), probed: one
+    instance of each is made to read its tools, as TRL does."""
     factory = environment_factory
     if factory is None and args.environment_factory:
         factory = load_reference(args.environment_factory, "environment_factory", ConfigError)
-    return EnvironmentKind.probe(factory) if factory is not None else None
+    return Environments.probe(factory) if factory is not None else None
 
 
-def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, environment: EnvironmentKind | None,
+def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, environment: Environments | None,
                 tool_call_format: ToolCallFormat | None = None) -> Agent | None:
     """What the run's episodes run with: its tools (given, else ``args.tools``) and environment; None for
     a run of single completions."""

@@ -100,11 +100,12 @@ class GRPOTrainer(TRLSurface):
         setup.check_data_and_rewards_given(args, train_dataset, reward_funcs, environment_factory)
         funcs, weights = setup.load_rewards(args, reward_funcs, reward_processing_classes)
         environment = setup.load_environment(args, environment_factory)
-        if environment is not None and environment.has_reward:  # the environment scores episodes too (TRL's)
-            funcs, weights = [*funcs, environment.reward_function()], [*weights, 1.0]
+        if environment is not None:  # environments that score their episodes (get_reward) are rewards too (TRL's)
+            scored = environment.reward_functions()
+            funcs, weights = [*funcs, *scored], [*weights, *[1.0] * len(scored)]
         if not funcs:
-            raise ConfigError(f"No reward source provided: the environment {environment.name} has no get_reward "
-                              "method, and reward_funcs is empty; give reward_funcs=[...] or define get_reward")
+            raise ConfigError("No reward source provided: reward_funcs is empty, and no environment defines "
+                              "get_reward; give reward_funcs=[...] or define get_reward")
         if rollout_func is not None and (tools or args.tools or environment is not None):
             raise ConfigError("rollout_func generates the completions itself, so tools and environment_factory would "
                               "go unused: give one or the other")

@@ -135,18 +135,16 @@ class TRLSurface:
 
     @property
     def tools(self) -> list:
-        """The functions the model may call: the standalone tools, then the environment's methods (of its
-        class, unbound, where the factory is one: each episode binds its own instance), as TRL lists them."""
+        """The functions the model may call: the standalone tools, then the environments' methods (of their
+        classes, unbound: each episode binds its own instance), as TRL lists them."""
         agent = self.parts.agent
         if agent is None:
             return []
-        environment = agent.environment
-        if environment is None:
-            return [tool.function for tool in agent.tools]
-        factory = environment.factory  # a class, or a function that makes one instance (asked once here)
-        owner = factory if isinstance(factory, type) else factory()
-        methods = [getattr(owner, name) for name in environment.tool_names]
-        return [tool.function for tool in agent.tools] + methods
+        methods = {}  # every environment's, a name once
+        for kind in agent.environment.kinds.values() if agent.environment else []:
+            for name in kind.tool_names:
+                methods.setdefault(name, getattr(kind.cls, name))
+        return [tool.function for tool in agent.tools] + list(methods.values())
 
     # ---- the model ---------------------------------------------------------------------------
 

@@ -465,7 +465,7 @@ def check_episodes(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
                    "tokens the model did not sample are trained, or sampled ones are left out: see "
                    "covey.train.step.loss_mask")
         return
-    tool_format, schemas = parts.agent.tool_format, parts.agent.schemas
+    tool_format, schemas = parts.agent.tool_format, parts.agent.schemas()
     calls = [ToolCall(s["function"]["name"], _example_arguments(s["function"].get("parameters", {}))) for s in schemas]
     lost = next((c for c in calls if tool_format.parse(tool_format.render(c)).calls != [c]), None)
     report.add("episodes", "tool calls round-trip through their format", lost is None, f"{len(calls)} tool(s)",
