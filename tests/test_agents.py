@@ -567,7 +567,7 @@ def test_several_environments_are_chosen_row_by_row_each_showing_its_own_tools(t
     assert '"multiply"' in shown[1] and '"add"' not in shown[1]
     assert samples.rewards_BF[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # multiply is the adding row's unknown tool
     assert samples.rewards_BF[:2, 1].tolist() == [0.0, 0.0] and samples.rewards_BF[2:, 1].isnan().all()
-    with pytest.raises(DataError, match=r"row 0: environment 'dividing' is not one of environment_factory's "
+    with pytest.raises(DataError, match=r"row 0: environment 'dividing' is not among the environments of environment_factory "
                                         r"\(adding, multiplying\)"):
         trainer_with(tmp_path / "b", tokenizer, train_dataset=[{**ROWS[0], "environment": "dividing"}],
                      environment_factory={"adding": Adder, "multiplying": Multiplier})
@@ -598,14 +598,20 @@ class Quiz:
 def test_an_environment_that_owns_the_data_needs_no_dataset(tmp_path, tokenizer):
     engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "note", "arguments": {{"text": "{a}"}}}}</tool_call>')
     trainer = GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path), environment_factory=Quiz,
-                          processing_class=tokenizer, rollout_engine=engine, quiet=True)
+                          processing_class=tokenizer, rollout_engine=engine, quiet=True)  # max_steps given: 1
     assert trainer.reward_func_names == ["Quiz"] and trainer.dataset_name == "the environment's reset()"
     samples = scored_batch(trainer, [0, 1])[0].samples
     assert samples.rewards_BF[:, 0].tolist() == [1.0] * 4  # each episode's note was counted
     assert all("what is 2 * 3?" in text for text, _ in engine.turns[:2])
-    with pytest.raises(ConfigError, match="set max_steps"):
-        GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path / "b", max_steps=-1),
-                    environment_factory=Quiz, processing_class=tokenizer)
-    with pytest.raises(ConfigError, match="A `dict` environment_factory .* needs a train_dataset"):
+    for unbounded in (GRPOConfig(output_dir=str(tmp_path / "b")), agent_args(tmp_path / "b", max_steps=-1)):
+        with pytest.raises(ConfigError, match="set max_steps"):  # covey's default length is the demo's
+            GRPOTrainer(model=make_model(len(tokenizer)), args=unbounded, environment_factory=Quiz,
+                        processing_class=tokenizer)
+    # a dataset of the environments' names alone: the environments write the prompts
+    routed = GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path / "d"), processing_class=tokenizer,
+                         train_dataset=[{"environment": "quiz"}], environment_factory={"quiz": Quiz},
+                         rollout_engine=engine, quiet=True)
+    assert routed.parts.prompts.rows[0]["prompt"] == [{"role": "user", "content": ""}]
+    with pytest.raises(ConfigError, match="A `dict` environment_factory .* requires a `train_dataset`"):
         GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path / "c"),
                     environment_factory={"quiz": Quiz}, processing_class=tokenizer)

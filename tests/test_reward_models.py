@@ -106,7 +106,7 @@ def test_the_trainer_checks_reward_models_before_training(tmp_path, tokenizer, t
     def count_a(completions, **kwargs):
         return [c[0]["content"].count("a") for c in completions]
 
-    with pytest.raises(ConfigError, match="reward_processing_classes has 1 entries for 2 reward functions"):
+    with pytest.raises(ConfigError, match=r"the number of reward_processing_classes \(1\) must match the number of reward functions \(2\)"):
         GRPOTrainer(model=tiny_model, reward_funcs=[str(classifier_dir), count_a], args=args, train_dataset=CHATS,
                     processing_class=tokenizer, reward_processing_classes=[tokenizer])
     with pytest.raises(RewardError, match="gives a tokenizer for reward function 'count_a', which is not a reward"):

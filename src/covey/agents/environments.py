@@ -115,7 +115,7 @@ class Environments:
             return self.kinds[None]
         name = row.get("environment")
         if name not in self.kinds:
-            raise DataError(f"row {index}: environment {name!r} is not one of environment_factory's "
+            raise DataError(f"row {index}: environment {name!r} is not among the environments of environment_factory "
                             f"({', '.join(self.kinds)}); each row names its environment in the 'environment' column")
         return self.kinds[name]
 

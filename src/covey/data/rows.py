@@ -24,13 +24,18 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
                  ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
 
 
-def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None, config: str | None = None
-              ) -> list[dict]:
+# the prompt of a row whose environment writes it (its reset() returns the text), as TRL makes it
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+
+
+def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None, config: str | None = None,
+              prompts_from_environment: bool = False) -> list[dict]:
     """Rows from a built-in task name, a local JSONL/JSON/CSV/Parquet file (JSONL, JSON and CSV also
     gzip-compressed, .gz), a Hugging Face dataset id (``config``: its configuration, such as gsm8k's
     main), or an in-memory list / ``datasets.Dataset``. GSM8K-format data (question, answer with '####')
     is turned into chat prompts automatically, keeping its other columns. ``system_prompt``: a system
-    message put before every prompt."""
+    message put before every prompt. ``prompts_from_environment``: data without a prompt column is the
+    environment's to prompt (each row gets an empty user message, which reset() fills)."""
     if isinstance(spec, str):
         if reason := why_unloadable(spec, "dataset"):
             raise DataError(reason)
@@ -54,6 +59,8 @@ def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None,
     covey_wrote_prompts = isinstance(spec, str) and spec in tasks.TASKS  # a built-in task's
     if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
         rows, covey_wrote_prompts = tasks.gsm8k_rows(rows, source), True
+    elif rows and "prompt" not in rows[0] and prompts_from_environment:
+        rows = [{"prompt": EMPTY_PROMPT, **row} for row in rows]
     check_rows(rows, source)
     if system_prompt is None:
         return rows
@@ -173,6 +180,8 @@ def check_rows(rows: list[dict], source: str) -> None:
         if set(row) != columns:
             raise DataError(f"{source}, row {i}: columns {sorted(row)} differ from the first row's {sorted(columns)}")
         prompt = row["prompt"]
+        if prompt is EMPTY_PROMPT:  # the environment's reset() writes it
+            continue
         if isinstance(prompt, str):
             ok = bool(prompt.strip())
         else:

@@ -18,7 +18,7 @@ from covey import core
 from covey.agents import FORMATS, Agent, ToolCallFormat, load_tool
 from covey.agents.environments import Environments
 from covey.config import GRPOConfig
-from covey.data import extra_columns, heldout_rows, load_rows, shared_prompts
+from covey.data import EMPTY_PROMPT, extra_columns, heldout_rows, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError
 from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
@@ -60,10 +60,10 @@ def check_data_and_rewards_given(args: GRPOConfig, train_dataset: Any, reward_fu
                               "give train_dataset=... (rows, a datasets.Dataset, a file or a dataset id), or name one "
                               "in GRPOConfig(dataset=...)")
         if isinstance(environment_factory, dict):
-            raise ConfigError("A `dict` environment_factory (several environments) needs a train_dataset with an "
+            raise ConfigError("A `dict` environment_factory (several environments) requires a `train_dataset` with an "
                               "`environment` column to choose each row's environment; give one, or a single "
                               "environment factory")
-        if args.max_steps < 1:
+        if args.max_steps < 1 or "max_steps" not in args.fields_given:
             raise ConfigError("without a train_dataset the environment owns the data (reset() returns each prompt), "
                               "so there are no epochs to count: set max_steps to the number of optimizer steps")
     if not reward_funcs and "reward_funcs" not in args.fields_given and not environment:
@@ -107,9 +107,9 @@ def reward_tokenizers(reward_processing_classes: Any, count: int) -> list:
     if not isinstance(reward_processing_classes, (list, tuple)):
         reward_processing_classes = [reward_processing_classes]
     if len(reward_processing_classes) != count:
-        raise ConfigError(f"reward_processing_classes has {len(reward_processing_classes)} entries for {count} reward "
-                          "functions; give one per reward function, in the same order (None for those that are not "
-                          "reward models)")
+        raise ConfigError(f"the number of reward_processing_classes ({len(reward_processing_classes)}) must match the "
+                          f"number of reward functions ({count}); give one per reward function, in the same order "
+                          "(None for those that are not reward models)")
     return list(reward_processing_classes)
 
 
@@ -134,7 +134,8 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
         dataset, source, train = None, "the environment's reset()", environment_owned_rows(args, processes)
     else:
         train = load_rows(dataset, split=args.dataset_split, system_prompt=args.system_prompt,
-                          config=args.dataset_config if train_dataset is None else None)
+                          config=args.dataset_config if train_dataset is None else None,
+                          prompts_from_environment=environment is not None)
     if environment is not None:
         environment.check_rows(train, source)
     check_reward_columns(train, reward_funcs, source, others_may_come=own_rollouts)
@@ -192,7 +193,7 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
 def environment_owned_rows(args: GRPOConfig, processes: int) -> list[dict]:
     """The rows of a run whose environment owns the data (no train_dataset): one round's worth of empty
     prompts, to which each episode's reset() adds its own (as TRL)."""
-    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(args.prompts_per_round(processes))]
+    return [{"prompt": EMPTY_PROMPT} for _ in range(args.prompts_per_round(processes))]
 
 
 def load_environment(args: GRPOConfig, environment_factory: Callable | dict | None) -> Environments | None:
