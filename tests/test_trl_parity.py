@@ -118,6 +118,12 @@ def test_clipped_losses_match_trl(loss_type, beta):
             dict(loss_type=loss_type, eps_low=0.2, eps_high=0.28, beta=beta))
 
 
+def test_luspo_matches_trl():
+    """LUSPO (arXiv:2602.05261): GSPO's sequence ratio, each sequence's loss times its length."""
+    compare(LossSettings(loss_type="luspo", epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
+            dict(loss_type="luspo", eps_low=3e-4, eps_high=4e-4, level="sequence"))
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_gspo_sequence_level_matches_trl(loss_type):
     compare(LossSettings(loss_type=loss_type, epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),

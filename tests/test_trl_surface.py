@@ -220,3 +220,24 @@ def test_a_hybrid_model_with_recurrent_layers_samples_and_trains(tmp_path, token
     shared, _ = completion_logprobs(model.eval(), batch)
     alone, _ = completion_logprobs(model, batch, share_prompt=False)
     torch.testing.assert_close(shared, alone)
+
+
+def test_trl_s_asynchronous_config_and_trainer_are_covey_s_asynchronous_generation(tmp_path, tokenizer, tiny_model):
+    from covey import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path / "a"), vllm_server_base_url="http://127.0.0.1:8011",
+                             weight_sync_steps=1, queue_maxsize=1024)
+    assert (config.async_generation, config.rollout_engine, config.vllm_mode, config.max_staleness) == (
+        True, "vllm", "server", 4)  # TRL's defaults: a vLLM server, four steps of staleness
+    assert (config.vllm_server_host, config.vllm_server_port) == ("127.0.0.1", 8011)
+    with pytest.raises(ConfigError, match="weight_sync_steps: 4 is a TRL setting covey does not support"):
+        AsyncGRPOConfig(weight_sync_steps=4)  # covey's worker takes the new weights after every round
+    # any engine can sample ahead: the fast one here
+    args = AsyncGRPOConfig(**{**small_args(tmp_path, max_steps=2, eval_max_samples=0).to_dict(), "use_vllm": False, "async_generation": True,
+                              "rollout_engine": "fast", "max_staleness": 1})
+    trainer = AsyncGRPOTrainer(model=tiny_model, reward_funcs=count_a, args=args, train_dataset=ROWS,
+                               processing_class=tokenizer, quiet=True)
+    assert trainer.train().global_step == 2
+    with pytest.raises(ConfigError, match="AsyncGRPOTrainer trains while the next rounds are generated"):
+        AsyncGRPOTrainer(model=tiny_model, reward_funcs=count_a, args=small_args(tmp_path / "s"), train_dataset=ROWS,
+                         processing_class=tokenizer)

@@ -5,11 +5,12 @@
                 args=GRPOConfig(max_steps=50), train_dataset=rows).train()
 """
 
-from covey.config import GRPOConfig
+from covey.config import AsyncGRPOConfig, GRPOConfig
 from covey.errors import ConfigError, CoveyError
-from covey.train.trainer import GRPOTrainer
+from covey.train.trainer import AsyncGRPOTrainer, GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "ConfigError", "CoveyError", "verify_trl"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer", "ConfigError", "CoveyError",
+           "verify_trl"]
 __version__ = "0.1.0"
 
 

@@ -653,10 +653,20 @@ def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
     return {key: value for key, value in values.items() if key in known}, accepted, problems
 
 
-_init_fields = GRPOConfig.__init__  # the dataclass's own: covey's fields only
+def _with_trl_names(init_fields: Callable) -> Callable:
+    """A config class's ``__init__`` over its dataclass ``init_fields``: see ``_init_with_trl_names``."""
+
+    def init(self: GRPOConfig, *output_dir: Any, **values: Any) -> None:
+        _init_with_trl_names(self, init_fields, *output_dir, **values)
+
+    init.__signature__ = inspect.signature(init_fields).replace(  # for help() and editors
+        parameters=[*inspect.signature(init_fields).parameters.values(),
+                    inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
+    init.__doc__ = _init_with_trl_names.__doc__
+    return init
 
 
-def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> None:
+def _init_with_trl_names(self: GRPOConfig, init_fields: Callable, *output_dir: Any, **values: Any) -> None:
     """``GRPOConfig(...)`` takes what TRL's takes: covey's fields, TRL's names for them, and every TRL and
     TrainingArguments field at a value that describes what covey does (kept in ``trl_settings``); any
     other is refused with every problem at once. One positional argument is output_dir, as in TRL."""
@@ -667,7 +677,7 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
         values = {"output_dir": output_dir[0], **values}
     fields, accepted, problems = covey_names(values)
     try:
-        _init_fields(self, **fields)
+        init_fields(self, **fields)
     except ConfigError as e:
         problems.extend(getattr(e, "problems", [str(e)]))
     if problems:
@@ -676,10 +686,20 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
     self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
 
 
-_init_with_trl_names.__signature__ = inspect.signature(_init_fields).replace(  # for help() and editors
-    parameters=[*inspect.signature(_init_fields).parameters.values(),
-                inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
-GRPOConfig.__init__ = _init_with_trl_names
+GRPOConfig.__init__ = _with_trl_names(GRPOConfig.__init__)
+
+
+class AsyncGRPOConfig(GRPOConfig):
+    """TRL's ``AsyncGRPOConfig`` (stable from TRL 1.18): a GRPOConfig whose generation runs ahead of
+    training (``async_generation``, docs/async.md), sampled by a vLLM server (``vllm_server_base_url``),
+    with TRL's defaults for those; its settings of TRL's own asynchronous machinery are accepted at TRL's
+    defaults. Any field can still be set, as in GRPOConfig."""
+
+    DEFAULTS = {"async_generation": True, "use_vllm": True, "vllm_mode": "server", "max_staleness": 4}
+
+    def __init__(self, *output_dir: Any, **values: Any) -> None:
+        super().__init__(*output_dir, **{**self.DEFAULTS, **values})
+        self.__dict__["fields_given"] = self.fields_given - (set(self.DEFAULTS) - set(values))
 
 
 # generation_kwargs keys that covey's own fields set (the log-probs are computed with them too)

@@ -43,6 +43,11 @@ AS_COVEY_DOES = {
     "vllm_model_impl": ("vllm",), "vllm_structured_outputs_regex": (None,), "vllm_tensor_parallel_size": (1,),
     "use_cache": (False, True),  # only how generate is computed: covey's engines keep a KV cache, same numbers
     "pad_to_multiple_of": ("auto", None),  # padding covey packs away (train/forward.py)
+    # TRL's AsyncGRPOConfig: its own asynchronous machinery (a request queue, forks, a heartbeat); covey's
+    # worker samples whole rounds and pushes the weights after each (docs/async.md)
+    "fork_threshold_tokens": (1024,), "request_timeout": (600,), "token_budget": (None,),
+    "max_inflight_tasks": (-1,), "queue_maxsize": (1024,), "weight_sync_steps": (1,),
+    "heartbeat_stale_after_s": (300.0, 300),
     "average_tokens_across_devices": (True,),  # the loss's token counts are summed over the processes
     "ddp_backend": (None,), "ddp_broadcast_buffers": (None,), "ddp_bucket_cap_mb": (None,),
     "ddp_find_unused_parameters": (None,), "ddp_static_graph": (None,),  # covey sets up DDP itself

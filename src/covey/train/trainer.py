@@ -728,3 +728,17 @@ def _crossed(before: int, after: int, every: int) -> bool:
 
 def _without_samples(result: dict | None) -> dict | None:
     return None if result is None else {k: v for k, v in result.items() if k != "samples"}
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """TRL's ``AsyncGRPOTrainer`` (stable from TRL 1.18): a GRPOTrainer whose config generates ahead of
+    training (``AsyncGRPOConfig``, or any GRPOConfig with ``async_generation: true``)."""
+
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: GRPOConfig | None = None, **kwargs: Any):
+        from covey.config import AsyncGRPOConfig
+
+        args = args if args is not None else AsyncGRPOConfig()
+        if not args.async_generation:
+            raise ConfigError("AsyncGRPOTrainer trains while the next rounds are generated, and this config has "
+                              "async_generation: false; give an AsyncGRPOConfig, or use GRPOTrainer")
+        super().__init__(model, reward_funcs, args, **kwargs)
