@@ -236,21 +236,23 @@ TRACKIO_SCRIPT = textwrap.dedent("""
     from covey.telemetry.trackers import make_trackers
 
     steps = {int(k): v for k, v in json.loads(sys.argv[1]).items()}
-    [tracker] = make_trackers(["trackio"], Path("run"), "run-1", json.loads(sys.argv[2]))
+    project = sys.argv[3] or None  # the config's project (TRL's field); none: covey's
+    [tracker] = make_trackers(["trackio"], Path("run"), "run-1", json.loads(sys.argv[2]), project=project)
     for step, metrics in steps.items():
         tracker.log(step, metrics)
     tracker.close()
-    print("RESULT", json.dumps({"logs": SQLiteStorage.get_logs("covey", "run-1"),
-                                "config": SQLiteStorage.get_run_config("covey", "run-1")}))
+    print("RESULT", json.dumps({"logs": SQLiteStorage.get_logs(project or "covey", "run-1"),
+                                "config": SQLiteStorage.get_run_config(project or "covey", "run-1")}))
 """)
 
 
-def test_trackio_local_store_holds_the_logged_history_and_the_config(tmp_path):
+@pytest.mark.parametrize("project", ["", "my-project"])
+def test_trackio_local_store_holds_the_logged_history_and_the_config(tmp_path, project):
     pytest.importorskip("trackio", reason="the trackio extra is not installed")
     # trackio fixes its store folder (TRACKIO_DIR) at import, so the run happens in a fresh interpreter
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACKIO_")}
     env.update(TRACKIO_DIR=str(tmp_path / "store"), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, json.dumps(STEPS), json.dumps(CONFIG)],
+    done = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, json.dumps(STEPS), json.dumps(CONFIG), project],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     [result] = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -258,7 +260,7 @@ def test_trackio_local_store_holds_the_logged_history_and_the_config(tmp_path):
                     for row in result["logs"]})
     assert result["config"]["learning_rate"] == 3e-6
     assert result["config"]["reward_funcs"] == ["answer_format", "answer_correct"]
-    assert (tmp_path / "store" / "covey.db").exists()
+    assert (tmp_path / "store" / f"{project or 'covey'}.db").exists()
 
 
 # ---- choosing and checking -----------------------------------------------------------------------

@@ -713,9 +713,15 @@ def _lift_generation_kwargs(values: dict[str, Any]) -> tuple[dict[str, Any], lis
     """generation_kwargs as TRL scripts write them: the keys that are covey fields set those fields (both
     set differently: an error), do_sample: true is what covey does; the rest stay for a sampler that
     takes them, which is transformers' generate unless the config names an engine."""
-    kwargs, problems = dict(values["generation_kwargs"]), []
-    if not isinstance(values["generation_kwargs"], dict):
-        return values, []  # the field's own check says what is wrong
+    kwargs, problems = values["generation_kwargs"], []
+    if isinstance(kwargs, str):  # the command line gives JSON
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            return values, []  # the field's own check says what is wrong
+    if not isinstance(kwargs, dict):
+        return values, []
+    kwargs = dict(kwargs)
     lifted = {}
     for key, name in LIFTED_SAMPLING_KEYS.items():
         if key in kwargs:

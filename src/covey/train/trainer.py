@@ -521,10 +521,10 @@ class GRPOTrainer(TRLSurface):
         return result
 
     def held_out_loss(self, rows: list[dict]) -> float:
-        """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), this process's share, averaged
-        over the processes."""
-        train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, self.world.share(rows),
-                                                           "eval_dataset", self.parts.agent)
+        """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), averaged over the processes. Each
+        process scores every row (its own samples): a sharded model's passes must come in step."""
+        train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, rows, "eval_dataset",
+                                                           self.parts.agent)
         lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
         with lent, sampling_from_policy(self.parts):
             losses = self.world.gather(held_out_loss(self.parts, Prompts(train_rows, ids)))
