@@ -85,6 +85,10 @@ def test_the_trainer_s_public_members_are_trl_s(tmp_path, tokenizer, tiny_model)
     metrics = trainer.evaluate(eval_dataset={"first": ROWS[:2], "second": ROWS[2:5]}, metric_key_prefix="test")
     assert (metrics["test_first_n"], metrics["test_second_n"]) == (2, 3) and "test_first_loss" in metrics
     assert trainer.state.log_history[-1]["test_second_n"] == 3  # logged as transformers logs it
+    from datasets import Dataset, DatasetDict
+
+    named = DatasetDict({"data1": Dataset.from_list(ROWS[:2])})  # as TRL's scripts split one
+    assert trainer.evaluate(eval_dataset=named)["eval_data1_n"] == 2
     with pytest.raises(ConfigError, match="trainer.model cannot be replaced once the trainer is built"):
         trainer.model = torch.nn.Linear(2, 2)
     trainer.model = trainer.model  # the same model: nothing changes
@@ -241,3 +245,28 @@ def test_trl_s_asynchronous_config_and_trainer_are_covey_s_asynchronous_generati
     with pytest.raises(ConfigError, match="AsyncGRPOTrainer trains while the next rounds are generated"):
         AsyncGRPOTrainer(model=tiny_model, reward_funcs=count_a, args=small_args(tmp_path / "s"), train_dataset=ROWS,
                          processing_class=tokenizer)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+def test_a_script_s_own_4bit_model_with_an_adapter_trains_as_trl_scripts_build_it(tmp_path, tokenizer):
+    """The QLoRA notebooks' form: the script loads in 4 bits itself (BitsAndBytesConfig), prepares the model
+    for k-bit training, adds the adapter with get_peft_model, and hands the PeftModel over."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
+    model = get_peft_model(prepare_model_for_kbit_training(model),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    args = GRPOConfig(**{**small_args(tmp_path, max_steps=1, eval_max_samples=0).to_dict(), "optim": "adamw_torch",
+                         "log_on_each_node": False, "bf16": True, "gradient_checkpointing": True})
+    trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=args, train_dataset=ROWS, processing_class=tokenizer,
+                          quiet=True)
+    trainer.train()
+    assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in adapter.items())
+    assert (tmp_path / "run" / "final_model" / "adapter_config.json").is_file()
