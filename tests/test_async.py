@@ -36,7 +36,10 @@ def test_async_rounds_are_sampled_one_round_behind_and_the_staleness_is_logged(t
     steps = [m for m in metrics if "async/staleness" in m]
     assert [m["async/staleness"] for m in steps] == [0.0, 1.0, 1.0, 1.0]  # round 0 and 1 both from the start
     assert all(m["async/dropped_rows"] == 0 for m in steps)
-    assert all(m["time/wait_for_data"] >= 0 and m["time/wait_for_weights"] >= 0 for m in steps)
+    # the first round is sampled while the trainer waits for it; every step reports both waits
+    assert steps[0]["time/wait_for_data"] > 0
+    assert all(isinstance(m["time/wait_for_data"], float) and isinstance(m["time/wait_for_weights"], float)
+               for m in steps)
     assert trainer.global_step == 4
 
 

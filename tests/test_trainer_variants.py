@@ -362,13 +362,16 @@ def test_the_newer_losses_and_controls_train(tmp_path, tokenizer, variant):
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["loss"] == m["loss"] for m in metrics)  # finite, not NaN
+    # finite (a NaN is written as null, which would fail isinstance)
+    assert len(metrics) == 2 and all(isinstance(m["loss"], float) and math.isfinite(m["loss"]) for m in metrics)
     soft = variant.get("loss_type") in ("sapo", "vespo")
     assert ("clip_ratio/region_mean" in metrics[0]) == (not soft)  # a soft weight clips nothing
     if variant.get("loss_type") == "vespo":  # on policy W = 1 and phi(1) = 1 exactly; then the policy has moved
         assert metrics[0]["vespo/phi_seq_mean"] == 1.0 and metrics[1]["vespo/phi_seq_mean"] != 1.0
     if "off_policy_mask_threshold" in variant:
-        assert [0.0 <= m["off_policy_mask/masked_fraction"] <= 1.0 for m in metrics] == [True, True]
+        # the first step is on-policy: no drift, nothing masked; the second measures a moved policy
+        assert metrics[0]["off_policy_mask/masked_fraction"] == 0.0
+        assert isinstance(metrics[1]["off_policy_mask/masked_fraction"], float)
     if "entropy_coef" in variant:
         assert [m["entropy_coef"] for m in metrics] == [0.05, 0.05]
     if variant.get("use_adaptive_entropy"):  # the entropy is below the target: the coefficient rises each step
