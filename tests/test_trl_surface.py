@@ -270,3 +270,17 @@ def test_a_script_s_own_4bit_model_with_an_adapter_trains_as_trl_scripts_build_i
     trainer.train()
     assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in adapter.items())
     assert (tmp_path / "run" / "final_model" / "adapter_config.json").is_file()
+
+
+def test_a_model_without_its_tokenizer_is_refused_not_paired_with_the_default(tmp_path, tokenizer):
+    from tests.conftest import make_model
+
+    nameless = make_model(len(tokenizer))
+    nameless.config._name_or_path = ""
+    with pytest.raises(ConfigError, match="the model object has no name or folder to load its tokenizer from"):
+        GRPOTrainer(model=nameless, reward_funcs=count_a, train_dataset=ROWS, args=small_args(tmp_path))
+    small = make_model(len(tokenizer) - 10)
+    with pytest.raises(ConfigError, match=rf"the tokenizer has {len(tokenizer)} tokens and the model's embedding only "
+                                          rf"{len(tokenizer) - 10} rows"):
+        GRPOTrainer(model=small, reward_funcs=count_a, train_dataset=ROWS, args=small_args(tmp_path / "b"),
+                    processing_class=tokenizer)

@@ -116,9 +116,9 @@ MUTATIONS = {
         core.LOSS_NORMALISERS, "generation_token_mean", lambda loss, mask, n: (loss * mask).sum() / n.sequences)),
     "gradients not applied": ("loss", lambda mp: mp.setattr(
         step_module, "apply_gradients", _no_gradient_step)),
-    "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(
-        step_module, "completion_logprobs",
-        lambda model, batch, temperature=1.0, **k: logprobs.completion_logprobs(model, batch, 1.0, **k))),
+    "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(  # the training pass's own
+        logprobs, "completion_logprobs",
+        lambda model, batch, temperature=1.0, **k: _ORIGINAL_LOGPROBS(model, batch, 1.0, **k))),
     "reward weights ignored": ("rewards", lambda mp: mp.setattr(
         core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
     "completions decoded with their prompt": ("decode", lambda mp: mp.setattr(
@@ -132,6 +132,7 @@ MUTATIONS = {
 }
 _ORIGINAL_GROUP_ADV = core.group_advantages
 _ORIGINAL_ADV = core.advantages_from_rewards
+_ORIGINAL_LOGPROBS = logprobs.completion_logprobs
 _ORIGINAL_AFTER = text.answer_after_reasoning
 _ORIGINAL_SUM = core.weighted_reward_sum
 _ORIGINAL_TOKEN_RATIO = core.IMPORTANCE_LEVELS["token"]

@@ -37,13 +37,8 @@ class PromptSampler:
         """Passes over the data done, a fraction within the current one (0.0 before the first draw)."""
         return max(self.epoch - 1, 0) + (self.num_rows - len(self.order)) / self.num_rows if self.epoch else 0.0
 
-    @property
-    def passes_done(self) -> int:
-        """Whole passes over the data drawn so far (a pass ends with the draw of its last row)."""
-        return self.epoch if self.epoch and not self.order else max(self.epoch - 1, 0)
-
     def passes_in(self, draws: int) -> int:
-        """Whole passes over the data in the first ``draws`` draws (``passes_done`` after them)."""
+        """Whole passes over the data in the first ``draws`` draws (a pass ends with the draw of its last row)."""
         return draws * self.prompts_per_step // self.num_rows
 
     def progress_in(self, draws: int) -> float:

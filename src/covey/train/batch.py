@@ -35,12 +35,11 @@ class Samples:
     """A generation round's completions and their rewards, one row per completion; the G rows of a
     prompt are contiguous. A row may hold several model turns with tokens that a tool or the
     environment wrote between them: those are attended to (``sequences``) but never trained
-    (``loss_mask_BT``). Each row carries the version of the policy that sampled it."""
+    (``loss_mask_BT``)."""
 
     sequences: SequenceBatch  # prompts (B, P) left-padded and completions (B, T) right-padded, with attention masks
     loss_mask_BT: torch.Tensor  # (B, T) 1 on the tokens the loss trains: the model's own, less any mask_truncated_completions drops
     sampling_logp_BT: torch.Tensor  # (B, T) each sampled token's log-prob under the distribution the engine drew it from
-    policy_version_B: torch.Tensor  # (B,) long: the optimizer step of the policy that sampled each row
     rewards_BF: torch.Tensor  # (B, F) float64 per reward function, NaN where one said None
     finish_reasons: list[str]  # (B,) "eos", "stop" or "length"
     records: list[dict]  # (B,) prompt, completion, answer, rewards, ...: what completions.jsonl records
@@ -55,8 +54,8 @@ class Samples:
         seq = self.sequences
         return Samples(SequenceBatch(seq.prompt_ids_BP[index], seq.prompt_mask_BP[index], seq.completion_ids_BT[index],
                                      seq.completion_mask_BT[index]),
-                       self.loss_mask_BT[index], self.sampling_logp_BT[index], self.policy_version_B[index],
-                       self.rewards_BF[index], [self.finish_reasons[i] for i in rows], [self.records[i] for i in rows])
+                       self.loss_mask_BT[index], self.sampling_logp_BT[index], self.rewards_BF[index],
+                       [self.finish_reasons[i] for i in rows], [self.records[i] for i in rows])
 
     @staticmethod
     def concat(parts: list[Samples], pad_token_id: int) -> Samples:
@@ -78,7 +77,7 @@ class Samples:
                                      cat([right(p.sequences.completion_ids_BT, pad_token_id) for p in parts]),
                                      cat([right(p.sequences.completion_mask_BT, 0) for p in parts])),
                        cat([right(p.loss_mask_BT, 0) for p in parts]), cat([right(p.sampling_logp_BT, 0.0) for p in parts]),
-                       cat([p.policy_version_B for p in parts]), cat([p.rewards_BF for p in parts]),
+                       cat([p.rewards_BF for p in parts]),
                        [r for p in parts for r in p.finish_reasons], [r for p in parts for r in p.records])
 
 

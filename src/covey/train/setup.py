@@ -357,6 +357,16 @@ def sampling_params(args: GRPOConfig) -> SamplingParams:
                           extra=tuple((args.generation_kwargs or {}).items()))
 
 
+def check_vocabulary(policy: torch.nn.Module, tokenizer: Any) -> None:
+    """The model has an embedding row for every token id its tokenizer can produce (a larger table, padded
+    for speed, is common and fine)."""
+    embeddings = plain_model(policy).get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens and the model's embedding only {rows} rows: "
+                          "they do not belong together; give the model's own tokenizer (processing_class)")
+
+
 def router_aux_loss_coef(args: GRPOConfig, policy: torch.nn.Module) -> float:
     """The weight of a mixture-of-experts model's load-balancing loss: the config's, else (None) the
     architecture's own (0 where it declares none), as TRL; a weight for a model without a router is refused."""

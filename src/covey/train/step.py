@@ -42,7 +42,7 @@ from covey.train import generation
 from covey.train.asynchronous import AsyncGeneration
 from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredBatch, StepResult, Update
 from covey.train.distributed import World
-from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
+from covey.train.forward import SequenceBatch, TrainingForward
 from covey.train.sharding import PolicyCopy, grad_norm_value
 
 
@@ -241,9 +241,7 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
         record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
     prompt_ids_BP, prompt_mask_BP = left_pad(made.prompt_ids, parts.tokenizer.pad_token_id)
     sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT)
-    policy_version_B = torch.full((len(rows),), state.global_step, dtype=torch.long)
-    return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, policy_version_B, rewards_BF,
-                   rollout.finish_reasons, records)
+    return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, rewards_BF, rollout.finish_reasons, records)
 
 
 def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> torch.Tensor:
@@ -420,7 +418,7 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     # gradients are those of the whole step
     step = parts.world.sum({
         "sequences": rows_in_window,
-        "tokens": generation_tokens * rows_in_window / B,  # the generation batch's tokens, per optimizer step
+        "tokens": generation_tokens * rows_in_window / max(B, 1),  # the generation batch's tokens, per optimizer step
         "micro_batches": math.ceil(rows_in_window / args.per_device_train_batch_size)})
     counts = core.BatchCounts(int(step["sequences"]), step["tokens"], int(step["micro_batches"]),
                               args.max_completion_length)

@@ -127,11 +127,14 @@ class GRPOTrainer(TRLSurface):
                               "give tools, or leave tool_call_format out")
         # where the model comes from: its folder or hub id
         source = (model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-                  ) or args.model
+                  ) or (args.model if model is None else None)
+        if source is None and processing_class is None:
+            raise ConfigError("the model object has no name or folder to load its tokenizer from "
+                              "(config._name_or_path is empty): give processing_class=its tokenizer")
         if rollout_engine is not None:
             setup.check_engine(rollout_engine, episodes=bool(tools or args.tools or environment is not None))
         elif setup.engine_name(args) == "vllm":
-            check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source))
+            check_vllm(args.vllm_enable_sleep_mode, resolve_model_path(source) if source else None)
         check_async_run(args, self.world.size, rollout_engine, rollout_func is not None,
                         setup.engine_name(args) == "server" or getattr(rollout_engine, "shared_by_processes", False))
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
@@ -161,6 +164,7 @@ class GRPOTrainer(TRLSurface):
             self._check_resumed_step()
 
         policy = setup.build_policy(args, model, peft_config)
+        setup.check_vocabulary(policy, tokenizer)
         self.world.check_device(next(policy.parameters()).device)
         self.world.broadcast_parameters(policy)
         if args.sync_ref_model and is_peft_model(policy):  # a folder that held a LoRA adapter

@@ -286,7 +286,7 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
     episode, for episodes: ``turns`` as the engine handed them over)."""
     args, model, seq = parts.args, parts.model, batch.samples.sequences
     with torch.no_grad():
-        got, _ = step.completion_logprobs(model, seq, args.temperature)  # as the step calls it
+        got, _ = step.logprob_pass(parts, model)(seq, args.temperature, False)  # the step's own pass
         input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
         attention = torch.cat([seq.prompt_mask_BP, seq.completion_mask_BT], 1)
         positions = (attention.cumsum(1) - 1).clamp(min=0)
@@ -424,7 +424,7 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
 def sequence_logprobs(parts: StepParts, samples: Samples) -> torch.Tensor:
     """Sum of the step's log-probs over each completion's trained tokens. (B,)"""
     with torch.no_grad():
-        logp, _ = step.completion_logprobs(parts.model, samples.sequences, parts.args.temperature)
+        logp, _ = step.logprob_pass(parts, parts.model)(samples.sequences, parts.args.temperature, False)
     T = samples.loss_mask_BT.shape[1]
     return (logp.float().cpu()[:, :T] * samples.loss_mask_BT).sum(1)
 
