@@ -191,10 +191,11 @@ def check_vllm_server(tokens: int) -> None:
 def check_vllm_training(steps: int) -> None:
     """A short GRPO run of the default task sampling with colocated vLLM."""
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
 
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as folder:
-        trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda, eval_max_samples=0,
+        trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=cuda, eval_max_samples=0,
                                               logging_steps=1, rollout_engine="vllm",
                                               vllm_gpu_memory_utilization=VLLM_MEMORY),
                               quiet=True)
@@ -211,6 +212,7 @@ def check_async(steps: int) -> None:
     """The default run synchronous and then asynchronous (one round ahead, the fast engine): the async
     run's staleness and losses are checked; step times and peak GPU memory are reported side by side."""
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
 
     cuda = torch.cuda.is_available()
     seen = {}
@@ -218,7 +220,7 @@ def check_async(steps: int) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         with tempfile.TemporaryDirectory() as folder:
-            trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda,
+            trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=cuda,
                                                   eval_max_samples=0, logging_steps=1,
                                                   async_generation=variant == "asynchronous"), quiet=True)
             trainer.train()
@@ -300,10 +302,11 @@ def main() -> int:
                   f"tok/s, {rates['fast'] / rates['hf']:.2f}x", flush=True)
 
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
 
     with tempfile.TemporaryDirectory() as folder:
         steps = 2 if args.quick else 5
-        trainer = GRPOTrainer(args=GRPOConfig(output_dir=f"{folder}/run", max_steps=steps, bf16=True, eval_max_samples=0,
+        trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=True, eval_max_samples=0,
                                               logging_steps=1), quiet=True)
         trainer.train()
         summary = trainer.summary

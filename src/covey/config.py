@@ -62,6 +62,8 @@ SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
                    "do_sample": "temperature (covey always samples in training)", "logprobs": "sampler's output"}
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+# the demo's data and rewards (covey train with no arguments): in Python, GRPOConfig(**DEMO, ...) asks for them
+DEMO = {"dataset": "arithmetic", "reward_funcs": ["answer_format", "answer_correct"]}
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 VESPO_SEQUENCE_CORRECTION = (

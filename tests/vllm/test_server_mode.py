@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
+from covey.config import DEMO
 from covey.errors import ConfigError, ModelError
 from covey.models import load_policy
 from covey.rollout import SamplingParams, ServerEngine
@@ -107,7 +108,7 @@ def test_weights_pushed_to_the_server_take_effect(vllm_server, policy, prompts, 
 def _train_against(rank: int, port: int, server_port: int, model_folder: str, output_dir: str, results: str) -> None:
     as_launched(rank, port)
     torch.set_num_threads(1)
-    args = GRPOConfig(model=model_folder, output_dir=output_dir, rollout_engine="vllm", vllm_mode="server",
+    args = GRPOConfig(**DEMO, model=model_folder, output_dir=output_dir, rollout_engine="vllm", vllm_mode="server",
                       vllm_server_port=server_port, vllm_server_timeout=60, max_steps=2, num_generations=4,
                       per_device_train_batch_size=4, max_completion_length=16, learning_rate=1e-4, beta=0.0,
                       eval_max_samples=2, seed=1, log_completions=False)
@@ -140,7 +141,7 @@ def test_an_async_run_pushes_each_round_s_weights_and_leaves_the_server_holding_
     schedule names (one round behind: rounds 0 and 1 both from the start, so one push for the two); the
     evaluation after training samples with the trained policy."""
     updates = vllm_server.requests("/start_weight_update")
-    args = GRPOConfig(model=model_folder, output_dir=str(tmp_path / "run"), rollout_engine="vllm", vllm_mode="server",
+    args = GRPOConfig(**DEMO, model=model_folder, output_dir=str(tmp_path / "run"), rollout_engine="vllm", vllm_mode="server",
                       vllm_server_port=vllm_server.port, vllm_server_timeout=60, max_steps=3, num_generations=4,
                       per_device_train_batch_size=4, max_completion_length=16, learning_rate=1e-4, beta=0.0,
                       eval_max_samples=2, seed=1, log_completions=False, async_generation=True)
