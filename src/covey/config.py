@@ -655,20 +655,10 @@ def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
     return {key: value for key, value in values.items() if key in known}, accepted, problems
 
 
-def _with_trl_names(init_fields: Callable) -> Callable:
-    """A config class's ``__init__`` over its dataclass ``init_fields``: see ``_init_with_trl_names``."""
-
-    def init(self: GRPOConfig, *output_dir: Any, **values: Any) -> None:
-        _init_with_trl_names(self, init_fields, *output_dir, **values)
-
-    init.__signature__ = inspect.signature(init_fields).replace(  # for help() and editors
-        parameters=[*inspect.signature(init_fields).parameters.values(),
-                    inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
-    init.__doc__ = _init_with_trl_names.__doc__
-    return init
+_dataclass_init = GRPOConfig.__init__  # the dataclass's own: covey's fields only
 
 
-def _init_with_trl_names(self: GRPOConfig, init_fields: Callable, *output_dir: Any, **values: Any) -> None:
+def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> None:
     """``GRPOConfig(...)`` takes what TRL's takes: covey's fields, TRL's names for them, and every TRL and
     TrainingArguments field at a value that describes what covey does (kept in ``trl_settings``); any
     other is refused with every problem at once. One positional argument is output_dir, as in TRL."""
@@ -679,7 +669,7 @@ def _init_with_trl_names(self: GRPOConfig, init_fields: Callable, *output_dir: A
         values = {"output_dir": output_dir[0], **values}
     fields, accepted, problems = covey_names(values)
     try:
-        init_fields(self, **fields)
+        _dataclass_init(self, **fields)
     except ConfigError as e:
         problems.extend(getattr(e, "problems", [str(e)]))
     if problems:
@@ -688,7 +678,10 @@ def _init_with_trl_names(self: GRPOConfig, init_fields: Callable, *output_dir: A
     self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
 
 
-GRPOConfig.__init__ = _with_trl_names(GRPOConfig.__init__)
+_init_with_trl_names.__signature__ = inspect.signature(_dataclass_init).replace(  # for help() and editors
+    parameters=[*inspect.signature(_dataclass_init).parameters.values(),
+                inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
+GRPOConfig.__init__ = _init_with_trl_names
 
 
 class AsyncGRPOConfig(GRPOConfig):
