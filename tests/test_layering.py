@@ -157,3 +157,15 @@ def test_the_slow_list_names_tests_that_exist():
         function = name.split("[")[0]
         tree = ast.parse((root / path).read_text())
         assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in ast.walk(tree)), node_id
+
+
+def test_the_package_data_names_files_that_exist():
+    """pyproject's package data (files read next to a module at run time) matches files in the package, so a
+    wheel carries them (a pattern that matches nothing is silently left out of it)."""
+    import tomllib
+
+    root = Path(__file__).parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["covey"]
+    for pattern in patterns:
+        assert list((root / "src" / "covey").glob(pattern)), pattern
+    assert "rollout/fast/decode_kernel.c" in patterns  # the CPU decode kernel's source
