@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from covey.config import AS_COVEY_DOES, GRPOConfig  # TRL's settings whose values are what covey does
+from covey.config import GRPOConfig  # its TRL settings read back as given (GRPOConfig.__getattr__)
 from covey.data import PromptSampler
 from covey.errors import ConfigError
 from covey.train.batch import Update
@@ -62,7 +62,6 @@ class CallbackArgs:
             # covey keeps no best model, evaluates from the first step and restores no callback state
             "load_best_model_at_end": False, "metric_for_best_model": None, "greater_is_better": None,
             "eval_delay": 0, "restore_callback_states_from_checkpoint": False,
-            **{name: allowed[0] for name, allowed in AS_COVEY_DOES.items()},
         }
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_own", own)

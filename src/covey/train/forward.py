@@ -14,6 +14,7 @@ the same numbers as running every row in full, for a fraction of the work.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,11 +294,23 @@ AttentionMaskInterface.register(_FLOAT32_SDPA, sdpa_mask)
 
 def _has_recurrent_layers(model: torch.nn.Module) -> bool:
     """Whether the model's cache holds a recurrent state in some layer (a hybrid of attention and linear
-    attention or state-space layers, such as Nemotron-H or Qwen3-Next)."""
+    attention or state-space layers, such as Nemotron-H or Qwen3-Next); read once per model config."""
+    config = getattr(plain_model(model), "config", None)
+    if config is None:
+        return False
+    seen = _RECURRENT.get(id(config))
+    if seen is None or seen[0]() is not config:  # configs are not hashable: by id, while the same one lives
+        seen = _RECURRENT[id(config)] = (weakref.ref(config), _cache_has_recurrent_layers(config))
+    return seen[1]
+
+
+_RECURRENT: dict[int, tuple[weakref.ref, bool]] = {}  # id(model config) -> (the config, _has_recurrent_layers)
+
+
+def _cache_has_recurrent_layers(config: Any) -> bool:
     from transformers import DynamicCache
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    config = getattr(plain_model(model), "config", None)
     try:
         layers = DynamicCache(config=config).layers
     except Exception:  # a model whose config the cache cannot read: transformers decides in its forward

@@ -48,7 +48,7 @@ from covey.train.metrics import interval_mean, step_metrics
 from covey.train.sharding import Sharding, check_sharded_run, whole_state_dict
 from covey.train.run_folder import claim_run_dir, config_as_used, make_run_dir, write_run_config
 from covey.train.step import Rewards, StepParts, generate_and_score, grpo_step, sampling_from_policy
-from covey.train.trl_api import TRLSurface, TrainingClock, held_out_loss, named_eval_sets
+from covey.train.trl_api import TRLSurface, TrainingClock, closing_entry, held_out_loss, named_eval_sets
 
 # hyperparameters the model card lists, as the run used them
 MODEL_CARD_FIELDS = ("loss_type", "learning_rate", "num_generations", "max_completion_length", "beta", "epsilon",
@@ -297,9 +297,7 @@ class GRPOTrainer(TRLSurface):
         metrics = clock.closing_metrics(
             self.global_step, args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world.size,
             self.history)
-        # the closing entry repeats the last step's metrics beside them, as TRL's holds those it had not logged yet
-        last = self.history[-1] if self.history and self.history[-1].get("step") == self.global_step else {}
-        callbacks.log(self.global_step, {**{k: v for k, v in last.items() if k not in ("step", "epoch")}, **metrics})
+        callbacks.log(self.global_step, closing_entry(self.history, self.global_step, metrics))
         callbacks.call("on_train_end", self.global_step)
         if self.hub is not None:
             callbacks.call("on_push_begin", self.global_step)
@@ -514,8 +512,7 @@ class GRPOTrainer(TRLSurface):
         rewards = self.parts.rewards
         state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.epochs_trained)
         # every process evaluates its share of the rows
-        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
-        with lent, sampling_from_policy(self.parts):
+        with self._sampling_from_policy():
             mine = evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
                             self.args, rewards.pool, reward_context(state), agent=self.parts.agent,
                             rollout_func=self.parts.rollout_func, eos_ids=self.eos_ids)
@@ -524,13 +521,19 @@ class GRPOTrainer(TRLSurface):
         self.callback_handler.evaluate(self.global_step, result)
         return result
 
+    @contextlib.contextmanager
+    def _sampling_from_policy(self):
+        """The engine sampling from the trained policy outside a step (an asynchronous worker's lent back)."""
+        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
+        with lent, sampling_from_policy(self.parts):
+            yield
+
     def held_out_loss(self, rows: list[dict]) -> float:
         """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), averaged over the processes. Each
         process scores every row (its own samples): a sharded model's passes must come in step."""
         train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, rows, "eval_dataset",
                                                            self.parts.agent)
-        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
-        with lent, sampling_from_policy(self.parts):
+        with self._sampling_from_policy():
             losses = self.world.gather(held_out_loss(self.parts, Prompts(train_rows, ids)))
         return sum(losses) / len(losses)
 

@@ -45,6 +45,13 @@ class TrainingClock:
         return metrics
 
 
+def closing_entry(history: list[dict], step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """The closing log entry of train(): ``metrics`` beside the metrics logged at ``step``, the last, as
+    TRL's closing entry holds the steps' metrics it had not logged yet."""
+    last = history[-1] if history and history[-1].get("step") == step else {}
+    return {**{k: v for k, v in last.items() if k not in ("step", "epoch")}, **metrics}
+
+
 def training_loss(history: list[dict], first_step: int) -> float:
     """The mean loss of the optimizer steps after ``first_step``, from the logged entries (each the mean
     over the steps since the one before, so each counts as many times as the steps it covers); steps
