@@ -10,6 +10,10 @@
     covey report runs/20261129-101500             # plots and an HTML page of a run
     covey compare runs/a runs/b                   # reward curves of several runs in one plot
     covey server my.yaml                          # a rollout server for vllm_mode: server
+    covey env                                     # versions, CPU, devices, settings: for a bug report
+    covey --version
+
+For a log, or with --plain (before or after the command), tables print as plain lines, one row per line.
 
 Every GRPOConfig field is an option in dash-case; YAML values are overridden by the command line.
 """
@@ -28,6 +32,7 @@ from covey.config import GRPOConfig, config_fields, suggest_field
 from covey.trl_fields import SAME_AS
 from covey.train.distributed import World
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
+from covey.telemetry.plain import VARIABLE as PLAIN_VARIABLE
 
 
 # what argparse takes for a negative number rather than an option: with exponents too (-1e-3)
@@ -139,10 +144,9 @@ def cmd_eval(argv: list[str]) -> int:
     overrides.setdefault("use_peft", False)  # a saved adapter is loaded as it is, not wrapped again
     args = _load_config(config_path, overrides)
 
-    from rich.console import Console
-
     from covey.data import heldout_rows
     from covey.models import eos_token_ids, load_policy, load_tokenizer
+    from covey.telemetry.plain import output_console
     from covey.telemetry.tables import percent
     from covey.train.evaluation import evaluate
     from covey.train.setup import build_engine, load_rewards, model_loading
@@ -157,38 +161,60 @@ def cmd_eval(argv: list[str]) -> int:
     model = load_policy(args.model, model_loading(args)).eval()
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
-    Console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
+    output_console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
                     f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
     return 0
 
 
+def _verify_output_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """covey verify's --json FILE and --overwrite, wherever they stand before --trl; the other arguments."""
+    cut = argv.index("--trl") if "--trl" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="covey verify", add_help=False, allow_abbrev=False)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--overwrite", action="store_true")
+    namespace, rest = parser.parse_known_args(argv[:cut])
+    if namespace.json is not None:
+        _check_output_file("--json", Path(namespace.json), namespace.overwrite)
+    return namespace, rest + argv[cut:]
+
+
 def cmd_verify(argv: list[str]) -> int:
+    output, argv = _verify_output_options(argv)
     if argv[:1] == ["--trl"]:  # covey verify --trl train_grpo.py [its own arguments]
-        return _verify_trl_script(argv[1:])
+        return _verify_trl_script(argv[1:], output.json)
     namespace, overrides = _parse_command(
         "covey verify", "Run every stage of the pipeline on one small batch and check its invariant; "
-        "exit 1 naming the first failing stage.", argv, num_prompts_help="prompts in the checked batch")
+        "exit 1 naming the first failing stage (docs/verify.md: exit codes, --json FILE for CI, its schema). "
+        "--json FILE: also write the checks as JSON; --overwrite: replace that file.", argv,
+        num_prompts_help="prompts in the checked batch")
     args = _load_config(namespace.config, overrides)
-    from rich.console import Console
+    from covey.verify import verify
 
-    from covey.verify import print_report, verify
-
-    return print_report(verify(args, num_prompts=namespace.num_prompts), Console())
+    return _print_verify_report(verify(args, num_prompts=namespace.num_prompts), output.json)
 
 
-def _verify_trl_script(argv: list[str]) -> int:
+def _print_verify_report(report, json_file: str | None) -> int:
+    import json
+
+    from covey.telemetry.plain import output_console
+    from covey.verify.report import print_report, report_data
+
+    code = print_report(report, output_console())
+    if json_file is not None:
+        Path(json_file).write_text(json.dumps(report_data(report), indent=2) + "\n")
+    return code
+
+
+def _verify_trl_script(argv: list[str], json_file: str | None) -> int:
     """Run a TRL GRPO script up to its trainer.train(), then check that trainer stage by stage."""
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: covey verify --trl SCRIPT [SCRIPT ARGS ...]\n\nRun your TRL GRPO script unchanged up to "
-              "trainer.train(); instead of training, check every stage of its pipeline (TRL's own code, as "
-              "installed) and exit 1 naming the first failing stage.")
+        print("usage: covey verify [--json FILE [--overwrite]] --trl SCRIPT [SCRIPT ARGS ...]\n\nRun your TRL GRPO "
+              "script unchanged up to trainer.train(); instead of training, check every stage of its pipeline (TRL's "
+              "own code, as installed) and exit 1 naming the first failing stage.")
         return 0 if argv else 2
-    from rich.console import Console
-
-    from covey.verify import print_report
     from covey.verify.trl import run_until_train, verify_trl
 
-    return print_report(verify_trl(run_until_train(argv[0], argv[1:])), Console())
+    return _print_verify_report(verify_trl(run_until_train(argv[0], argv[1:])), json_file)
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -199,8 +225,7 @@ def cmd_generate(argv: list[str]) -> int:
     args = _load_config(namespace.config, overrides)
     import json
 
-    from rich.console import Console
-
+    from covey.telemetry.plain import output_console, print_table
     from covey.telemetry.tables import completions_table
     from covey.train.setup import one_batch_settings
     from covey.train.step import score_prompts
@@ -210,7 +235,7 @@ def cmd_generate(argv: list[str]) -> int:
     indices = list(range(min(namespace.num_prompts, len(parts.prompts.rows))))
     records = score_prompts(parts, indices).records()
     table = completions_table(records, title=f"{len(records)} completions of {len(indices)} prompts")
-    Console().print(table)
+    print_table(output_console(), table)
     if namespace.json:
         lines = "".join(json.dumps(r) + "\n" for r in records)
         if namespace.json == "-":
@@ -316,12 +341,34 @@ def cmd_server(argv: list[str]) -> int:
     os.execve(serve.argv[0], serve.argv, {**os.environ, **serve.env})
 
 
+def cmd_env(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey env", allow_abbrev=False,
+        description="Print what covey runs on, to paste into a bug report: the versions of covey, Python, torch and "
+                    "the libraries it uses, the CPU and its features, whether covey's decode kernel runs here, the "
+                    "devices and their memory, and the settings read from the environment.")
+    parser.parse_args(argv)
+    import covey
+    from covey.rollout.fast import decode_kernel
+    from covey.telemetry.environment import format_report, report
+
+    here = f"{covey.__version__} ({Path(covey.__file__).parent})"
+    sys.stdout.write(format_report(report(here, decode_kernel.describe())))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server}
+            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server, "env": cmd_env}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        import covey
+
+        print(f"covey {covey.__version__}")
+        return 0
+    argv = _plain_option(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
@@ -330,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
               "       covey report RUN_DIR [--out DIR]\n"
               "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"
               "       covey export SOURCE OUT [--dtype float32|bfloat16|float16]\n"
-              "       covey server [CONFIG] [--backend vllm|fast] [--host H] [--port P] [--field value ...]",
+              "       covey server [CONFIG] [--backend vllm|fast] [--host H] [--port P] [--field value ...]\n"
+              "       covey env | covey --version\n"
+              "--plain (before or after the command): tables as plain lines, one row per line (so too where the "
+              "output is not a terminal); covey verify --json FILE: the checks as data (docs/verify.md)",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -345,6 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     except CoveyError as e:
         print(f"{_name()}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _plain_option(argv: list[str]) -> list[str]:
+    """argv without --plain (given before the command, or among its options up to a TRL script's own
+    arguments), which it turns into COVEY_PLAIN=1 for this process and those it starts."""
+    cut = argv.index("--trl") if "--trl" in argv else len(argv)
+    if "--plain" not in argv[:cut]:
+        return argv
+    os.environ[PLAIN_VARIABLE] = "1"
+    return [a for a in argv[:cut] if a != "--plain"] + argv[cut:]
 
 
 def _name() -> str:

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from covey.errors import TrainingInterrupted
 from covey.telemetry.health import HealthMonitor
+from covey.telemetry.plain import is_plain, output_console, print_table
 from covey.telemetry.tables import completions_table
 from covey.telemetry.trackers import Tracker
 
@@ -39,13 +40,15 @@ class RunLog:
         self.run_dir = run_dir
         self.record = record  # False: a data-parallel process other than the first, which writes nothing
         self.trackers = list(trackers)
-        self.console = console or Console(stderr=True)
+        self.console = console or output_console(stderr=True)
         self.quiet = quiet
+        self.total_steps = total_steps
+        self.lines = is_plain(self.console)  # for a log: a line per logged step instead of the progress bar
         self.metrics_path = run_dir / "metrics.jsonl"
         self.completions_path = run_dir / "completions.jsonl"
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                                 console=self.console, disable=quiet)
+                                 console=self.console, disable=quiet or self.lines)
         self.task = self.progress.add_task("", total=total_steps)
         self.history: list[dict] = []
         self.health = HealthMonitor()
@@ -82,6 +85,8 @@ class RunLog:
                           "more metrics in this run (metrics.jsonl has them all)[/]")
         live = "  ".join(f"{label} {metrics[key]:.3g}" for key, label in LIVE_KEYS if key in metrics)
         self.progress.update(self.task, completed=step, description=live)
+        if self.lines:
+            self.info(f"step {step}/{self.total_steps}  {live}")
         for message in self.health.check(self.history):
             self.info(f"[yellow]step {step}: {message}[/]")
 
@@ -109,7 +114,7 @@ class RunLog:
             for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")
         if num_to_print != 0 and not self.quiet:
-            self.console.print(completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
+            print_table(self.console, completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
 
     def info(self, message: str) -> None:
         if not self.quiet:

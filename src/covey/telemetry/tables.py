@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from covey.data.text import prompt_text
+from covey.telemetry.plain import print_table
 
 
 def percent(fraction: float | None) -> str:
@@ -67,7 +68,7 @@ def print_summary(console: Console, before: dict | None, after: dict | None, run
         table.add_column(column, justify="right")
     for row in before_after_rows(before, after):
         table.add_row(*row)
-    console.print(table)
+    print_table(console, table)
     console.print(f"run folder: {run_dir}  (a plain model of it for transformers: covey export "
                   f"{shlex.quote(str(run_dir))} OUT)")
 

@@ -14,7 +14,8 @@ FAIL names the broken stage:
     loss        value equal to the formula on the first pass (ratio 1) and away from it (clipping
                 active), KL >= 0 and 0 at the reference, one step raises the best completion and
                 lowers the worst
-    engine      the sampler samples a batch, and its log-probs agree with the trainer's forward
+    engine      the sampler samples a batch, and its log-probs agree with the trainer's forward; the fast
+                engine's decode steps run in covey's kernel where the CPU can run it
     async       (async_generation) a batch sampled by an older policy carries its log-probs, and the
                 step's correction equals pi_current / pi_sampling written out
 """
@@ -85,10 +86,24 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
+    _check_decode_kernel(report, engine.engine)
     if settings.async_generation:
         stages.check_async_correction(report, dataclasses.replace(parts, engine=engine.engine), indices,
                                       lambda model: build_engine(settings, model, parts.tokenizer, eos_ids))
     return report
+
+
+def _check_decode_kernel(report: Report, engine) -> None:
+    """How the fast engine ran its decode steps; a warning where covey's decode kernel would run on this CPU
+    but could not be built (sampling is then slower), saying why."""
+    way = getattr(engine, "decoded_with", None)
+    if way is None:  # another engine, or none of its batches sampled yet
+        return
+    from covey.rollout.fast import decode_kernel
+
+    missing = not decode_kernel.available() and decode_kernel.could_run_here()
+    report.add("engine", "decode steps run in covey's kernel where this CPU can run it", not missing, way,
+               f"covey's decode kernel {decode_kernel.describe()}", warn_only=True)
 
 
 def _failed(report: Report, error: CoveyError, stages: tuple) -> Report:

@@ -33,21 +33,43 @@ class Report:
         return next((s for s in self.stages if s in failed), None)
 
 
+EXIT_CODES = {0: "every stage passed (WARN rows may remain)", 1: "a stage failed: first_failing_stage names the first "
+              "in the order of the loop", 2: "covey could not run the checks: bad settings or input (the message says "
+              "what and where)"}
+
+
+def exit_code(report: Report) -> int:
+    return 1 if report.first_failure else 0
+
+
 def print_report(report: Report, console) -> int:
+    """The checks as a table (as plain lines, one check per line, for a log), then the verdict; the exit code."""
     from rich.table import Table
 
+    from covey.telemetry.plain import print_table
+
     table = Table(title="covey verify")
-    for column in ("stage", "check", "measured", "status", "what to do"):
+    for column in ("stage", "check", "status", "measured", "what to do"):
         table.add_column(column)
     colours = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
     for c in report.checks:
-        table.add_row(c.stage, c.name, c.value, f"[{colours[c.status]}]{c.status}[/]", c.hint)
-    console.print(table)
+        table.add_row(c.stage, c.name, f"[{colours[c.status]}]{c.status}[/]", c.value, c.hint)
+    print_table(console, table)
     failed = report.first_failure
     if failed:
         console.print(f"[bold red]FAIL[/]: first failing stage: {failed}")
-        return 1
+        return exit_code(report)
     warnings = sum(c.status == "WARN" for c in report.checks)
     console.print("[green]every stage passed[/]" + (f", [yellow]with {warnings} warning(s): see the WARN rows[/]"
                                                     if warnings else ""))
-    return 0
+    return exit_code(report)
+
+
+def report_data(report: Report) -> dict:
+    """The report as data for CI gates (``covey verify --json``; the schema is in docs/verify.md)."""
+    counts = {status: sum(c.status == status for c in report.checks) for status in ("PASS", "WARN", "FAIL")}
+    code = exit_code(report)
+    return {"verdict": "FAIL" if code else "WARN" if counts["WARN"] else "PASS", "exit_code": code,
+            "first_failing_stage": report.first_failure, "counts": counts, "stages": list(report.stages),
+            "checks": [{"stage": c.stage, "check": c.name, "status": c.status, "measured": c.value, "message": c.hint}
+                       for c in report.checks]}

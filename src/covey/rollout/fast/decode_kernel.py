@@ -108,12 +108,16 @@ def _build() -> Path:
     raise OSError(f"no folder to build it in ({'; '.join(refused)}): set XDG_CACHE_HOME to a folder this user can write")
 
 
+def could_run_here() -> bool:
+    """Whether this machine is one the kernel is for (Linux, x86-64, AVX-512) and it is not turned off;
+    it still needs a C compiler and a build that passes its self-check (``available``)."""
+    return (os.environ.get("COVEY_DECODE_KERNEL", "1") != "0" and platform.system() == "Linux"
+            and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("COVEY_DECODE_KERNEL", "1") == "0":
-        return None
-    if platform.system() != "Linux" or platform.machine() != "x86_64" \
-            or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if not could_run_here():
         return None
     try:
         library = ctypes.CDLL(str(_build()))
@@ -228,6 +232,28 @@ class _Matrices:
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel multiplies matrices of ``dtype`` here (built on first asking)."""
     return (_library() if dtype == torch.float32 else _amx_library() if dtype == torch.bfloat16 else None) is not None
+
+
+def describe() -> str:
+    """Whether the kernel runs here, in a line for people (``covey env``): built on first asking, with the
+    loader's own reason where it does not run."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        float32, bfloat16 = available(torch.float32), available(torch.bfloat16)
+    if float32:
+        return (f"runs: float32{', and bfloat16 with AMX' if bfloat16 else ' (bfloat16 products need AMX, not usable here)'}"
+                f"; built as {_build()}")
+    if os.environ.get("COVEY_DECODE_KERNEL", "1") == "0":
+        why = "turned off by COVEY_DECODE_KERNEL=0"
+    elif caught:
+        why = "; ".join(str(w.message) for w in caught)
+    elif not could_run_here():
+        why = "it runs on Linux on x86-64 CPUs with AVX-512 only"
+    elif shutil.which(os.environ.get("CC") or "cc") is None:
+        why = f"no C compiler ({os.environ.get('CC') or 'cc'}) found: install one (e.g. gcc) or set CC"
+    else:
+        why = "its build or self-check failed earlier in this process; a warning then said why"
+    return f"does not run here ({why}); sampling multiplies with the general matrix products"
 
 
 def _check_matrices(parts: list[tuple], where: str) -> bool:

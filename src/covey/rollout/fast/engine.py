@@ -88,6 +88,14 @@ def sample_categorical(probs_BV: torch.Tensor, generator: torch.Generator) -> to
     return block_B * CDF_BLOCK + _first_past(cdf_BK, fraction_B1 * cdf_BK[:, -1:], block_BK)
 
 
+def decoding_way(decoder: LeanDecoder | ModelDecoder) -> str:
+    """How ``decoder`` runs a decode step, in words (``covey verify`` shows it)."""
+    if isinstance(decoder, ModelDecoder):
+        return "the model's own forward"
+    return {"kernel": "covey's decode kernel", "prepacked": "oneDNN's prepacked products",
+            "plain": "torch's matrix products"}[decoder.products_for(1).kind] + f" ({str(decoder.dtype)[6:]}, lean decoder)"
+
+
 class FastEngine(SamplesWithPolicy):
     """Batched KV-cache sampling with shared prompt prefill and early exit of finished rows.
 
@@ -105,6 +113,7 @@ class FastEngine(SamplesWithPolicy):
         self.bf16 = bf16
         self.multiply = multiply
         self.exact_logprobs = not bf16
+        self.decoded_with: str | None = None  # how the last batch's decode steps ran (``decoding_way``)
 
     @classmethod
     def build(cls, settings: EngineSettings, policy: torch.nn.Module, tokenizer, eos_token_ids: list[int]) -> "FastEngine":
@@ -151,6 +160,7 @@ class FastEngine(SamplesWithPolicy):
         positions_NP = (mask_NP.cumsum(1) - 1).clamp(min=0)
         try:
             decoder = self._decoder(ids_NP.shape[1] + params.max_new_tokens)
+            self.decoded_with = decoding_way(decoder)
             # the lean decoder has its own bfloat16 weights; the model's forward needs autocast
             with autocast(device, self.bf16 and isinstance(decoder, ModelDecoder)):
                 # prefill each distinct prompt once, then give every sample of its group a copy
