@@ -96,5 +96,8 @@ def test_verify_exit_code_names_the_failing_stage(tmp_path, tiny_model_dir, caps
                         lambda *a, _orig=core.advantages_from_rewards, **k: (-_orig(*a, **k)[0], _orig(*a, **k)[1]))
     config = tmp_path / "c.yaml"
     config.write_text(f"model: {tiny_model_dir}\nnum_generations: 4\nmax_completion_length: 6\n")
-    assert main(["verify", str(config)]) == 1
+    assert main(["verify", str(config), "--json", str(tmp_path / "verify.json")]) == 1
     assert "first failing stage: advantages" in capsys.readouterr().out
+    data = json.loads((tmp_path / "verify.json").read_text())  # the same verdict as data, for a CI gate
+    assert data["verdict"] == "FAIL" and data["exit_code"] == 1 and data["first_failing_stage"] == "advantages"
+    assert any(c["stage"] == "advantages" and c["status"] == "FAIL" and c["message"] for c in data["checks"])

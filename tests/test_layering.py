@@ -34,7 +34,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
     "cli": {"errors", "sources", "trl_fields", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
-            "agents", "train", "verify"},
+            "agents", "train", "verify", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
     "__main__": {"cli"},
 }
