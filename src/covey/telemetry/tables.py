@@ -62,13 +62,15 @@ def completions_table(records: list[dict], title: str) -> Table:
 
 
 def print_summary(console: Console, before: dict | None, after: dict | None, run_dir: Path) -> None:
-    table = Table(title="held-out evaluation (greedy)")
-    table.add_column("")
-    for column in ("accuracy", "mean reward", "n"):
-        table.add_column(column, justify="right")
-    for row in before_after_rows(before, after):
-        table.add_row(*row)
-    print_table(console, table)
+    rows = before_after_rows(before, after)
+    if rows:  # none where the run evaluated nothing (eval_max_samples: 0)
+        table = Table(title="held-out evaluation (greedy)")
+        table.add_column("")
+        for column in ("accuracy", "mean reward", "n"):
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        print_table(console, table)
     console.print(f"run folder: {run_dir}  (a plain model of it for transformers: covey export "
                   f"{shlex.quote(str(run_dir))} OUT)")
 
