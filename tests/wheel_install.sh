@@ -42,7 +42,7 @@ covey train --plain --max-steps 1 --eval-max-samples 0 --num-generations 4 --per
 
 say "covey verify: the default task"
 status=0
-covey verify --plain --json "$work/run/verify.json" --max-completion-length 16 > "$work/run/verify.txt" || status=$?
+covey verify --plain --json "$work/run/verify.json" --num-generations 4 --max-completion-length 16 > "$work/run/verify.txt" || status=$?
 cat "$work/run/verify.txt"
 python - "$work/run/verify.json" "$status" "$work/cache/covey" <<'EOF'
 import json, pathlib, sys

@@ -162,7 +162,7 @@ def cmd_eval(argv: list[str]) -> int:
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
     output_console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
-                    f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
+                           f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
     return 0
 
 
