@@ -101,6 +101,7 @@ def test_plain_on_a_terminal_only_when_asked(monkeypatch):
     monkeypatch.delenv(VARIABLE, raising=False)
     terminal = Console(file=io.StringIO(), force_terminal=True)
     assert not is_plain(terminal) and is_plain(Console(file=io.StringIO()))
+    assert not is_plain(Console(file=io.StringIO(), force_jupyter=True))  # a notebook draws rich's tables
     assert _plain_option(["verify", "c.yaml"]) == ["verify", "c.yaml"] and VARIABLE not in os.environ
     # --plain before or after the command; a TRL script's own arguments are its own
     assert _plain_option(["--plain", "verify", "--trl", "s.py", "--plain"]) == ["verify", "--trl", "s.py", "--plain"]

@@ -17,7 +17,8 @@ SEPARATOR = "  "
 
 
 def is_plain(console: Console) -> bool:
-    return os.environ.get(VARIABLE) == "1" or not console.is_terminal
+    """Plain lines: asked for, or output that no terminal (nor a notebook, which rich draws in) shows."""
+    return os.environ.get(VARIABLE) == "1" or not (console.is_terminal or console.is_jupyter)
 
 
 def output_console(stderr: bool = False) -> Console:
