@@ -65,6 +65,8 @@ def test_verify_through_a_pipe_prints_each_check_whole_on_one_line_and_its_json(
     # the file is kept unless --overwrite, refused before any checking
     assert main(["verify", str(tmp_path / "c.yaml"), "--json", str(out_file)]) == 2
     assert "already exists: pass --overwrite" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "c.yaml"), "--json", "-"]) == 2
+    assert "covey verify --json writes a file" in capsys.readouterr().err
 
 
 def test_verify_warns_where_the_decode_kernel_cannot_be_built_here(tmp_path, tiny_model_dir, capsys, monkeypatch,

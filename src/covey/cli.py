@@ -84,13 +84,15 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
 
 
 def _parse_command(prog: str, description: str, argv: list[str], num_prompts_help: str | None = None,
-                   json_output: bool = False) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """Parse a command's options: [CONFIG], every config field, and optionally --num-prompts / --json."""
+                   json_help: str | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse a command's options: [CONFIG], every config field, and optionally --num-prompts / --json
+    (with ``json_help``, what it writes)."""
+    json_output = json_help is not None
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     if num_prompts_help:
         parser.add_argument("--num-prompts", type=int, default=2, help=num_prompts_help)
     if json_output:
-        parser.add_argument("--json", metavar="FILE", help="also write one JSON line per completion to FILE ('-' = stdout)")
+        parser.add_argument("--json", metavar="FILE", help=json_help)
         parser.add_argument("--overwrite", action="store_true", help="replace the --json FILE if it exists")
     _add_config_options(parser)
     namespace, overrides = _parse(parser, argv)
@@ -173,6 +175,8 @@ def _verify_output_options(argv: list[str]) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--overwrite", action="store_true")
     namespace, rest = parser.parse_known_args(argv[:cut])
+    if namespace.json == "-":
+        raise ConfigError("covey verify --json writes a file (standard output has the checks as lines): name one")
     if namespace.json is not None:
         _check_output_file("--json", Path(namespace.json), namespace.overwrite)
     return namespace, rest + argv[cut:]
@@ -184,9 +188,9 @@ def cmd_verify(argv: list[str]) -> int:
         return _verify_trl_script(argv[1:], output.json)
     namespace, overrides = _parse_command(
         "covey verify", "Run every stage of the pipeline on one small batch and check its invariant; "
-        "exit 1 naming the first failing stage (docs/verify.md: exit codes, --json FILE for CI, its schema). "
-        "--json FILE: also write the checks as JSON; --overwrite: replace that file.", argv,
-        num_prompts_help="prompts in the checked batch")
+        "exit 0 when every stage passed, 1 naming the first failing stage, 2 on bad settings (docs/verify.md).",
+        argv, num_prompts_help="prompts in the checked batch",
+        json_help="also write the checks and the verdict as JSON to FILE, for CI (schema in docs/verify.md)")
     args = _load_config(namespace.config, overrides)
     from covey.verify import verify
 
@@ -221,7 +225,7 @@ def cmd_generate(argv: list[str]) -> int:
     namespace, overrides = _parse_command(
         "covey generate", "Sample completions for a few prompts and show every reward, the total and the "
         "advantage, without training.", argv, num_prompts_help="prompts to sample (each num_generations times)",
-        json_output=True)
+        json_help="also write one JSON line per completion to FILE ('-' = stdout)")
     args = _load_config(namespace.config, overrides)
     import json
 
