@@ -33,12 +33,8 @@ class Report:
         return next((s for s in self.stages if s in failed), None)
 
 
-EXIT_CODES = {0: "every stage passed (WARN rows may remain)", 1: "a stage failed: first_failing_stage names the first "
-              "in the order of the loop", 2: "covey could not run the checks: bad settings or input (the message says "
-              "what and where)"}
-
-
 def exit_code(report: Report) -> int:
+    """covey verify's exit code: 1 where a stage failed, else 0 (docs/verify.md lists them all)."""
     return 1 if report.first_failure else 0
 
 
