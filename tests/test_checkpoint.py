@@ -403,6 +403,7 @@ def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
     """The saved configs say which settings held from which step: a resume that changes them back is one more."""
     from covey.telemetry.runlog import resumed_configs
     from covey.train.run_folder import write_run_config
+    from covey.train.run_outputs import save_config
 
     trainer = trainer_for(run_args(tmp_path / "run", max_steps=6), tokenizer)
     trainer.run_dir.mkdir(parents=True)
@@ -411,7 +412,7 @@ def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
     write_run_config(trainer.run_dir / "config.resumed-at-2.yaml", {**first, "learning_rate": 0.5})
     trainer.resume_from = trainer.run_dir / "checkpoints" / "checkpoint-4"
     trainer.progress = dataclasses.replace(trainer.progress, global_step=4)
-    trainer._save_config()  # the first settings again, after the changed ones
+    save_config(trainer.run_dir, trainer.config_as_used, True, trainer.global_step)  # the first settings again
     assert [step for step, _ in resumed_configs(trainer.run_dir)] == [2, 4]
 
 

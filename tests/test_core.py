@@ -163,7 +163,7 @@ def test_ratio_is_one_on_first_pass_and_loss_is_minus_mean_advantage():
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
     loss, stats = policy_loss(logp, logp.detach(), adv, mask, counts, LossSettings(loss_type="grpo"))
     assert loss.item() == pytest.approx(-adv.mean().item())
-    assert stats["clip_low_sum"] == 0 and stats["clip_high_sum"] == 0
+    assert stats.clip_low_sum == 0 and stats.clip_high_sum == 0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -233,7 +233,7 @@ def test_kl_penalty_adds_beta_times_k3_and_is_reported():
     with_kl, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="dapo", beta=0.5), ref)
     kl = (kl_k3(logp, ref) * mask).sum()
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl.item() / mask.sum().item(), rel=1e-12)
-    assert stats["kl_sum"].item() == pytest.approx(kl.item())
+    assert stats.kl_sum == pytest.approx(kl.item())
     with pytest.raises(ValueError):
         policy_loss(logp, old, adv, mask, counts, LossSettings(beta=0.5))
 
@@ -245,7 +245,7 @@ def test_clipping_stats_count_clipped_tokens():
     mask = torch.ones(2, 2, dtype=torch.long)
     counts = BatchCounts(sequences=2, tokens=4, micro_batches=1, max_completion_length=2)
     _, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(epsilon_low=0.2, epsilon_high=0.2))
-    assert stats["clip_high_sum"].item() == 1 and stats["clip_low_sum"].item() == 1
+    assert stats.clip_high_sum == 1 and stats.clip_low_sum == 1
 
 
 def test_entropy_is_reported_over_masked_tokens():
@@ -253,4 +253,4 @@ def test_entropy_is_reported_over_masked_tokens():
     entropy = torch.rand(4, 5, dtype=torch.float64)
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
     _, stats = policy_loss(logp, old, adv, mask, counts, entropy_BT=entropy)
-    assert stats["entropy_sum"].item() == pytest.approx((entropy * mask).sum().item())
+    assert stats.entropy_sum == pytest.approx((entropy * mask).sum().item())

@@ -9,7 +9,7 @@ inside a function hides a cycle rather than removing it). The layers, from the t
     agents                       tools, environments and episodes (the code sandbox of rewards)
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
-    core | errors | sources | trl_fields   the maths (nothing of covey), and leaves
+    core | errors | sources | trl_fields | rules | config_values   the maths (nothing of covey), and leaves
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ SOURCE = Path(__file__).resolve().parent.parent / "src" / "covey"
 
 # each part of covey, and the parts it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {
-    "errors": set(), "sources": set(), "trl_fields": set(),
+    "errors": set(), "sources": set(), "trl_fields": set(), "rules": {"errors"},
     "core": set(),  # the maths import nothing of covey
-    "config": {"errors", "sources", "trl_fields"},
+    "config_values": {"errors"},
+    "config": {"errors", "sources", "trl_fields", "rules", "config_values"},
     "data": {"errors", "sources"},
     "models": {"errors", "sources"},
     "rewards": {"errors", "sources", "data"},  # rewards know no trainer
     "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
     "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
     "agents": {"errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
-    "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
-    "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+    "train": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
+    "verify": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
-    "cli": {"errors", "sources", "trl_fields", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
+    "cli": {"errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
             "agents", "train", "verify", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
     "__main__": {"cli"},

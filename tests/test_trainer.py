@@ -151,14 +151,14 @@ def test_a_run_folder_is_never_overwritten(tmp_path, tokenizer, tiny_model):
 
 
 def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
+    import covey.train.assemble
     import covey.train.setup
-    import covey.train.trainer
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(covey.train.setup, "load_policy", no_loading)
-    monkeypatch.setattr(covey.train.trainer, "load_tokenizer", no_loading)
+    monkeypatch.setattr(covey.train.assemble, "load_tokenizer", no_loading)
     with pytest.raises(DataError, match="no 'prompt' column"):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=[{"text": "x"}])
 

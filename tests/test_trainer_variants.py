@@ -177,7 +177,7 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
     if mode == "token_truncate":  # logged over the trained tokens only, each weighing exp(0.05)
         update = Update(1, stats, stats["grad_norm"], 1e-3, 0, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
-        metrics = step_metrics(batch, update, ["count_a"], torch.ones(1, dtype=torch.float64), {}, {}, 0, False)
+        metrics = step_metrics(batch, update, ["count_a"], torch.ones(1, dtype=torch.float64), {}, {}, 0)
         assert metrics["engine_is/mean_weight"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), abs=1e-4)
         assert metrics["engine_is/masked_fraction"] == 0.0
 

@@ -246,8 +246,8 @@ def test_adaptive_entropy_control_matches_trl_over_steps_of_two_micro_batches():
             assert rel(ours, theirs) < TOL
             for a, b in zip(torch.autograd.grad(ours, [logp, entropy]), torch.autograd.grad(theirs, [logp, entropy])):
                 assert rel(a, b) < TOL
-            window_entropy += float(stats["entropy_bonus_sum"])
-            window_tokens += float(stats["entropy_bonus_tokens"])
+            window_entropy += float(stats.entropy_bonus_sum)
+            window_tokens += float(stats.entropy_bonus_tokens)
         last_entropy = window_entropy / window_tokens
         coef = bonus.moved(coef, last_entropy)
         seen.add(applied > 0)

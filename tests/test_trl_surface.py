@@ -180,7 +180,7 @@ def test_the_router_loss_joins_the_policy_loss_as_its_mean_over_micro_batches():
     with_router, stats = core.policy_loss(logp, logp.detach(), advantages, mask, counts, settings,
                                           router_aux_loss=torch.tensor(3.0))
     assert with_router.item() == pytest.approx(plain.item() + 0.1 * 3.0 / 2)
-    assert stats["aux_loss_sum"].item() == 3.0
+    assert stats.aux_loss_sum == 3.0
 
 
 def test_the_held_out_loss_is_the_grpo_loss_at_ratio_one(tmp_path, tokenizer, tiny_model):

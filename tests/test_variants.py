@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from covey import core
-from covey.core import BatchCounts, LossSettings, policy_loss
+from covey.core import BatchCounts, LossSettings, policy_loss, reported_metrics
 
 TOL = 1e-10
 
@@ -190,11 +190,13 @@ def test_sapo_gate_is_the_policy_gradient_at_ratio_one_and_fades_smoothly_away_f
     weights = {}
     for a in (1.0, -1.0):
         logp = torch.log(r).requires_grad_(True)
+        settings = LossSettings(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
         loss, stats = policy_loss(logp, torch.zeros_like(r), torch.tensor([a], dtype=torch.float64), torch.ones(1, 4),
-                                  counts, LossSettings(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0))
+                                  counts, settings)
         grad, = torch.autograd.grad(loss, logp)
         weights[a] = (-grad * 4 / a)[0]  # the weight per token (sequence mean over 4 tokens)
-        assert "clip_high_sum" not in stats  # a soft gate clips nothing
+        assert stats.clip_high_sum == stats.clip_low_sum == 0  # a soft gate clips nothing
+        assert "clip_ratio" not in reported_metrics(settings)  # and reports no clip ratios
     for a, tau in ((1.0, 1.0), (-1.0, 2.0)):
         sig = torch.sigmoid(tau * (r[0] - 1))
         assert rel_err(weights[a], 4 * sig * (1 - sig) * r[0]) < TOL
@@ -210,14 +212,14 @@ def test_vespo_weight_is_one_on_policy_and_reshapes_the_sequence_weight():
     settings = LossSettings(loss_type="vespo")
     on_policy, stats = policy_loss(logp, logp.detach(), torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3), counts,
                                    settings)
-    assert stats["vespo_phi_sum"].item() == pytest.approx(1.0)
+    assert stats.vespo_phi_sum == pytest.approx(1.0)
     assert rel_err(on_policy, -2.0 * logp.sum() / 3) < TOL
     old = logp.detach() - torch.tensor([[0.3, -0.1, 0.2]], dtype=torch.float64)  # W = e^0.4
     loss, stats = policy_loss(logp, old, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3), counts, settings)
     grad, = torch.autograd.grad(loss, logp)
     W = math.exp(0.4)
     phi = W ** 2.0 * math.exp(3.0 * (1 - W))
-    assert stats["vespo_phi_sum"].item() == pytest.approx(phi, rel=1e-12)
+    assert stats.vespo_phi_sum == pytest.approx(phi, rel=1e-12)
     assert rel_err(grad, torch.full((1, 3), -phi * 2.0 / 3, dtype=torch.float64)) < TOL
 
 
@@ -249,7 +251,7 @@ def test_off_policy_mask_drops_negative_sequences_that_drifted_past_the_threshol
     dropped = [i for i in range(8) if adv[i] < 0 and
                sum(float((behaviour[i, t] - logp[i, t]).detach()) for t in seq_tokens(mask, i)) / len(seq_tokens(mask, i)) > delta]
     assert 0 < len(dropped) < int((adv < 0).sum())  # the example exercises both outcomes
-    assert stats["off_policy_masked"].item() == len(dropped)
+    assert stats.off_policy_masked == len(dropped)
     kept_adv = adv.clone()
     kept_adv[dropped] = 0.0  # a dropped sequence contributes nothing to the policy term
     want = reference_loss(logp, old, ref, kept_adv, mask, loss_type, L=5)
@@ -274,7 +276,7 @@ def test_entropy_bonus_is_the_coefficient_times_the_mean_entropy_of_the_trained_
     mean_entropy = entropy[trained].sum() / trained.sum()
     assert rel_err(loss, plain - 0.3 * mean_entropy / 2) < TOL
     assert rel_err(grad, -0.3 * trained.double() / trained.sum() / 2) < TOL
-    assert stats["entropy_bonus_tokens"].item() == trained.sum().item()
+    assert stats.entropy_bonus_tokens == trained.sum().item()
 
 
 def test_adaptive_entropy_control_follows_skywork_or1():

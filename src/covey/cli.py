@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from covey.config import GRPOConfig, config_fields, suggest_field
+from covey.config import GRPOConfig, config_fields
+from covey.trl_fields import suggest_field
 from covey.trl_fields import SAME_AS
 from covey.train.distributed import World
 from covey.errors import ConfigError, CoveyError, TrainingInterrupted
@@ -66,7 +67,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
     for token in unknown:
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0].replace("-", "_")
-            raise ConfigError(f"unknown option {token.split('=', 1)[0]}{suggest_field(name)}; "
+            raise ConfigError(f"unknown option {token.split('=', 1)[0]}{suggest_field(name, [f.name for f in config_fields()])}; "
                               "see covey train --help")
         raise ConfigError(f"unexpected argument {token!r}; give at most one config file")
     names = {f.name for f in config_fields()}

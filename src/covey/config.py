@@ -14,25 +14,22 @@ sized to finish in minutes on a laptop CPU.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import difflib
 import functools
 import inspect
-import json
 import math
-import os
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from covey.errors import ConfigError
+from covey import rules
+from covey.config_values import coerce, read_yaml_mapping
+from covey.errors import ConfigError, config_errors
 from covey.sources import EMBEDDED_MODEL
-from covey.trl_fields import AS_COVEY_DOES, NAMES_ELSEWHERE, SAME_AS, UNSET_WHEN_NONE, as_covey_does
+from covey.trl_fields import AS_COVEY_DOES, covey_names
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -54,24 +51,12 @@ LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr")
 # model_init_kwargs keys that are covey fields (torch_dtype: transformers' older name of dtype)
 MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "revision": "model_revision",
                      "attn_implementation": "attn_implementation", "trust_remote_code": "trust_remote_code"}
-# generation_kwargs keys (transformers', vLLM's names) that covey's own fields set
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
-                   "max_new_tokens": "max_completion_length", "stop": "stop_strings", "stop_strings": "stop_strings",
-                   "n": "num_generations", "num_return_sequences": "num_generations", "seed": "seed",
-                   "do_sample": "temperature (covey always samples in training)", "logprobs": "sampler's output"}
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # the demo's data and rewards (covey train with no arguments): in Python, GRPOConfig(**DEMO, ...) asks for them
 DEMO = {"dataset": "arithmetic", "reward_funcs": ["answer_format", "answer_correct"]}
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
-VESPO_SEQUENCE_CORRECTION = (
-    "loss_type: vespo folds the engine/trainer importance weights into its sequence weight token by token (as TRL "
-    "does), and vllm_importance_sampling_mode gives one weight per sequence; set vllm_importance_sampling_mode: "
-    "token_truncate or token_mask, or vllm_importance_sampling_correction: false")
-SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
-                  "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
 
 
 @dataclass
@@ -257,7 +242,7 @@ class GRPOConfig:
         problems = []  # every bad value at once
         for f in dataclasses.fields(self):
             try:
-                setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_type(f)))
+                setattr(self, f.name, coerce(f.name, getattr(self, f.name), _field_type(f)))
             except ConfigError as e:
                 problems.append(str(e))
                 continue
@@ -269,7 +254,8 @@ class GRPOConfig:
         self._lift_model_init_kwargs()
         if self.use_vllm:
             self.rollout_engine = "vllm"
-        self._check_ranges()
+        rules.check(rules.CONFIG_RULES, self)
+        rules.advise(self)
 
     def _lift_model_init_kwargs(self) -> None:
         """Settings of model_init_kwargs that are covey fields (TRL recipes give the dtype there) move into
@@ -286,7 +272,7 @@ class GRPOConfig:
             if getattr(self, name) not in (default, value):
                 problems.append(f"model_init_kwargs sets {key}={value!r} and {name}={getattr(self, name)!r}; give one")
             else:
-                setattr(self, name, _coerce(name, value, _field_type(GRPOConfig.__dataclass_fields__[name])))
+                setattr(self, name, coerce(name, value, _field_type(GRPOConfig.__dataclass_fields__[name])))
         if problems:
             raise config_errors(problems)
         self.model_init_kwargs = kwargs or None
@@ -304,210 +290,6 @@ class GRPOConfig:
     def quantization(self) -> str | None:
         """'4bit' or '8bit' (load_in_4bit, load_in_8bit), else None."""
         return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
-
-    def _check_ranges(self) -> None:
-        problems: list[str] = []
-
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                problems.append(message)
-
-        try:
-            self._ranges(need)
-        except ConfigError as e:  # a check that raises itself
-            problems.extend(getattr(e, "problems", [str(e)]))
-        except (ArithmeticError, TypeError, ValueError):  # a check that needs a value an earlier one refused
-            if not problems:
-                raise
-        if problems:
-            raise config_errors(problems)
-
-    def _ranges(self, need: Callable[[bool, str], None]) -> None:
-        need(self.num_generations >= 2, f"num_generations={self.num_generations}: a group needs at least 2 completions")
-        spg = self.micro_batches_per_generation
-        need(
-            self.generation_batch_size % self.num_generations == 0,
-            f"per_device_train_batch_size * {'steps_per_generation' if self.steps_per_generation else 'gradient_accumulation_steps'}"
-            f" = {self.per_device_train_batch_size} * {spg} = {self.generation_batch_size} completions per generation is "
-            f"not divisible by num_generations={self.num_generations}; make it a multiple so every prompt gets a whole group",
-        )
-        need(spg % self.gradient_accumulation_steps == 0,
-             f"steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={self.gradient_accumulation_steps}")
-        if self.delta is not None:
-            need(self.delta > 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high),
-                 f"delta={self.delta} must exceed 1 + epsilon_high, or it clips every ratio")
-        if self.clip_ratio_c is not None:
-            need(self.clip_ratio_c > 1, f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip uses about 3)")
-        self._check_loss_variant(need)
-        if self.async_generation:
-            steps = self.optimizer_steps_per_generation
-            need(self.max_staleness >= steps, f"async_generation: max_staleness={self.max_staleness} is below the "
-                 f"{steps} optimizer step(s) of each generation round, so no round could be sampled ahead; set "
-                 f"max_staleness to {steps} (one round ahead) or more")
-            need(self.vllm_importance_sampling_correction, "async_generation samples with an older policy, and "
-                 "vllm_importance_sampling_correction: false turns off the correction for it; leave it on")
-            need(not self.vllm_enable_sleep_mode, "async_generation: vllm_enable_sleep_mode puts vLLM to sleep "
-                 "between generations, and under async_generation it samples while the trainer trains; set "
-                 "vllm_enable_sleep_mode: false")
-        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            warnings.warn(f"importance_sampling_level: sequence with loss_type: {self.loss_type}, a sum over tokens, "
-                          "weights each sequence by its completion length; GSPO's per-sequence objective is "
-                          "loss_type: grpo (LUSPO's length weighting on purpose: luspo)", stacklevel=3)
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            warnings.warn("loss_type: luspo weights each sequence's loss by its length, which the paper does with "
-                          "the sequence-level ratio; set importance_sampling_level: sequence", stacklevel=3)
-        cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.loss_type == "cispo" and cap <= 1:
-            warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
-                          "every weight is below the ratio 1 it starts at; the MiniMax-M1 cap is 1 + eps (TRL's docs "
-                          "suggest epsilon_high: 5.0)", stacklevel=3)
-        need(0 < self.top_entropy_quantile <= 1, f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]")
-        need(0 <= self.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
-        need(not self.sync_ref_model or self.beta > 0,
-             "sync_ref_model needs beta > 0: with beta 0 there is no reference model to sync")
-        need(not (self.sync_ref_model and self.use_peft), SYNC_WITH_LORA)
-        need(self.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
-        need(self.reward_timeout is None or self.reward_timeout > 0, f"reward_timeout={self.reward_timeout} must be positive")
-        need(self.max_steps >= 1 or self.max_steps == -1,
-             f"max_steps={self.max_steps} must be at least 1, or -1 to train for num_train_epochs")
-        epochs = "None" if self.num_train_epochs is None else f"{self.num_train_epochs:g}"
-        need(self.num_train_epochs is None or self.num_train_epochs > 0,
-             f"num_train_epochs={epochs} must be positive")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                     "max_completion_length", "max_prompt_length", "logging_steps", "ref_model_sync_steps",
-                     "dynamic_sampling_max_rounds", "max_consecutive_bad_steps"):
-            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
-        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be positive")
-        need(self.temperature > 0, f"temperature={self.temperature} must be positive (use a small value for near-greedy)")
-        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
-        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
-        need(self.min_p is None or 0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)")
-        need(self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be positive")
-        need(not (self.stop_strings and self.rollout_engine == "hf"),
-             "stop_strings need rollout_engine: fast (transformers generate cannot report where they ended)")
-        for key in sorted(set(self.generation_kwargs or {})):
-            need(key not in SAMPLING_FIELDS, f"generation_kwargs: {key} is covey's {SAMPLING_FIELDS.get(key)}, "
-                                             "which the log-probs are computed with too; set that field instead")
-        need(not self.generation_kwargs or self.rollout_engine != "fast",
-             f"generation_kwargs {sorted(self.generation_kwargs or {})} are settings of transformers' generate or "
-             "vLLM, and rollout_engine: fast samples with covey's fields only; use rollout_engine: hf or vllm (the "
-             "default with generation_kwargs), or remove them")
-        need(self.beta >= 0, f"beta={self.beta} must be >= 0")
-        need(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0), "epsilon and epsilon_high must be >= 0")
-        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
-        need(0 <= self.warmup_steps and (self.warmup_steps < 1 or self.warmup_steps == int(self.warmup_steps)),
-             f"warmup_steps={self.warmup_steps:g} must be a whole number of steps, or a fraction of max_steps in [0, 1)")
-        need(not (self.warmup_steps and self.warmup_ratio),
-             f"warmup_steps={self.warmup_steps:g} and warmup_ratio={self.warmup_ratio} both set the warmup; keep one")
-        need(self.eval_max_samples >= 0, f"eval_max_samples={self.eval_max_samples} must be >= 0")
-        need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0")
-        need(self.steps_per_generation is None or self.steps_per_generation >= 1,
-             f"steps_per_generation={self.steps_per_generation} must be at least 1")
-        need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
-             f"LoRA settings out of range: lora_r={self.lora_r} (>= 1), lora_alpha={self.lora_alpha} (> 0), "
-             f"lora_dropout={self.lora_dropout} (in [0, 1))")
-        need(not self.use_peft or self.lora_target_modules != [],
-             "lora_target_modules is empty: name the modules LoRA wraps (q_proj, v_proj, ...) or use all-linear")
-        need(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit and load_in_8bit both set: choose one")
-        for key, instead in (("quantization_config", "load_in_4bit or load_in_8bit"),
-                             ("device_map", "use_cpu (covey places the model on its device)")):
-            need(key not in (self.model_init_kwargs or {}), f"model_init_kwargs: {key} is set by covey's {instead}; "
-                                                            "remove it from model_init_kwargs")
-        need(abs(self.seed) < 2**62, f"seed={self.seed} is too large: give a seed below 2**62")
-        if self.rollout_engine == "vllm":
-            self.check_vllm_seed()
-        need(not self.vllm_enable_sleep_mode or (self.rollout_engine == "vllm" and self.vllm_mode == "colocate"),
-             "vllm_enable_sleep_mode puts the vLLM of vllm_mode: colocate to sleep while the trainer trains; this run "
-             f"samples with rollout_engine: {self.rollout_engine}, vllm_mode: {self.vllm_mode} (a vLLM server sleeps "
-             "by its own flags): set vllm_enable_sleep_mode: false")
-        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0 and self.weight_decay >= 0,
-             f"AdamW settings out of range: adam_beta1={self.adam_beta1}, adam_beta2={self.adam_beta2} (each in [0, 1)), "
-             f"adam_epsilon={self.adam_epsilon} (> 0), weight_decay={self.weight_decay} (>= 0)")
-        need(1 <= self.vllm_server_port <= 65535, f"vllm_server_port={self.vllm_server_port} must be in 1..65535")
-        need(self.ddp_timeout >= 1, f"ddp_timeout={self.ddp_timeout} must be at least 1 second")
-        need(self.vllm_server_timeout > 0, f"vllm_server_timeout={self.vllm_server_timeout} must be positive")
-        need(0 <= self.vllm_group_port <= 65535, f"vllm_group_port={self.vllm_group_port} must be in 0..65535 (0: a free one)")
-        need((self.overlong_max_length is None or self.overlong_max_length >= 1)
-             and (self.overlong_cache_length is None or self.overlong_cache_length >= 1),
-             "overlong_max_length and overlong_cache_length must be at least 1")
-        need(self.vllm_importance_sampling_clip_min is None or self.vllm_importance_sampling_clip_min >= 0,
-             f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be >= 0")
-        need(self.reward_num_workers >= 0, f"reward_num_workers={self.reward_num_workers} must be >= 0")
-        need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
-             f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be at least 1 (None: no limit)")
-        need(self.tool_timeout > 0, f"tool_timeout={self.tool_timeout} must be positive")
-        need(self.code_timeout > 0 and self.code_memory_limit_mb >= 16,
-             "code_timeout must be positive and code_memory_limit_mb at least 16")
-        need(self.per_device_eval_batch_size >= 1 and (self.num_generations_eval or 1) >= 1,
-             "per_device_eval_batch_size and num_generations_eval must be at least 1")
-        need(self.eval_steps is None or self.eval_steps >= 1, f"eval_steps={self.eval_steps} must be at least 1")
-        need(self.eval_strategy == "no" or self.eval_max_samples != 0,
-             "eval_strategy: steps evaluates on held-out rows, and eval_max_samples: 0 takes none; give eval_max_samples "
-             "> 0 or set eval_strategy: no")
-        kwargs = self.lr_scheduler_kwargs or {}
-        if self.lr_scheduler_type == "cosine_with_min_lr":
-            need(len(kwargs) == 1 and set(kwargs) <= {"min_lr_rate", "min_lr"},
-                 f"lr_scheduler_type: cosine_with_min_lr needs lr_scheduler_kwargs with one of min_lr_rate (a fraction "
-                 f"of learning_rate) or min_lr, as in transformers; got {kwargs}")
-            need(all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in kwargs.values()),
-                 f"lr_scheduler_kwargs {kwargs}: the floor must be a number >= 0")
-        else:
-            need(not kwargs, f"lr_scheduler_kwargs {kwargs} has no meaning for lr_scheduler_type: "
-                             f"{self.lr_scheduler_type}; remove it")
-        need(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0 = no checkpoints)")
-        need(self.save_total_limit is None or self.save_total_limit >= 1,
-             f"save_total_limit={self.save_total_limit} must be at least 1 (None keeps all)")
-        need(self.log_completions_steps >= 1 and (self.num_completions_to_print or 0) >= 0,
-             "log_completions_steps must be at least 1 and num_completions_to_print >= 0")
-        need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
-        trackers = {"tensorboard", "wandb", "trackio", "mlflow", "none"}
-        unknown = [t for t in self.report_to if t not in trackers]
-        need(not unknown, f"report_to: {', '.join(map(repr, unknown))} is not a tracker; choose from "
-                          f"{', '.join(sorted(trackers))}")
-        need(len(self.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
-
-    def _check_loss_variant(self, need: Callable[[bool, str], None]) -> None:
-        """The settings of the objectives that replace the clipped surrogate, and of the entropy bonus:
-        each in range, none given where nothing would read it."""
-        own_weight = {"cispo": "it caps its own weight at epsilon_high",
-                      "sapo": "its soft gate, shaped by sapo_temperature_pos/neg, replaces the clip",
-                      "vespo": "its sequence weight, shaped by vespo_k_*/vespo_lambda_*, replaces the clip"}
-        if self.loss_type in own_weight:
-            for name in ("delta", "clip_ratio_c") + (("epsilon_high",) if self.loss_type != "cispo" else ()):
-                need(getattr(self, name) is None,
-                     f"{name} clips the PPO ratio, which loss_type: {self.loss_type} does not use "
-                     f"({own_weight[self.loss_type]}); unset {name} or choose another loss_type")
-        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
-             f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg={self.sapo_temperature_neg} "
-             "must be positive")
-        need(min(self.vespo_k_pos, self.vespo_k_neg, self.vespo_lambda_pos, self.vespo_lambda_neg) >= 0,
-             f"vespo_k_pos={self.vespo_k_pos}, vespo_k_neg={self.vespo_k_neg}, vespo_lambda_pos={self.vespo_lambda_pos} "
-             f"and vespo_lambda_neg={self.vespo_lambda_neg} must be >= 0")
-        need(self.loss_type != "vespo" or self.importance_sampling_level == "token",
-             "loss_type: vespo weighs each sequence by its own importance weight, computed from the token ratios: "
-             "importance_sampling_level: sequence has no meaning for it; set importance_sampling_level: token")
-        if self.loss_type == "vespo" and self.rollout_engine == "vllm" and self.vllm_importance_sampling_correction:
-            need(self.vllm_importance_sampling_mode.startswith("token"), VESPO_SEQUENCE_CORRECTION)
-        need(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold > 0,
-             f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be positive (None: no off-policy mask)")
-        need(self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef} must be >= 0 (an entropy bonus; 0 = off)")
-        need(0 <= self.entropy_coef_min <= self.entropy_coef_max,
-             f"entropy_coef_min={self.entropy_coef_min} and entropy_coef_max={self.entropy_coef_max} must satisfy "
-             "0 <= entropy_coef_min <= entropy_coef_max")
-        need(self.entropy_coef_delta > 0 and self.entropy_target >= 0,
-             f"entropy_coef_delta={self.entropy_coef_delta} must be positive and entropy_target={self.entropy_target} "
-             ">= 0")
-        # a setting of a variant the run does not use would be ignored: refused instead
-        unused = [(("sapo_temperature_pos", "sapo_temperature_neg"), self.loss_type == "sapo", "loss_type: sapo"),
-                  (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), self.loss_type == "vespo",
-                   "loss_type: vespo"),
-                  (("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"),
-                   self.use_adaptive_entropy, "use_adaptive_entropy: true")]
-        for names, used, needs in unused:
-            for name in names:
-                value = getattr(self, name)
-                need(used or value == _DEFAULTS[name],
-                     f"{name}={value} has an effect only with {needs}; set that, or remove {name}")
 
     def sample_in_bf16(self, device: Any) -> bool:
         """Whether the local engines sample in bfloat16 on ``device`` (see rollout_bf16)."""
@@ -547,11 +329,6 @@ class GRPOConfig:
         """Optimizer steps taken on each generation batch, over all its iterations."""
         return self.micro_batches_per_generation // self.gradient_accumulation_steps * self.num_iterations
 
-    def check_vllm_seed(self) -> None:
-        """vLLM seeds numpy with ``seed``, which takes 0 to 2**32 - 1 only."""
-        if not 0 <= self.seed < 2**32:
-            raise ConfigError(f"seed={self.seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); give one there")
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -574,85 +351,8 @@ class GRPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8") from None
-        try:
-            values = yaml.load(text, Loader=_YAMLLoader) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-            problem = getattr(e, "problem", None) or e
-            if isinstance(e, yaml.reader.ReaderError):  # a forbidden character: a position, no mark
-                mark = yaml.Mark(str(path), e.position, text.count("\n", 0, e.position),
-                                 e.position - text.rfind("\n", 0, e.position) - 1, None, None)
-                problem = f"the character {e.character!r} is not allowed in YAML"
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-        except RecursionError:
-            raise ConfigError(f"{path}: invalid YAML: nested too deeply to read") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
-        return cls.from_dict({**values, **(overrides or {})}, source=str(path))
-
-
-def covey_names(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """TRL's names and rules turned into covey's fields: (covey's fields, the TRL settings accepted as what
-    covey does anyway, the problems). Both doors (Python's ``GRPOConfig(...)``, and YAML and the command
-    line through ``from_dict``) pass here, so a setting is accepted or refused alike in each."""
-    known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    problems: list[str] = []
-    if "bf16" in values and values["bf16"] is None:  # TRL's None: bf16 where the GPU has it, unless use_cpu
-        values = {**values, "bf16": not values.get("use_cpu") and torch_cuda_bf16()}
-    for alias, name in SAME_AS.items():  # TRL's model and script arguments
-        if alias in values and values[alias] is None and alias in UNSET_WHEN_NONE:  # an older name left unset
-            values = {k: v for k, v in values.items() if k != alias}
-        if alias in values:
-            if name in values and values[name] != values[alias]:
-                problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
-                                "(TRL's name and covey's); give one")
-            values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
-    if "generation_batch_size" in values:  # TRL's field; covey's is computed from steps_per_generation
-        values, problem = _generation_batch_as_steps(values)
-        problems.extend(problem)
-    if (url := values.get("vllm_server_base_url")) is not None:  # TRL's one-field form of host and port
-        values, problem = _server_url_as_host_and_port(values, url)
-        problems.extend(problem)
-    elif "vllm_server_base_url" in values:  # None: TRL's default, host and port say where
-        values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
-    if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
-        if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
-            problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
-                            f"{values['eval_split']!r} name the same setting (TRL's name and covey's); give one")
-        values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
-            "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
-                "dataset", GRPOConfig.__dataclass_fields__["dataset"].default)}
-    if values.get("generation_kwargs"):  # sampler settings that are covey's fields move there
-        values, problem = _lift_generation_kwargs(values)
-        problems.extend(problem)
-    if values.get("num_train_epochs") is not None and "max_steps" not in values:
-        values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
-    elif values.get("num_train_epochs") is not None and str(values["max_steps"]).strip() != "-1":
-        warnings.warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
-                      f"{values['max_steps']} sets the run's length (as in TRL)", stacklevel=3)
-        values = {**values, "num_train_epochs": None}
-    accepted = {}
-    for key in values:
-        if not isinstance(key, str):
-            problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
-        elif key in known:
-            continue
-        elif as_covey_does(key, values[key]):
-            accepted[key] = values[key]
-        elif key in AS_COVEY_DOES:
-            problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
-                            f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
-        else:
-            problems.append(f"unknown config key {key!r}{suggest_field(key)}")
-    return {key: value for key, value in values.items() if key in known}, accepted, problems
+        """The config of the YAML file at ``path``, with ``overrides`` (the command line's) over its values."""
+        return cls.from_dict({**read_yaml_mapping(path), **(overrides or {})}, source=str(path))
 
 
 _dataclass_init = GRPOConfig.__init__  # the dataclass's own: covey's fields only
@@ -667,7 +367,7 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
             raise ConfigError("GRPOConfig takes one positional argument, output_dir (as TRL's); give the others "
                               "by name, such as GRPOConfig(output_dir='runs/a', learning_rate=1e-5)")
         values = {"output_dir": output_dir[0], **values}
-    fields, accepted, problems = covey_names(values)
+    fields, accepted, problems = covey_names(values, {f.name: f.default for f in dataclasses.fields(GRPOConfig)})
     try:
         _dataclass_init(self, **fields)
     except ConfigError as e:
@@ -697,138 +397,6 @@ class AsyncGRPOConfig(GRPOConfig):
         self.__dict__["fields_given"] = self.fields_given - (set(self.DEFAULTS) - set(values))
 
 
-# generation_kwargs keys that covey's own fields set (the log-probs are computed with them too)
-LIFTED_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
-                        "max_new_tokens": "max_completion_length", "stop": "stop_strings",
-                        "stop_strings": "stop_strings", "n": "num_generations", "num_return_sequences": "num_generations"}
-
-
-def _lift_generation_kwargs(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """generation_kwargs as TRL scripts write them: the keys that are covey fields set those fields (both
-    set differently: an error), do_sample: true is what covey does; the rest stay for a sampler that
-    takes them, which is transformers' generate unless the config names an engine."""
-    kwargs, problems = values["generation_kwargs"], []
-    if isinstance(kwargs, str):  # the command line gives JSON
-        try:
-            kwargs = json.loads(kwargs)
-        except ValueError:
-            return values, []  # the field's own check says what is wrong
-    if not isinstance(kwargs, dict):
-        return values, []
-    kwargs = dict(kwargs)
-    lifted = {}
-    for key, name in LIFTED_SAMPLING_KEYS.items():
-        if key in kwargs:
-            value = kwargs.pop(key)
-            if name in values and values[name] != value or lifted.get(name, value) != value:
-                problems.append(f"generation_kwargs sets {key}={value!r} and {name}={values.get(name, lifted.get(name))!r}; "
-                                "give one")
-            lifted[name] = value
-    if kwargs.get("do_sample") is True:
-        kwargs.pop("do_sample")  # covey always samples in training
-    values = {**values, **lifted, "generation_kwargs": kwargs or None}
-    if kwargs and "rollout_engine" not in values and not values.get("use_vllm"):
-        values["rollout_engine"] = "hf"  # the fast engine samples with covey's fields only
-    return values, problems
-
-
-def torch_cuda_bf16() -> bool:
-    """Whether a CUDA GPU that computes in bfloat16 is here (TRL's bf16=None turns bf16 on there)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def _generation_batch_as_steps(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """TRL's generation_batch_size (completions per generation over all the launched processes) as covey's
-    steps_per_generation."""
-    size = values["generation_batch_size"]
-    values = {k: v for k, v in values.items() if k != "generation_batch_size"}
-    if size is None or str(size).lower() in ("none", "null"):
-        return values, []
-    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)  # as the launcher started them, as TRL counts
-    try:
-        size, per_device = int(size), int(values.get("per_device_train_batch_size",
-                                                     GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default))
-    except (TypeError, ValueError):
-        return values, [f"generation_batch_size={size!r} is not a whole number"]
-    per_step = per_device * processes
-    steps = size // per_step if size >= per_step and size % per_step == 0 else None
-    if steps is None:
-        return values, [f"generation_batch_size={size} must be a multiple of per_device_train_batch_size * processes "
-                        f"= {per_device} * {processes} (it is that times steps_per_generation, as in TRL)"]
-    given = values.get("steps_per_generation")
-    if given is not None and str(given).lower() not in ("none", "null") and int(given) != steps:
-        return values, [f"generation_batch_size={size} and steps_per_generation={given} disagree (with "
-                        f"per_device_train_batch_size={per_device} and {processes} process(es), it means "
-                        f"steps_per_generation={steps}); give one"]
-    return {**values, "steps_per_generation": steps}, []
-
-
-def _server_url_as_host_and_port(values: dict[str, Any], url: str) -> tuple[dict[str, Any], list[str]]:
-    """TRL's vllm_server_base_url ('http://host:port') as covey's vllm_server_host and vllm_server_port."""
-    from urllib.parse import urlsplit
-
-    values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
-    parts = urlsplit(str(url))
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        return values, [f"vllm_server_base_url={url!r}: covey reaches a server as http://HOST:PORT (vllm_server_host "
-                        "and vllm_server_port)"]
-    moved = {"vllm_server_host": parts.hostname, "vllm_server_port": port or 80}
-    clash = [f"vllm_server_base_url={url!r} and {k}={values[k]!r} disagree; give one" for k, v in moved.items()
-             if k in values and str(values[k]) != str(v)]
-    return {**values, **moved}, clash
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-
-
-class _YAMLLoader(yaml.SafeLoader):
-    """yaml's safe loader, reporting a value its tag cannot hold (a date such as 2024-02-30,
-    '!!int x') with its line and column, like every other YAML error."""
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        try:
-            return super().construct_object(node, deep)
-        except (ValueError, OverflowError) as e:
-            raise yaml.constructor.ConstructorError(None, None, str(e), node.start_mark) from None
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        """A key given twice is an error, not silently the last one."""
-        seen: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults' merges, it is no key
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, typing.Hashable):  # left for the constructor to report
-                continue
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} is given twice (first at line {seen[key].start_mark.line + 1})",
-                    key_node.start_mark)
-            seen[key] = key_node
-        return super().construct_mapping(node, deep)
-
-
-def config_errors(problems: list[str], source: str | None = None) -> ConfigError:
-    """One error saying every problem of a config (``source``: where it came from); the list stays
-    on it as ``problems``."""
-    where = f"{source}: " if source else ""
-    error = ConfigError(where + problems[0] if len(problems) == 1 else
-                        f"{where}{len(problems)} problems:\n- " + "\n- ".join(problems))
-    error.problems = problems
-    return error
-
-
-def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 @functools.cache  # resolving the annotations is slow, and every config resolves every field
 def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
     """(base type, optional) of a field, from its annotation string."""
@@ -839,51 +407,7 @@ def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
     return typing.get_origin(base) or base, optional
 
 
-def _coerce(name: str, value: Any, kind: tuple[type, bool]) -> Any:
-    """``value`` as the field's type, parsing strings (the command line gives only strings). A bool
-    is no number or text (a number or a YAML date is fine as text), numbers are finite, and list items
-    are strings (numbers for reward_weights)."""
-    base, optional = kind
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{name} must not be empty")
-    if base is dict and isinstance(value, str):  # the command line: JSON
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ConfigError(f"{name}={value!r} is not a JSON object") from None
-    if base is list:
-        items = value if isinstance(value, (list, tuple)) else [value]
-        item_kind = (float if name == "reward_weights" else str, False)
-        return [_coerce(f"{name}[{i}]", item, item_kind) for i, item in enumerate(items)]
-    try:
-        if base is bool:
-            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-                return value.lower() in ("true", "1", "yes")
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        if isinstance(value, bool) or (base is str and not isinstance(value, (str, int, float, datetime.date))):
-            raise TypeError
-        if base is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        coerced = base(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{name}={value!r} is not a valid {base.__name__}") from None
-    if base is float and not math.isfinite(coerced):
-        raise ConfigError(f"{name}={value!r} is not a finite number")
-    return coerced
-
-
 def config_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(GRPOConfig))
 
 
-# names other tools use for a field, suggested before any spelling match
-def suggest_field(name: str) -> str:
-    """What to say after an unknown key ``name``: covey's field for what other trainers call so, else the
-    closest field name (or nothing)."""
-    if name in NAMES_ELSEWHERE:
-        return f" (covey's name for it: {NAMES_ELSEWHERE[name]})"
-    return _did_you_mean(name, [f.name for f in config_fields()])

@@ -25,6 +25,7 @@ k1/k2/k3 (Schulman, "Approximating KL divergence", 2020).
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -317,6 +318,32 @@ class Objective:
 
     token_loss: Callable[[PolicyTerms, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
     weighs_engine_ratio: bool = False
+    reports: tuple[str, ...] = ()  # the metrics of its own statistics: "clip_ratio", "vespo_phi"
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """What ``policy_loss`` measured on one micro-batch, detached: sums over its trained tokens (or its
+    sequences) and their counts, so the micro-batches of a step add up. A statistic the run's variant
+    does not produce stays 0; which ones a run reports is ``reported_metrics``'s choice."""
+
+    policy_loss: float = 0.0  # the policy term alone, as this micro-batch's share of the step's loss
+    tokens: float = 0.0  # the tokens of the loss mask
+    entropy_sum: float = 0.0  # of the policy's token entropies, where they were computed
+    kl_sum: float = 0.0  # of the KL estimate to the reference (beta > 0)
+    clip_low_sum: float = 0.0  # tokens clipped below (negative advantage), clipping objectives
+    clip_high_sum: float = 0.0  # tokens clipped above (positive advantage)
+    vespo_phi_sum: float = 0.0  # VESPO's sequence weights
+    vespo_sequences: float = 0.0
+    off_policy_masked: float = 0.0  # sequences the off-policy mask dropped
+    off_policy_sequences: float = 0.0
+    entropy_bonus_sum: float = 0.0  # entropies of the tokens the entropy bonus trains
+    entropy_bonus_tokens: float = 0.0
+    aux_loss_sum: float = 0.0  # a mixture-of-experts router's load-balancing loss
+    aux_loss_count: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _clipped_surrogate(t: PolicyTerms, s: LossSettings):
@@ -388,10 +415,10 @@ def _vespo(t: PolicyTerms, s: LossSettings):
 
 
 POLICY_OBJECTIVES = {
-    "clipped": Objective(_clipped_surrogate),
-    "cispo": Objective(_cispo),
+    "clipped": Objective(_clipped_surrogate, reports=("clip_ratio",)),
+    "cispo": Objective(_cispo, reports=("clip_ratio",)),
     "sapo": Objective(_sapo),
-    "vespo": Objective(_vespo, weighs_engine_ratio=True),
+    "vespo": Objective(_vespo, weighs_engine_ratio=True, reports=("vespo_phi",)),
 }
 
 # How a (B, T) tensor of token losses becomes this micro-batch's share of the step's loss.
@@ -492,8 +519,8 @@ def policy_loss(
     behaviour_logp_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     router_aux_loss: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO-family loss of one micro-batch; returns (loss, detached stats).
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO-family loss of one micro-batch; returns (loss, its statistics).
 
     ``mask_BT`` is 1 on completion tokens that are trained (EOS included) and 0 on padding.
     ``entropy_BT`` is needed for ``top_entropy_quantile`` < 1 and for the entropy bonus (then with
@@ -554,4 +581,14 @@ def policy_loss(
         stats["tokens"] = mask_BT.sum()
         if entropy_BT is not None:
             stats["entropy_sum"] = (entropy_BT * mask_BT).sum()
-    return loss, stats
+    return loss, LossStats(**{name: float(value) for name, value in stats.items()})
+
+
+def reported_metrics(settings: LossSettings) -> frozenset[str]:
+    """The loss statistics a run reports as metrics, chosen once from its settings: "kl" (beta > 0), the
+    objective's own ("clip_ratio", "vespo_phi"), "off_policy_mask", "aux_loss", "entropy_coef" (the
+    entropy bonus)."""
+    objective = POLICY_OBJECTIVES[LOSS_TYPES[settings.loss_type][0]]
+    chosen = {"kl": settings.beta > 0, "off_policy_mask": settings.off_policy_mask_threshold is not None,
+              "aux_loss": bool(settings.router_aux_loss_coef), "entropy_coef": settings.entropy_bonus.enabled}
+    return frozenset(objective.reports) | {name for name, on in chosen.items() if on}

@@ -39,3 +39,15 @@ class TrainingInterrupted(CoveyError):
     def __init__(self, message: str, signal_number: int):
         super().__init__(message)
         self.signal_number = signal_number
+
+
+def config_errors(problems: list[str], source: str | None = None) -> ConfigError:
+    """One error saying every problem of a config (``source``: where it came from); the list stays
+    on it as ``problems``."""
+    where = f"{source}: " if source else ""
+    error = ConfigError(where + problems[0] if len(problems) == 1 else
+                        f"{where}{len(problems)} problems:\n- " + "\n- ".join(problems))
+    error.problems = problems
+    return error
+
+

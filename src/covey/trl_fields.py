@@ -6,6 +6,16 @@ apart: a TRL field covey lacks, and a typo. ``AS_COVEY_DOES`` names the TRL sett
 describes what covey does anyway: those are accepted (and have nothing more to do).
 """
 
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import typing
+import warnings
+from typing import Any
+
+
 AS_COVEY_DOES = {
     "optim": ("adamw_torch_fused", "adamw_torch"),  # covey's optimizer is torch's AdamW
     "logging_strategy": ("steps",),  # metrics every logging_steps
@@ -144,3 +154,164 @@ TRL_FIELDS = frozenset({
     'vllm_server_timeout', 'vllm_structured_outputs_regex', 'vllm_tensor_parallel_size', 'warmup_steps',
     'weight_decay'
 })
+
+
+# ---- TRL's names and rules as covey's fields -------------------------------------------------------
+
+
+def covey_names(values: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """TRL's names and rules turned into covey's fields: (covey's fields, the TRL settings accepted as what
+    covey does anyway, the problems). Both doors (Python's ``GRPOConfig(...)``, and YAML and the command
+    line through ``from_dict``) pass here, so a setting is accepted or refused alike in each."""
+    known = set(defaults)
+    problems: list[str] = []
+    if "bf16" in values and values["bf16"] is None:  # TRL's None: bf16 where the GPU has it, unless use_cpu
+        values = {**values, "bf16": not values.get("use_cpu") and torch_cuda_bf16()}
+    for alias, name in SAME_AS.items():  # TRL's model and script arguments
+        if alias in values and values[alias] is None and alias in UNSET_WHEN_NONE:  # an older name left unset
+            values = {k: v for k, v in values.items() if k != alias}
+        if alias in values:
+            if name in values and values[name] != values[alias]:
+                problems.append(f"{alias}={values[alias]!r} and {name}={values[name]!r} name the same setting "
+                                "(TRL's name and covey's); give one")
+            values = {**{k: v for k, v in values.items() if k != alias}, name: values[alias]}
+    if "generation_batch_size" in values:  # TRL's field; covey's is computed from steps_per_generation
+        values, problem = _generation_batch_as_steps(values, defaults["per_device_train_batch_size"])
+        problems.extend(problem)
+    if (url := values.get("vllm_server_base_url")) is not None:  # TRL's one-field form of host and port
+        values, problem = _server_url_as_host_and_port(values, url)
+        problems.extend(problem)
+    elif "vllm_server_base_url" in values:  # None: TRL's default, host and port say where
+        values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
+    if "dataset_test_split" in values:  # TRL's script: the held-out split of the training dataset
+        if values.get("eval_split", values["dataset_test_split"]) != values["dataset_test_split"]:
+            problems.append(f"dataset_test_split={values['dataset_test_split']!r} and eval_split="
+                            f"{values['eval_split']!r} name the same setting (TRL's name and covey's); give one")
+        values = {k: v for k, v in values.items() if k != "dataset_test_split"} | {
+            "eval_split": values["dataset_test_split"], "eval_dataset": values.get("eval_dataset") or values.get(
+                "dataset", defaults["dataset"])}
+    if values.get("generation_kwargs"):  # sampler settings that are covey's fields move there
+        values, problem = _lift_generation_kwargs(values)
+        problems.extend(problem)
+    if values.get("num_train_epochs") is not None and "max_steps" not in values:
+        values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
+    elif values.get("num_train_epochs") is not None and str(values["max_steps"]).strip() != "-1":
+        warnings.warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
+                      f"{values['max_steps']} sets the run's length (as in TRL)", stacklevel=3)
+        values = {**values, "num_train_epochs": None}
+    accepted = {}
+    for key in values:
+        if not isinstance(key, str):
+            problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
+        elif key in known:
+            continue
+        elif as_covey_does(key, values[key]):
+            accepted[key] = values[key]
+        elif key in AS_COVEY_DOES:
+            problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
+                            f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
+        else:
+            problems.append(f"unknown config key {key!r}{suggest_field(key, known)}")
+    return {key: value for key, value in values.items() if key in known}, accepted, problems
+
+
+# generation_kwargs keys that covey's own fields set (the log-probs are computed with them too)
+LIFTED_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
+                        "max_new_tokens": "max_completion_length", "stop": "stop_strings",
+                        "stop_strings": "stop_strings", "n": "num_generations", "num_return_sequences": "num_generations"}
+
+
+def _lift_generation_kwargs(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """generation_kwargs as TRL scripts write them: the keys that are covey fields set those fields (both
+    set differently: an error), do_sample: true is what covey does; the rest stay for a sampler that
+    takes them, which is transformers' generate unless the config names an engine."""
+    kwargs, problems = values["generation_kwargs"], []
+    if isinstance(kwargs, str):  # the command line gives JSON
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            return values, []  # the field's own check says what is wrong
+    if not isinstance(kwargs, dict):
+        return values, []
+    kwargs = dict(kwargs)
+    lifted = {}
+    for key, name in LIFTED_SAMPLING_KEYS.items():
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if name in values and values[name] != value or lifted.get(name, value) != value:
+                problems.append(f"generation_kwargs sets {key}={value!r} and {name}={values.get(name, lifted.get(name))!r}; "
+                                "give one")
+            lifted[name] = value
+    if kwargs.get("do_sample") is True:
+        kwargs.pop("do_sample")  # covey always samples in training
+    values = {**values, **lifted, "generation_kwargs": kwargs or None}
+    if kwargs and "rollout_engine" not in values and not values.get("use_vllm"):
+        values["rollout_engine"] = "hf"  # the fast engine samples with covey's fields only
+    return values, problems
+
+
+def torch_cuda_bf16() -> bool:
+    """Whether a CUDA GPU that computes in bfloat16 is here (TRL's bf16=None turns bf16 on there)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def _generation_batch_as_steps(values: dict[str, Any], per_device_default: int) -> tuple[dict[str, Any], list[str]]:
+    """TRL's generation_batch_size (completions per generation over all the launched processes) as covey's
+    steps_per_generation."""
+    size = values["generation_batch_size"]
+    values = {k: v for k, v in values.items() if k != "generation_batch_size"}
+    if size is None or str(size).lower() in ("none", "null"):
+        return values, []
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)  # as the launcher started them, as TRL counts
+    try:
+        size, per_device = int(size), int(values.get("per_device_train_batch_size", per_device_default))
+    except (TypeError, ValueError):
+        return values, [f"generation_batch_size={size!r} is not a whole number"]
+    per_step = per_device * processes
+    steps = size // per_step if size >= per_step and size % per_step == 0 else None
+    if steps is None:
+        return values, [f"generation_batch_size={size} must be a multiple of per_device_train_batch_size * processes "
+                        f"= {per_device} * {processes} (it is that times steps_per_generation, as in TRL)"]
+    given = values.get("steps_per_generation")
+    if given is not None and str(given).lower() not in ("none", "null") and int(given) != steps:
+        return values, [f"generation_batch_size={size} and steps_per_generation={given} disagree (with "
+                        f"per_device_train_batch_size={per_device} and {processes} process(es), it means "
+                        f"steps_per_generation={steps}); give one"]
+    return {**values, "steps_per_generation": steps}, []
+
+
+def _server_url_as_host_and_port(values: dict[str, Any], url: str) -> tuple[dict[str, Any], list[str]]:
+    """TRL's vllm_server_base_url ('http://host:port') as covey's vllm_server_host and vllm_server_port."""
+    from urllib.parse import urlsplit
+
+    values = {k: v for k, v in values.items() if k != "vllm_server_base_url"}
+    parts = urlsplit(str(url))
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        return values, [f"vllm_server_base_url={url!r}: covey reaches a server as http://HOST:PORT (vllm_server_host "
+                        "and vllm_server_port)"]
+    moved = {"vllm_server_host": parts.hostname, "vllm_server_port": port or 80}
+    clash = [f"vllm_server_base_url={url!r} and {k}={values[k]!r} disagree; give one" for k, v in moved.items()
+             if k in values and str(values[k]) != str(v)]
+    return {**values, **moved}, clash
+
+
+def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+
+# names other tools use for a field, suggested before any spelling match
+def suggest_field(name: str, fields: typing.Iterable[str]) -> str:
+    """What to say after an unknown key ``name``: covey's field for what other trainers call so, else the
+    closest field name (or nothing)."""
+    if name in NAMES_ELSEWHERE:
+        return f" (covey's name for it: {NAMES_ELSEWHERE[name]})"
+    return _did_you_mean(name, fields)

@@ -13,10 +13,11 @@ LAST_OF_INTERVAL = ("learning_rate", "bad_steps", "rewards/errors")
 
 def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], reward_weights_F,
                  reward_metrics: dict[str, list[float]], dynamic_sampling: dict[str, float], reward_errors: int,
-                 with_kl: bool) -> dict[str, float]:
+                 reported: frozenset[str] = frozenset()) -> dict[str, float]:
     """TRL's metric names for ``update``, computed over its generation batch (of every process) and the
     step's loss statistics; ``tokens_per_second``: the batch's completion tokens per second of its round
-    so far (its generation and the optimizer steps on it up to this one)."""
+    so far (its generation and the optimizer steps on it up to this one). ``reported``: the loss
+    statistics the run's variant reports (``core.reported_metrics``)."""
     samples, stats = batch.samples, update.totals
     lengths_B = samples.sequences.completion_mask_BT.sum(1).float()
     tokens = max(stats["tokens"], 1.0)
@@ -31,24 +32,24 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
         metrics[f"rewards/{name}/mean"] = float(column.nanmean())
         metrics[f"rewards/{name}/std"] = float(core.nanstd(column))
     metrics.update({name: sum(values) / len(values) for name, values in reward_metrics.items()})
-    if with_kl:
+    if "kl" in reported:
         metrics["kl"] = stats["kl_sum"] / tokens
     if "engine_counted" in stats:
         n = max(stats["engine_counted"], 1.0)
         metrics["engine_is/mean_weight"] = stats["engine_weight_sum"] / n
         metrics["engine_is/masked_fraction"] = stats["engine_masked"] / n
     metrics.update({"loss": stats["loss"], "policy_loss": stats["policy_loss"], "entropy": stats["entropy_sum"] / tokens})
-    if "entropy_coef" in stats:  # the entropy bonus's, after the step's adaptive move
+    if "entropy_coef" in reported:  # the entropy bonus's, after the step's adaptive move
         metrics["entropy_coef"] = stats["entropy_coef"]
-    if "clip_high_sum" in stats:  # objectives that clip (the soft ones, sapo and vespo, do not)
+    if "clip_ratio" in reported:  # objectives that clip (the soft ones, sapo and vespo, do not)
         metrics.update({"clip_ratio/low_mean": stats["clip_low_sum"] / tokens,
                         "clip_ratio/high_mean": stats["clip_high_sum"] / tokens,
                         "clip_ratio/region_mean": (stats["clip_low_sum"] + stats["clip_high_sum"]) / tokens})
-    if "vespo_phi_sum" in stats:
+    if "vespo_phi" in reported:
         metrics["vespo/phi_seq_mean"] = stats["vespo_phi_sum"] / max(stats["vespo_sequences"], 1.0)
-    if "aux_loss_sum" in stats:  # a mixture-of-experts model's load-balancing loss (TRL's name)
+    if "aux_loss" in reported:  # a mixture-of-experts model's load-balancing loss (TRL's name)
         metrics["aux_loss"] = stats["aux_loss_sum"] / max(stats["aux_loss_count"], 1.0)
-    if "off_policy_masked" in stats:
+    if "off_policy_mask" in reported:
         metrics["off_policy_mask/masked_fraction"] = stats["off_policy_masked"] / max(stats["off_policy_sequences"], 1.0)
     metrics.update({
         "completions/mean_length": float(lengths_B.mean()),

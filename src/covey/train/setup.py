@@ -238,12 +238,18 @@ def check_model_settings(args: GRPOConfig, model: Any, peft_config: Any) -> None
         if given:
             raise ConfigError(f"{', '.join(given)} say how a model is loaded, and this one was handed over loaded: "
                               "load it so yourself, or pass the model by name")
-    lora = args.use_peft or peft_config is not None or is_peft_model(model) or (
-        by_name and (Path(resolve_model_path(model or args.model)) / "adapter_config.json").is_file())
-    if args.quantization and not lora:
+    if args.quantization and not uses_lora(args, model, peft_config):
         raise ConfigError(f"load_in_{args.quantization} loads weights that cannot be trained: train a LoRA adapter "
                           "on them (use_peft: true, or peft_config=)")
     check_quantization(args.quantization)
+
+
+def uses_lora(args: GRPOConfig, model: Any, peft_config: Any) -> bool:
+    """Whether the policy trains a LoRA adapter: asked for (use_peft, peft_config), handed over with one,
+    or loaded from a saved adapter's folder."""
+    by_name = model is None or isinstance(model, str)
+    return args.use_peft or peft_config is not None or is_peft_model(model) or (
+        by_name and (Path(resolve_model_path(model or args.model)) / "adapter_config.json").is_file())
 
 
 def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Module:

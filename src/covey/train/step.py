@@ -433,7 +433,7 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
     # the off-policy mask measures drift from the policy that sampled: the engine's own log-probs where they
     # differ from the trainer's (drift between the two included), else the old policy's
     behaviour_from_engine = settings.off_policy_mask_threshold is not None and not sampled_exactly(parts)
-    totals: dict[str, float] = {"loss": 0.0}
+    totals: dict[str, float] = {"loss": 0.0, **core.LossStats().as_dict()}  # summed over the micro-batches
     if parts.training_forward is None and parts.world.size > 1:
         raise RuntimeError("several processes train through World.data_parallel (GRPOTrainer.train sets it up)")
     forward = parts.training_forward or logprob_pass(parts, model)
@@ -464,8 +464,8 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         with gradients_summed_if(forward, last):  # DistributedDataParallel averages; the step's gradient is the sum
             (loss * parts.world.size).backward()
         totals["loss"] += float(loss.detach())
-        for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + float(value)
+        for key, value in stats.as_dict().items():
+            totals[key] += value
     if engine_weights is not None:  # over the trained tokens (token level) or the sequences
         counted = samples.loss_mask_BT.float() if engine_weights.shape[1] > 1 else torch.ones_like(engine_weights)
         totals.update(engine_weight_sum=float((engine_weights * counted).sum()), engine_counted=float(counted.sum()),

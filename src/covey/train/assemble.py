@@ -1,0 +1,141 @@
+"""A run assembled from what ``GRPOTrainer`` was handed: the rules of the run checked, then the
+rewards, the rows, the run folder, the tokenizer and prompts, the policy and its reference, the
+rollout engine, the optimizer, and the step's parts (``StepParts``). Nothing loads before the rules
+of the run (``covey.train.run_rules``) have passed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from covey.rules import check
+from covey.config import GRPOConfig
+from covey.data import PromptSampler
+from covey.errors import ConfigError
+from covey.models import Reference, eos_token_ids, load_tokenizer, prepare_tokenizer, set_log_level
+from covey.rewards import RewardModel, RewardPool
+from covey.train import setup
+from covey.train.batch import Prompts
+from covey.train.checkpoint import resolve_checkpoint, saved_step
+from covey.train.distributed import World
+from covey.train.hub import HubPush
+from covey.train.run_folder import config_as_used, make_run_dir
+from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
+from covey.train.sharding import Sharding
+from covey.train.step import Rewards, StepParts
+from covey.train.trl_api import named_eval_sets
+
+
+@dataclass
+class Assembled:
+    """A run, ready to train: its step's parts and what the trainer keeps beside them."""
+
+    args: GRPOConfig  # max_steps set where num_train_epochs gave the length
+    parts: StepParts
+    world: World
+    sharding: Sharding | None  # None: not sharded
+    sampler: PromptSampler
+    run_dir: Path
+    hub: HubPush | None  # None but in the first process under push_to_hub
+    resume_from: Path | None
+    config_as_used: dict
+    eval_rows: list[dict] | None
+    dataset_name: str
+    model_name: str
+    prompt_overflow_count: int
+
+
+def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_processing_classes: Any,
+             rollout_func: Callable[[list], dict] | None) -> Assembled:
+    """The run ``handed`` describes under ``args``; ``rollout_func`` takes the prompts alone (the
+    trainer is bound in already)."""
+    check(RUN_RULES, args, handed)
+    world = World.from_environment(args.ddp_timeout)
+    sharding = Sharding.from_settings(args.fsdp, args.fsdp_config, os.environ)
+    set_log_level(args.log_level)
+    reward_funcs = handed.reward_funcs
+    if callable(reward_funcs) or isinstance(reward_funcs, str):
+        reward_funcs = [reward_funcs]
+    funcs, weights = setup.load_rewards(args, reward_funcs, reward_processing_classes)
+    environment = setup.load_environment(args, handed.environment_factory)
+    if environment is not None:  # environments that score their episodes (get_reward) are rewards too (TRL's)
+        scored = environment.reward_functions()
+        funcs, weights = [*funcs, *scored], [*weights, *[1.0] * len(scored)]
+    if not funcs:
+        raise ConfigError("No reward source provided: reward_funcs is empty, and no environment defines "
+                          "get_reward; give reward_funcs=[...] or define get_reward")
+    as_used = config_as_used(args, handed.model, handed.train_dataset, eval_dataset, reward_funcs, handed.peft_config,
+                             handed.tools, handed.environment_factory)
+    rewards = Rewards(funcs, weights, RewardPool(funcs, args.reward_num_workers, args.num_generations))
+    if eval_dataset is not None:  # several named sets (a dict, a DatasetDict) are evaluated together
+        eval_dataset = [dict(row) for rows in named_eval_sets(eval_dataset).values() for row in rows]
+    rows = setup.load_run_rows(args, handed.train_dataset, eval_dataset, funcs, world.size, environment,
+                               own_rollouts=rollout_func is not None)
+    if args.eval_strategy == "steps" and not rows.heldout:
+        raise ConfigError(f"eval_strategy: steps evaluates on held-out data, and {rows.source} brings none: give "
+                          "eval_dataset (or a built-in task), or set eval_strategy: no")
+    resume_from = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
+    if args.max_steps != -1:
+        check_resumed_step(resume_from, args.max_steps)
+    run_dir = world.on_main(lambda: make_run_dir(args, resume_from))
+    hub = HubPush.connect(args, run_dir, world)
+    torch.manual_seed(world.seed(args.seed))  # dropout masks of its own in each process
+
+    tokenizer = handed.processing_class
+    if tokenizer is not None:
+        prepare_tokenizer(tokenizer)
+    else:
+        tokenizer = load_tokenizer(handed.model_source(args), args.trust_remote_code, args.model_revision)
+    for chats in [tokenizer] + [f.tokenizer for f in funcs if isinstance(f, RewardModel)]:
+        chats.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
+    agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format)
+    train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent)
+    if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
+        args = dataclasses.replace(args, max_steps=args.steps_for_epochs(len(train_rows), world.size),
+                                   num_train_epochs=None)
+        check_resumed_step(resume_from, args.max_steps)
+
+    model = handed.model
+    policy = setup.build_policy(args, model, handed.peft_config)
+    setup.check_vocabulary(policy, tokenizer)
+    world.check_device(next(policy.parameters()).device)
+    world.broadcast_parameters(policy)
+    reference = Reference(policy) if args.beta > 0 else None
+    eos_ids = eos_token_ids(policy, tokenizer)
+    if agent is not None:  # a turn ends at any of the model's end tokens
+        agent = dataclasses.replace(agent, eos_ids=eos_ids)
+    given_engine = handed.rollout_engine
+    sharded = (None if sharding is None else
+               setup.shard_run(args, sharding, policy, reference, given_engine is not None, world))
+    sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
+    engine = given_engine or setup.build_engine(args, sampled, tokenizer, eos_ids)
+    check(ENGINE_RULES, args, engine, rollout_func is not None)
+    if given_engine is not None or (world.size > 1 and engine.shared_by_processes):
+        # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
+        engine.policy_changed(policy)
+    optimizer = setup.make_optimizer(args, policy, world)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
+    # the prompts of every process, drawn together; each takes its share (World.share)
+    sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
+    parts = StepParts(args, world, policy, reference, engine, tokenizer, eos_ids, Prompts(train_rows, prompt_ids),
+                      rewards, optimizer, scheduler, setup.sampling_params(args),
+                      setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)), setup.engine_correction(args),
+                      agent, rollout_func, **({} if sharded is None else vars(sharded)))
+    if model is None or isinstance(model, str):
+        model_name = model or args.model
+    else:
+        model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
+    return Assembled(args, parts, world, sharding, sampler, run_dir, hub, resume_from, as_used, rows.heldout,
+                     rows.source, model_name, overflow)
+
+
+def check_resumed_step(resume_from: Path | None, max_steps: int) -> None:
+    """A checkpoint to resume from is not past the run's last step."""
+    if resume_from is not None and (resumed_at := saved_step(resume_from)) > max_steps:
+        raise ConfigError(f"{resume_from} is at step {resumed_at}, beyond max_steps={max_steps}: raise max_steps to "
+                          "continue the run, or resume from an earlier checkpoint")

@@ -1,0 +1,116 @@
+"""The rules of a run (``covey.rules``' second and third phases): what the trainer was handed and how
+the run was launched, checked before any policy weights load (``RUN_RULES``); and the rollout engine,
+once built (``ENGINE_RULES``). Rules written elsewhere (the launcher's, a sharded run's, the engine's
+interface...) are named here, so that this table lists every one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from covey.config import GRPOConfig
+from covey.models import resolve_model_path
+from covey.rollout.vllm_engine import check_vllm
+from covey.rules import VESPO_SEQUENCE_CORRECTION, Need
+from covey.telemetry.trackers import check_trackers
+from covey.train.asynchronous import check_async_run
+from covey.train.callbacks import check_callbacks
+from covey.train.distributed import check_launcher_settings
+from covey.train.setup import (check_data_and_rewards_given, check_engine, check_model_settings, engine_correction,
+                               engine_name, uses_lora)
+from covey.train.sharding import Sharding, check_sharded_run
+
+SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
+                  "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
+
+
+@dataclass(frozen=True)
+class Handed:
+    """What ``GRPOTrainer`` was handed (as given, None where not) and how the run was launched."""
+
+    model: Any = None
+    train_dataset: Any = None
+    reward_funcs: Any = None
+    processing_class: Any = None
+    peft_config: Any = None
+    rollout_engine: Any = None
+    rollout_func: Any = None
+    tools: Any = None
+    environment_factory: Any = None
+    tool_call_format: Any = None
+    callbacks: Any = None
+    processes: int = 1  # launched (WORLD_SIZE)
+
+    def has_tools(self, c: GRPOConfig) -> bool:
+        return bool(self.tools or c.tools or self.environment_factory is not None or c.environment_factory)
+
+    def model_source(self, c: GRPOConfig) -> str | None:
+        """The folder or hub id the model comes from (a model object's own name), None where it has none."""
+        model = self.model
+        return (model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+                ) or (c.model if model is None else None)
+
+
+def launch(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """How the processes were launched: a colocated vLLM in one process only, the launcher's precision,
+    a sharded run's settings."""
+    need(not (h.processes > 1 and h.rollout_engine is None and c.rollout_engine == "vllm" and c.vllm_mode == "colocate"),
+         f"rollout_engine: vllm with vllm_mode: colocate runs in a single process, and this run has {h.processes} "
+         "(WORLD_SIZE); with several processes use vllm_mode: server (one `covey server` for all of them) or "
+         "rollout_engine: fast, or train in one process")
+    check_launcher_settings(c.bf16)
+    if Sharding.from_settings(c.fsdp, c.fsdp_config, os.environ) is not None:
+        check_sharded_run(c)
+
+
+def data_and_rewards(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """The data and rewards are given (an environment may bring either), and the trackers exist."""
+    funcs = [h.reward_funcs] if callable(h.reward_funcs) or isinstance(h.reward_funcs, str) else h.reward_funcs
+    check_data_and_rewards_given(c, h.train_dataset, funcs, h.environment_factory)
+    check_trackers(c.report_to)
+
+
+def generation_source(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """Where completions come from: the engine, tools and environments, or the user's rollout_func; and
+    the engine handed over has what the trainer calls."""
+    check_callbacks(h.callbacks or [])
+    need(h.rollout_func is None or not h.has_tools(c), "rollout_func generates the completions itself, so tools and "
+         "environment_factory would go unused: give one or the other")
+    need(h.tool_call_format is None or h.has_tools(c), "tool_call_format reads tool calls, and this run has no tools "
+         "or environment_factory: give tools, or leave tool_call_format out")
+    if h.rollout_engine is not None:
+        check_engine(h.rollout_engine, episodes=h.has_tools(c))
+    elif engine_name(c) == "vllm":
+        source = h.model_source(c)
+        check_vllm(c.vllm_enable_sleep_mode, resolve_model_path(source) if source else None)
+    check_async_run(c, h.processes, h.rollout_engine, h.rollout_func is not None,
+                    engine_name(c) == "server" or getattr(h.rollout_engine, "shared_by_processes", False))
+
+
+def model_and_adapter(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """The model has a tokenizer to load, the loading settings fit how it is given, and a LoRA policy
+    has no reference to sync."""
+    need(h.model_source(c) is not None or h.processing_class is not None,
+         "the model object has no name or folder to load its tokenizer from (config._name_or_path is empty): "
+         "give processing_class=its tokenizer")
+    need(not (c.sync_ref_model and uses_lora(c, h.model, h.peft_config)), SYNC_WITH_LORA)
+    check_model_settings(c, h.model, h.peft_config)
+
+
+RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter)
+
+
+# ---- the rollout engine, once built --------------------------------------------------------
+
+
+def vespo_with_engine_correction(c: GRPOConfig, engine: Any, own_rollouts: bool, need: Need) -> None:
+    """VESPO folds the engine correction in token by token: a sequence-level one is refused where it applies."""
+    correction = engine_correction(c)
+    applies = not (engine.exact_logprobs and not own_rollouts)
+    need(not (c.loss_type == "vespo" and correction is not None and correction.level == "sequence" and applies),
+         f"{VESPO_SEQUENCE_CORRECTION} (this run's {type(engine).__name__} samples from other log-probs than the "
+         "trainer's, so the correction applies)")
+
+
+ENGINE_RULES = (vespo_with_engine_correction,)
