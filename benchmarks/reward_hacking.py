@@ -10,6 +10,8 @@ what they said, and ``covey diagnose``'s verdict over the finished run folder.
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking            # every setup
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking --only tags length
     python -m benchmarks.reward_hacking table --out runs/hacking                      # the table of results
+    python -m benchmarks.reward_hacking trl --out runs/hacking --steps 30             # two short TRL runs
+    covey diagnose runs/hacking/trl-learning; covey diagnose runs/hacking/trl-constant
 """
 
 from __future__ import annotations
@@ -119,9 +121,40 @@ def table(out: Path) -> None:
         print(f"| {name} | {evals} | {gaming_began(run_data.history)} | {step} | {verdict} | {message[:300]} |")
 
 
+def share_of_a(completions, **_):
+    """TRL runs: the share of a completion's characters that are 'a' (a tiny random model learns it)."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [t.count("a") / max(len(t), 1) for t in texts]
+
+
+def constant(completions, **_):
+    """TRL runs: the same reward for every completion (nothing to learn)."""
+    return [1.0] * len(completions)
+
+
+def trl_run(name: str, out: Path, steps: int) -> None:
+    """A short TRL GRPO run of a tiny random Llama (tests/conftest.py's), its state saved at the end."""
+    import trl
+    from datasets import Dataset
+
+    from tests.conftest import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    rows = Dataset.from_dict({"prompt": [f"say a {i}" for i in range(16)]})
+    args = trl.GRPOConfig(output_dir=str(out / name), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=16, report_to=[], use_cpu=True, logging_steps=1, max_steps=steps,
+                          learning_rate=3e-3, save_strategy="no", bf16=False, log_completions=True,
+                          num_completions_to_print=0, seed=0)
+    trainer = trl.GRPOTrainer(model=make_model(len(tokenizer), seed=1), args=args, train_dataset=rows,
+                              reward_funcs=[share_of_a if name == "trl-learning" else constant],
+                              processing_class=tokenizer)
+    trainer.train()
+    trainer.save_state()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("run", "table", "_train"))
+    parser.add_argument("command", choices=("run", "table", "_train", "trl"))
     parser.add_argument("name", nargs="?")
     parser.add_argument("--out", default="runs/hacking")
     parser.add_argument("--only", nargs="*", default=list(SETUPS))
@@ -132,6 +165,9 @@ def main() -> None:
     out = Path(a.out)
     if a.command == "_train":
         train(a.name, out, a.steps, a.eval_steps, a.learning_rate)
+    elif a.command == "trl":
+        for name in ("trl-learning", "trl-constant"):
+            trl_run(name, out, a.steps)
     elif a.command == "run":
         run(a.only, out, a.steps, a.eval_steps, a.learning_rate)
     else:

@@ -202,3 +202,32 @@ def diagnose(run: RunData) -> Diagnosis:
     held = [v for v in series(run.history, "eval/accuracy")[1] or series(run.history, "eval/mean_reward")[1]]
     also = f", held-out {held[0]:.3f} -> {held[-1]:.3f}" if len(held) >= 2 else ""
     return Diagnosis(LEARNING, f"the reward rose {moved.first:.3f} -> {moved.last:.3f}{also}", found, warnings, notes)
+
+
+def diagnosis_html(diagnosis: Diagnosis) -> str:
+    """The verdict and its evidence as a section of the report page."""
+    from html import escape
+
+    items = [f"<li><b>step {step}</b>: {escape(f.message)}{'' if f.began is None else f' (from step {f.began})'}. "
+             f"{escape(f.advice)}" + "".join(f"<br><code>{escape(e)}</code>" for e in f.examples) + "</li>"
+             for step, f in diagnosis.findings]
+    items += [f"<li><b>step {step}</b>: {escape(message)}</li>" for step, message in diagnosis.warnings]
+    items += [f"<li>{escape(note)}</li>" for note in diagnosis.notes]
+    return (f"<h2>Health: {escape(diagnosis.verdict)}</h2><p>{escape(diagnosis.reason)}</p>"
+            + (f"<ul>{''.join(items)}</ul>" if items else ""))
+
+
+def standalone_page(run: RunData, diagnosis: Diagnosis, out_dir: Path) -> Path:
+    """A page with the diagnosis alone (a TRL folder, which covey report does not draw): ``out_dir``/diagnosis.html."""
+    from html import escape
+
+    from covey.telemetry.report import GENERATOR
+
+    page = out_dir / "diagnosis.html"
+    if page.exists() and GENERATOR not in page.read_text(errors="replace"):
+        raise ConfigError(f"{page} exists and is not covey's: pass --out with another folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    page.write_text(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">{GENERATOR}<title>covey diagnose: '
+                    f"{escape(run.folder.name)}</title></head><body><h1>covey diagnose</h1><p>{escape(str(run.folder))} "
+                    f"({run.source})</p>{diagnosis_html(diagnosis)}</body></html>\n", encoding="utf-8")
+    return page

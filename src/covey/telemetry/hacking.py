@@ -23,6 +23,7 @@ HELDOUT_ACCURACY_GAIN = 0.05  # a held-out accuracy gain below this (5 points) i
 HELDOUT_REWARD_SHARE = 0.25  # a held-out reward gain below this share of the training reward's is "no gain"
 HIGH_ACCURACY = 0.8  # held-out accuracy already this high and not falling: a flat one is a solved task
 SATURATED_GROUPS = 0.75  # share of groups whose completions all got the same reward: the reward is maxed
+PLATEAU = 0.05  # the last window within this share of the reward's range of its best: at its maximum
 LENGTH_GROWTH = 1.5  # mean completion length this many times its start ...
 CLIPPED_RISE = 0.3  # ... and this many more completions cut at max_completion_length than at the start
 LENGTH_FOLLOWS_REWARD = 0.5  # rank correlation of length and reward over the run: the reward pays for length
@@ -62,7 +63,7 @@ def heldout(history: list[dict]) -> tuple[str, list[int], list[float]] | None:
 
 
 def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
-    """(key, first, last, best step) where the held-out metric, over at least MIN_EVALS evaluations, did
+    """(key, first, last, the step of its best evaluation before the last) where the held-out metric, over at least MIN_EVALS evaluations, did
     not gain (or fell) while the training reward gained ``reward_gain``; None where it gained or is solved."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
@@ -75,8 +76,10 @@ def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, 
         flat = last - first < HELDOUT_ACCURACY_GAIN
     else:
         flat = last - first < HELDOUT_REWARD_SHARE * reward_gain
-    best = max(range(len(values)), key=lambda i: (values[i], -i))
-    return (key, first, last, steps[best]) if flat else None
+    if not flat:
+        return None
+    best = max(range(len(values) - 1), key=lambda i: (values[i], -i))  # the best before the last evaluation
+    return key, first, last, steps[best]
 
 
 def _examples(samples: list[dict], n: int = 2) -> tuple[str, ...]:
@@ -116,7 +119,8 @@ def reward_saturated(history: list[dict], samples: list[dict]) -> Finding | None
     moved = change(rewards)
     if moved is None or not moved.rose or len(same) < WINDOW:
         return None
-    if statistics.fmean(same[-WINDOW:]) < SATURATED_GROUPS or moved.last < max(smooth(rewards)) - moved.error:
+    top, bottom = max(smooth(rewards)), min(smooth(rewards))
+    if statistics.fmean(same[-WINDOW:]) < SATURATED_GROUPS or moved.last < top - PLATEAU * (top - bottom):
         return None
     flat = _heldout_flat(history, moved.delta)
     if flat is None:
