@@ -49,8 +49,8 @@ SETUPS = {
     "length": ([verbosity], None, True),
     "tags": (["answer_format", tag_count], None, True),
     "healthy": (["answer_format", "answer_correct"], None, False),
-    "keyword": ([sum_judge], None, True),
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
+    "keyword": ([sum_judge], None, True),
     "healthy-seed1": (["answer_format", "answer_correct"], None, False),
 }
 
@@ -62,7 +62,7 @@ def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: floa
     args = GRPOConfig(dataset="arithmetic",
                       reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
                       seed=1 if name.endswith("seed1") else 42, eval_strategy="steps", eval_steps=eval_steps,
-                      eval_max_samples=16, log_completions_steps=1,
+                      eval_max_samples=8, log_completions_steps=1, max_completion_length=24,
                       num_generations=4, per_device_train_batch_size=8, num_completions_to_print=0, save_steps=0,
                       output_dir=str(out / name), overwrite_output_dir=True)
     trainer = GRPOTrainer(args=args, reward_funcs=funcs, quiet=True)
@@ -152,19 +152,62 @@ def trl_run(name: str, out: Path, steps: int) -> None:
     trainer.save_state()
 
 
+# the verdict each run must get, by what it was set up to do (not by what covey said)
+INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward", "keyword": "gaming the reward",
+            "composed": "gaming the reward", "healthy": "learning", "healthy-seed1": "learning",
+            "trl-learning": "learning", "trl-constant": "not learning"}
+KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "completions/mean_length",
+             "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
+
+
+def record(name: str, out: Path, into: Path) -> None:
+    """Keep a run's history small in ``into``/NAME for the tests: the metrics the rules read, the completions
+    of the first and last three recorded steps, and the verdict the run was set up to get."""
+    import shutil
+
+    from covey.telemetry.diagnose import diagnose, read_run
+
+    source, target = out / name, into / name
+    target.mkdir(parents=True, exist_ok=True)
+    keep = lambda row: {k: v for k, v in row.items() if k in KEPT_KEYS or k.startswith(("rewards/", "eval"))}  # noqa: E731
+    if (source / "metrics.jsonl").exists():
+        rows = [json.loads(line) for line in (source / "metrics.jsonl").read_text().splitlines()]
+        (target / "metrics.jsonl").write_text("".join(json.dumps(keep(r)) + "\n" for r in rows))
+        records = [json.loads(line) for line in (source / "completions.jsonl").read_text().splitlines()]
+        steps = sorted({r["step"] for r in records})
+        kept = set(steps[:3] + steps[-3:])
+        (target / "completions.jsonl").write_text("".join(
+            json.dumps({k: r[k] for k in ("step", "prompt", "completion", "rewards", "reward")}) + "\n"
+            for r in records if r["step"] in kept))
+    else:
+        state = json.loads((source / "trainer_state.json").read_text())
+        state = {"global_step": state["global_step"], "log_history": [keep(r) for r in state["log_history"]]}
+        (target / "trainer_state.json").write_text(json.dumps(state))
+        files = sorted((source / "completions").glob("completions_*.parquet"))
+        (target / "completions").mkdir(exist_ok=True)
+        for path in files[:3] + files[-3:]:
+            shutil.copy(path, target / "completions" / path.name)
+    found = diagnose(read_run(target))
+    (target / "expected.json").write_text(json.dumps({"verdict": INTENDED[name], "findings": sorted(
+        {f.key for _, f in found.findings})}, indent=1) + "\n")
+    print(f"{name}: recorded; covey says {found.verdict}, set up to be {INTENDED[name]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("run", "table", "_train", "trl"))
+    parser.add_argument("command", choices=("run", "table", "_train", "trl", "record"))
     parser.add_argument("name", nargs="?")
     parser.add_argument("--out", default="runs/hacking")
     parser.add_argument("--only", nargs="*", default=list(SETUPS))
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--eval-steps", type=int, default=3)
-    parser.add_argument("--learning-rate", type=float, default=4e-5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--eval-steps", type=int, default=2)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
     a = parser.parse_args()
     out = Path(a.out)
     if a.command == "_train":
         train(a.name, out, a.steps, a.eval_steps, a.learning_rate)
+    elif a.command == "record":
+        record(a.name, out, Path(__file__).parent.parent / "tests" / "data" / "hacking")
     elif a.command == "trl":
         for name in ("trl-learning", "trl-constant"):
             trl_run(name, out, a.steps)

@@ -175,7 +175,7 @@ def _why_not_learning(history: list[dict]) -> str:
 
 def diagnose(run: RunData) -> Diagnosis:
     found, warnings = replay(run.history, run.samples)
-    notes = list(run.notes) + [f.message for _, f in found if f.kind == "note"]
+    notes = list(run.notes) + [f"{f.message.removeprefix('note: ')}: {f.advice}" for _, f in found if f.kind == "note"]
     found = [(s, f) for s, f in found if f.kind != "note"]
     _, rewards = series(run.history, "reward")
     moved = change(rewards)
