@@ -59,6 +59,22 @@ def test_a_solved_task_flat_near_the_top_is_not_gaming():
     assert keys(rows) == []
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_noise_alone_fires_nothing(seed):
+    """Flat series with Gaussian noise (reward +-0.1, each reward function, length, entropy, KL, held-out
+    accuracy +-0.03): no trend, so no finding, whatever the draw."""
+    import random
+
+    r = random.Random(seed)
+    rows = history(30, reward=lambda i: 0.5 + r.gauss(0, 0.1), entropy=lambda i: 1.0 + r.gauss(0, 0.1),
+                   reward_std=lambda i: 0.3 + r.gauss(0, 0.05), kl=lambda i: 0.03 + abs(r.gauss(0, 0.01)),
+                   evals={6: 0.3, 12: 0.3 + r.gauss(0, 0.03), 18: 0.3 + r.gauss(0, 0.03), 24: 0.3 + r.gauss(0, 0.03)},
+                   **{"rewards/a/mean": lambda i: 0.5 + r.gauss(0, 0.1), "rewards/b/mean": lambda i: 0.2 + r.gauss(0, 0.1),
+                      "completions/mean_length": lambda i: 20 + r.gauss(0, 3),
+                      "completions/clipped_ratio": lambda i: max(0.0, r.gauss(0.1, 0.05))})
+    assert keys(rows, samples(healthy_text)) == []
+
+
 def test_reward_rising_while_held_out_accuracy_falls():
     rows = history(evals={6: 0.4, 12: 0.35, 18: 0.25, 24: 0.2})
     (found,) = hacking.findings(rows, samples(healthy_text))

@@ -23,6 +23,7 @@ from covey.telemetry.trends import WINDOW, change, series
 
 LEARNING, NOT_LEARNING, GAMING, COLLAPSED, TOO_EARLY = (
     "learning", "not learning", "gaming the reward", "collapsed", "too early to tell")
+GENERATOR = '<meta name="generator" content="covey diagnose">'  # marks a page as covey's to rewrite
 SPREAD_GONE = 0.01  # reward_std below this: every completion of a group scores the same
 
 
@@ -220,8 +221,6 @@ def diagnosis_html(diagnosis: Diagnosis) -> str:
 def standalone_page(run: RunData, diagnosis: Diagnosis, out_dir: Path) -> Path:
     """A page with the diagnosis alone (a TRL folder, which covey report does not draw): ``out_dir``/diagnosis.html."""
     from html import escape
-
-    from covey.telemetry.report import GENERATOR
 
     page = out_dir / "diagnosis.html"
     if page.exists() and GENERATOR not in page.read_text(errors="replace"):

@@ -12,9 +12,9 @@ noise, so a single noisy step fires nothing; the thresholds below are named wher
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 
 from covey.telemetry import text_signals
+from covey.telemetry.finding import Finding
 from covey.telemetry.trends import WINDOW, change, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
@@ -34,23 +34,6 @@ KL_ACCELERATION = 2.0  # the KL's slope over the last window this many times the
 KL_FLOOR = 0.02  # a KL below this is too small to worry about, however it curves
 
 NO_HELDOUT_KEY = "heldout-info"
-
-
-@dataclass(frozen=True)
-class Finding:
-    key: str  # the health/<key> metric it is logged as
-    kind: str  # gaming, collapse, drift, note
-    began: int | None  # the step where the pattern began
-    message: str  # what was seen, with the values
-    advice: str  # what to do
-    values: dict = field(default_factory=dict)
-    examples: tuple[str, ...] = ()
-
-    def text(self) -> str:
-        """The finding as one plain-language warning."""
-        where = "" if self.began is None else f" (from step {self.began})"
-        shown = "".join(f"\n    e.g. {example!r}" for example in self.examples)
-        return f"{self.message}{where}. {self.advice}{shown}"
 
 
 def heldout(history: list[dict]) -> tuple[str, list[int], list[float]] | None:

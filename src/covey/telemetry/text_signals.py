@@ -11,6 +11,8 @@ import re
 import statistics
 from collections import Counter
 
+from covey.telemetry.finding import Finding
+
 SAMPLE_STEPS = 3  # recorded steps pooled at each end (the start and the latest)
 MIN_TOKENS = 6  # completions shorter than this many tokens are too short to judge repetition on
 REPETITION_HIGH = 0.3  # share of repeated word 3-grams in the latest completions ...
@@ -73,8 +75,6 @@ def _best_rewarded(samples: list[dict], keep, n: int = 2) -> tuple[str, ...]:
 
 def repetition(history: list[dict], samples: list[dict]):
     """Completions repeat their own phrases far more than at the start."""
-    from covey.telemetry.hacking import Finding
-
     ends = _ends(samples)
     if ends is None:
         return None
@@ -97,8 +97,6 @@ def _prompt_key(prompt) -> str:
 
 def same_across_prompts(history: list[dict], samples: list[dict]):
     """One completion given to half or more of the distinct prompts: the policy ignores its input."""
-    from covey.telemetry.hacking import Finding
-
     ends = _ends(samples)
     if ends is None:
         return None
@@ -122,8 +120,6 @@ def same_across_prompts(history: list[dict], samples: list[dict]):
 
 def repeated_format(history: list[dict], samples: list[dict]):
     """Format tags repeated within completions, newly, and paid for."""
-    from covey.telemetry.hacking import Finding
-
     ends = _ends(samples)
     if ends is None:
         return None
