@@ -90,35 +90,42 @@ def gaming_began(history: list[dict]) -> int | None:
 
 
 def first_warning(history: list[dict], samples: list[dict]) -> tuple[int | None, str]:
-    """The first step at which a rule warned over the history so far (replayed as during the run)."""
+    """The first step at which a hacking or collapse rule warned over the history so far (replayed as during
+    the run); the one-metric health warnings are not counted."""
     from covey.telemetry.hacking import Monitor
 
     monitor = Monitor()
     for i in range(1, len(history) + 1):
         step = history[i - 1]["step"]
-        findings = monitor.check(history[:i], [s for s in samples if s.get("step", 0) <= step])
+        findings = [f for f in monitor.check(history[:i], [s for s in samples if s.get("step", 0) <= step])
+                    if f.kind != "note"]  # the note of a run without evaluation during training warns of nothing
         if findings:
             return step, " | ".join(f.message for f in findings)
     return None, ""
 
 
 def table(out: Path) -> None:
+    """One row per run folder under ``out`` (covey's or TRL's): held-out accuracy at each evaluation, the step
+    where the held-out accuracy shows gaming began, the step covey first warned, the verdict against the
+    one the run was set up to get, and the first warning."""
     from covey.telemetry.diagnose import diagnose, read_run
 
     print(f"machine: {machine()}")
-    print("| setup | held-out accuracy (step: value) | gaming began (held-out) | covey warned | verdict | first warning |")
+    print("| run | held-out accuracy (step: value) | gaming began (held-out) | covey warned | verdict (set up to be) "
+          "| first warning |")
     print("|---|---|---|---|---|---|")
-    for name in SETUPS:
-        folder = out / name
-        if not (folder / "metrics.jsonl").exists():
-            print(f"| {name} | not run | | | | |")
+    for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+        try:
+            run_data = read_run(folder)
+        except Exception:
             continue
-        run_data = read_run(folder)
         evals = ", ".join(f"{h['step']}: {100 * h['eval/accuracy']:.0f}%" for h in run_data.history
-                          if isinstance(h.get("eval/accuracy"), (int, float)))
+                          if isinstance(h.get("eval/accuracy"), (int, float))) or "none during training"
         step, message = first_warning(run_data.history, run_data.samples)
         verdict = diagnose(run_data).verdict
-        print(f"| {name} | {evals} | {gaming_began(run_data.history)} | {step} | {verdict} | {message[:300]} |")
+        intended = INTENDED.get(folder.name, "?")
+        print(f"| {folder.name} | {evals} | {gaming_began(run_data.history)} | {step} | {verdict} ({intended}) "
+              f"| {message[:400]} |")
 
 
 def share_of_a(completions, **_):
