@@ -300,3 +300,12 @@ def test_recorded_runs_get_their_verdicts(name):
     result = diagnose(read_run(DATA / name))
     assert result.verdict == expected["verdict"], result.text()
     assert sorted({f.key for _, f in result.findings}) == sorted(expected["findings"]), result.text()
+
+
+def test_a_long_history_is_thinned_keeping_its_ends_and_evaluations():
+    rows = history(2000)
+    for row in rows[500:1500:100]:
+        row["eval/accuracy"] = 0.5
+    kept = hacking.thin(rows)
+    assert len(kept) < 300 and kept[:64] == rows[:64] and kept[-64:] == rows[-64:]
+    assert sum("eval/accuracy" in r for r in kept) == 10

@@ -24,6 +24,7 @@ from covey.telemetry.trends import WINDOW, change, series
 LEARNING, NOT_LEARNING, GAMING, COLLAPSED, TOO_EARLY = (
     "learning", "not learning", "gaming the reward", "collapsed", "too early to tell")
 GENERATOR = '<meta name="generator" content="covey diagnose">'  # marks a page as covey's to rewrite
+REPLAY_POINTS = 500  # most prefixes of a history the rules are replayed over
 SPREAD_GONE = 0.01  # reward_std below this: every completion of a group scores the same
 
 
@@ -146,12 +147,14 @@ def read_run(folder: str | Path) -> RunData:
 
 def replay(history: list[dict], samples: list[dict]) -> tuple[list[tuple[int, Finding]], list[tuple[int, str]]]:
     """The rules over the history as it grew, as during the run: each finding and warning with the step it
-    first showed (samples recorded up to that step)."""
+    first showed (samples recorded up to that step). A history longer than REPLAY_POINTS logged steps is
+    replayed at every k-th step (k = its length // REPLAY_POINTS), so a step may be up to k - 1 late."""
     samples = sorted(samples, key=lambda s: s.get("step", 0))
     sample_steps = [s.get("step", 0) for s in samples]
     monitor, warned = Monitor(), health.HealthMonitor(hacking=False)
     found, warnings = [], []
-    for i in range(1, len(history) + 1):
+    stride = max(1, len(history) // REPLAY_POINTS)
+    for i in [*range(1, len(history), stride), len(history)]:
         step = history[i - 1].get("step", i)
         so_far = samples[:bisect.bisect_right(sample_steps, step)]
         found += [(step, f) for f in monitor.check(history[:i], so_far)]

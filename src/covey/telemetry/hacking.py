@@ -33,6 +33,8 @@ SPREAD_COLLAPSE = 0.5  # ... while reward_std is below this share of its start
 KL_ACCELERATION = 2.0  # the KL's slope over the last window this many times the window before's
 KL_FLOOR = 0.02  # a KL below this is too small to worry about, however it curves
 
+MAX_ROWS = 256  # logged steps the rules read of a longer history (see thin)
+
 NO_HELDOUT_KEY = "heldout-info"
 
 
@@ -222,9 +224,21 @@ DETECTORS = [reward_outruns_heldout, reward_saturated, traded_off, length_runawa
              text_signals.repetition, text_signals.same_across_prompts, text_signals.repeated_format, no_heldout]
 
 
+def thin(history: list[dict], keep: int = MAX_ROWS) -> list[dict]:
+    """A long history cut to about ``keep`` rows: the first and last quarter as they are, every k-th step
+    between, and every row with a held-out result; the windows at each end, which the rules compare, intact."""
+    if len(history) <= keep:
+        return history
+    edge = keep // 4
+    middle = history[edge:-edge]
+    stride = max(1, len(middle) // (keep - 2 * edge))
+    kept = [h for i, h in enumerate(middle) if i % stride == 0 or "eval/accuracy" in h or "eval/mean_reward" in h]
+    return history[:edge] + kept + history[-edge:]
+
+
 def findings(history: list[dict], samples: list[dict] = ()) -> list[Finding]:
-    """Every detector's finding over the history so far."""
-    samples = list(samples)
+    """Every detector's finding over the history so far (a long one thinned to about MAX_ROWS rows)."""
+    samples, history = list(samples), thin(history)
     return [f for detector in DETECTORS if (f := detector(history, samples)) is not None]
 
 
