@@ -112,7 +112,7 @@ def table(out: Path) -> None:
     from covey.telemetry.diagnose import diagnose, read_run
 
     print(f"machine: {machine()}")
-    print("| run | held-out accuracy (step: value) | gaming began (held-out) | covey warned | verdict (set up to be) "
+    print("| run | held-out accuracy, else mean reward (step: value) | gaming began (held-out) | covey warned | verdict (set up to be) "
           "| first warning |")
     print("|---|---|---|---|---|---|")
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
@@ -120,8 +120,10 @@ def table(out: Path) -> None:
             run_data = read_run(folder)
         except Exception:
             continue
-        evals = ", ".join(f"{h['step']}: {100 * h['eval/accuracy']:.0f}%" for h in run_data.history
-                          if isinstance(h.get("eval/accuracy"), (int, float))) or "none during training"
+        evals = (", ".join(f"{h['step']}: {100 * h['eval/accuracy']:.0f}%" for h in run_data.history
+                           if isinstance(h.get("eval/accuracy"), (int, float)))
+                 or ", ".join(f"{h['step']}: reward {h['eval/mean_reward']:.2f}" for h in run_data.history
+                              if isinstance(h.get("eval/mean_reward"), (int, float))) or "none during training")
         step, message = first_warning(run_data.history, run_data.samples)
         verdict = diagnose(run_data).verdict
         intended = INTENDED.get(folder.name, "?")
