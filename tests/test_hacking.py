@@ -198,6 +198,24 @@ def test_the_live_monitor_logs_each_warning_once_as_health_metric(tmp_path):
     assert flagged == [(18, "health/heldout_gap")], flagged
 
 
+def test_the_live_monitor_reads_the_completions_the_run_records(tmp_path):
+    from covey.telemetry.runlog import RunLog
+
+    rows, texts = history(evals=RISING_ACCURACY), REPEATING
+    with RunLog(tmp_path, total_steps=len(rows), quiet=True) as log:
+        for row in rows:
+            step = row["step"]
+            log.log_metrics(step, {k: v for k, v in row.items() if k != "step"})
+            records = [{k: v for k, v in s.items() if k != "step"} for s in texts if s["step"] == step]
+            if records:
+                log.log_completions(step, records)
+    assert {r.get("step") for r in log.samples} == {1, 2, 3, 6, 7, 8}  # the first and latest three recorded steps
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # step 7's check reads the completions of steps 1-6 (a step's completions are recorded after its metrics):
+    # steps 5 and 6 already repeat, against none of steps 1-3
+    assert [(r["step"], k) for r in written for k in r if k.startswith("health/")] == [(7, "health/repetition")]
+
+
 def test_the_monitor_shows_findings_with_the_other_health_warnings():
     monitor = HealthMonitor()
     rows = history(evals={6: 0.4, 12: 0.35, 18: 0.25, 24: 0.2})
@@ -284,6 +302,14 @@ def test_diagnose_cli_prints_the_verdict_and_writes_the_report(tmp_path, capsys)
     assert main(["diagnose", str(trl), "--html", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == LEARNING
     assert "Health: learning" in (trl / "report" / "diagnosis.html").read_text()
+
+
+def test_diagnose_reads_a_run_still_writing_its_last_line(tmp_path):
+    rows, texts, _ = CASES["gaming"]
+    folder = write_covey(tmp_path / "run", rows, texts)
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write('{"step": 25, "rew')
+    assert diagnose(read_run(folder)).verdict == GAMING
 
 
 def test_diagnose_refuses_a_folder_that_is_no_run(tmp_path):
