@@ -112,8 +112,8 @@ def table(out: Path) -> None:
     from covey.telemetry.diagnose import diagnose, read_run
 
     print(f"machine: {machine()}")
-    print("| run | held-out accuracy, else mean reward (step: value) | gaming began (held-out) | covey warned | verdict (set up to be) "
-          "| first warning |")
+    print("| run | held-out accuracy, else mean reward (step: value) | gaming began (held-out) | covey warned "
+          "| verdict (set up to be) | first warning |")
     print("|---|---|---|---|---|---|")
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
         try:
@@ -182,12 +182,13 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 
 
 # the verdict each run must get, by what it was set up to do (not by what covey said)
-INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward", "keyword": "gaming the reward",
-            "composed": "gaming the reward", "healthy": "learning", "healthy-seed1": "learning",
+INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward",
+            "keyword": "gaming the reward", "composed": "gaming the reward", "healthy": "learning",
+            "healthy-seed1": "learning",
             "trl-learning": "learning", "trl-constant": "not learning",
             "tiny-keyword": "gaming the reward", "tiny-healthy": "learning"}
-KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "completions/mean_length",
-             "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
+KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
+             "completions/mean_length", "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
 
 
 def record(name: str, out: Path, into: Path) -> None:
@@ -199,7 +200,10 @@ def record(name: str, out: Path, into: Path) -> None:
 
     source, target = out / name, into / name
     target.mkdir(parents=True, exist_ok=True)
-    keep = lambda row: {k: v for k, v in row.items() if k in KEPT_KEYS or k.startswith(("rewards/", "eval"))}  # noqa: E731
+
+    def keep(row: dict) -> dict:
+        return {k: v for k, v in row.items() if k in KEPT_KEYS or k.startswith(("rewards/", "eval"))}
+
     if (source / "metrics.jsonl").exists():
         rows = [json.loads(line) for line in (source / "metrics.jsonl").read_text().splitlines()]
         (target / "metrics.jsonl").write_text("".join(json.dumps(keep(r)) + "\n" for r in rows))

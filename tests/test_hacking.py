@@ -69,7 +69,8 @@ def test_noise_alone_fires_nothing(seed):
     rows = history(30, reward=lambda i: 0.5 + r.gauss(0, 0.1), entropy=lambda i: 1.0 + r.gauss(0, 0.1),
                    reward_std=lambda i: 0.3 + r.gauss(0, 0.05), kl=lambda i: 0.03 + abs(r.gauss(0, 0.01)),
                    evals={6: 0.3, 12: 0.3 + r.gauss(0, 0.03), 18: 0.3 + r.gauss(0, 0.03), 24: 0.3 + r.gauss(0, 0.03)},
-                   **{"rewards/a/mean": lambda i: 0.5 + r.gauss(0, 0.1), "rewards/b/mean": lambda i: 0.2 + r.gauss(0, 0.1),
+                   **{"rewards/a/mean": lambda i: 0.5 + r.gauss(0, 0.1),
+                      "rewards/b/mean": lambda i: 0.2 + r.gauss(0, 0.1),
                       "completions/mean_length": lambda i: 20 + r.gauss(0, 3),
                       "completions/clipped_ratio": lambda i: max(0.0, r.gauss(0.1, 0.05))})
     assert keys(rows, samples(healthy_text)) == []
@@ -252,7 +253,8 @@ def write_trl(folder: Path, rows, texts=()):
             part = [s for s in texts if s["step"] == step]
             pd.DataFrame({"step": [step] * len(part), "prompt": [s["prompt"] for s in part],
                           "completion": [s["completion"] for s in part], "judge": [s["reward"] for s in part],
-                          "advantage": [0.0] * len(part)}).to_parquet(folder / "completions" / f"completions_{step:05d}.parquet")
+                          "advantage": [0.0] * len(part)}).to_parquet(
+                              folder / "completions" / f"completions_{step:05d}.parquet")
     return folder
 
 

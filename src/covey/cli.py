@@ -357,7 +357,8 @@ def cmd_server(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "diagnose": cmd_diagnose, "compare": cmd_compare, "export": cmd_export, "server": cmd_server}
+            "report": cmd_report, "diagnose": cmd_diagnose, "compare": cmd_compare, "export": cmd_export,
+            "server": cmd_server}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,8 @@ def _jsonl(path: Path) -> list[dict]:
 def _trl_state(folder: Path) -> Path | None:
     if (folder / "trainer_state.json").exists():
         return folder / "trainer_state.json"
-    checkpoints = [p for p in folder.glob("checkpoint-*/trainer_state.json") if re.fullmatch(r"checkpoint-\d+", p.parent.name)]
+    checkpoints = [p for p in folder.glob("checkpoint-*/trainer_state.json")
+                   if re.fullmatch(r"checkpoint-\d+", p.parent.name)]
     return max(checkpoints, key=lambda p: int(p.parent.name.split("-")[1])) if checkpoints else None
 
 
@@ -174,7 +175,8 @@ def _why_not_learning(history: list[dict]) -> str:
                 "too harsh (or a task already solved); give partial credit or raise num_generations")
     if clipped and statistics.fmean(clipped[-WINDOW:]) > 0.5:
         return "most completions are cut at max_completion_length: raise it, or reward shorter answers"
-    return "the reward is not clearly above where it started; try a higher learning rate or a reward with partial credit"
+    return ("the reward is not clearly above where it started; try a higher learning rate or a reward with partial "
+            "credit")
 
 
 def diagnose(run: RunData) -> Diagnosis:
@@ -230,6 +232,7 @@ def standalone_page(run: RunData, diagnosis: Diagnosis, out_dir: Path) -> Path:
         raise ConfigError(f"{page} exists and is not covey's: pass --out with another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     page.write_text(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">{GENERATOR}<title>covey diagnose: '
-                    f"{escape(run.folder.name)}</title></head><body><h1>covey diagnose</h1><p>{escape(str(run.folder))} "
+                    f"{escape(run.folder.name)}</title></head><body><h1>covey diagnose</h1>"
+                    f"<p>{escape(str(run.folder))} "
                     f"({run.source})</p>{diagnosis_html(diagnosis)}</body></html>\n", encoding="utf-8")
     return page

@@ -48,8 +48,9 @@ def heldout(history: list[dict]) -> tuple[str, list[int], list[float]] | None:
 
 
 def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
-    """(key, first, last, the step of its best evaluation before the last) where the held-out metric, over at least MIN_EVALS evaluations, did
-    not gain (or fell) while the training reward gained ``reward_gain``; None where it gained or is solved."""
+    """(key, first, last, the step of its best evaluation before the last) where the held-out metric, over at
+    least MIN_EVALS evaluations, did not gain (or fell) while the training reward gained ``reward_gain``; None
+    where it gained or the task is solved."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
         return None

@@ -3,7 +3,7 @@
 A history is a list of metric dicts (TRL's names, one per logged step, with ``step``). The rules of
 hacking.py read it through these: a metric's finite values, the mean of a window at either end, the
 noise of a series (from the median of its step-to-step changes, which a trend or one outlier barely
-moves), and whether a series clearly rose or fell between its first and last windows.
+moves), whether a series clearly rose or fell between its first and last windows, and rank correlation.
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ def change(values: list[float], n: int = WINDOW) -> Change | None:
         return None
     sigma = noise(values)
     return Change(statistics.fmean(values[:n]), statistics.fmean(values[-n:]), sigma * math.sqrt(2 / n))
-
-
-def theil_sen(xs: list[float], ys: list[float]) -> float:
-    """The median of the pairwise slopes: a line's slope that a few wild points cannot tilt."""
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
-    return statistics.median(slopes) if slopes else 0.0
 
 
 def spearman(a: list[float], b: list[float]) -> float:
