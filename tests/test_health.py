@@ -47,11 +47,12 @@ def test_undefined_reward_spread_is_not_read_as_a_collapse():
     assert not any("stayed below" in m for m in shown), shown
 
 
-def test_healthy_run_only_gets_the_loss_note():
+def test_healthy_run_only_gets_the_notes():
     monitor = HealthMonitor()
     rows = history(12)
     shown = [m for i in range(1, 13) for m in monitor.check(rows[:i])]
-    assert len(shown) == 1 and "loss near 0 is expected" in shown[0]
+    assert len(shown) == 2 and "loss near 0 is expected" in shown[0], shown
+    assert "no held-out evaluation during training" in shown[1] and "eval_steps" in shown[1]
 
 
 def _noise(i):

@@ -8,6 +8,7 @@
     covey verify --trl train_grpo.py [args]       # the same checks on a TRL GRPO script's trainer
     covey generate my.yaml --num-prompts 3        # completions, rewards and advantages, no training
     covey report runs/20261129-101500             # plots and an HTML page of a run
+    covey diagnose runs/20261129-101500           # learning, not learning, gaming the reward or collapsed?
     covey compare runs/a runs/b                   # reward curves of several runs in one plot
     covey server my.yaml                          # a rollout server for vllm_mode: server
     covey env                                     # versions, CPU, devices, settings: for a bug report
@@ -265,6 +266,45 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_diagnose(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey diagnose", allow_abbrev=False,
+        description="Run covey's health rules (reward hacking, collapse, a run not learning) over a finished or "
+                    "running run folder: covey's (metrics.jsonl) or TRL's (trainer_state.json). Prints one verdict "
+                    "(learning, not learning, gaming the reward, collapsed) and the evidence behind it. Exit "
+                    "status: 0 learning, 1 any other verdict.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a covey run folder or a TRL output_dir")
+    parser.add_argument("--html", action="store_true", help="also write the report (covey report; a TRL folder: a "
+                        "page of the diagnosis alone) with the diagnosis in it")
+    parser.add_argument("--out", metavar="DIR", help="folder of the --html page (default: RUN_DIR/report)")
+    parser.add_argument("--json", action="store_true", help="print the verdict and findings as JSON")
+    namespace = parser.parse_args(argv)
+    import json
+
+    from covey.telemetry.diagnose import LEARNING, diagnose, read_run, standalone_page
+
+    run = read_run(namespace.run_dir)
+    diagnosis = diagnose(run)
+    if namespace.json:
+        print(json.dumps({"verdict": diagnosis.verdict, "reason": diagnosis.reason, "source": run.source,
+                          "findings": [{"warned_at": step, "key": f.key, "kind": f.kind, "began": f.began,
+                                        "message": f.message, "advice": f.advice, "values": f.values,
+                                        "examples": list(f.examples)} for step, f in diagnosis.findings],
+                          "warnings": [{"step": step, "message": m} for step, m in diagnosis.warnings],
+                          "notes": diagnosis.notes}, indent=2))
+    else:
+        print(f"{run.folder} ({run.source} run, {len(run.history)} logged steps)\n{diagnosis.text()}")
+    if namespace.html:
+        if run.source == "covey":
+            from covey.telemetry.report import write_report
+
+            page = write_report(namespace.run_dir, namespace.out)
+        else:
+            page = standalone_page(run, diagnosis, Path(namespace.out or Path(namespace.run_dir) / "report"))
+        print(f"report: {page}", file=sys.stderr if namespace.json else sys.stdout)
+    return 0 if diagnosis.verdict == LEARNING else 1
+
+
 def cmd_compare(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey compare", allow_abbrev=False,
@@ -363,7 +403,8 @@ def cmd_env(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server, "env": cmd_env}
+            "report": cmd_report, "diagnose": cmd_diagnose, "compare": cmd_compare, "export": cmd_export,
+            "server": cmd_server, "env": cmd_env}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
               "(covey train --help lists the fields)\n"
               "       covey report RUN_DIR [--out DIR]\n"
+              "       covey diagnose RUN_DIR [--html] [--out DIR] [--json]\n"
               "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"
               "       covey export SOURCE OUT [--dtype float32|bfloat16|float16]\n"
               "       covey server [CONFIG] [--backend vllm|fast] [--host H] [--port P] [--field value ...]\n"

@@ -11,6 +11,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
+from covey.telemetry.hacking import Monitor
+
 WINDOW = 5  # logged steps a trend must hold before it is reported
 NO_RISE_AFTER = 30  # logged steps after which a mean reward not clearly above the start's is reported
 
@@ -118,16 +120,24 @@ RULES: list[Callable[[list[dict]], HealthWarning | None]] = [
 
 
 class HealthMonitor:
-    """Collects the warnings the rules raise, each kind once per run."""
+    """Collects the warnings the rules raise, each kind once per run; with ``hacking``, also the findings of
+    hacking.py over the run's recorded completions (reward hacking and collapse, with their evidence).
+    ``keys`` names what the last check raised (logged as ``health/<key>`` metrics)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hacking: bool = True) -> None:
         self.shown: set[str] = set()
+        self.hacking = Monitor() if hacking else None
+        self.keys: list[str] = []
 
-    def check(self, history: list[dict]) -> list[str]:
-        messages = []
+    def check(self, history: list[dict], samples: list[dict] = ()) -> list[str]:
+        messages, self.keys = [], []
         for rule in RULES:
             warning = rule(history)
             if warning and warning.key not in self.shown:
                 self.shown.add(warning.key)
                 messages.append(warning.message)
+                self.keys.append(warning.key)
+        for finding in self.hacking.check(history, samples) if self.hacking else ():
+            messages.append(finding.text())
+            self.keys.append(finding.key)
         return messages

@@ -464,6 +464,13 @@ def _figure_html(plot: Plot) -> str:
             f"<figcaption>{_esc(caption)}</figcaption></figure>")
 
 
+def _health(run: Run) -> str:
+    """The verdict of covey diagnose and its evidence (diagnose.py), over the run's metrics and completions."""
+    from covey.telemetry.diagnose import RunData, diagnose, diagnosis_html
+
+    return diagnosis_html(diagnose(RunData(run.path, "covey", run.metrics, run.completions)))
+
+
 def render_page(run: Run, plots: list[Plot]) -> str:
     """The whole report as one HTML document with no external resources and no scripts."""
     notes = "".join(f"<li>{_esc(n)}</li>" for n in run.notes)
@@ -475,7 +482,7 @@ def render_page(run: Run, plots: list[Plot]) -> str:
         f"<title>covey report: {_esc(run.path.name or run.path)}</title><style>{STYLE}</style></head><body>",
         f"<h1>covey run report</h1><p class=\"sub\">{_esc(run.path)}</p>", _facts(run),
         f'<h2>Notes on this run</h2><ul class="notes">{notes}</ul>' if notes else "",
-        "<h2>Held-out evaluation</h2>", _evaluation(run),
+        "<h2>Held-out evaluation</h2>", _evaluation(run), _health(run),
         "<h2>Training curves</h2>",
         f'<div class="plots">{"".join(_figure_html(p) for p in plots)}</div>',
         f'<p class="sub">Not logged in this run, so not plotted: {_esc(absent)}</p>' if absent else "",

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from covey.errors import TrainingInterrupted
 from covey.telemetry.health import HealthMonitor
 from covey.telemetry.plain import is_plain, output_console, print_table
 from covey.telemetry.tables import completions_table
+from covey.telemetry.text_signals import SAMPLE_STEPS
 from covey.telemetry.trackers import Tracker
 
 LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
@@ -51,6 +53,7 @@ class RunLog:
                                  console=self.console, disable=quiet or self.lines)
         self.task = self.progress.add_task("", total=total_steps)
         self.history: list[dict] = []
+        self.samples: list[dict] = []  # recorded completions the health rules read (the first and latest steps)
         self.health = HealthMonitor()
 
     def __enter__(self) -> "RunLog":
@@ -72,11 +75,14 @@ class RunLog:
             return
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(record)
+        warnings = self.health.check(self.history, self.samples)
+        flags = {f"health/{key}": 1.0 for key in self.health.keys if not key.endswith("-info")}
+        record.update(flags)  # the step each warning first showed, for the report and the trackers
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         for tracker in list(self.trackers):
             try:
-                tracker.log(step, metrics)
+                tracker.log(step, {**metrics, **flags})
             except Exception as e:  # a tracker's outage (a server down, a full disk) must not end the training
                 self.trackers.remove(tracker)
                 with contextlib.suppress(Exception):
@@ -87,8 +93,8 @@ class RunLog:
         self.progress.update(self.task, completed=step, description=live)
         if self.lines:
             self.info(f"step {step}/{self.total_steps}  {live}")
-        for message in self.health.check(self.history):
-            self.info(f"[yellow]step {step}: {message}[/]")
+        for message in warnings:
+            self.info(f"[yellow]step {step}: {escape(message)}[/]")
 
     def resume(self, history: list[dict], step: int) -> None:
         """Continue a run from a checkpoint at ``step``: its metric history, and the files cut back to
@@ -102,7 +108,9 @@ class RunLog:
             for line in self.completions_path.read_text().splitlines():
                 with contextlib.suppress(ValueError):  # a line cut off by the crash is dropped
                     records.append(json.loads(line))
-            _rewrite_jsonl(self.completions_path, [r for r in records if r.get("step", 0) <= step])
+            kept = [r for r in records if r.get("step", 0) <= step]
+            _rewrite_jsonl(self.completions_path, kept)
+            self._keep_samples(kept)
         self.progress.update(self.task, completed=step)
 
     def log_completions(self, step: int, records: list[dict], num_to_print: int | None = 0) -> None:
@@ -113,8 +121,15 @@ class RunLog:
         with open(self.completions_path, "a") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}) + "\n")
+        self._keep_samples(self.samples + [{"step": step, **record} for record in records])
         if num_to_print != 0 and not self.quiet:
             print_table(self.console, completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
+
+    def _keep_samples(self, records: list[dict]) -> None:
+        """Keep the completions of the first and latest SAMPLE_STEPS recorded steps: what the text rules compare."""
+        steps = sorted({r.get("step", 0) for r in records})
+        kept = set(steps[:SAMPLE_STEPS] + steps[-SAMPLE_STEPS:])
+        self.samples = [r for r in records if r.get("step", 0) in kept]
 
     def info(self, message: str) -> None:
         if not self.quiet:
