@@ -10,6 +10,7 @@
     covey report runs/20261129-101500             # plots and an HTML page of a run
     covey compare runs/a runs/b                   # reward curves of several runs in one plot
     covey server my.yaml                          # a rollout server for vllm_mode: server
+    covey plan my.yaml --processes 2              # a step's peak memory per device, before loading the model
 
 Every GRPOConfig field is an option in dash-case; YAML values are overridden by the command line.
 """
@@ -272,6 +273,38 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey plan", allow_abbrev=False,
+        description="Estimate the peak memory of a training step per device from the model's config alone (no "
+                    "weights are loaded): weights, gradients, optimizer state, activations, the log-prob pass, the "
+                    "reference and the engine; whether it fits this machine's GPU (or RAM), and settings that would "
+                    "make it fit. covey train checks the same estimate before loading the model.")
+    parser.add_argument("--processes", type=int, help="processes the run is launched with (default: WORLD_SIZE, or 1)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also train one real step (loading the model) and give its time, its measured peak and "
+                             "the whole run's expected wall time")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    if namespace.processes is not None and namespace.processes < 1:
+        raise ConfigError("--processes must be at least 1")
+    if namespace.probe and (namespace.processes or 1) > 1:
+        raise ConfigError("--probe trains one step in this one process; leave --processes out to probe")
+    args = _load_config(namespace.config, overrides)
+    from covey.plan import make_plan
+    from covey.plan.advice import advice
+    from covey.plan.report import plan_text
+
+    plan = make_plan(args, namespace.processes)
+    print(plan_text(plan, None if plan.fits else advice(plan)))
+    if namespace.probe:
+        from covey.plan.probe import probe, probe_text
+
+        print()
+        print(probe_text(plan, probe(args)))
+    return 0
+
+
 def cmd_server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey server", allow_abbrev=False,
@@ -317,7 +350,8 @@ def cmd_server(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
-            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server}
+            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "server": cmd_server,
+            "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
         print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
               "(covey train --help lists the fields)\n"
+              "       covey plan [CONFIG] [--processes N] [--probe] [--field value ...]\n"
               "       covey report RUN_DIR [--out DIR]\n"
               "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"
               "       covey export SOURCE OUT [--dtype float32|bfloat16|float16]\n"
