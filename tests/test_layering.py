@@ -4,7 +4,7 @@ Every import statement counts, those inside functions and under ``TYPE_CHECKING`
 inside a function hides a cycle rather than removing it). The layers, from the top:
 
     cli                          the command line (only ``python -m covey`` imports it)
-    verify                       the pipeline doctor
+    verify | plan                the pipeline doctor; the memory estimate (and its probe step)
     train                        the step, the trainer, checkpoints, several processes
     agents                       tools, environments and episodes (the code sandbox of rewards)
     rewards | rollout | telemetry  independent of one another
@@ -33,8 +33,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
+    "plan": {"errors", "sources", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+             "train"},
     "cli": {"errors", "sources", "trl_fields", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
-            "agents", "train", "verify"},
+            "agents", "train", "verify", "plan"},
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
     "__main__": {"cli"},
 }

@@ -116,8 +116,10 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 def cmd_train(argv: list[str]) -> int:
     namespace, overrides = _parse_command("covey train", "Train a model with GRPO.", argv)
     args = _load_config(namespace.config, overrides)
+    from covey.plan import check_fits
     from covey.train.trainer import GRPOTrainer
 
+    check_fits(args, World.launched_size())  # a step clearly too big for the device: refused before any loading
     try:
         GRPOTrainer(args=args).train()
     finally:

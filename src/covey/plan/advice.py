@@ -56,7 +56,7 @@ def candidate_changes(plan) -> list[tuple[dict, int]]:
 def advice(plan, most: int = 6) -> list[Suggestion]:
     """Suggestions for ``plan``: the single changes that fit, each with its estimate; if none does, the
     changes combined one after another until the run fits (or every change is spent)."""
-    from covey.plan import replan
+    from covey.plan.planning import replan
 
     tried: list[Suggestion] = []
     for changes, processes in candidate_changes(plan):

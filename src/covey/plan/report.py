@@ -42,7 +42,7 @@ def plan_text(plan, suggestions: list[Suggestion] | None = None) -> str:
         lines.append(f"  {'runtime (python, torch)':<26}{gib(device.runtime):>12}")
     lines.append(f"  {'peak (' + b.phase + ')':<26}{gib(plan.needed):>12}")
     if not s.gradient_checkpointing:
-        from covey.plan import replan
+        from covey.plan.planning import replan
 
         with_ckpt = replan(plan, gradient_checkpointing=True).breakdown.activations
         lines.append(f"  (activations with gradient checkpointing: {gib(with_ckpt)})")

@@ -38,7 +38,6 @@ from covey.train import setup
 from covey.train.asynchronous import AsyncGeneration, AsyncSchedule, check_async_run
 from covey.train.batch import Progress, Prompts, ScoredBatch, StepResult
 from covey.train.callbacks import CallbackArgs, Callbacks, check_callbacks
-from covey.plan import check_fits
 from covey.train.checkpoint import (IN_FLIGHT, load_checkpoint, resolve_checkpoint, rng_states, save_checkpoint,
                                     save_sharded, saved_step, sharded_staging, written_whole)
 from covey.train.distributed import World, check_launcher_settings, sharded_part
@@ -141,8 +140,6 @@ class GRPOTrainer(TRLSurface):
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError(SYNC_WITH_LORA)
         setup.check_model_settings(args, model, peft_config)
-        if model is None or isinstance(model, str):  # will the step fit the device (covey plan)? before any loading
-            check_fits(dataclasses.replace(args, model=model) if model else args, self.world.size)
         self.resume_from = (resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
                             if args.resume_from_checkpoint else None)
         if args.max_steps != -1:
