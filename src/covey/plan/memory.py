@@ -203,21 +203,25 @@ def logits_bytes(s: Settings) -> int:
 
 
 def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
-    """The log-prob pass of a micro-batch's completion tokens N = B x T: the logits it keeps for the
-    backward and their gradient, N x V each (a chunk of ``logprob_chunk`` tokens at a time, with the
-    chunk's float32 log-softmax, where the pass is chunked)."""
+    """The log-prob pass of a micro-batch's completion tokens N = B x T, from their final hidden states:
+    chunked (``covey.train.head``), one chunk's logits, their float32 softmax and their gradient at the
+    worst moment, and under autocast a copy of the head's weight in the compute dtype; all at once (an
+    older pass), the logits of all N tokens and their gradient."""
     tokens = s.micro_batch * s.completion_length
     if s.logprob_chunk is None:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
-    return chunk * shape.vocab * (2 * logits_bytes(s) + 4)
+    cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
+    return chunk * shape.vocab * (logits_bytes(s) + 3 * 4) + cast_weight
 
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:
-    """The output head's gradient, made at the start of the backward (the embedding's, when tied)."""
+    """The output head's gradient, made at the start of the backward (the embedding's, when tied): the
+    chunked pass sums it in float32, then casts it to the weight's dtype."""
     if s.trains_lora:
         return 0
-    return shape.vocab * shape.hidden * s.weight_bytes // (s.processes if s.sharded else 1)
+    summed = shape.vocab * shape.hidden * (4 + (s.weight_bytes if s.weight_bytes != 4 else 0))
+    return summed // (s.processes if s.sharded else 1)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from covey.config import GRPOConfig
-from covey.errors import ConfigError
 from covey.plan.device import Device, this_device
 from covey.plan.memory import Breakdown, Settings, estimate
 from covey.plan.shapes import ModelShape, model_config, model_shape
@@ -21,9 +20,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def logprob_chunk_tokens() -> int | None:
     """Tokens per chunk of the log-prob pass as covey computes it (None: all of a micro-batch's at once)."""
-    from covey.train import forward
-
-    return getattr(forward, "LOGPROB_CHUNK_TOKENS", None)
+    try:
+        from covey.train.head import LOGPROB_CHUNK_TOKENS
+    except ImportError:  # a pass that computes every logit at once
+        return None
+    return LOGPROB_CHUNK_TOKENS
 
 
 def lora_targets(args: GRPOConfig, shape: ModelShape) -> tuple[str, ...]:
