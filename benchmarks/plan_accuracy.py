@@ -55,7 +55,7 @@ CONFIGS = {
     "smollm2-fsdp2x2-64": ("smollm2-135m", 2, dict(max_completion_length=64, fsdp="full_shard")),
     "qwen2.5-fsdp2x2-64": ("qwen2.5-0.5b", 2, dict(max_completion_length=64, fsdp="full_shard")),
 }
-COMMON = dict(num_generations=4, per_device_train_batch_size=8, max_prompt_length=64, max_steps=2,
+COMMON = dict(keep_freed_memory=False, num_generations=4, per_device_train_batch_size=8, max_prompt_length=64, max_steps=2,
               eval_max_samples=0, save_strategy="no", log_completions=False, memory_check=False)
 
 
@@ -96,7 +96,7 @@ def worker(name: str, folder: str, out_dir: str) -> None:
     from covey.plan import make_plan
 
     torch.set_num_threads(1)
-    shape, processes, fields = CONFIGS[name]
+    shape, processes, fields = CONFIGS[name] if name != "baseline" else (None, 1, {"max_completion_length": 64})
     args = GRPOConfig(**DEMO, **COMMON, **fields, model=folder, output_dir=out_dir)
     plan = make_plan(args, processes)
     peaks = []
@@ -117,16 +117,26 @@ def worker(name: str, folder: str, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def baseline_worker() -> None:
-    """The runtime: a process that imported what a training process imports, nothing more."""
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+def baseline_worker(out_dir: str) -> None:
+    """The runtime: the same two steps, measured the same way, of a model too small to count (hidden size
+    32, a vocabulary of ~100): python, torch, transformers, covey and what they load as a run goes."""
+    from tests.conftest import make_model, make_tokenizer
 
-    import covey.train.trainer  # noqa: F401
-    from covey.plan import make_plan  # noqa: F401
+    folder = Path(out_dir) / "tiny"
+    tokenizer = make_tokenizer()
+    make_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    worker("baseline", str(folder), str(Path(out_dir) / "run"))
 
-    print("RESULT " + json.dumps({"baseline": _rss_bytes()}), flush=True)
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
 
 
 def run(argv: list[str], env: dict) -> list[dict]:
@@ -145,18 +155,18 @@ def main() -> None:
     parser.add_argument("--out-dir")
     args = parser.parse_args()
     if args.worker == "baseline":
-        return baseline_worker()
+        return baseline_worker(args.out_dir)
     if args.worker:
         return worker(args.worker, args.folder, args.out_dir)
-    import platform
-
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+    # glibc hands back what a pass frees (as a GPU's allocator reuses it), so the RSS follows what is in use
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent / "src"),
                                           str(Path(__file__).resolve().parent.parent),
                                           os.environ.get("PYTHONPATH", "")])}
     me = [sys.executable, "-m", "benchmarks.plan_accuracy"]
-    baseline = run(me + ["--worker", "baseline"], env)[0]["baseline"]
-    print(f"CPU: {platform.processor() or platform.machine()}; runtime baseline (RSS after imports): "
+    with tempfile.TemporaryDirectory(prefix="plan-baseline-") as tmp:
+        baseline = run(me + ["--worker", "baseline", "--out-dir", tmp], env)[0]["measured"]
+    print(f"CPU: {cpu_name()}; runtime baseline (peak RSS of the same steps of a tiny model): "
           f"{baseline / 2**20:.0f} MiB")
     print("| configuration | processes | estimate (MiB) | measured - baseline (MiB) | error | phase |")
     print("|---|---|---|---|---|---|")
