@@ -21,7 +21,7 @@ class Suggestion:
     fits: bool
 
     def describe(self) -> str:
-        fields = ", ".join(f"{k}: {v}" for k, v in self.changes.items())
+        fields = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changes.items())
         return fields + (f" over {self.processes} processes" if self.processes > 1 else "")
 
 
