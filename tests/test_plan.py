@@ -207,3 +207,13 @@ def test_the_embedded_models_config_is_read_without_its_weights():
     assert (shape.vocab, shape.hidden, shape.layers) == (49152, 576, 30)
     assert estimate(shape, Settings(micro_batch=16, generation_rows=16, num_generations=8, prompt_length=512,
                                     completion_length=32)).peak > 0
+
+
+def test_probe_trains_real_steps_and_times_the_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", str(tiny_model_dir), "--probe", "--max-steps", "7", "--max-completion-length", "8",
+                 "--per-device-train-batch-size", "4", "--num-generations", "2", "--max-prompt-length", "32",
+                 "--output-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "probe: a step took" in out and "7 steps" in out and "measured peak" in out
+    assert not (tmp_path / "run").exists()  # the probe writes nowhere the run would
