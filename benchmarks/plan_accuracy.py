@@ -55,6 +55,9 @@ CONFIGS = {
     "smollm2-fsdp2x2-64": ("smollm2-135m", 2, dict(max_completion_length=64, fsdp="full_shard")),
     "qwen2.5-fsdp2x2-64": ("qwen2.5-0.5b", 2, dict(max_completion_length=64, fsdp="full_shard")),
 }
+# the runtime, measured the same way: a model too small to count, in one process and in two under FSDP2
+BASELINES = {"baseline": (None, 1, dict(max_completion_length=64)),
+             "baseline-fsdp2x2": (None, 2, dict(max_completion_length=64, fsdp="full_shard"))}
 COMMON = dict(keep_freed_memory=False, num_generations=4, per_device_train_batch_size=8, max_prompt_length=64, max_steps=2,
               eval_max_samples=0, save_strategy="no", log_completions=False, memory_check=False)
 
@@ -96,7 +99,7 @@ def worker(name: str, folder: str, out_dir: str) -> None:
     from covey.plan import make_plan
 
     torch.set_num_threads(1)
-    shape, processes, fields = CONFIGS[name] if name != "baseline" else (None, 1, {"max_completion_length": 64})
+    shape, processes, fields = CONFIGS[name] if not name.startswith("baseline") else BASELINES[name]
     args = GRPOConfig(**DEMO, **COMMON, **fields, model=folder, output_dir=out_dir)
     plan = make_plan(args, processes)
     peaks = []
@@ -117,16 +120,20 @@ def worker(name: str, folder: str, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def baseline_worker(out_dir: str) -> None:
+def baseline_worker(name: str, out_dir: str) -> None:
     """The runtime: the same two steps, measured the same way, of a model too small to count (hidden size
     32, a vocabulary of ~100): python, torch, transformers, covey and what they load as a run goes."""
     from tests.conftest import make_model, make_tokenizer
 
     folder = Path(out_dir) / "tiny"
-    tokenizer = make_tokenizer()
-    make_model(len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    worker("baseline", str(folder), str(Path(out_dir) / "run"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        tokenizer = make_tokenizer()
+        make_model(len(tokenizer)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    while not (folder / "config.json").is_file() or not list(folder.glob("*.safetensors")):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    worker(name, str(folder), str(Path(out_dir) / "run"))
 
 
 def cpu_name() -> str:
@@ -150,12 +157,12 @@ def run(argv: list[str], env: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations only")
-    parser.add_argument("--worker")
+    parser.add_argument("--worker", choices=[*CONFIGS, *BASELINES])
     parser.add_argument("--folder")
     parser.add_argument("--out-dir")
     args = parser.parse_args()
-    if args.worker == "baseline":
-        return baseline_worker(args.out_dir)
+    if args.worker in BASELINES:
+        return baseline_worker(args.worker, args.out_dir)
     if args.worker:
         return worker(args.worker, args.folder, args.out_dir)
     # glibc hands back what a pass frees (as a GPU's allocator reuses it), so the RSS follows what is in use
@@ -164,27 +171,33 @@ def main() -> None:
                                           str(Path(__file__).resolve().parent.parent),
                                           os.environ.get("PYTHONPATH", "")])}
     me = [sys.executable, "-m", "benchmarks.plan_accuracy"]
-    with tempfile.TemporaryDirectory(prefix="plan-baseline-") as tmp:
-        baseline = run(me + ["--worker", "baseline", "--out-dir", tmp], env)[0]["measured"]
-    print(f"CPU: {cpu_name()}; runtime baseline (peak RSS of the same steps of a tiny model): "
-          f"{baseline / 2**20:.0f} MiB")
+
+    def launch(worker: str, processes: int, *more: str) -> list[dict]:
+        if processes == 1:
+            return run(me + ["--worker", worker, *more], env)
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                    "-m", "benchmarks.plan_accuracy", "--worker", worker, *more], env)
+
+    runs = [name for name in args.only or list(CONFIGS)]
+    baselines = {}  # processes -> the runtime of each process
+    for name, (_, processes, _) in BASELINES.items():
+        if any(CONFIGS[run_name][1] == processes for run_name in runs):
+            with tempfile.TemporaryDirectory(prefix="plan-baseline-") as tmp:
+                baselines[processes] = max(r["measured"] for r in launch(name, processes, "--out-dir", tmp))
+    print(f"CPU: {cpu_name()}; runtime baseline (peak RSS of the same steps of a tiny model, per process): "
+          + ", ".join(f"{b / 2**20:.0f} MiB ({p} process{'es' if p > 1 else ''})" for p, b in baselines.items()))
     print("| configuration | processes | estimate (MiB) | measured - baseline (MiB) | error | phase |")
     print("|---|---|---|---|---|---|")
     errors = []
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
-        for name in args.only or list(CONFIGS):
+        for name in runs:
             shape, processes, _ = CONFIGS[name]
             folder = make_model_folder(shape, Path(tmp))
             out_dir = str(Path(tmp) / f"run-{name}")
             started = time.time()
-            if processes == 1:
-                results = run(me + ["--worker", name, "--folder", str(folder), "--out-dir", out_dir], env)
-            else:
-                results = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                               str(processes), "-m", "benchmarks.plan_accuracy", "--worker", name, "--folder",
-                               str(folder), "--out-dir", out_dir], env)
+            results = launch(name, processes, "--folder", str(folder), "--out-dir", out_dir)
             worst = max(results, key=lambda r: r["measured"])  # the process that held most
-            measured = worst["measured"] - baseline
+            measured = worst["measured"] - baselines[processes]
             error = worst["estimate"] / measured - 1
             errors.append(abs(error))
             print(f"| {name} | {processes} | {worst['estimate'] / 2**20:,.0f} | {measured / 2**20:,.0f} | "

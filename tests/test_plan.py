@@ -69,18 +69,29 @@ def test_lora_parameters_are_what_peft_trains():
         assert lora_trainable(shape, settings) == trained
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_activations_per_token_are_what_autograd_saves(bf16):
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("lora", [None, (("q_proj", "v_proj"), 0.0), (("q_proj", "v_proj"), 0.05), (ALL_LINEAR, 0.0),
+                                  (ALL_LINEAR, 0.05)], ids=["full", "lora-qv", "lora-qv-dropout", "lora-all",
+                                                            "lora-all-dropout"])
+def test_activations_per_token_are_what_autograd_saves(bf16, lora):
     """The per-layer, per-token activation bytes against the tensors a Llama layer saves for its backward
     (parameters and autocast's weight copies left out), measured as the difference of 1 and 3 layers
     and of 96 and 192 tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from covey.models import add_lora
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=192, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=1, attn_implementation="sdpa")
 
     def saved(layers: int, tokens: int) -> int:
         model = AutoModelForCausalLM.from_config(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": layers}))
+        if lora:
+            model = add_lora(model, r=8, alpha=16, dropout=lora[1], target_modules=list(lora[0]))
+        model.train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
 
@@ -92,7 +103,7 @@ def test_activations_per_token_are_what_autograd_saves(bf16):
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model.model(input_ids=torch.randint(0, 300, (1, tokens)))
+            model(input_ids=torch.randint(0, 300, (1, tokens)))
         return sum(storages.values())
 
     def per_layer(tokens):
@@ -100,8 +111,9 @@ def test_activations_per_token_are_what_autograd_saves(bf16):
 
     measured = (per_layer(192) - per_layer(96)) / 96
     settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=1, completion_length=1,
-                        bf16_autocast=bf16)
-    assert layer_bytes_per_token(dense_shape(config), settings) == pytest.approx(measured, rel=0.02)
+                        bf16_autocast=bf16, lora_targets=lora and lora[0], lora_r=8,
+                        lora_dropout=bool(lora and lora[1]))
+    assert layer_bytes_per_token(dense_shape(config), settings) == pytest.approx(measured, rel=0.03)
 
 
 def test_the_chunked_logprob_pass_does_not_grow_with_the_completions():

@@ -148,19 +148,38 @@ def reference_bytes(shape: ModelShape, s: Settings) -> int:
 
 
 def layer_bytes_per_token(shape: ModelShape, s: Settings) -> float:
-    """What autograd keeps of one decoder layer for its backward, per token. Counted from the tensors a
-    Llama-family layer saves: each RMSNorm its input, its normalised output and the one it passes on;
-    attention its query, keys and values (after the rotary embedding), its output twice (before and
-    after o_proj's reshape) and a log-sum-exp per head; the MLP gate, up, act(gate) and their product.
-    Under bfloat16 autocast the matrix products' outputs are bfloat16 and the norms stay float32."""
+    """What autograd keeps of one decoder layer for its backward, per token, counted from the tensors a
+    Llama-family layer saves (tested against them in float32 and under bfloat16 autocast, full and LoRA):
+
+    - each RMSNorm: its float32 input, its normalised input where its weight trains, and its output for
+      the linear layers after it that train (one copy; under autocast each casts its own to bfloat16);
+    - attention: the rotated queries, the keys, the values and the output, and a log-sum-exp per head
+      (under autocast, a LoRA adapter on o_proj casts its own copy of the output);
+    - the MLP: gate, up and act(gate), and their product where down_proj trains;
+    - LoRA: each adapter's A output, and with dropout its dropped input and mask.
+
+    Matrix products give float32, or bfloat16 under autocast (or in a bfloat16 model)."""
     H, I, q, kv, heads = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.heads
-    if s.bf16_autocast or s.weight_bytes == 2:
-        per_token = 24 * H + 2 * (3 * q + 2 * kv) + 4 * heads + 8 * I
-    else:
-        per_token = 20 * H + 4 * (3 * q + 2 * kv) + 4 * heads + 16 * I
-    if s.trains_lora and s.lora_dropout:  # each wrapped layer's input after dropout (and its mask), and A's output
-        wrapped = [lin for lin in shape.layer_linears if lin.name in s.lora_targets]
-        per_token += sum(lin.inputs * (4 + 1) + s.lora_r * 4 for lin in wrapped)
+    a = 2 if s.bf16_autocast or s.weight_bytes == 2 else 4  # bytes of a matrix product's output
+    full = not s.trains_lora
+
+    def trains(name: str) -> bool:
+        return full or name in s.lora_targets
+
+    def norm(consumers: tuple[str, ...]) -> int:
+        trained = sum(trains(c) for c in consumers)
+        output = trained * 2 * H if a == 2 else 4 * H * (trained > 0)
+        return 4 * H + (4 * H if full else 0) + output + 4
+
+    per_token = norm(("q_proj", "k_proj", "v_proj")) + norm(("gate_proj", "up_proj"))
+    per_token += a * (2 * q + 2 * kv) + 4 * heads
+    if s.trains_lora and a == 2 and trains("o_proj"):  # peft casts the adapter's input to float32, autocast back
+        per_token += a * q
+    per_token += 3 * a * I + (a * I if trains("down_proj") else 0)
+    if s.trains_lora:
+        for lin in shape.layer_linears:
+            if lin.name in s.lora_targets:
+                per_token += a * s.lora_r + ((a + 2) * lin.inputs if s.lora_dropout else 0)
     return per_token
 
 
@@ -217,11 +236,11 @@ def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:
     """The output head's gradient, made at the start of the backward (the embedding's, when tied): the
-    chunked pass sums it in float32, then casts it to the weight's dtype."""
+    chunked pass sums it in float32, then casts it to the weight's dtype. Whole under FSDP2 too: a unit's
+    gradient is made whole, then reduce-scattered into the shards."""
     if s.trains_lora:
         return 0
-    summed = shape.vocab * shape.hidden * (4 + (s.weight_bytes if s.weight_bytes != 4 else 0))
-    return summed // (s.processes if s.sharded else 1)
+    return shape.vocab * shape.hidden * (4 + (s.weight_bytes if s.weight_bytes != 4 else 0))
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
