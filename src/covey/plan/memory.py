@@ -48,7 +48,6 @@ class Settings:
     dora: bool = False
     quantization: str | None = None  # "4bit" or "8bit"
     reference: bool = False  # beta > 0
-    old_logprob_pass: bool = False  # a no-grad pass of the old policy (several optimizer steps per round)
     processes: int = 1
     fsdp: str = ""  # "", "full_shard" or "shard_grad_op"
     shard_optimizer_state: bool = False

@@ -66,7 +66,6 @@ def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes:
         lora_targets=lora_targets(args, shape) if lora else None, lora_r=args.lora_r,
         lora_dropout=args.lora_dropout > 0 and not args.disable_dropout, dora=args.use_dora,
         quantization=args.quantization, reference=args.beta > 0,
-        old_logprob_pass=args.num_iterations > 1 or args.micro_batches_per_generation > args.gradient_accumulation_steps,
         processes=processes, fsdp=args.fsdp.split()[0] if args.fsdp.split() else "",
         shard_optimizer_state=args.shard_optimizer_state, engine=engine, rollout_bf16=rollout_bf16,
         engine_copies_weights=engine == "fast" and device.kind == "cpu" and not _decode_kernel_runs(),
