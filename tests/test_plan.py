@@ -232,3 +232,17 @@ def test_probe_trains_real_steps_and_times_the_run(tiny_model_dir, tmp_path, cap
     out = capsys.readouterr().out
     assert "probe: a step took" in out and "7 steps" in out and "measured peak" in out
     assert not (tmp_path / "run").exists()  # the probe writes nowhere the run would
+
+
+def test_the_check_takes_covey_s_default_prompt_limit_at_its_least(qwen_like):
+    """max_prompt_length left at covey's default bounds prompts the data may make much shorter: the check
+    refuses only what the completions, the micro-batch and the model (what the user asked for) need."""
+    from covey.plan.check import least_the_user_asked_for
+
+    args = GRPOConfig(**DEMO, model=str(qwen_like), max_completion_length=16)
+    plan = make_plan(args, 1, small_device(64))
+    least = least_the_user_asked_for(plan)
+    assert least.settings.prompt_length == 0 and least.needed < plan.needed
+    given = make_plan(dataclasses.replace(args, max_prompt_length=512), 1, small_device(64))
+    assert "max_prompt_length" in given.args.fields_given
+    assert least_the_user_asked_for(given).needed == given.needed
