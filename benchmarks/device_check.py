@@ -280,7 +280,7 @@ def check_plan(quick: bool) -> None:
         for name in PLAN_CONFIGS[:2] if quick else PLAN_CONFIGS:
             shape, _, fields = CONFIGS[name]
             model = make_model_folder(shape, Path(folder))
-            settings = GRPOConfig(**DEMO, **COMMON, **fields, model=str(model), output_dir=f"{folder}/run-{name}")
+            settings = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=str(model), output_dir=f"{folder}/run-{name}")
             plan = make_plan(settings, 1)
             gc.collect()
             torch.cuda.empty_cache()

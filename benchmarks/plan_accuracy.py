@@ -100,7 +100,7 @@ def worker(name: str, folder: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     shape, processes, fields = CONFIGS[name] if not name.startswith("baseline") else BASELINES[name]
-    args = GRPOConfig(**DEMO, **COMMON, **fields, model=folder, output_dir=out_dir)
+    args = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=folder, output_dir=out_dir)
     plan = make_plan(args, processes)
     peaks = []
 
