@@ -30,13 +30,14 @@ from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
 
 LOGPROB_CHUNK_TOKENS = 128
-"""Completion tokens whose logits exist at once in a log-prob pass. The memory that costs is about
-``LOGPROB_CHUNK_TOKENS x V x 16`` bytes at the worst moment (the backward: the chunk's logits in the head's
-dtype, their float32 softmax, and the logits' gradient), whatever the number of tokens N: 311 MB for
-Qwen's vocabulary of 151,936, 101 MB for 49,152. Beside it, the pass holds per token only its hidden
+"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
+tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
+over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
+log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
+vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
 state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
 weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
-dtype. Smaller chunks lower the peak; below ~64 tokens the matrix products lose speed on CPU."""
+dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
 
 
 @dataclass(frozen=True)
