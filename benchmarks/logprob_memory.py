@@ -10,8 +10,8 @@ one pass over each batch, AdamW. Each configuration runs in a fresh process; its
 resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
 the median of the steps after the first (with ``--steps 1``, the one step).
 
-    python -m benchmarks.logprob_memory --lengths 256 512 1024 2048 --vocabularies 49152 151936 \\
-        --trainers covey trl [--covey-before SRC]      # SRC: another covey's src folder, run the same way
+    python -m benchmarks.logprob_memory --lengths 256 512 1024 --vocabularies 49152 151936 --group 2 \\
+        --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 SHAPES = {  # vocabulary -> (architecture, hidden, intermediate, heads, key-value heads)
     49152: ("llama", 576, 1536, 9, 3),
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
     parser.add_argument("--group", type=int, default=8, help="completions per step (one prompt's group)")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="configurations measured at once (each in its own process; peaks stay per process)")
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
     if args.worker:
@@ -164,14 +167,23 @@ def main() -> None:
     runs = [(name, name, None) for name in args.trainers]
     if args.covey_before:
         runs.insert(1, ("covey before", "covey", args.covey_before))
+    jobs = [(vocabulary, length, run) for vocabulary in args.vocabularies for length in args.lengths for run in runs]
+    # the largest first, so that the last to finish are short ones
+    order = sorted(jobs, key=lambda job: -job[0] * job[1])
+    def run(job):
+        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2])
+        print(f"measured {job[2][0]}, vocabulary {job[0]}, {job[1]} x {args.group} tokens: {result}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        futures = {job: pool.submit(run, job) for job in order}
     names = [name for name, _, _ in runs]
     print(f"| vocabulary | completion tokens | {' | '.join(f'{n} peak MiB' for n in names)} | "
           f"{' | '.join(f'{n} s/step' for n in names)} |")
     print("|---|---|" + "---|" * 2 * len(runs))
     for vocabulary in args.vocabularies:
         for length in args.lengths:
-            results = [measure(trainer, vocabulary, length, args.group, args.steps, source)
-                       for _, trainer, source in runs]
+            results = [futures[(vocabulary, length, run)].result() for run in runs]
             peaks = [f"{r['peak_mib']:.0f}" if "error" not in r else f"failed: {r['error'][:80]}" for r in results]
             times = [f"{r['seconds']:.1f}" if "error" not in r else "" for r in results]
             print(f"| {vocabulary:,} | {length:,} x {args.group} | {' | '.join(peaks)} | {' | '.join(times)} |",

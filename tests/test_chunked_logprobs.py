@@ -172,14 +172,17 @@ def test_the_router_loss_pass_takes_the_decoders_output_and_the_models_own_aux_l
     assert torch.allclose(logp, want, atol=1e-5) and torch.allclose(aux, own)
 
 
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("head", ["weight", "weight and bias", "frozen"])
 @pytest.mark.parametrize("chunk", [1, 4, 7, 100])
-def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, bias):
+def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head):
     """From given hidden states: the gradient in the hidden states (per chunk), and in the head's weight and
-    bias (summed over chunks), for chunks of one token, of sizes that do not divide N, and of more than N."""
+    bias (summed over chunks), for chunks of one token, of sizes that do not divide N, and of more than N;
+    or, the head frozen, the hidden states' alone (from slopes kept in the forward)."""
     model = tiny("untied")
+    bias = head == "weight and bias"
     if bias:
         model.lm_head.bias = torch.nn.Parameter(torch.randn(V) * 0.1)
+    model.lm_head.weight.requires_grad_(head != "frozen")
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(23, 32, generator=g, requires_grad=True)
     ids = torch.randint(0, V, (23,), generator=g)
@@ -194,7 +197,8 @@ def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, bias):
             log_p = (model.lm_head(hidden).float() / 0.6).log_softmax(-1)
             logp, entropy = log_p.gather(-1, ids[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
         ((logp * upstream_logp).sum() + (entropy * upstream_entropy).sum()).backward()
-        results.append([logp.detach(), entropy.detach(), hidden.grad.clone(), model.lm_head.weight.grad.clone()]
+        results.append([logp.detach(), entropy.detach(), hidden.grad.clone()]
+                       + ([] if head == "frozen" else [model.lm_head.weight.grad.clone()])
                        + ([model.lm_head.bias.grad.clone()] if bias else []))
     for got, want in zip(*results):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
@@ -217,7 +221,7 @@ class _LargestLogits(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("kind", ["tied", "softcap", "lora-head"])
+@pytest.mark.parametrize("kind", ["tied", "softcap", "lora", "lora-head"])
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_no_more_than_a_chunk_of_tokens_has_logits_at_once(kind, share_prompt, monkeypatch):
     """Forward and backward, whatever the pass (shared prompt and packed, or every row in full), no tensor
