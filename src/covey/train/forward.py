@@ -88,7 +88,8 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     float32_attention = float32_attention and not _checkpointing(model)
     aux: list[torch.Tensor] = []  # the router's loss, where asked
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
-        check_head(model, _a_few_tokens(batch).to(device))
+        # the same few tokens whatever the batch (even none): every process of a sharded model runs the same check
+        check_head(model, torch.arange(4, device=device).unsqueeze(0))
         if router_aux_loss:
             hidden_NH, rows_N, cols_N = _every_row_in_full(model, batch, aux)
         else:
@@ -126,13 +127,6 @@ def completion_hidden_states(model: torch.nn.Module, batch: SequenceBatch, share
             rows.append(rest_rows)
             cols.append(rest_cols)
     return torch.cat(outputs), torch.cat(rows), torch.cat(cols)
-
-
-def _a_few_tokens(batch: SequenceBatch, n: int = 4) -> torch.Tensor:
-    """(1, n) real tokens of the batch's first row (its prompt's first ones)."""
-    row = torch.cat([batch.prompt_ids_BP[0][batch.prompt_mask_BP[0] == 1],
-                     batch.completion_ids_BT[0][batch.completion_mask_BT[0] == 1]])
-    return row[:n].unsqueeze(0)
 
 
 @contextlib.contextmanager

@@ -30,13 +30,14 @@ from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
 
 LOGPROB_CHUNK_TOKENS = 128
-"""Completion tokens whose logits exist at once in a log-prob pass. The memory that costs is about
-``LOGPROB_CHUNK_TOKENS x V x 16`` bytes at the worst moment (the backward: the chunk's logits in the head's
-dtype, their float32 softmax, and the logits' gradient), whatever the number of tokens N: 311 MB for
-Qwen's vocabulary of 151,936, 101 MB for 49,152. Beside it, the pass holds per token only its hidden
+"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
+tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
+over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
+log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
+vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
 state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
 weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
-dtype. Smaller chunks lower the peak; below ~64 tokens the matrix products lose speed on CPU."""
+dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,10 @@ class _ChunkedLinearHead(torch.autograd.Function):
         d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
 
     where g_c is the gradient of the chunk's (pre-transform) logits, which ``core.token_logprobs`` and the
-    transform's own backward give."""
+    transform's own backward give. Where only the hidden states take a gradient (a frozen head: LoRA), each
+    token's log-prob depends on its own hidden state only, so the forward keeps d logp_t / d hidden_t (and
+    d H_t / d hidden_t for the entropy bonus), H numbers a token, and the backward scales them by the
+    incoming gradients: no logits computed again."""
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, head: LinearHead, temperature, with_entropy,
@@ -122,14 +126,28 @@ class _ChunkedLinearHead(torch.autograd.Function):
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         entropy_N = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden_NH.device)
         weight = weight_VH.to(head.dtype)
+        frozen = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        # d logp / d hidden and d H / d hidden per token, for a frozen head
+        slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
+                  for _ in range(1 + entropy_grad)] if frozen else []
         for rows in _chunks(N, chunk):
-            logp, entropy = token_logprobs(head.logits(hidden_NH[rows], weight), ids_N[rows], with_entropy,
-                                           temperature, chunk=chunk)
+            if frozen:
+                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
+                                                      with_entropy, entropy_grad)
+                for slope, output in zip(slopes, (logp, entropy)):
+                    (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
+                    with torch.autocast(grad.device.type, enabled=False):
+                        slope[rows] = grad @ weight
+                logp, entropy = logp.detach(), entropy if entropy is None else entropy.detach()
+            else:
+                logp, entropy = token_logprobs(head.logits(hidden_NH[rows], weight), ids_N[rows], with_entropy,
+                                               temperature, chunk=chunk)
             logp_N[rows] = logp
             if with_entropy:
                 entropy_N[rows] = entropy
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N)
-        ctx.settings = head, temperature, with_entropy, entropy_grad, chunk
+        ctx.frozen = frozen
+        ctx.save_for_backward(*slopes) if frozen else ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N)
+        ctx.settings = head, temperature, with_entropy, entropy_grad, chunk, hidden_NH.dtype
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy_N)
         ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
@@ -137,11 +155,17 @@ class _ChunkedLinearHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
-        hidden_NH, weight_VH, bias_V, ids_N = ctx.saved_tensors
-        head, temperature, with_entropy, entropy_grad, chunk = ctx.settings
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        head, temperature, with_entropy, entropy_grad, chunk, hidden_dtype = ctx.settings
         if grad_logp_N is None and grad_entropy_N is None:
             return (None,) * 9
+        if ctx.frozen:
+            grad_hidden = 0
+            for slope, grad in zip(ctx.saved_tensors, (grad_logp_N, grad_entropy_N)):
+                if grad is not None:
+                    grad_hidden = grad_hidden + slope * grad.unsqueeze(1)
+            return (grad_hidden.to(hidden_dtype),) + (None,) * 8
+        hidden_NH, weight_VH, bias_V, ids_N = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         weight = weight_VH.to(head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
         grad_weight = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
@@ -149,8 +173,11 @@ class _ChunkedLinearHead(torch.autograd.Function):
         grad_bias = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if needs_bias else None
         for rows in _chunks(len(ids_N), chunk):
             hidden = hidden_NH[rows].to(head.dtype)
-            grad_logits = _logits_gradient(head, hidden, weight, ids_N[rows], temperature, with_entropy,
-                                           entropy_grad, _part(grad_logp_N, rows), _part(grad_entropy_N, rows))
+            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, with_entropy,
+                                                  entropy_grad)
+            pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
+            outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
+            (grad_logits,) = torch.autograd.grad(outputs, linear, grads)
             with torch.autocast(hidden.device.type, enabled=False):
                 if needs_hidden:
                     grad_hidden[rows] = grad_logits @ weight
@@ -165,26 +192,18 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
 
 
-def _logits_gradient(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad,
-                     grad_logp_c, grad_entropy_c) -> torch.Tensor:
-    """The gradient of one chunk's (pre-transform) logits, through the transform and ``core.token_logprobs``."""
+def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad):
+    """(linear, logp, entropy) of one chunk, on an autograd graph from its pre-transform logits ``linear``
+    through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
     with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
         bias = None if head.bias is None else head.bias.to(head.dtype)
-        linear = torch.nn.functional.linear(hidden_cH, weight, bias)
+        linear = torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
     linear.requires_grad_(True)
     with torch.enable_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
         logits = linear if head.transform is None else head.transform(linear)
         logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=len(ids_c),
                                        entropy_grad=entropy_grad)
-        outputs, grads = [], []
-        if grad_logp_c is not None:
-            outputs.append(logp)
-            grads.append(grad_logp_c)
-        if grad_entropy_c is not None and entropy_grad:
-            outputs.append(entropy)
-            grads.append(grad_entropy_c)
-        (grad,) = torch.autograd.grad(outputs, linear, grads)
-    return grad
+    return linear, logp, entropy
 
 
 def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, temperature, with_entropy,
@@ -220,16 +239,14 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits.float()
         hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        head = plain.get_output_embeddings()
+        head, transform = plain.get_output_embeddings(), logits_transform(config)
         if type(head) in (torch.nn.Linear, Float32Head):
-            got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), logits_transform(config)
-                             ).logits(hidden).float()
+            got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
         else:
-            transform = logits_transform(config)
             got = head(hidden) if transform is None else transform(head(hidden))
-            got = got.float()
-    tolerance = (1e-4 if got.dtype == want.dtype == torch.float32 and hidden.dtype == torch.float32 else 2e-2) * \
-        (1 + float(want.abs().max()))
+    exact = got.dtype == hidden.dtype == torch.float32  # else logits of ~3 significant digits
+    tolerance = (1e-4 if exact else 2e-2) * (1 + float(want.abs().max()))
+    got = got.float()
     off = float((got - want).abs().max())
     if not off <= tolerance:
         raise ModelError(f"the {config.model_type} model's forward does something to its logits after its output head "
