@@ -58,6 +58,7 @@ class Settings:
     eager_attention: bool = False
     head_in_float32: bool = False
     logprob_chunk: int | None = None  # tokens of the log-prob pass's chunk; None: all at once
+    entropy_bonus: bool = False  # the entropy carries a gradient (entropy_coef > 0)
 
     @property
     def trains_lora(self) -> bool:
@@ -230,7 +231,8 @@ def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
     cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
-    return chunk * shape.vocab * (logits_bytes(s) + 3 * 4) + cast_weight
+    float32_copies = 5 if s.entropy_bonus else 3  # softmax, gradient, log-softmax (and the entropy's two)
+    return chunk * shape.vocab * (logits_bytes(s) + float32_copies * 4) + cast_weight
 
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:
