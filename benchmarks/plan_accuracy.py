@@ -136,6 +136,28 @@ def baseline_worker(name: str, out_dir: str) -> None:
     worker(name, str(folder), str(Path(out_dir) / "run"))
 
 
+def print_estimates(names: list[str]) -> None:
+    """Each configuration's estimate, from a folder holding its model's config.json only (the plan reads
+    nothing else)."""
+    from transformers import AutoConfig
+
+    from covey import GRPOConfig
+    from covey.config import DEMO
+    from covey.plan import make_plan
+    from tests.conftest import make_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="plan-estimates-") as tmp:
+        for name in names:
+            shape, processes, fields = CONFIGS[name]
+            folder = Path(tmp) / shape
+            if not folder.is_dir():
+                spec = dict(SHAPES[shape])
+                AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(folder)
+                make_tokenizer().save_pretrained(folder)
+            args = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=str(folder), output_dir=str(Path(tmp) / "run"))
+            print(f"{name}: {make_plan(args, processes).breakdown.peak / 2**20:,.0f} MiB", flush=True)
+
+
 def cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -158,6 +180,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations only")
     parser.add_argument("--worker", choices=[*CONFIGS, *BASELINES])
+    parser.add_argument("--estimates-only", action="store_true",
+                        help="print each configuration's estimate (from its model's config alone) and stop")
     parser.add_argument("--folder")
     parser.add_argument("--out-dir")
     args = parser.parse_args()
@@ -165,6 +189,8 @@ def main() -> None:
         return baseline_worker(args.worker, args.out_dir)
     if args.worker:
         return worker(args.worker, args.folder, args.out_dir)
+    if args.estimates_only:
+        return print_estimates(args.only or list(CONFIGS))
     # glibc hands back what a pass frees (as a GPU's allocator reuses it), so the RSS follows what is in use
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent / "src"),

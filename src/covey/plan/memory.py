@@ -237,11 +237,14 @@ def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:
     """The output head's gradient, made at the start of the backward (the embedding's, when tied): the
-    chunked pass sums it in float32, then casts it to the weight's dtype. Whole under FSDP2 too: a unit's
+    chunked pass sums it in float32 (under autocast, each chunk's product made in bfloat16 first), then
+    casts it to the weight's dtype. Whole under FSDP2 too: a unit's
     gradient is made whole, then reduce-scattered into the shards."""
     if s.trains_lora:
         return 0
-    return shape.vocab * shape.hidden * (4 + (s.weight_bytes if s.weight_bytes != 4 else 0))
+    summed = shape.vocab * shape.hidden * (4 + (s.weight_bytes if s.weight_bytes != 4 else 0))
+    # under autocast each chunk's product comes in the compute dtype before it is added in
+    return summed + (shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 else 0)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
