@@ -4,10 +4,12 @@ steps of the default run, synchronous against asynchronous generation (step time
 trainer and the worker sharing the GPU), and, where vLLM is installed, vLLM itself: colocated (log-probs, pushed
 weights taking effect, sleep mode, speed against the fast engine), as a server taking pushes (over
 NCCL with two GPUs; over covey_gloo with one, since NCCL refuses two ranks on one GPU), and a short
-GRPO run sampling with it. Each vLLM part runs in a process of its own (one vLLM per process).
+GRPO run sampling with it; and covey plan's estimate of a step's peak against
+torch.cuda.max_memory_allocated (skipped without CUDA). Each vLLM part runs in a process of its own (one vLLM per process).
 
     python -m benchmarks.device_check            # on the GPU (the default model is on CUDA when there is one)
     python -m benchmarks.device_check --quick    # fewer tokens: the same checks in a few minutes
+    python -m benchmarks.device_check --plan-only  # covey plan's estimates against max_memory_allocated only
 
 It prints one line per check and exits non-zero if a correctness check fails; speeds are reported,
 not judged. On a CPU it runs the same checks there (slowly), which is how it is tested.
@@ -255,11 +257,53 @@ def run_vllm_part(part: str, quick: bool) -> bool:
     return process.returncode == 0
 
 
+PLAN_CONFIGS = ("smollm2-full-256", "smollm2-bf16-128", "smollm2-checkpointing-256", "smollm2-lora-128",
+                "qwen2.5-full-64", "qwen2.5-bf16-128")  # of benchmarks.plan_accuracy, one process each
+
+
+def check_plan(quick: bool) -> None:
+    """covey plan's estimate of a step's peak against torch.cuda.max_memory_allocated, for the first GPU:
+    configurations of benchmarks.plan_accuracy (random-weight models of real shapes, two steps each), the
+    peak counted from just before the trainer is built (so the weights count, as in the estimate)."""
+    if not torch.cuda.is_available():
+        print("info no CUDA GPU here: the plan's estimate against torch.cuda.max_memory_allocated was not checked")
+        return
+    import gc
+    from pathlib import Path
+
+    from benchmarks.plan_accuracy import COMMON, CONFIGS, make_model_folder
+    from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
+    from covey.plan import make_plan
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name in PLAN_CONFIGS[:2] if quick else PLAN_CONFIGS:
+            shape, _, fields = CONFIGS[name]
+            model = make_model_folder(shape, Path(folder))
+            settings = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=str(model), output_dir=f"{folder}/run-{name}")
+            plan = make_plan(settings, 1)
+            gc.collect()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            trainer = GRPOTrainer(args=settings, quiet=True)
+            trainer.train()
+            measured = torch.cuda.max_memory_allocated() - before
+            del trainer
+            error = plan.breakdown.peak / measured - 1
+            check(f"plan {name}", abs(error) <= 0.2, f"estimate {plan.breakdown.peak / 2**20:,.0f} MiB, measured "
+                  f"{measured / 2**20:,.0f} MiB (max_memory_allocated), error {error:+.1%}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 new tokens instead of 128, 2 training steps")
     parser.add_argument("--vllm-part", choices=list(VLLM_PARTS), help="run one vLLM part (in this process)")
+    parser.add_argument("--plan-only", action="store_true", help="only covey plan's estimates against the GPU's peaks")
     args = parser.parse_args()
+    if args.plan_only:
+        check_plan(args.quick)
+        return 1 if FAILURES else 0
     tokens = 32 if args.quick else 128
     if args.vllm_part:
         VLLM_PARTS[args.vllm_part](tokens if args.vllm_part != "training" else (2 if args.quick else 5))
@@ -315,6 +359,7 @@ def main() -> int:
         check("bf16 training steps", summary["steps"] == steps and finite,
               "step times " + ", ".join(f"{h['step_time']:.2f}" for h in history) + " s")
     check_async(3 if args.quick else 6)
+    check_plan(args.quick)
     if importlib.util.find_spec("vllm") is None:
         print("info vLLM is not installed here: its checks were not run")
     else:

@@ -4,7 +4,7 @@ Every import statement counts, those inside functions and under ``TYPE_CHECKING`
 inside a function hides a cycle rather than removing it). The layers, from the top:
 
     cli                          the command line (only ``python -m covey`` imports it)
-    verify                       the pipeline doctor
+    verify | plan                the pipeline doctor; the memory estimate (and its probe step)
     train                        the step, the trainer, checkpoints, several processes
     agents                       tools, environments and episodes (the code sandbox of rewards)
     rewards | rollout | telemetry  independent of one another
@@ -34,8 +34,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
+    "plan": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+             "train"},
     "cli": {"errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
-            "agents", "train", "verify", "__init__"},  # __init__: the package's __version__ (covey --version, env)
+            "agents", "train", "verify", "plan", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
     "__main__": {"cli"},
 }

@@ -213,7 +213,7 @@ def test_each_rows_prompt_keys_and_values_come_through_index_select(tokenizer):
     model = _tiny("llama", len(tokenizer)).train()
     prompt_ids, prompt_mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
     batch = SequenceBatch(prompt_ids, prompt_mask, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
-    prompts = _SharedPrompts.run(model, batch, torch.tensor([0, 1]), with_head=False)
+    prompts = _SharedPrompts.run(model, batch, torch.tensor([0, 1]))
     prompts.select_rows(torch.tensor([0, 0, 1, 0]))
     for layer in prompts.cache.layers:
         assert layer.keys.shape[0] == layer.values.shape[0] == 4
@@ -274,8 +274,10 @@ def test_log_prob_passes_attend_in_float32_under_bf16_autocast(tokenizer, monkey
         logp.sum().backward()
         assert model.config._attn_implementation == "sdpa"
         model(input_ids=prompt_ids, attention_mask=prompt_mask)  # the model's own forward: autocast decides again
-    assert len(seen) == 2 * 2 + 2  # two layers, prompt pass + packed pass; then the plain forward
-    assert set(seen[:4]) == {(torch.float32, torch.float32, torch.float32, False)}
+    # two layers: the head's check (the model's forward and its decoder's, once per model), the prompt pass and
+    # the packed pass; then the plain forward
+    assert len(seen) == 2 * 4 + 2
+    assert set(seen[:8]) == {(torch.float32, torch.float32, torch.float32, False)}
     assert seen[-1][2:] == (torch.bfloat16, True)  # bfloat16 values, autocast on: SDPA runs in bfloat16 there
 
 

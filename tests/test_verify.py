@@ -12,6 +12,7 @@ import torch
 import covey.core as core
 import covey.rollout.fast.engine as fast_rollout
 import covey.train.forward as logprobs
+import covey.train.head as output_head
 import covey.data.text as text
 import covey.train.generation as generation_module
 import covey.train.step as step_module
@@ -89,7 +90,7 @@ def _optimistic_clip(t, s):
 
 MUTATIONS = {
     "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
-        logprobs, "token_logprobs",
+        output_head, "token_logprobs",
         lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))),
     "advantage eps 1e4": ("advantages", lambda mp: mp.setattr(
         core, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),

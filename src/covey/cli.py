@@ -11,6 +11,7 @@
     covey diagnose runs/20261129-101500           # learning, not learning, gaming the reward or collapsed?
     covey compare runs/a runs/b                   # reward curves of several runs in one plot
     covey server my.yaml                          # a rollout server for vllm_mode: server
+    covey plan my.yaml --processes 2              # a step's peak memory per device, before loading the model
     covey env                                     # versions, CPU, devices, settings: for a bug report
     covey --version
 
@@ -124,8 +125,10 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 def cmd_train(argv: list[str]) -> int:
     namespace, overrides = _parse_command("covey train", "Train a model with GRPO.", argv)
     args = _load_config(namespace.config, overrides)
+    from covey.plan import check_fits
     from covey.train.trainer import GRPOTrainer
 
+    check_fits(args, World.launched_size())  # a step clearly too big for the device: refused before any loading
     try:
         GRPOTrainer(args=args).train()
     finally:
@@ -342,6 +345,38 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="covey plan", allow_abbrev=False,
+        description="Estimate the peak memory of a training step per device from the model's config alone (no "
+                    "weights are loaded): weights, gradients, optimizer state, activations, the log-prob pass, the "
+                    "reference and the engine; whether it fits this machine's GPU (or RAM), and settings that would "
+                    "make it fit. covey train checks the same estimate before loading the model.")
+    parser.add_argument("--processes", type=int, help="processes the run is launched with (default: WORLD_SIZE, or 1)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also train one real step (loading the model) and give its time, its measured peak and "
+                             "the whole run's expected wall time")
+    _add_config_options(parser)
+    namespace, overrides = _parse(parser, argv)
+    if namespace.processes is not None and namespace.processes < 1:
+        raise ConfigError("--processes must be at least 1")
+    if namespace.probe and (namespace.processes or 1) > 1:
+        raise ConfigError("--probe trains one step in this one process; leave --processes out to probe")
+    args = _load_config(namespace.config, overrides)
+    from covey.plan import make_plan
+    from covey.plan.advice import advice
+    from covey.plan.report import plan_text
+
+    plan = make_plan(args, namespace.processes)
+    print(plan_text(plan, None if plan.fits else advice(plan)))
+    if namespace.probe:
+        from covey.plan.probe import probe, probe_text
+
+        print()
+        print(probe_text(plan, probe(args)))
+    return 0
+
+
 def cmd_server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey server", allow_abbrev=False,
@@ -404,7 +439,7 @@ def cmd_env(argv: list[str]) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "verify": cmd_verify, "generate": cmd_generate,
             "report": cmd_report, "diagnose": cmd_diagnose, "compare": cmd_compare, "export": cmd_export,
-            "server": cmd_server, "env": cmd_env}
+            "server": cmd_server, "env": cmd_env, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -420,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"covey: unknown command {argv[0]!r}", file=sys.stderr)
         print("usage: covey {train,eval,verify,generate} [CONFIG] [--field value ...]   "
               "(covey train --help lists the fields)\n"
+              "       covey plan [CONFIG] [--processes N] [--probe] [--field value ...]\n"
               "       covey report RUN_DIR [--out DIR]\n"
               "       covey diagnose RUN_DIR [--html] [--out DIR] [--json]\n"
               "       covey compare RUN_DIR RUN_DIR ... [--metric NAME] [--out FILE.png] [--overwrite]\n"

@@ -202,6 +202,7 @@ class GRPOConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     keep_freed_memory: bool = _f(True, "on Linux, the C library keeps freed CPU memory for reuse while training: half the page faults, a lower peak (process-wide)")
+    memory_check: bool = _f(True, "before loading the model, estimate a step's peak memory (covey plan) and refuse a run estimated at over 1.5x the device's memory (false: train anyway)")
     # --- output ------------------------------------------------------------------------------
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten "
                                       "unless overwrite_output_dir")

@@ -23,8 +23,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from covey.core import token_logprobs
 from covey.models import cache_keyword, is_sharded, plain_model
+from covey.train.head import check_head, head_logprobs
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 
@@ -79,7 +79,8 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says;
     ``entropy_grad``: the entropy carries its gradient (for an entropy bonus); ``router_aux_loss``: a
     mixture-of-experts model's load-balancing loss over the rows comes third (every row then runs in full,
-    the router seeing each prompt once per row, as in transformers' own forward)."""
+    the router seeing each prompt once per row, as in transformers' own forward). The output head runs on
+    a few tokens at a time (``covey.train.head``): the logits of all the tokens are never held at once."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
     # a checkpointed layer recomputes its forward in the backward, outside this call: the attention must be
@@ -87,21 +88,24 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     float32_attention = float32_attention and not _checkpointing(model)
     aux: list[torch.Tensor] = []  # the router's loss, where asked
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
+        # the same few tokens whatever the batch (even none): every process of a sharded model runs the same check
+        check_head(model, torch.arange(4, device=device).unsqueeze(0))
         if router_aux_loss:
-            logits_NV, rows_N, cols_N = _every_row_in_full(model, batch, aux)
+            hidden_NH, rows_N, cols_N = _every_row_in_full(model, batch, aux)
         else:
-            logits_NV, rows_N, cols_N = completion_token_logits(model, batch, share_prompt, pack)
+            hidden_NH, rows_N, cols_N = completion_hidden_states(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
-    logp_N, entropy_N = token_logprobs(logits_NV, ids_N, with_entropy, temperature, entropy_grad=entropy_grad)
+    logp_N, entropy_N = head_logprobs(model, hidden_NH, ids_N, temperature, with_entropy, entropy_grad=entropy_grad)
     at = (rows_N.to(device), cols_N.to(device))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
     return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N), *aux
 
 
-def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_prompt: bool = True,
-                            pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits_NV, rows_N, cols_N): the logits that predict each real completion token (row, column).
-    ``pack``: pack the completions (only for a model ``_packable`` accepts)."""
+def completion_hidden_states(model: torch.nn.Module, batch: SequenceBatch, share_prompt: bool = True,
+                             pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden_NH, rows_N, cols_N): the decoder's final hidden states that predict each real completion
+    token (row, column), for the output head to turn into logits. ``pack``: pack the completions (only
+    for a model ``_packable`` accepts)."""
     device = next(model.parameters()).device
     group_B = batch.prompt_groups()
     # checkpointed layers drop the KV cache while gradients are on, so sharing would lose the prompt; a
@@ -109,14 +113,12 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
     if (not share_prompt or _checkpointing(model) or int(group_B[-1]) + 1 == len(group_B)
             or _has_recurrent_layers(model)):
         return _every_row_in_full(model, batch)
-    # packed, the decoder runs without its output head, which then runs once, on the real slots only
-    # (these architectures' head is a plain linear layer)
     with _sparse_tied_embedding_gradient(model) if pack else contextlib.nullcontext():
-        prompts = _SharedPrompts.run(model, batch, group_B, with_head=not pack)
+        prompts = _SharedPrompts.run(model, batch, group_B)
         lengths_B = batch.completion_mask_BT.sum(1)
         started_B = (lengths_B > 0).nonzero().squeeze(1)
         # each prompt's last position predicts its completions' first token
-        outputs = [prompts.last_output[group_B[started_B].to(device)]]
+        outputs = [prompts.last_hidden[group_B[started_B].to(device)]]
         rows, cols = [started_B], [torch.zeros_like(started_B)]
         # every completion token but the last attends to its group's prompt keys and values
         if int(lengths_B.max()) > 1:
@@ -124,9 +126,7 @@ def completion_token_logits(model: torch.nn.Module, batch: SequenceBatch, share_
             outputs.append(rest)
             rows.append(rest_rows)
             cols.append(rest_cols)
-    outputs_N = torch.cat(outputs)
-    logits_NV = plain_model(model).get_output_embeddings()(outputs_N) if pack else outputs_N
-    return logits_NV, torch.cat(rows), torch.cat(cols)
+    return torch.cat(outputs), torch.cat(rows), torch.cat(cols)
 
 
 @contextlib.contextmanager
@@ -151,22 +151,34 @@ def _sparse_tied_embedding_gradient(model: torch.nn.Module):
 
 
 def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch, router_aux_loss: list | None = None):
-    """Prompt and completion of every row in one forward (no sharing); logits as ``completion_token_logits``.
-    ``router_aux_loss``: a list that gets the model's load-balancing loss (a mixture-of-experts model)."""
+    """Prompt and completion of every row in one forward (no sharing); hidden states as
+    ``completion_hidden_states``. ``router_aux_loss``: a list that gets the model's load-balancing loss (a
+    mixture-of-experts model): the model's own forward then runs, its head on no position at all, and the
+    decoder's output is taken on its way to the head."""
     device = next(model.parameters()).device
-    T = batch.completion_ids_BT.shape[1]
+    P = batch.prompt_ids_BP.shape[1]
     input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
     attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
     # positions count real tokens only, exactly as generation numbers them under left padding
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    router = {} if router_aux_loss is None else {"output_router_logits": True}
-    outputs = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                    position_ids=position_ids.to(device), logits_to_keep=T + 1, use_cache=False, **router)
-    logits = outputs.logits
-    if router_aux_loss is not None:
+    inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                  position_ids=position_ids.to(device), use_cache=False)
+    decoder = plain_model(model).get_decoder()
+    if router_aux_loss is None:
+        hidden = decoder(**inputs).last_hidden_state
+    else:
+        taken = []
+        hook = decoder.register_forward_hook(lambda module, args, output: taken.append(output.last_hidden_state))
+        try:
+            outputs = model(**inputs, output_router_logits=True,
+                            logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
+        finally:
+            hook.remove()
+        hidden = taken[-1]
         router_aux_loss.append(outputs.aux_loss)
     rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
-    return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N
+    # position P - 1 + t predicts completion token t
+    return hidden[rows_N.to(device), (cols_N + P - 1).to(device)], rows_N, cols_N
 
 
 @dataclass
@@ -177,10 +189,10 @@ class _SharedPrompts:
     prompt_mask: torch.Tensor  # (prompts, P) their attention masks
     cache: Any  # transformers' DynamicCache over the prompts
     cache_keyword: str
-    last_output: torch.Tensor  # (prompts, V) logits at each one's last position; (prompts, H) hidden states if no head
+    last_hidden: torch.Tensor  # (prompts, H) the decoder's final hidden state at each one's last position
 
     @classmethod
-    def run(cls, model: torch.nn.Module, batch: SequenceBatch, group_B: torch.Tensor, with_head: bool):
+    def run(cls, model: torch.nn.Module, batch: SequenceBatch, group_B: torch.Tensor):
         from transformers import DynamicCache
 
         device = next(model.parameters()).device
@@ -190,10 +202,7 @@ class _SharedPrompts:
         cache, key = DynamicCache(config=model.config), cache_keyword(model)
         inputs = dict(input_ids=ids.to(device), attention_mask=mask.to(device),
                       position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(device), use_cache=True, **{key: cache})
-        if with_head:
-            last = model(**inputs, logits_to_keep=1).logits[:, -1]
-        else:
-            last = plain_model(model).get_decoder()(**inputs).last_hidden_state[:, -1]
+        last = plain_model(model).get_decoder()(**inputs).last_hidden_state[:, -1]
         return cls(group_B, mask, cache, key, last)
 
     def select_rows(self, prompt_R: torch.Tensor) -> None:
@@ -211,17 +220,19 @@ class _SharedPrompts:
 
 
 def _padded_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):
-    """One row per completion, padded to the longest (for models that cannot take a packing mask). Logits."""
+    """One row per completion, padded to the longest (for models that cannot take a packing mask). The
+    decoder's hidden states at the real slots."""
     device = next(model.parameters()).device
     T = batch.completion_ids_BT.shape[1]
     group_B = prompts.group_B
     prompts.select_rows(group_B.to(device))
     attention_mask = torch.cat([prompts.prompt_mask[group_B], batch.completion_mask_BT], dim=1)[:, :-1]
     positions = prompts.prompt_mask.sum(1)[group_B].unsqueeze(1) + torch.arange(T - 1).unsqueeze(0)
-    logits = model(input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
-                   position_ids=positions.to(device), use_cache=True, **{prompts.cache_keyword: prompts.cache}).logits
+    hidden = plain_model(model).get_decoder()(
+        input_ids=batch.completion_ids_BT[:, :-1].to(device), attention_mask=attention_mask.to(device),
+        position_ids=positions.to(device), use_cache=True, **{prompts.cache_keyword: prompts.cache}).last_hidden_state
     rows_N, cols_N = batch.completion_mask_BT[:, 1:].nonzero(as_tuple=True)
-    return logits[rows_N.to(device), cols_N.to(device)], rows_N, cols_N + 1
+    return hidden[rows_N.to(device), cols_N.to(device)], rows_N, cols_N + 1
 
 
 def _packed_completions(model, batch: SequenceBatch, prompts: _SharedPrompts):

@@ -1,0 +1,194 @@
+"""Peak memory of one GRPO step as the completions grow, covey against TRL, at two vocabularies.
+
+Random-weight models of real shapes with two decoder layers (so it runs on a CPU): SmolLM2-135M's
+(Llama, hidden 576, vocabulary 49,152) and Qwen2.5-0.5B's (Qwen2, hidden 896, vocabulary 151,936), tied
+embeddings, float32. One prompt, a group of ``--group`` completions of exactly the length limit, the
+same token ids for both trainers: a ``rollout_func`` (TRL's, which covey takes as it is) hands them over,
+so the step is the work this measures (the log-prob pass, its backward, the optimizer) and not
+sampling, which would take far longer on a CPU than the step itself. beta 0 (no reference model),
+one pass over each batch, AdamW. Each configuration runs in a fresh process; its peak is that process's
+resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
+the median of the steps after the first (with ``--steps 1``, the one step).
+
+    python -m benchmarks.logprob_memory --lengths 256 512 1024 --vocabularies 49152 151936 --group 2 \\
+        --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+SHAPES = {  # vocabulary -> (architecture, hidden, intermediate, heads, key-value heads)
+    49152: ("llama", 576, 1536, 9, 3),
+    151936: ("qwen2", 896, 4864, 14, 2),
+}
+PROMPT = [{"role": "user", "content": "Write a long story."}]
+PROMPT_IDS = list(range(200, 232))  # 32 prompt tokens
+
+
+def random_model(vocabulary: int, tokenizer):
+    """Two decoder layers of the shape, random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    architecture, hidden, intermediate, heads, kv_heads = SHAPES[vocabulary]
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if architecture == "llama" else \
+        (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    config = config_class(vocab_size=vocabulary, hidden_size=hidden, intermediate_size=intermediate,
+                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=8192, tie_word_embeddings=True,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    return model_class(config)
+
+
+def fixed_rollouts(length: int):
+    """A rollout_func: for each prompt, ``length`` token ids drawn from ordinary tokens (none ends the
+    completion), the same for every trainer; log-probs those of a uniform sampler."""
+    import math
+
+    import torch
+
+    def rollout(prompts, trainer):
+        g = torch.Generator().manual_seed(len(prompts) * 1000 + length)
+        ids = torch.randint(100, 49000, (len(prompts), length), generator=g).tolist()
+        return {"prompt_ids": [PROMPT_IDS] * len(prompts), "completion_ids": ids,
+                "logprobs": [[-math.log(49152)] * length for _ in prompts]}
+
+    return rollout
+
+
+def completion_length(completions, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(set(t)) / 100 for t in texts]
+
+
+def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+    from covey import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
+                      gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
+                      learning_rate=1e-6, temperature=1.0, eval_max_samples=0, log_completions=False, seed=0,
+                      vllm_importance_sampling_correction=False)
+    GRPOTrainer(model=model, reward_funcs=completion_length, train_dataset=[{"prompt": PROMPT}] * 64,
+                processing_class=tokenizer, args=args, quiet=True, rollout_func=fixed_rollouts(length)).train()
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    tokens = [m["completions/mean_length"] for m in metrics]
+    assert all(t == length for t in tokens), f"completions ended early: mean lengths {tokens}"
+    return [m["step_time"] for m in metrics]
+
+
+def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.lengths, self.start = [], [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.seconds.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    config = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
+                        gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
+                        learning_rate=1e-6, temperature=1.0, logging_steps=1, report_to="none", use_cpu=True,
+                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False)
+    timer = Timer()
+    GRPOTrainer(model=model, reward_funcs=completion_length, args=config, processing_class=tokenizer,
+                train_dataset=datasets.Dataset.from_list([{"prompt": PROMPT}] * 64), callbacks=[timer],
+                rollout_func=fixed_rollouts(length)).train()
+    assert all(t == length for t in timer.lengths), f"completions ended early: mean lengths {timer.lengths}"
+    return timer.seconds
+
+
+def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int) -> None:
+    from covey.config import EMBEDDED_MODEL
+    from covey.models import load_tokenizer
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    model = random_model(vocabulary, tokenizer)
+    with tempfile.TemporaryDirectory() as out_dir:
+        run = run_trl if trainer == "trl" else run_covey
+        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}), flush=True)
+
+
+def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None) -> dict:
+    """One configuration in a fresh process; ``source``: the covey src folder it imports (another version)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join([source, os.getcwd()])
+    out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--worker", trainer,
+                          "--vocabularies", str(vocabulary), "--lengths", str(length), "--group", str(group),
+                          "--steps", str(steps)], capture_output=True, text=True, env=env)
+    line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
+    if line is None:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    result = json.loads(line[len("RESULT "):])
+    timed = result["seconds"][1:] or result["seconds"]  # the first step warms up, where there are more
+    return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--vocabularies", type=int, nargs="+", default=[49152, 151936], choices=list(SHAPES))
+    parser.add_argument("--trainers", nargs="+", default=["covey", "trl"], choices=["covey", "trl"])
+    parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
+    parser.add_argument("--group", type=int, default=8, help="completions per step (one prompt's group)")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="configurations measured at once (each in its own process; peaks stay per process)")
+    parser.add_argument("--worker", choices=["covey", "trl"])
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)
+        return
+    runs = [(name, name, None) for name in args.trainers]
+    if args.covey_before:
+        runs.insert(1, ("covey before", "covey", args.covey_before))
+    jobs = [(vocabulary, length, run) for vocabulary in args.vocabularies for length in args.lengths for run in runs]
+    # the largest first, so that the last to finish are short ones
+    order = sorted(jobs, key=lambda job: -job[0] * job[1])
+    def run(job):
+        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2])
+        print(f"measured {job[2][0]}, vocabulary {job[0]}, {job[1]} x {args.group} tokens: {result}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        futures = {job: pool.submit(run, job) for job in order}
+    names = [name for name, _, _ in runs]
+    print(f"| vocabulary | completion tokens | {' | '.join(f'{n} peak MiB' for n in names)} | "
+          f"{' | '.join(f'{n} s/step' for n in names)} |")
+    print("|---|---|" + "---|" * 2 * len(runs))
+    for vocabulary in args.vocabularies:
+        for length in args.lengths:
+            results = [futures[(vocabulary, length, run)].result() for run in runs]
+            peaks = [f"{r['peak_mib']:.0f}" if "error" not in r else f"failed: {r['error'][:80]}" for r in results]
+            times = [f"{r['seconds']:.1f}" if "error" not in r else "" for r in results]
+            print(f"| {vocabulary:,} | {length:,} x {args.group} | {' | '.join(peaks)} | {' | '.join(times)} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

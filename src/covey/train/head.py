@@ -1,0 +1,267 @@
+"""The output head and the log-softmax, chunk by chunk: each completion token's log-prob (and entropy)
+from the decoder's final hidden states, without ever holding the logits of all N tokens.
+
+    logits_c = transform(hidden_c @ W.T + b)           the chunk's logits, in the head's compute dtype
+    logp_c, H_c = core.token_logprobs(logits_c, ids_c)  after the temperature, in float32
+
+``transform`` is what a model's own forward does after its head: Gemma's final-logit softcapping,
+Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
+the per-token logits processor (the temperature) is applied, one chunk at a time.
+
+A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps only the hidden
+states and the head's weight for its backward: there it recomputes each chunk's logits, turns their
+gradient into the chunk's hidden-state gradient, and adds the chunk's share into one float32
+accumulator of the weight's (and bias's) gradient. Any other head (a LoRA adapter on it, or a copy that
+``lora_modules_to_save`` trains) runs as the module it is, each chunk under ``torch.utils.checkpoint``.
+Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from covey.core import token_logprobs
+from covey.errors import ModelError
+from covey.models import Float32Head, plain_model
+
+LOGPROB_CHUNK_TOKENS = 128
+"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
+tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
+over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
+log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
+vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
+state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
+weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
+dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """A linear output head as the log-prob pass computes it: ``transform(F.linear(hidden, weight, bias))``
+    in ``dtype`` (autocast's, float32 for ``cast_lm_head_to_fp32``, else the weight's)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+    transform: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``hidden`` (any leading shape); ``weight``: the weight already cast to ``dtype``."""
+        weight = self.weight.to(self.dtype) if weight is None else weight
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.to(self.dtype), weight, bias)
+            return logits if self.transform is None else self.transform(logits)
+
+
+def logits_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the model's forward does to its head's output, read from its config (the same operations in
+    the same order as transformers' Gemma2/3, Cohere and Granite models), or None."""
+    scale = getattr(config, "logit_scale", None) if config.model_type.startswith("cohere") else None
+    divisor = getattr(config, "logits_scaling", None) if config.model_type.startswith("granite") else None
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale is None and divisor is None and cap is None:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if divisor is not None:
+            logits = logits / divisor
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
+
+
+def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False, entropy_grad: bool = False, chunk: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
+    ``model``'s output head, ``chunk`` tokens at a time (default ``LOGPROB_CHUNK_TOKENS``). The entropy
+    carries a gradient only with ``entropy_grad``."""
+    chunk = chunk or LOGPROB_CHUNK_TOKENS
+    head = plain_model(model).get_output_embeddings()
+    transform = logits_transform(plain_model(model).config)
+    entropy = with_entropy or entropy_grad
+    if type(head) in (torch.nn.Linear, Float32Head):
+        linear = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden_NH), transform)
+        logp_N, entropy_N = _ChunkedLinearHead.apply(hidden_NH, linear.weight, linear.bias, ids_N, linear,
+                                                    temperature, entropy, entropy_grad, chunk)
+    else:
+        logp_N, entropy_N = _chunked_module_head(head, transform, hidden_NH, ids_N, temperature, entropy,
+                                                 entropy_grad, chunk)
+    return logp_N, entropy_N if entropy else None
+
+
+def _compute_dtype(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the model's own head computes in: float32 (cast_lm_head_to_fp32), autocast's, else the weight's."""
+    if isinstance(head, Float32Head):
+        return torch.float32
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+
+
+class _ChunkedLinearHead(torch.autograd.Function):
+    """Log-probs (and entropies) through a linear head, the logits recomputed chunk by chunk in the backward:
+
+        d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
+
+    where g_c is the gradient of the chunk's (pre-transform) logits, which ``core.token_logprobs`` and the
+    transform's own backward give. Where only the hidden states take a gradient (a frozen head: LoRA), each
+    token's log-prob depends on its own hidden state only, so the forward keeps d logp_t / d hidden_t (and
+    d H_t / d hidden_t for the entropy bonus), H numbers a token, and the backward scales them by the
+    incoming gradients: no logits computed again."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, head: LinearHead, temperature, with_entropy,
+                entropy_grad, chunk):
+        N = len(ids_N)
+        logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
+        entropy_N = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden_NH.device)
+        weight = weight_VH.to(head.dtype)
+        frozen = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        # d logp / d hidden and d H / d hidden per token, for a frozen head
+        slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
+                  for _ in range(1 + entropy_grad)] if frozen else []
+        for rows in _chunks(N, chunk):
+            if frozen:
+                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
+                                                      with_entropy, entropy_grad)
+                for slope, output in zip(slopes, (logp, entropy)):
+                    (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
+                    with torch.autocast(grad.device.type, enabled=False):
+                        slope[rows] = grad @ weight
+                logp, entropy = logp.detach(), entropy if entropy is None else entropy.detach()
+            else:
+                logp, entropy = token_logprobs(head.logits(hidden_NH[rows], weight), ids_N[rows], with_entropy,
+                                               temperature, chunk=chunk)
+            logp_N[rows] = logp
+            if with_entropy:
+                entropy_N[rows] = entropy
+        ctx.frozen = frozen
+        ctx.save_for_backward(*slopes) if frozen else ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N)
+        ctx.settings = head, temperature, with_entropy, entropy_grad, chunk, hidden_NH.dtype
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy_N)
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, grad_entropy_N):
+        head, temperature, with_entropy, entropy_grad, chunk, hidden_dtype = ctx.settings
+        if grad_logp_N is None and grad_entropy_N is None:
+            return (None,) * 9
+        if ctx.frozen:
+            grad_hidden = 0
+            for slope, grad in zip(ctx.saved_tensors, (grad_logp_N, grad_entropy_N)):
+                if grad is not None:
+                    grad_hidden = grad_hidden + slope * grad.unsqueeze(1)
+            return (grad_hidden.to(hidden_dtype),) + (None,) * 8
+        hidden_NH, weight_VH, bias_V, ids_N = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        weight = weight_VH.to(head.dtype)
+        grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
+        grad_weight = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
+            if needs_weight else None
+        grad_bias = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if needs_bias else None
+        for rows in _chunks(len(ids_N), chunk):
+            hidden = hidden_NH[rows].to(head.dtype)
+            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, with_entropy,
+                                                  entropy_grad)
+            pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
+            outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
+            (grad_logits,) = torch.autograd.grad(outputs, linear, grads)
+            with torch.autocast(hidden.device.type, enabled=False):
+                if needs_hidden:
+                    grad_hidden[rows] = grad_logits @ weight
+                if needs_weight:
+                    if grad_logits.dtype == torch.float32:
+                        grad_weight.addmm_(grad_logits.T, hidden)
+                    else:  # the chunk's product in the compute dtype, summed in float32
+                        grad_weight += grad_logits.T @ hidden
+                if needs_bias:
+                    grad_bias += grad_logits.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_VH.dtype),
+                None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
+
+
+def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad):
+    """(linear, logp, entropy) of one chunk, on an autograd graph from its pre-transform logits ``linear``
+    through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
+    with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.to(head.dtype)
+        linear = torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
+    linear.requires_grad_(True)
+    with torch.enable_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
+        logits = linear if head.transform is None else head.transform(linear)
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=len(ids_c),
+                                       entropy_grad=entropy_grad)
+    return linear, logp, entropy
+
+
+def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, temperature, with_entropy,
+                         entropy_grad, chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same log-probs through a head that is a module of its own kind (an adapter on it): each chunk
+    under ``torch.utils.checkpoint``, so only its inputs are kept and its logits come back in the backward."""
+
+    def chunk_logprobs(hidden_cH: torch.Tensor, ids_c: torch.Tensor):
+        logits = head(hidden_cH)
+        logits = logits if transform is None else transform(logits)
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=len(ids_c),
+                                       entropy_grad=entropy_grad)
+        return logp, entropy if with_entropy else logp.new_empty(0)
+
+    grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = [checkpoint(chunk_logprobs, hidden_NH[rows], ids_N[rows], use_reentrant=False) if grad
+             else chunk_logprobs(hidden_NH[rows], ids_N[rows]) for rows in _chunks(len(ids_N), chunk)]
+    if not parts:
+        empty = hidden_NH.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Once per model config: the log-prob pass's head (``head_logprobs``) gives the logits the model's own
+    forward does on ``ids`` (a few tokens, (1, n)); a model whose forward does something after its head
+    that covey does not know is refused rather than trained on other log-probs than it samples from."""
+    plain = plain_model(model)
+    config = plain.config
+    seen = _CHECKED.get(id(config))
+    if seen is not None and seen() is config:
+        return
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        head, transform = plain.get_output_embeddings(), logits_transform(config)
+        if type(head) in (torch.nn.Linear, Float32Head):
+            got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
+        else:
+            got = head(hidden) if transform is None else transform(head(hidden))
+    exact = got.dtype == hidden.dtype == torch.float32  # else logits of ~3 significant digits
+    tolerance = (1e-4 if exact else 2e-2) * (1 + float(want.abs().max()))
+    got = got.float()
+    off = float((got - want).abs().max())
+    if not off <= tolerance:
+        raise ModelError(f"the {config.model_type} model's forward does something to its logits after its output head "
+                         f"that covey's log-prob pass does not (logits differ by up to {off:.3g}); covey knows the "
+                         "softcapping and scaling of Gemma, Cohere and Granite models: use one of the architectures "
+                         "covey supports")
+    _CHECKED[id(config)] = weakref.ref(config)
+
+
+_CHECKED: dict[int, weakref.ref] = {}  # id(model config) -> the config, once check_head passed
+
+
+def _chunks(N: int, chunk: int) -> list[slice]:
+    return [slice(first, min(first + chunk, N)) for first in range(0, N, chunk)]
+
+
+def _part(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]

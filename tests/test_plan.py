@@ -1,0 +1,256 @@
+"""covey plan: the estimate's arithmetic on known shapes, the advice, the command, and covey train's check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from covey.cli import main
+from covey.config import DEMO, GRPOConfig
+from covey.plan import Device, estimate, make_plan, model_config, replan
+from covey.plan.advice import advice
+from covey.plan.memory import Settings, layer_bytes_per_token, lora_trainable, logprob_pass_bytes, weights_bytes
+from covey.plan.shapes import dense_shape, meta_shape, model_shape
+
+
+def _config(model_type: str, tied: bool, **extra):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, **extra)
+
+
+ARCHITECTURES = [("llama", True, {}), ("llama", False, {"attention_bias": True, "mlp_bias": True}),
+                 ("qwen2", True, {}), ("qwen3", False, {"head_dim": 32}), ("mistral", False, {})]
+
+
+@pytest.mark.parametrize("model_type,tied,extra", ARCHITECTURES)
+def test_weights_are_the_parameters_of_the_model_built_from_the_config(model_type, tied, extra):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(model_type, tied, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    numel = sum(p.numel() for p in model.parameters())
+    shape = dense_shape(config)
+    assert shape.params == numel
+    linears = [m for name, m in model.get_decoder().layers[0].named_modules() if isinstance(m, torch.nn.Linear)]
+    assert shape.layer_linear_params == sum(sum(p.numel() for p in m.parameters()) for m in linears)
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        settings = Settings(micro_batch=4, generation_rows=4, num_generations=2, prompt_length=8,
+                            completion_length=8, weight_bytes=size)
+        held = sum(p.numel() * p.element_size() for p in model.to(dtype).parameters())
+        assert weights_bytes(shape, settings) == held
+
+
+def test_other_architectures_are_counted_on_the_meta_device():
+    from transformers import AutoModelForCausalLM
+
+    config = _config("gemma", True, head_dim=16)
+    assert model_shape(config).counted_on_meta
+    assert meta_shape(config).params == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_lora_parameters_are_what_peft_trains():
+    from transformers import AutoModelForCausalLM
+
+    from covey.models import add_lora
+
+    config = _config("qwen2", True)
+    shape = dense_shape(config)
+    for targets, r in ((("q_proj", "v_proj"), 4), (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"), 8)):
+        policy = add_lora(AutoModelForCausalLM.from_config(config), r=r, alpha=2 * r, dropout=0.0,
+                          target_modules=list(targets))
+        trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        settings = Settings(micro_batch=4, generation_rows=4, num_generations=2, prompt_length=8, completion_length=8,
+                            lora_targets=targets, lora_r=r)
+        assert lora_trainable(shape, settings) == trained
+
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+QV = ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize("bf16,lora", [(False, None), (True, None), (False, (QV, 0.05)), (True, (QV, 0.0)),
+                                       (True, (ALL_LINEAR, 0.0)), (False, (ALL_LINEAR, 0.05))],
+                         ids=["full", "full-bf16", "lora-qv-dropout", "lora-qv-bf16", "lora-all-bf16",
+                              "lora-all-dropout"])
+def test_activations_per_token_are_what_autograd_saves(bf16, lora):
+    """The per-layer, per-token activation bytes against the tensors a Llama layer saves for its backward
+    (parameters and autocast's weight copies left out), measured as the difference of 2 and 3 layers
+    and of 96 and 192 tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from covey.models import add_lora
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=192, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1, attn_implementation="sdpa")
+
+    def saved(layers: int, tokens: int) -> int:
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": layers}))
+        if lora:
+            model = add_lora(model, r=8, alpha=16, dropout=lora[1], target_modules=list(lora[0]))
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def keep(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = max(storages.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(input_ids=torch.randint(0, 300, (1, tokens)))
+        return sum(storages.values())
+
+    def per_layer(tokens):  # the first layer's input needs no gradient under LoRA: the second layer's
+        return saved(3, tokens) - saved(2, tokens)
+
+    measured = (per_layer(192) - per_layer(96)) / 96
+    settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=1, completion_length=1,
+                        bf16_autocast=bf16, lora_targets=lora and lora[0], lora_r=8,
+                        lora_dropout=bool(lora and lora[1]))
+    assert layer_bytes_per_token(dense_shape(config), settings) == pytest.approx(measured, rel=0.03)
+
+
+def test_the_chunked_logprob_pass_does_not_grow_with_the_completions():
+    shape = dense_shape(_config("llama", True))
+    short, long = (Settings(micro_batch=8, generation_rows=8, num_generations=4, prompt_length=16, completion_length=T,
+                            logprob_chunk=128) for T in (256, 4096))
+    assert logprob_pass_bytes(shape, short) == logprob_pass_bytes(shape, long)
+    whole = dataclasses.replace(long, logprob_chunk=None)  # every logit at once: N x V, and its gradient
+    assert logprob_pass_bytes(shape, whole) == 2 * 8 * 4096 * shape.vocab * 4
+
+
+@pytest.fixture
+def qwen_like(tmp_path):
+    """A folder with only a config.json (no weights): the plan reads nothing else."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "qwen")
+    return tmp_path / "qwen"
+
+
+def small_device(gib: float) -> Device:
+    return Device("a test device", "cpu", int(gib * 2 ** 30), int(gib * 2 ** 30))
+
+
+def test_the_advice_makes_an_over_budget_run_fit(qwen_like):
+    args = GRPOConfig(**DEMO, model=str(qwen_like), max_completion_length=1024, per_device_train_batch_size=16)
+    plan = make_plan(args, 1, small_device(6))
+    assert not plan.fits
+    suggestions = advice(plan)
+    assert suggestions
+    for suggestion in suggestions:
+        again = replan(plan, suggestion.processes, **suggestion.changes)
+        assert again.fits and again.needed == suggestion.needed
+    # where no single change fits, the changes combine
+    combined = advice(make_plan(args, 1, small_device(2.5)))
+    assert len(combined) == 1 and len(combined[0].changes) > 1
+
+
+def test_sharding_divides_the_state_over_processes(qwen_like):
+    args = GRPOConfig(**DEMO, model=str(qwen_like), fsdp="full_shard")
+    one, two = (make_plan(args, n, small_device(64)).breakdown for n in (1, 2))
+    assert two.weights == one.weights // 2 and two.optimizer == one.optimizer // 2
+    assert two.gradients == one.gradients // 2
+
+
+def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
+    import covey.models
+
+    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("the plan loaded the model"))
+    assert main(["plan", "--model", str(qwen_like), "--max-completion-length", "256", "--bf16", "true"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights", "gradients", "optimizer state (AdamW)", "activations", "log-prob pass",
+                 "reference model", "engine", "peak (", "activations with gradient checkpointing", "fits:"):
+        assert part in out, part
+    assert "151,936" in out and "bf16 autocast" in out
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_loading_and_goes_ahead_when_told(qwen_like, tmp_path,
+                                                                                      monkeypatch, capsys):
+    import covey.models
+    import covey.plan.planning
+    import covey.train.trainer
+
+    monkeypatch.setattr(covey.plan.planning, "this_device", lambda *a, **k: small_device(4))
+    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("loaded before the check"))
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(qwen_like), "--output-dir", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot fit" in err and "Settings that would fit" in err and "memory_check: false" in err
+    assert not run.exists()
+
+    started = []
+
+    class Trainer:
+        def __init__(self, args):
+            started.append(args)
+
+        def train(self):
+            pass
+
+    monkeypatch.setattr(covey.train.trainer, "GRPOTrainer", Trainer)
+    assert main(argv + ["--memory-check", "false"]) == 0
+    assert len(started) == 1 and started[0].memory_check is False
+
+
+def test_a_run_that_fits_is_never_refused(qwen_like, monkeypatch):
+    import covey.plan.planning
+    from covey.plan import check_fits
+
+    args = GRPOConfig(**DEMO, model=str(qwen_like))
+    needed = make_plan(args, 1, small_device(1000)).needed
+    # a device with less memory than the estimate, but more than 1/1.5 of it: the estimate may be 20% high
+    monkeypatch.setattr(covey.plan.planning, "this_device", lambda *a, **k: Device("d", "cpu", int(needed / 1.45),
+                                                                                 int(needed / 1.45)))
+    assert check_fits(args, 1) is not None
+
+
+def test_the_embedded_models_config_is_read_without_its_weights():
+    config = model_config(GRPOConfig().model)
+    shape = model_shape(config)
+    assert (shape.vocab, shape.hidden, shape.layers) == (49152, 576, 30)
+    assert estimate(shape, Settings(micro_batch=16, generation_rows=16, num_generations=8, prompt_length=512,
+                                    completion_length=32)).peak > 0
+
+
+def test_probe_trains_real_steps_and_times_the_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", str(tiny_model_dir), "--probe", "--max-steps", "7", "--max-completion-length", "8",
+                 "--per-device-train-batch-size", "4", "--num-generations", "2", "--max-prompt-length", "32",
+                 "--output-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "probe: a step took" in out and "7 steps" in out and "measured peak" in out
+    assert not (tmp_path / "run").exists()  # the probe writes nowhere the run would
+
+
+def test_the_check_takes_covey_s_default_prompt_limit_at_its_least(qwen_like):
+    """max_prompt_length left at covey's default bounds prompts the data may make much shorter: the check
+    refuses only what the completions, the micro-batch and the model (what the user asked for) need."""
+    from covey.plan.check import least_the_user_asked_for
+
+    args = GRPOConfig(**DEMO, model=str(qwen_like), max_completion_length=16)
+    plan = make_plan(args, 1, small_device(64))
+    least = least_the_user_asked_for(plan)
+    assert least.settings.prompt_length == 0 and least.needed < plan.needed
+    given = make_plan(dataclasses.replace(args, max_prompt_length=512), 1, small_device(64))
+    assert "max_prompt_length" in given.args.fields_given
+    assert least_the_user_asked_for(given).needed == given.needed
+
+
+def test_a_model_the_plan_cannot_read_is_left_to_the_trainer(tmp_path, capsys):
+    from covey.plan import check_fits
+
+    args = GRPOConfig(**DEMO, model=str(tmp_path / "no-such-model"))
+    assert check_fits(args, 1) is None
+    assert "memory check was skipped" in capsys.readouterr().err
