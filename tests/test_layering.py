@@ -4,9 +4,10 @@ Every import statement counts, those inside functions and under ``TYPE_CHECKING`
 inside a function hides a cycle rather than removing it). The layers, from the top:
 
     cli                          the command line (only ``python -m covey`` imports it)
-    verify | plan                the pipeline doctor; the memory estimate (and its probe step)
+    verify                       the pipeline doctor
     train                        the step, the trainer, checkpoints, several processes
-    agents                       tools, environments and episodes (the code sandbox of rewards)
+    agents | plan                tools, environments and episodes (the code sandbox of rewards); the memory
+                                 estimate, from a model's config alone
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
     core | errors | sources | trl_fields | rules | config_values   the maths (nothing of covey), and leaves
@@ -31,11 +32,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
     "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
     "agents": {"errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
-    "train": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
-    "verify": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+    "train": {"errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
+    "verify": {"errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
-    "plan": {"errors", "sources", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
-             "train"},
+    "plan": {"errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights
     "cli": {"errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
             "agents", "train", "verify", "plan", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)

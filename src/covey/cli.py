@@ -125,10 +125,8 @@ def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConf
 def cmd_train(argv: list[str]) -> int:
     namespace, overrides = _parse_command("covey train", "Train a model with GRPO.", argv)
     args = _load_config(namespace.config, overrides)
-    from covey.plan import check_fits
     from covey.train.trainer import GRPOTrainer
 
-    check_fits(args, World.launched_size())  # a step clearly too big for the device: refused before any loading
     try:
         GRPOTrainer(args=args).train()
     finally:
@@ -370,7 +368,7 @@ def cmd_plan(argv: list[str]) -> int:
     plan = make_plan(args, namespace.processes)
     print(plan_text(plan, None if plan.fits else advice(plan)))
     if namespace.probe:
-        from covey.plan.probe import probe, probe_text
+        from covey.train.probe import probe, probe_text
 
         print()
         print(probe_text(plan, probe(args)))

@@ -4,6 +4,7 @@ with other settings (``replan``)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from covey.config import GRPOConfig
@@ -114,9 +115,7 @@ class Plan:
 def make_plan(args: GRPOConfig, processes: int | None = None, device: Device | None = None, config=None) -> Plan:
     """The plan of a run with ``args`` over ``processes`` processes (default: as launched) on ``device``
     (default: this machine's). Reads the model's config only (``config``: one already read)."""
-    from covey.train.distributed import World
-
-    processes = processes or World.launched_size()
+    processes = processes or int(os.environ.get("WORLD_SIZE", "1") or 1)  # as the launcher started them
     device = device or this_device(args.use_cpu, processes)
     config = config if config is not None else model_config(args.model, args.trust_remote_code, args.model_revision)
     shape = model_shape(config)

@@ -5,12 +5,14 @@ interface...) are named here, so that this table lists every one."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from covey.config import GRPOConfig
 from covey.models import resolve_model_path
+from covey.plan import check_fits
 from covey.rollout.vllm_engine import check_vllm
 from covey.rules import VESPO_SEQUENCE_CORRECTION, Need
 from covey.telemetry.trackers import check_trackers
@@ -98,7 +100,15 @@ def model_and_adapter(c: GRPOConfig, h: Handed, need: Need) -> None:
     check_model_settings(c, h.model, h.peft_config)
 
 
-RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter)
+def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """A step covey's estimate puts clearly beyond the device's memory is refused, with the plan's advice
+    (``covey.plan.check_fits``; memory_check: false trains anyway). A model handed over loaded is left out:
+    it is in memory already."""
+    if h.model is None or isinstance(h.model, str):
+        check_fits(c if h.model is None else dataclasses.replace(c, model=h.model), h.processes)
+
+
+RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, fits_the_device)
 
 
 # ---- the rollout engine, once built --------------------------------------------------------

@@ -7,6 +7,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from covey.plan.report import gib
+from covey.train.trainer import GRPOTrainer
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -47,8 +50,6 @@ def measured_peak() -> tuple[int, str]:
 def probe(args) -> Probe:
     """Two steps of the run (one if it has one), with nothing written where the run would write: no
     evaluation, checkpoint or completion log, in a temporary folder."""
-    from covey.train.trainer import GRPOTrainer
-
     with tempfile.TemporaryDirectory(prefix="covey-probe-") as scratch:
         settings = dataclasses.replace(
             args, output_dir=str(Path(scratch) / "run"), overwrite_output_dir=False, resume_from_checkpoint=None,
@@ -65,8 +66,6 @@ def probe(args) -> Probe:
 
 
 def probe_text(plan, result: Probe) -> str:
-    from covey.plan.report import gib
-
     minutes = result.run_seconds / 60
     return "\n".join([
         f"probe: a step took {result.step_seconds:.1f} s; {result.steps} steps: about "
