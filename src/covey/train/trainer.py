@@ -271,8 +271,9 @@ class GRPOTrainer(TRLSurface):
         callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
                                  first_step=self.global_step + 1, project=args.project) if self.world.is_main else []
-        with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
-                                              record=self.world.is_main) as log,
+        with (self.parts.rewards.pool, self.parts.agent or contextlib.nullcontext(),  # its tool worker
+              RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
+                     record=self.world.is_main) as log,
               self._stop_on_signals(log), self.hub or contextlib.nullcontext(), self._gradients_summed()):
             callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
