@@ -107,12 +107,7 @@ def test_processes_a_stopped_reward_started_are_killed_with_it(tmp_path):
     pid_file = tmp_path / "pid"
     score_completions([forks_a_spinner], ["p"], ["c"], [[1]], {"pid_file": [str(pid_file)]}, on_error="skip",
                       timeout=LIMIT)
-    spinner = int(pid_file.read_text())
-    for _ in range(50):  # the killed grandchild is reaped by whoever adopted it
-        if not alive(spinner):
-            break
-        time.sleep(0.1)
-    assert not alive(spinner)
+    assert gone(int(pid_file.read_text()))
     level.assert_back()
 
 
@@ -172,15 +167,18 @@ def sleep(n: int) -> str:
     return "late"
 
 
-def fork_and_spin(n: int) -> str:
+def fork_and_spin(n: int, path: str) -> str:
     """Start a process that spins, and wait.
 
     Args:
         n: ignored
+        path: where its process number is written
     """
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         while True:
             pass
+    Path(path).write_text(str(pid))
     time.sleep(600)
     return "late"
 
@@ -194,7 +192,15 @@ def flood(n: int) -> str:
     return "x" * (n << 20)
 
 
-def test_tool_calls_past_the_limit_are_stopped_the_worker_replaced_and_nothing_left_running():
+def gone(pid: int) -> bool:
+    for _ in range(50):  # a killed orphan is reaped by whoever adopted it
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_tool_calls_past_the_limit_are_stopped_the_worker_replaced_and_nothing_left_running(tmp_path):
     tools = [as_tool(f) for f in (spin, sleep, fork_and_spin, calculate, flood)]
     workers = ToolWorkers(tools)
     try:
@@ -202,8 +208,12 @@ def test_tool_calls_past_the_limit_are_stopped_the_worker_replaced_and_nothing_l
         assert len(level.children) >= 1
         take_stop_counts()
         for tool in tools[:3] * 2:
-            result = call_tool(tool, {"n": 1}, LIMIT, workers)
+            pid_file = tmp_path / "pid"
+            result = call_tool(tool, {"n": 1, **({"path": str(pid_file)} if tool.name == "fork_and_spin" else {})},
+                               LIMIT, workers)
             assert result.failed and result.text == f"error: {tool.name} did not answer within {LIMIT:g} s"
+            if tool.name == "fork_and_spin":  # what the tool started was killed with its worker
+                assert gone(int(pid_file.read_text()))
             level.assert_back(replaced=True)
             level = Level()
             assert call_tool(tools[3], {"expression": "6 * 7"}, LIMIT, workers).text == "42"
