@@ -29,6 +29,7 @@ from covey.errors import CheckpointError, ConfigError, NumericsError, TrainingIn
 from covey.models import (Reference, eos_token_ids, is_peft_model, keep_freed_memory, load_tokenizer, prepare_tokenizer,
                           resolve_model_path, set_log_level, tokenizer_as_loaded)
 from covey.rewards import RewardFunc, RewardModel, RewardPool, TrainerState, reward_context
+from covey.rewards.stoppable import take_stop_counts
 from covey.rollout import RolloutEngine
 from covey.rollout.vllm_engine import check_vllm
 from covey.telemetry.runlog import RunLog, latest_run_config, write_json
@@ -275,6 +276,7 @@ class GRPOTrainer(TRLSurface):
               RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
                      record=self.world.is_main) as log,
               self._stop_on_signals(log), self.hub or contextlib.nullcontext(), self._gradients_summed()):
+            take_stop_counts()  # calls stopped before this run (another trainer's) are not its own
             callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
