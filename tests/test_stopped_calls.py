@@ -5,6 +5,7 @@ call works."""
 import gc
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -298,3 +299,12 @@ def test_a_run_counts_its_stopped_tool_and_reward_calls_and_goes_on(tmp_path, to
     del trainer
     gc.collect()  # the tool worker goes with the trainer
     level.assert_back()
+
+
+def test_a_reward_whose_process_is_killed_says_what_happened_and_how_to_go_on():
+    def killed(completions, **kwargs):  # as the out-of-memory killer would
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RewardError, match=r"'killed' ended its process \(signal 9: Killed\) on completion 0: 'c'; its "
+                                          r"process was killed from outside .* --resume-from-checkpoint auto"):
+        score_completions([killed], ["p"], ["c"], [[1]], {}, timeout=30.0)

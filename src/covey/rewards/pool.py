@@ -163,7 +163,7 @@ class RewardPool:
         """The fault of a call whose worker process died under it."""
         wait([worker.process.sentinel], 1)  # not reaped yet: its group is killed first (kill_group)
         self._discard(worker)
-        return WorkerFault(f"ended its worker process ({ended_how(worker.process)})")
+        return WorkerFault(f"ended its worker process ({ended_how(worker.process)})", died=True)
 
     def _discard(self, worker: _Worker) -> None:
         _kill(worker)

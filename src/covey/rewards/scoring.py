@@ -124,6 +124,14 @@ def _describe(e: BaseException, timeout: float | None) -> str:
     return f"raised {type(e).__name__}: {e}"
 
 
+def _how_to_go_on(e: BaseException) -> str:
+    if isinstance(e, WorkerFault) and e.died:
+        return ("its process was killed from outside (the out-of-memory killer?) or exited (os._exit in the "
+                "function?): give it more memory (or set fewer reward_num_workers), then go on from the last "
+                "checkpoint with --resume-from-checkpoint auto")
+    return "fix the function, or set reward_errors: skip to score such samples as None"
+
+
 def score_completions(
     reward_funcs: Sequence[RewardFunc],
     prompts: list,
@@ -221,7 +229,7 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
             text = completion_text(batch["completions"][i])
             if on_error == "raise":
                 raise RewardError(f"reward function {name!r} {_describe(e, timeout)} on completion {i}: {text[:200]!r}; "
-                                  "fix the function, or set reward_errors: skip to score such samples as None") from e
+                                  f"{_how_to_go_on(e)}") from e
             failed = True
             values.append(None)
             if errors is not None:
@@ -229,7 +237,8 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
     if not failed:  # only the whole batch fails: a batch-size dependent bug
         reason = f"{_describe(batch_error, timeout)} on the batch of {B}, though each completion alone scores fine"
         if on_error == "raise":
-            raise RewardError(f"reward function {name!r} {reason}")
+            hint = f"; {_how_to_go_on(batch_error)}" if isinstance(batch_error, WorkerFault) and batch_error.died else ""
+            raise RewardError(f"reward function {name!r} {reason}{hint}")
         if errors is not None:
             errors.append((name, None, reason))
     return values

@@ -44,8 +44,9 @@ class WorkerFault(Exception):
     """A call that failed in a child or worker process; ``str()`` says how, worded as for a call in the
     trainer's process ("raised ValueError: ..."), and the child's traceback is its cause."""
 
-    def __init__(self, description: str, worker_traceback: str = ""):
+    def __init__(self, description: str, worker_traceback: str = "", died: bool = False):
         super().__init__(description)
+        self.died = died  # the process itself ended (killed from outside, or it exited), not the call raising
         if worker_traceback:
             self.__cause__ = _WorkerTraceback(worker_traceback)
 
@@ -147,7 +148,7 @@ def call_in_child(func: Callable, kwargs: dict, timeout: float, kind: str = "rew
         kill_group(process)
         theirs.close()
     if reply is None:
-        raise WorkerFault(f"ended its process ({ended_how(process)})")
+        raise WorkerFault(f"ended its process ({ended_how(process)})", died=True)
     status, *rest, logs = reply
     for name, args in logs:
         kwargs[name](*args)
