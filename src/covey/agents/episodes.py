@@ -56,7 +56,7 @@ class Agent:
     max_tool_calling_iterations: int | None  # rounds of tool calls an episode may make (None: no limit)
     tool_timeout: float | None  # seconds one call may take
     renders_tools: bool  # the chat template shows the model its tools=; else the system prompt does
-    workers: ToolWorkers | None = None  # the process the tools that may leave the trainer's run in
+    workers: ToolWorkers | None = None  # the worker process of the tools that need not stay in the trainer's
 
     @staticmethod
     def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: Environments | None,

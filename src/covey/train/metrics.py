@@ -74,7 +74,8 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
 
 def interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of the steps since the last logged one, as TRL logs them: each the mean of its
-    finite values over those steps (NaN where it had none), but state and counts as of the last."""
+    finite values over those steps (NaN where it had none), but state and counts as of the last, and
+    the counts of events since the step before (calls stopped) summed."""
     merged = {}
     for key in dict.fromkeys(k for step in steps for k in step):
         values = [step[key] for step in steps if key in step]
