@@ -154,10 +154,15 @@ def inject(fault: str, process: subprocess.Popen, out: Path, rng: random.Random,
                 return "SIGKILL while a checkpoint was being written"
             time.sleep(0.001)
         return "the run ended before a checkpoint write was caught"
-    share = rng.uniform(0.0, 0.95)
-    deadline = time.monotonic() + share * span
+    # the moment: a random step after the first checkpoint (the run's own clock, whatever the machine's
+    # load), then a random part of a step
+    metrics, step = out / "metrics.jsonl", rng.randint(2, 11)
+    while process.poll() is None and (not metrics.exists() or metrics.read_text().count("\n") < step):
+        time.sleep(0.002)
+    share = rng.uniform(0.0, 1.0)
+    deadline = time.monotonic() + share * span / 10
     while time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.005)
+        time.sleep(0.002)
     if process.poll() is not None:
         return "the run ended before the moment came"
     if fault == "reward_worker":
@@ -165,9 +170,9 @@ def inject(fault: str, process: subprocess.Popen, out: Path, rng: random.Random,
         if not workers:
             return "no reward worker was running"
         os.kill(rng.choice(workers), signal.SIGKILL)
-        return f"SIGKILL of a reward worker at {share:.0%} of the training after the first checkpoint"
+        return f"SIGKILL of a reward worker {share:.0%} of a step after step {step}"
     process.kill()
-    return f"SIGKILL at {share:.0%} of the training after the first checkpoint"
+    return f"SIGKILL {share:.0%} of a step after step {step}"
 
 
 def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random, span: float) -> dict:
@@ -199,7 +204,8 @@ def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random,
     lost = [name for name, files in before.items() if name not in after or not files <= after[name]]
     bitwise = (out / "final_model").exists() and same_run(reference, out)
     clear = code not in (0, -signal.SIGKILL) and "resume" in stop_message.split(" | resume failed")[0].lower()
-    return {"fault": fault, "what": what, "exit": code, "clear_stop": clear,
+    injected = not what.startswith(("the run ended", "no reward worker"))
+    return {"fault": fault, "what": what, "injected": injected, "exit": code, "clear_stop": clear,
             "message": stop_message, "resumed": resumed, "bitwise": bitwise, "lost": lost}
 
 
@@ -231,15 +237,17 @@ def main() -> None:
                 results.append(result)
                 print(json.dumps(result), flush=True)
     print(f"\n{machine()}; {args.runs} runs per fault, seed {args.seed}")
-    print("| fault | runs | resumed bitwise | clear stops (then resumed) | lost |")
-    print("|---|---|---|---|---|")
+    print("| fault | runs | faults injected | of those, resumed bitwise | clear stops (then resumed) | lost |")
+    print("|---|---|---|---|---|---|")
     by_fault = collections.defaultdict(list)
     for r in results:
         by_fault[r["fault"]].append(r)
     for fault, rs in by_fault.items():
-        print(f"| {fault} | {len(rs)} | {sum(r['bitwise'] for r in rs)} | {sum(r['clear_stop'] for r in rs)} | "
+        hit = [r for r in rs if r["injected"]]
+        print(f"| {fault} | {len(rs)} | {len(hit)} | {sum(r['bitwise'] for r in hit)} | {sum(r['clear_stop'] for r in hit)} | "
               f"{sum(len(r['lost']) for r in rs)} |")
-    print(f"| all | {len(results)} | {sum(r['bitwise'] for r in results)} | {sum(r['clear_stop'] for r in results)} | "
+    hit = [r for r in results if r["injected"]]
+    print(f"| all | {len(results)} | {len(hit)} | {sum(r['bitwise'] for r in hit)} | {sum(r['clear_stop'] for r in hit)} | "
           f"{sum(len(r['lost']) for r in results)} |")
 
 
