@@ -192,7 +192,7 @@ def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random,
     stop_message = ""
     if code not in (0, -signal.SIGKILL):
         lines = [line for line in err.splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
-        stop_message = lines[-1][:300] if lines else "(no message)"
+        stop_message = lines[-1] if lines else "(no message)"
     resumed = None
     if code != 0:
         again = start(work, "kill" if fault == "disk_full" else fault, out, "--resume-from-checkpoint", "auto")
