@@ -26,7 +26,7 @@ hour-long run of the goal is
 
 and the short one whose figures docs/reliability.md shows:
 
-    nice python -m benchmarks.soak --steps 300
+    nice python -m benchmarks.soak --steps 100
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def slope_per_100(samples: list[dict], key: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--model", choices=("tiny", "default"), default="tiny")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--warmup", type=float, default=0.25, help="share of the steps left out as warm-up")
