@@ -22,7 +22,7 @@ from typing import Any
 from covey.agents.chat import template_renders_tools, tool_message_ids, with_reset_text, with_tools
 from covey.agents.environments import Environments
 from covey.agents.formats import ToolCallFormat
-from covey.agents.tools import CallResult, Tool, call_tool
+from covey.agents.tools import CallResult, Tool, ToolWorkers, call_tool
 from covey.errors import ConfigError
 
 
@@ -56,6 +56,7 @@ class Agent:
     max_tool_calling_iterations: int | None  # rounds of tool calls an episode may make (None: no limit)
     tool_timeout: float | None  # seconds one call may take
     renders_tools: bool  # the chat template shows the model its tools=; else the system prompt does
+    workers: ToolWorkers | None = None  # the worker process of the tools that need not stay in the trainer's
 
     @staticmethod
     def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: Environments | None,
@@ -71,7 +72,15 @@ class Agent:
                               "instruct/chat model): a tool's result is a message of the conversation")
         tool_message_ids(tokenizer, [{"role": "tool", "name": "probe", "content": "1"}], eos_ids)  # fails here, early
         return Agent(tokenizer, eos_ids, tools, environment, tool_format, max_tool_calling_iterations, tool_timeout,
-                     template_renders_tools(tokenizer))
+                     template_renders_tools(tokenizer), ToolWorkers(tools))
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """The end of a run: its tool worker stops (a later call starts another)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def schemas(self, row: dict | None = None) -> list[dict]:
         """The tools shown with the prompt of ``row`` (with several environments, its own environment's;
@@ -128,7 +137,7 @@ class Episodes:
         results = []
         for call in parsed.calls:
             tool = self.tools[row].get(call.name)
-            result = (call_tool(tool, call.arguments, agent.tool_timeout) if tool is not None else
+            result = (call_tool(tool, call.arguments, agent.tool_timeout, agent.workers) if tool is not None else
                       CallResult(f"error: there is no tool named {call.name!r}; the tools are "
                                  f"{', '.join(self.tools[row]) or 'none'}", True))
             results.append({"role": "tool", "name": call.name, "content": result.text})

@@ -4,6 +4,14 @@ Google-style docstring, and called with a time limit.
 
 A call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns something
 that is not text gives the model an error message as its result, and the failure is counted.
+
+A run's own tools (not an environment's) are called in a worker process forked for them
+(``ToolWorkers``), which is killed, with every process the tool started, when a call runs past
+``tool_timeout``, and replaced for the next call (counted as ``tools/stopped``). A tool that must share
+the trainer's memory (it reads or changes the trainer's objects) is marked
+``in_trainer_process = True``: it runs in the trainer's process, and a call past the limit can only
+be abandoned in a thread that runs on (counted as ``tools/abandoned``). An environment's tools are
+methods of the episode's environment, whose state they change: they run in the trainer's process too.
 """
 
 from __future__ import annotations
@@ -14,10 +22,13 @@ import inspect
 import json
 import operator
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from covey.errors import ConfigError
+from covey.rewards.pool import RewardPool
+from covey.rewards.stoppable import WorkerFault, call_in_thread, can_fork, stays_in_process
 from covey.sources import load_reference
 
 
@@ -51,31 +62,60 @@ class CallResult:
     failed: bool
 
 
-def call_tool(tool: Tool, arguments: dict, timeout: float | None) -> CallResult:
-    """Call ``tool`` with ``arguments`` within ``timeout`` seconds (a call past it is left to end in a
-    daemon thread); its result as text: a string as it is, a number or a boolean as written, a dict or
+class ToolWorkers:
+    """A worker process for the tools that may leave the trainer's process: forked at once (before
+    the trainer runs threads of its own), killed and replaced when a call runs past its limit."""
+
+    def __init__(self, tools: Sequence[Tool]):
+        self._calls = {id(t.function): synchronous(t.function) for t in tools if not stays_in_process(t.function)}
+        self._pool = RewardPool(list(self._calls.values()), 1 if self._calls and can_fork() else 0, kind="tools")
+        self._lock = threading.Lock()  # one call at a time: the worker answers them in turn
+        self._pool.start()
+
+    def runs(self, tool: Tool) -> bool:
+        return self._pool.num_workers > 0 and id(tool.function) in self._calls
+
+    def call(self, tool: Tool, arguments: dict, timeout: float | None) -> Any:
+        """The tool's value; a raise, a death or a time-out as the exception that stands for it."""
+        with self._lock:
+            outcome = self._pool.run([(self._calls[id(tool.function)], arguments)], timeout)[0]
+            self._pool.start()  # a worker killed by the call is replaced now, not during the next
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def synchronous(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, whose value is awaited when it is awaitable (an ``async def`` tool)."""
+    def call(**arguments: Any) -> Any:
+        value = function(**arguments)
+        return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+    return call
+
+
+def call_tool(tool: Tool, arguments: dict, timeout: float | None, workers: ToolWorkers | None = None) -> CallResult:
+    """Call ``tool`` with ``arguments`` within ``timeout`` seconds: in ``workers`` where it runs there
+    (a call past the limit is stopped), else in a daemon thread of this process (a call past it is
+    abandoned). Its result as text: a string as it is, a number or a boolean as written, a dict or
     list as JSON. Anything else, an exception or a time-out is an error message for the model."""
     if not isinstance(arguments, dict):
         return CallResult(f"error: the arguments of {tool.name} must be a JSON object, not {arguments!r:.80}", True)
-    outcome: list = []
-
-    def call() -> None:
-        try:
-            value = tool.function(**arguments)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_awaited(value))
-            outcome.append((True, value))
-        except BaseException as e:  # the tool's own failure goes back to the model
-            outcome.append((False, e))
-
-    thread = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
+    try:
+        if workers is not None and workers.runs(tool):
+            value = workers.call(tool, arguments, timeout)
+        elif timeout is None:
+            value = synchronous(tool.function)(**arguments)
+        else:
+            value = call_in_thread(synchronous(tool.function), arguments, timeout, "tools", f"tool-{tool.name}")
+    except TimeoutError:
         return CallResult(f"error: {tool.name} did not answer within {timeout:g} s", True)
-    ok, value = outcome[0]
-    if not ok:
-        return CallResult(f"error: {tool.name} raised {type(value).__name__}: {value}", True)
+    except WorkerFault as e:  # worded in the worker: "raised ValueError: ...", "ended its worker process (...)"
+        return CallResult(f"error: {tool.name} {e}", True)
+    except (Exception, SystemExit) as e:  # the tool's own failure goes back to the model
+        return CallResult(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
     text = result_text(value)
     if text is None:
         return CallResult(f"error: {tool.name} returned a {type(value).__name__}, not text", True)

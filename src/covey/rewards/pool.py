@@ -20,7 +20,8 @@ scores cross the pipe. Consequences of forking, and how they are handled:
 A call that exceeds the timeout is really stopped: its worker is killed (a hung thread in the
 trainer's process could only be abandoned) and a fresh one is forked for the next call. Each worker
 closes its copies of the trainer's pipe ends, so it sees end-of-file and exits if the trainer's
-process dies without closing the pool (killed by the out-of-memory killer, say).
+process dies without closing the pool (killed by the out-of-memory killer, say). Each worker leads a
+process group of its own, killed as one: processes a function started die with its worker.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ import collections
 import inspect
 import math
 import multiprocessing
-import pickle
-import signal
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -41,24 +38,9 @@ from multiprocessing.reduction import ForkingPickler
 from multiprocessing.util import Finalize
 from typing import Any, Callable, Sequence
 
-import torch
-
 from covey.errors import ConfigError, RewardError
 from covey.rewards.convention import reward_name
-
-
-class WorkerFault(Exception):
-    """A reward call that failed in a worker; ``str()`` says how, worded as for a call in the
-    trainer's process ("raised ValueError: ..."), and the worker's traceback is its cause."""
-
-    def __init__(self, description: str, worker_traceback: str = ""):
-        super().__init__(description)
-        if worker_traceback:
-            self.__cause__ = _WorkerTraceback(worker_traceback)
-
-
-class _WorkerTraceback(Exception):
-    """The traceback of an exception raised in a worker, shown in the chain of the trainer's error."""
+from covey.rewards.stoppable import WorkerFault, answer, become_worker, count, ended_how, fork, kill_group
 
 
 @dataclass
@@ -78,12 +60,13 @@ class RewardPool:
     ``num_workers=0`` the pool runs nothing and every function stays in the trainer's process.
     """
 
-    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1):
+    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1, kind: str = "rewards"):
         if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError(f"reward_num_workers={num_workers} needs processes started by fork, which this "
                               "platform lacks; set reward_num_workers: 0")
         self.reward_funcs, self.num_workers = tuple(reward_funcs), num_workers  # fixed: the workers inherit them
         self.group_size = group_size  # the batch is split between groups, so a call sees whole groups
+        self.kind = kind  # what its functions are (rewards, tools): how its stopped calls are counted
         self._workers: list[_Worker] = []
         # a pool dropped, or left open at exit, still stops its workers (before exit waits for child processes)
         Finalize(self, _stop, (self._workers,), exitpriority=10)
@@ -122,6 +105,7 @@ class RewardPool:
                     if time.monotonic() >= deadline:
                         del busy[conn]
                         self._discard(worker)
+                        count(self.kind, "stopped")
                         outcomes[i] = TimeoutError(f"no answer within {timeout}s; its worker process was killed")
         finally:  # interrupted: a busy worker's late reply would answer the wrong call
             for worker, _, _ in busy.values():
@@ -141,18 +125,17 @@ class RewardPool:
     # ---- workers --------------------------------------------------------------------------------
 
     def _start_missing(self) -> None:
-        context = multiprocessing.get_context("fork")
         while len(self._workers) < self.num_workers:
-            mine, theirs = context.Pipe()
+            mine, theirs = multiprocessing.get_context("fork").Pipe()
             inherited = [w.conn for w in self._workers] + [mine]
             # not daemonic: a reward function may start processes of its own (daemons may not)
-            process = context.Process(target=_serve, args=(self.reward_funcs, theirs, inherited),
-                                      name="covey-reward-worker")
-            with warnings.catch_warnings():  # see the module docstring: the child never takes those threads' locks
-                warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
-                process.start()
+            process = fork(_serve, (self.reward_funcs, theirs, inherited), f"covey-{self.kind}-worker")
             theirs.close()  # only the worker holds its end: its death reads as end-of-file here
             self._workers.append(_Worker(process, mine))
+
+    def start(self) -> None:
+        """Start the workers now rather than at the first call (before the trainer runs threads)."""
+        self._start_missing()
 
     def _send(self, worker: _Worker, func: Callable, kwargs: dict) -> bool:
         """Hand a call to an idle worker; False if the worker is gone."""
@@ -178,11 +161,9 @@ class RewardPool:
 
     def _lost(self, worker: _Worker) -> WorkerFault:
         """The fault of a call whose worker process died under it."""
-        worker.process.join(1)
+        wait([worker.process.sentinel], 1)  # not reaped yet: its group is killed first (kill_group)
         self._discard(worker)
-        code = worker.process.exitcode
-        how = f"signal {-code}: {signal.strsignal(-code)}" if code is not None and code < 0 else f"exit code {code}"
-        return WorkerFault(f"ended its worker process ({how})")
+        return WorkerFault(f"ended its worker process ({ended_how(worker.process)})", died=True)
 
     def _discard(self, worker: _Worker) -> None:
         _kill(worker)
@@ -196,15 +177,14 @@ def _stop(workers: list[_Worker]) -> None:
         except OSError:
             pass
     for worker in workers:
-        worker.process.join(1)
+        wait([worker.process.sentinel], 1)
         _kill(worker)
     workers.clear()
 
 
 def _kill(worker: _Worker) -> None:
-    if worker.process.is_alive():
-        worker.process.kill()
-        worker.process.join()
+    """Kill the worker and every process it started (its process group)."""
+    kill_group(worker.process)
     worker.conn.close()
 
 
@@ -212,24 +192,10 @@ def _serve(reward_funcs: Sequence[Callable], conn: Connection, inherited: list[C
     """A worker's loop: answer (function index, keyword arguments) calls until told to stop."""
     for other in inherited:  # the trainer's pipe ends, copied by the fork
         other.close()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # meant for the trainer, which then closes the pool
-        signal.signal(signum, signal.SIG_IGN)
-    torch.set_num_threads(1)  # see the module docstring
+    become_worker()  # SIGINT and SIGTERM are the trainer's, which then closes the pool; torch on one thread
     try:
         while (call := conn.recv()) is not None:
-            conn.send(_answer(reward_funcs[call[0]], call[1]))
+            conn.send(answer(reward_funcs[call[0]], call[1]))
     except (EOFError, OSError):  # the trainer's process is gone
         pass
 
-
-def _answer(func: Callable, kwargs: dict) -> tuple:
-    """("ok", value), or ("fault", description, traceback) for a raise or a value that does not pickle."""
-    try:
-        value = func(**kwargs)
-    except Exception as e:  # the user's code: any exception is a reward fault, judged by the trainer
-        return "fault", f"raised {type(e).__name__}: {e}", traceback.format_exc()
-    try:
-        pickle.dumps(value)
-    except Exception as e:  # as above: many exception types, one meaning
-        return "fault", f"returned a {type(value).__name__} that cannot be sent back from its worker process ({e})", ""
-    return "ok", value

@@ -9,7 +9,6 @@ import collections.abc
 import concurrent.futures
 import inspect
 import math
-import threading
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -19,7 +18,8 @@ from covey.errors import RewardError
 from covey.rewards.answers import completion_text
 from covey.rewards.convention import (RewardFunc, TrainerState, check_reward_signature, reward_context, reward_name,
                                       without_logging)
-from covey.rewards.pool import RewardPool, WorkerFault
+from covey.rewards.pool import RewardPool
+from covey.rewards.stoppable import WorkerFault, call_in_child, call_in_thread, can_fork, stays_in_process
 
 
 def _logged_in_a_worker(*_: Any) -> None:
@@ -34,30 +34,16 @@ def _context_for(func: RewardFunc, context: dict[str, Any], pool: RewardPool | N
 
 
 def call_reward(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
-    """One call, within ``timeout`` seconds when set. A call past it is left running in a daemon
-    thread (a thread cannot be killed; a worker process's call is, see reward_pool), which never
-    holds up the interpreter's exit."""
+    """One call, within ``timeout`` seconds when set: then in a forked child process that is killed
+    past it (``covey.rewards.stoppable``), unless ``func`` stays in the trainer's process
+    (``in_trainer_process``) or the platform cannot fork: then in a daemon thread, abandoned past it."""
     if inspect.iscoroutinefunction(func):
         return run_coroutine(asyncio.wait_for(func(**kwargs), timeout))
     if timeout is None:
         return func(**kwargs)
-    outcome: list = []
-
-    def call() -> None:
-        try:
-            outcome.append((True, func(**kwargs)))
-        except BaseException as e:  # handed to the caller as it is
-            outcome.append((False, e))
-
-    thread = threading.Thread(target=call, name=f"reward-{reward_name(func)}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
-        raise TimeoutError(f"reward call took longer than {timeout}s")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    if can_fork() and not stays_in_process(func):
+        return call_in_child(func, kwargs, timeout, "rewards")
+    return call_in_thread(func, kwargs, timeout, "rewards", f"reward-{reward_name(func)}")
 
 
 def run_coroutine(coroutine: Any) -> Any:
@@ -138,6 +124,14 @@ def _describe(e: BaseException, timeout: float | None) -> str:
     return f"raised {type(e).__name__}: {e}"
 
 
+def _how_to_go_on(e: BaseException) -> str:
+    if isinstance(e, WorkerFault) and e.died:
+        return ("its process was killed from outside (the out-of-memory killer?) or exited (os._exit in the "
+                "function?): give it more memory (or set fewer reward_num_workers), then go on from the last "
+                "checkpoint with --resume-from-checkpoint auto")
+    return "fix the function, or set reward_errors: skip to score such samples as None"
+
+
 def score_completions(
     reward_funcs: Sequence[RewardFunc],
     prompts: list,
@@ -167,12 +161,7 @@ def score_completions(
         name = reward_name(func)
         if isinstance(values, BaseException):
             values = _one_by_one(func, batch, B, on_error, timeout, errors, values, pool, context)
-        values = returned_values(values)
-        if not isinstance(values, (list, tuple)) or len(values) != B:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-            raise RewardError(f"reward function {name!r} returned {got} for {B} completions; it must return one "
-                              "float (or None) per completion, as a list, tuple, numpy array or tensor")
-        for i, value in enumerate(values):
+        for i, value in enumerate(checked_values(values, name, B)):
             if value is not None:
                 table[i, j] = reward_value(value, name, i)
     if reward_funcs and torch.isnan(table).all(1).any():  # one message, so that it is shown once
@@ -180,6 +169,17 @@ def score_completions(
                       "advantage (metrics: reward is the mean of the others); make sure at least one reward function "
                       "scores every completion", stacklevel=2)
     return table
+
+
+def checked_values(values: Any, name: str, B: int) -> list:
+    """What reward function ``name`` returned for ``B`` completions as a list of B values; a RewardError
+    where it is not one value per completion."""
+    values = returned_values(values)
+    if not isinstance(values, (list, tuple)) or len(values) != B:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        raise RewardError(f"reward function {name!r} returned {got} for {B} completions; it must return one "
+                          "float (or None) per completion, as a list, tuple, numpy array or tensor")
+    return list(values)
 
 
 def returned_values(values: Any) -> Any:
@@ -229,7 +229,7 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
             text = completion_text(batch["completions"][i])
             if on_error == "raise":
                 raise RewardError(f"reward function {name!r} {_describe(e, timeout)} on completion {i}: {text[:200]!r}; "
-                                  "fix the function, or set reward_errors: skip to score such samples as None") from e
+                                  f"{_how_to_go_on(e)}") from e
             failed = True
             values.append(None)
             if errors is not None:
@@ -237,25 +237,37 @@ def _one_by_one(func, batch: dict, B: int, on_error: str, timeout: float | None,
     if not failed:  # only the whole batch fails: a batch-size dependent bug
         reason = f"{_describe(batch_error, timeout)} on the batch of {B}, though each completion alone scores fine"
         if on_error == "raise":
-            raise RewardError(f"reward function {name!r} {reason}")
+            hint = f"; {_how_to_go_on(batch_error)}" if isinstance(batch_error, WorkerFault) and batch_error.died else ""
+            raise RewardError(f"reward function {name!r} {reason}{hint}")
         if errors is not None:
             errors.append((name, None, reason))
     return values
 
 
 def preflight_check(reward_funcs: Sequence[RewardFunc], prompts: list, columns: dict[str, list],
-                    max_steps: int = 1) -> None:
+                    max_steps: int = 1, timeout: float | None = None) -> None:
     """Check that each function takes the keyword arguments of the trainer's call, then call it once on
     a tiny batch of placeholder completions, before any model is loaded, so a function with the wrong
     parameters or returning the wrong shape fails in seconds, not after the first rollout. A function
-    that raises on the placeholder text is left for the real batch to judge."""
+    that raises on the placeholder text is left for the real batch to judge; one that does not answer
+    within ``timeout`` (reward_timeout) is stopped, and the run with it."""
     completions = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
     context = reward_context(TrainerState(global_step=0, max_steps=max_steps, epoch=0.0))
     keywords = ["prompts", "completions", "completion_ids", *columns, *context]
     for func in reward_funcs:
         check_reward_signature(func, keywords, list(columns))
-    for func in reward_funcs:  # a raise on the placeholder text, or no score for it, is not judged here
+    batch = dict(prompts=prompts, completions=completions, completion_ids=[[] for _ in prompts], **columns)
+    for func in reward_funcs:
+        name = reward_name(func)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            score_completions([func], prompts, completions, [[] for _ in prompts], columns, on_error="skip",
-                              context=context)
+            outcome = _call_all([func], batch, timeout, None, without_logging(context))[0]
+        if isinstance(outcome, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+            raise RewardError(f"reward function {name!r} did not answer within reward_timeout={timeout}s when called "
+                              f"on {len(prompts)} placeholder completions before training (the check that it takes "
+                              "the trainer's call); the call was stopped. Make it answer faster (a judge it waits "
+                              "for, a loop that never ends?), or raise reward_timeout") from outcome
+        if not isinstance(outcome, BaseException):  # a raise on the placeholder text is not judged here
+            for i, value in enumerate(checked_values(outcome, name, len(prompts))):
+                if value is not None:
+                    reward_value(value, name, i)

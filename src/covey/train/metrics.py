@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 
 from covey import core
+from covey.rewards.stoppable import take_stop_counts
 from covey.train.batch import ScoredBatch, Update
 
 # metrics that are a state or a running count: the last value of a logging interval, not its mean
 LAST_OF_INTERVAL = ("learning_rate", "bad_steps", "rewards/errors")
+# counts of events since the step before: the sum over a logging interval
+SUM_OF_INTERVAL = ("rewards/stopped", "rewards/abandoned", "tools/stopped", "tools/abandoned")
 
 
 def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], reward_weights_F,
@@ -61,6 +64,7 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
         "grad_norm": update.grad_norm,
         "bad_steps": float(update.bad_steps),
         "rewards/errors": float(reward_errors),
+        **take_stop_counts(),  # reward and tool calls past their time limit since the step before, in this process
         "step_time": update.step_time,
         **update.timings,
         **dynamic_sampling,
@@ -71,12 +75,16 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
 
 def interval_mean(steps: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of the steps since the last logged one, as TRL logs them: each the mean of its
-    finite values over those steps (NaN where it had none), but state and counts as of the last."""
+    finite values over those steps (NaN where it had none), but state and counts as of the last, and
+    the counts of events since the step before (calls stopped) summed."""
     merged = {}
     for key in dict.fromkeys(k for step in steps for k in step):
         values = [step[key] for step in steps if key in step]
         finite = [v for v in values if math.isfinite(v)]
-        merged[key] = values[-1] if key in LAST_OF_INTERVAL else sum(finite) / len(finite) if finite else math.nan
+        if key in SUM_OF_INTERVAL:
+            merged[key] = sum(values)
+        else:
+            merged[key] = values[-1] if key in LAST_OF_INTERVAL else sum(finite) / len(finite) if finite else math.nan
     return merged
 
 

@@ -148,7 +148,7 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     if environment is not None:
         columns["environments"] = environment.instances_for(train[:2])
     if not own_rollouts:
-        preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps)
+        preflight_check(reward_funcs, [r["prompt"] for r in train[:2]], columns, steps, args.reward_timeout)
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                            args.eval_max_samples, args.eval_split, args.system_prompt, args.dataset_config)
     if heldout and (shared := shared_prompts(train, heldout)):

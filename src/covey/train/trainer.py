@@ -20,6 +20,7 @@ from covey.config import GRPOConfig
 from covey.errors import ConfigError
 from covey.models import keep_freed_memory
 from covey.rewards import RewardFunc, TrainerState, reward_context
+from covey.rewards.stoppable import take_stop_counts
 from covey.rollout import RolloutEngine
 from covey.telemetry.runlog import RunLog
 from covey.telemetry.tables import percent, print_summary
@@ -142,9 +143,11 @@ class GRPOTrainer(TRLSurface):
         callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
                                  first_step=self.global_step + 1, project=args.project) if self.world.is_main else []
-        with (self.parts.rewards.pool, RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers,
-                                              record=self.world.is_main) as log,
-              between_steps.stop_on_signals(self, log), self.hub or contextlib.nullcontext(), self._parts_while(gradients_summed(self.parts))):
+        with (self.parts.rewards.pool, self.parts.agent or contextlib.nullcontext(),  # its tool worker
+              RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers, record=self.world.is_main) as log,
+              between_steps.stop_on_signals(self, log), self.hub or contextlib.nullcontext(),
+              self._parts_while(gradients_summed(self.parts))):
+            take_stop_counts()  # calls stopped before this run (another trainer's) are not its own
             callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
