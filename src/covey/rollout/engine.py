@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from covey import core
 from covey.errors import ConfigError
 
 
@@ -40,6 +41,13 @@ class SamplingParams:
                          (self.repetition_penalty > 0, "repetition_penalty must be positive")):
             if not ok:
                 raise ConfigError(f"sampling settings {self}: {what}")
+
+    @property
+    def distribution(self) -> core.TokenDistribution:
+        """What each token is drawn from given the model's logits (temperature, top-k, top-p, min-p): the
+        trainer computes its log-probs of the same distribution. The repetition penalty is not part of it
+        (it depends on the tokens before); its engine/trainer mismatch is corrected as a sampler's is."""
+        return core.TokenDistribution(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass(frozen=True)

@@ -355,9 +355,11 @@ def fixed_logprobs(parts: StepParts, batch: ScoredBatch) -> FixedLogprobs:
 
 def sampled_exactly(parts: StepParts) -> bool:
     """Whether the sampling log-probs are the trainer's own (an engine that computes exactly what the
-    training forward does); a rollout_func's come from its own sampler, and an asynchronous worker's
-    from an older policy: those never count as such."""
-    return parts.engine.exact_logprobs and parts.rollout_func is None and not parts.args.async_generation
+    training forward does); a rollout_func's come from its own sampler, an asynchronous worker's from an
+    older policy, and under a repetition penalty from logits the trainer's forward does not penalise:
+    those never count as such."""
+    return (parts.engine.exact_logprobs and parts.rollout_func is None and not parts.args.async_generation
+            and parts.sampling.repetition_penalty == 1.0)  # a penalty on the tokens before is no part of the trainer's
 
 
 @torch.no_grad()
@@ -374,7 +376,7 @@ def logprobs_no_grad(parts: StepParts, model: torch.nn.Module, sequences: Sequen
         for start in range(0, B, args.per_device_train_batch_size):
             rows = slice(start, start + args.per_device_train_batch_size)
             with autocast(parts.device, args.bf16):
-                logp, _ = forward(sequences.rows(rows), args.temperature, False)
+                logp, _ = forward(sequences.rows(rows), parts.sampling.distribution, False)
             out[rows, : logp.shape[1]] = logp.float().cpu()
     finally:
         model.train(was_training)
@@ -447,7 +449,7 @@ def optimizer_step(parts: StepParts, batch: ScoredBatch, fixed: FixedLogprobs, w
         mask_BT = samples.loss_mask_BT[rows, :T].to(device)
         last = start == starts[-1]
         with gradients_summed_if(forward, last), autocast(device, args.bf16):
-            logp_BT, entropy_BT, *router_aux = forward(micro, args.temperature, True, bonus.enabled,
+            logp_BT, entropy_BT, *router_aux = forward(micro, parts.sampling.distribution, True, bonus.enabled,
                                                        settings.router_aux_loss_coef != 0)
         reuse = fixed.old_BT is None or policy_unchanged
         old_BT = logp_BT.detach() if reuse else fixed.old_BT[rows, :T].to(device)
@@ -495,7 +497,7 @@ def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: 
         micro = SequenceBatch(prompt, torch.ones_like(prompt), torch.tensor([[parts.eos_ids[0]]]),
                               torch.ones(1, 1, dtype=torch.long))
     with autocast(parts.device, parts.args.bf16):
-        logp_BT, _ = forward(micro, parts.args.temperature, True, False)
+        logp_BT, _ = forward(micro, parts.sampling.distribution, True, False)
     (logp_BT.sum() * 0.0).backward()
 
 

@@ -286,7 +286,7 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
     episode, for episodes: ``turns`` as the engine handed them over)."""
     args, model, seq = parts.args, parts.model, batch.samples.sequences
     with torch.no_grad():
-        got, _ = step.logprob_pass(parts, model)(seq, args.temperature, False)  # the step's own pass
+        got, _ = step.logprob_pass(parts, model)(seq, parts.sampling.distribution, False)  # the step's own pass
         input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
         attention = torch.cat([seq.prompt_mask_BP, seq.completion_mask_BT], 1)
         positions = (attention.cumsum(1) - 1).clamp(min=0)
@@ -294,7 +294,8 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
         logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                        position_ids=positions.to(device)).logits.float().cpu()
         P = seq.prompt_ids_BP.shape[1]
-        reference = torch.log_softmax(logits[:, P - 1:-1] / args.temperature, -1)
+        # the distribution sampled from: logits / temperature over the tokens top_k/top_p/min_p keep
+        reference = parts.sampling.distribution.logits(logits[:, P - 1:-1], seq.completion_ids_BT).log_softmax(-1)
         want = reference.gather(-1, seq.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
     if parts.agent is None:
         expected_mask = eos_mask(seq.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
@@ -424,7 +425,7 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
 def sequence_logprobs(parts: StepParts, samples: Samples) -> torch.Tensor:
     """Sum of the step's log-probs over each completion's trained tokens. (B,)"""
     with torch.no_grad():
-        logp, _ = step.logprob_pass(parts, parts.model)(samples.sequences, parts.args.temperature, False)
+        logp, _ = step.logprob_pass(parts, parts.model)(samples.sequences, parts.sampling.distribution, False)
     T = samples.loss_mask_BT.shape[1]
     return (logp.float().cpu()[:, :T] * samples.loss_mask_BT).sum(1)
 

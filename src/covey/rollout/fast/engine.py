@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from covey.core import completion_mask, length_mask
 from covey.errors import ConfigError
 from covey.models import autocast
+from covey import core
 from covey.rollout.engine import EngineSettings, Respond, Rollout, SamplesWithPolicy, SamplingParams, left_pad
 from covey.rollout.fast.decoder import LeanDecoder, ModelDecoder
 
@@ -38,18 +39,9 @@ def process_logits(logits_BV: torch.Tensor, params: SamplingParams, history_BL: 
         return logits_BV
     if params.temperature != 1.0:
         logits_BV = logits_BV / params.temperature
-    if params.top_k and params.top_k < logits_BV.shape[-1]:
-        kth = torch.topk(logits_BV, params.top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, -torch.inf)
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits_BV, descending=False, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative <= 1 - params.top_p
-        drop_sorted[:, -1] = False  # always keep the most likely token
-        logits_BV = logits_BV.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -torch.inf)
-    if params.min_p:
-        probs = logits_BV.softmax(-1)
-        logits_BV = logits_BV.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, -torch.inf)
+    if params.top_k or params.top_p < 1.0 or params.min_p:  # the trainer replays the same (core.TokenDistribution)
+        logits_BV = logits_BV.masked_fill(core.truncated_away(logits_BV, params.top_k, params.top_p, params.min_p),
+                                          -torch.inf)
     return logits_BV
 
 
