@@ -143,7 +143,8 @@ def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, 
                           "--steps", str(steps)], capture_output=True, text=True, env=env)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+        killed = " (killed: out of memory?)" if out.returncode == -9 else ""
+        return {"error": f"exit {out.returncode}{killed}: " + (out.stderr.strip().splitlines() or [""])[-1]}
     result = json.loads(line[len("RESULT "):])
     timed = result["seconds"][1:] or result["seconds"]  # the first step warms up, where there are more
     return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}

@@ -173,7 +173,8 @@ class _ChunkedLinearHead(torch.autograd.Function):
         grad_bias = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if needs_bias else None
         for rows in _chunks(len(ids_N), chunk):
             hidden = hidden_NH[rows].to(head.dtype)
-            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, with_entropy,
+            # the entropy again only where it has a gradient
+            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
                                                   entropy_grad)
             pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
             outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
