@@ -237,14 +237,19 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
     seen = _CHECKED.get(id(config))
     if seen is not None and seen() is config:
         return
-    with torch.no_grad():
-        want = model(input_ids=ids, use_cache=False).logits.float()
-        hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        head, transform = plain.get_output_embeddings(), logits_transform(config)
-        if type(head) in (torch.nn.Linear, Float32Head):
-            got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
-        else:
-            got = head(hidden) if transform is None else transform(head(hidden))
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards compare, and the check draws no random numbers from the run's
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            head, transform = plain.get_output_embeddings(), logits_transform(config)
+            if type(head) in (torch.nn.Linear, Float32Head):
+                got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
+            else:
+                got = head(hidden) if transform is None else transform(head(hidden))
+    finally:
+        model.train(was_training)
     exact = got.dtype == hidden.dtype == torch.float32  # else logits of ~3 significant digits
     tolerance = (1e-4 if exact else 2e-2) * (1 + float(want.abs().max()))
     got = got.float()
