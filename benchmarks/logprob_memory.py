@@ -143,10 +143,41 @@ def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, 
                           "--steps", str(steps)], capture_output=True, text=True, env=env)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+        killed = " (killed: out of memory?)" if out.returncode == -9 else ""
+        return {"error": f"exit {out.returncode}{killed}: " + (out.stderr.strip().splitlines() or [""])[-1]}
     result = json.loads(line[len("RESULT "):])
     timed = result["seconds"][1:] or result["seconds"]  # the first step warms up, where there are more
     return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}
+
+
+def pass_alone(vocabulary: int, tokens: int, repeats: int) -> None:
+    """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
+    the two ways alternating: the whole [N, V] logits at once (the pass before, ``core.token_logprobs`` on
+    them) and ``covey.train.head.head_logprobs``; the median time of each, and their ratio."""
+    import torch
+
+    from covey.config import EMBEDDED_MODEL
+    from covey.core import token_logprobs
+    from covey.models import load_tokenizer
+    from covey.train.head import head_logprobs
+
+    model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
+    ids = torch.randint(0, vocabulary, (tokens,), generator=g)
+    ways = {"whole logits": lambda: token_logprobs(model.lm_head(hidden), ids, True),
+            "chunked": lambda: head_logprobs(model, hidden, ids, with_entropy=True)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, way in ways.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            logp, _ = way()
+            logp.sum().backward()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(f"| {vocabulary:,} | {tokens:,} | {medians['whole logits']:.2f} | {medians['chunked']:.2f} | "
+          f"{medians['chunked'] / medians['whole logits']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -159,8 +190,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--parallel", type=int, default=1,
                         help="configurations measured at once (each in its own process; peaks stay per process)")
+    parser.add_argument("--pass-alone", type=int, metavar="REPEATS",
+                        help="time the head's pass alone (whole logits against chunked), REPEATS times each")
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
+    if args.pass_alone:
+        print("| vocabulary | tokens | whole logits s | chunked s | chunked / whole |\n|---|---|---|---|---|")
+        for vocabulary in args.vocabularies:
+            for length in args.lengths:
+                pass_alone(vocabulary, length * args.group, args.pass_alone)
+        return
     if args.worker:
         worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)
         return

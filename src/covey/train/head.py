@@ -173,7 +173,8 @@ class _ChunkedLinearHead(torch.autograd.Function):
         grad_bias = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if needs_bias else None
         for rows in _chunks(len(ids_N), chunk):
             hidden = hidden_NH[rows].to(head.dtype)
-            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, with_entropy,
+            # the entropy again only where it has a gradient
+            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
                                                   entropy_grad)
             pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
             outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
@@ -236,14 +237,19 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
     seen = _CHECKED.get(id(config))
     if seen is not None and seen() is config:
         return
-    with torch.no_grad():
-        want = model(input_ids=ids, use_cache=False).logits.float()
-        hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        head, transform = plain.get_output_embeddings(), logits_transform(config)
-        if type(head) in (torch.nn.Linear, Float32Head):
-            got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
-        else:
-            got = head(hidden) if transform is None else transform(head(hidden))
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards compare, and the check draws no random numbers from the run's
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            head, transform = plain.get_output_embeddings(), logits_transform(config)
+            if type(head) in (torch.nn.Linear, Float32Head):
+                got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
+            else:
+                got = head(hidden) if transform is None else transform(head(hidden))
+    finally:
+        model.train(was_training)
     exact = got.dtype == hidden.dtype == torch.float32  # else logits of ~3 significant digits
     tolerance = (1e-4 if exact else 2e-2) * (1 + float(want.abs().max()))
     got = got.float()
