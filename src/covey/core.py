@@ -35,6 +35,16 @@ ADVANTAGE_EPS = 1e-4
 
 # ---- log-probs ----------------------------------------------------------------------------------
 
+LOGPROB_CHUNK_TOKENS = 128
+"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
+tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
+over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
+log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
+vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
+state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
+weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
+dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
+
 
 @dataclass(frozen=True)
 class TokenDistribution:
@@ -85,7 +95,8 @@ def truncated_away(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min
 
 
 def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False,
-                   temperature: float | TokenDistribution = 1.0, chunk: int = 128, entropy_grad: bool = False
+                   temperature: float | TokenDistribution = 1.0, chunk: int = LOGPROB_CHUNK_TOKENS,
+                   entropy_grad: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
     ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any

@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from covey.core import TokenDistribution
 from covey.models import cache_keyword, is_sharded, plain_model
 from covey.train.head import check_head, head_logprobs
 
@@ -64,17 +65,18 @@ class TrainingForward(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True,
+    def forward(self, batch: SequenceBatch, temperature: float | TokenDistribution, with_entropy: bool = True,
                 entropy_grad: bool = False, router_aux_loss: bool = False) -> tuple[torch.Tensor, ...]:
         return completion_logprobs(self.model, batch, temperature, with_entropy=with_entropy,
                                    entropy_grad=entropy_grad, router_aux_loss=router_aux_loss)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
+def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float | TokenDistribution = 1.0,
                         with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
                         float32_attention: bool = True, entropy_grad: bool = False, router_aux_loss: bool = False
                         ) -> tuple[torch.Tensor, ...]:
-    """(logp_BT, entropy_BT or None) of the completion tokens; 0 at padding positions. ``share_prompt``
+    """(logp_BT, entropy_BT or None) of the completion tokens under ``temperature`` (a number, or the whole
+    distribution sampled from: ``core.TokenDistribution``); 0 at padding positions. ``share_prompt``
     and ``pack`` (where the model allows it) only change the work done, not the numbers;
     ``float32_attention``: an SDPA model on CPU attends in float32 whatever autocast says;
     ``entropy_grad``: the entropy carries its gradient (for an entropy bonus); ``router_aux_loss``: a

@@ -25,20 +25,9 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from covey.core import token_logprobs
+from covey.core import LOGPROB_CHUNK_TOKENS, TokenDistribution, token_logprobs
 from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
-
-LOGPROB_CHUNK_TOKENS = 128
-"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
-tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
-over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
-log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
-vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
-state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
-weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
-dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
-
 
 @dataclass(frozen=True)
 class LinearHead:
@@ -80,7 +69,7 @@ def logits_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return transform
 
 
-def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.Tensor, temperature: float = 1.0,
+def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.Tensor, temperature: float | TokenDistribution = 1.0,
                   with_entropy: bool = False, entropy_grad: bool = False, chunk: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
