@@ -163,6 +163,11 @@ def asynchronous_generation(c: GRPOConfig, need: Need) -> None:
              "vllm_enable_sleep_mode: false")
 
 
+def vllm_seed(c: GRPOConfig, need: Need) -> None:
+    """vLLM seeds numpy with the seed, which takes 0 to 2**32 - 1 only (a colocated engine, a vLLM server)."""
+    need(0 <= c.seed < 2**32, VLLM_SEED.format(seed=c.seed))
+
+
 def sampling(c: GRPOConfig, need: Need) -> None:
     """How the training rounds sample."""
     need(c.temperature > 0, f"temperature={c.temperature} must be positive (use a small value for near-greedy)")
@@ -184,7 +189,8 @@ def sampling(c: GRPOConfig, need: Need) -> None:
 def engines(c: GRPOConfig, need: Need) -> None:
     """The rollout engines' own settings."""
     need(c.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
-    need(c.rollout_engine != "vllm" or 0 <= c.seed < 2**32, VLLM_SEED.format(seed=c.seed))
+    if c.rollout_engine == "vllm":
+        vllm_seed(c, need)
     need(not c.vllm_enable_sleep_mode or (c.rollout_engine == "vllm" and c.vllm_mode == "colocate"),
          "vllm_enable_sleep_mode puts the vLLM of vllm_mode: colocate to sleep while the trainer trains; this run "
          f"samples with rollout_engine: {c.rollout_engine}, vllm_mode: {c.vllm_mode} (a vLLM server sleeps "

@@ -229,10 +229,13 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
     was_training = model.training
     model.eval()  # no dropout: the two forwards compare, and the check draws no random numbers from the run's
     try:
+        # with gradients on (and the results detached): a forward without them leaves a 4-bit model with a
+        # LoRA adapter (bitsandbytes on CPU) unable to train its adapter afterwards
+        with torch.enable_grad():
+            want = model(input_ids=ids, use_cache=False).logits.float().detach()
+            hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.detach()
+        head, transform = plain.get_output_embeddings(), logits_transform(config)
         with torch.no_grad():
-            want = model(input_ids=ids, use_cache=False).logits.float()
-            hidden = plain.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-            head, transform = plain.get_output_embeddings(), logits_transform(config)
             if type(head) in (torch.nn.Linear, Float32Head):
                 got = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden), transform).logits(hidden)
             else:

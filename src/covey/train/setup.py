@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from covey import core
+from covey import core, rules
 from covey.agents import FORMATS, Agent, ToolCallFormat, load_tool
 from covey.agents.environments import Environments
 from covey.config import GRPOConfig
@@ -456,7 +456,7 @@ def server_backend(args: GRPOConfig) -> FastBackend:
 def vllm_serve(args: GRPOConfig, host: str, port: int) -> VLLMServe:
     """``vllm serve`` for a run's config (``covey server --backend vllm``), checked first: vLLM in the
     tested range, a seed it takes, a model it can load."""
-    args.check_vllm_seed()
+    rules.check((rules.vllm_seed,), args)
     path = resolve_model_path(args.model)
     if (Path(path) / "adapter_config.json").is_file():
         raise ConfigError(f"{path} is a LoRA adapter, which vLLM cannot load as a model; start the server with "
