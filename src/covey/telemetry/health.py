@@ -129,6 +129,13 @@ class HealthMonitor:
         self.hacking = Monitor() if hacking else None
         self.keys: list[str] = []
 
+    def resume(self, history: list[dict]) -> None:
+        """A resumed run: the warnings its history logged (``health/<key>``) were shown, and are not again."""
+        keys = {name.removeprefix("health/") for entry in history for name in entry if name.startswith("health/")}
+        self.shown |= keys
+        if self.hacking:
+            self.hacking.shown |= keys
+
     def check(self, history: list[dict], samples: list[dict] = ()) -> list[str]:
         messages, self.keys = [], []
         for rule in RULES:

@@ -100,6 +100,7 @@ class RunLog:
         """Continue a run from a checkpoint at ``step``: its metric history, and the files cut back to
         that step (lines a crashed run wrote after its checkpoint are written again as training redoes them)."""
         self.history = list(history)
+        self.health.resume(self.history)
         if not self.record:
             return
         _rewrite_jsonl(self.metrics_path, self.history)
