@@ -31,10 +31,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
-from benchmarks.common import machine
+from benchmarks.common import machine, wait_for_server
 
 VARIANTS = ("synchronous", "asynchronous")
 WARMUP_STEPS = 2
@@ -102,17 +100,7 @@ def server(backend: str | None):
     process = subprocess.Popen([*pinned(1), sys.executable, "-m", "covey", "server", "--backend", backend, "--port",
                                 str(port), "--max-completion-length", "48"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"covey server --backend {backend} did not start:\n"
-                                       f"{log.read().decode()[-3000:]}") from None
-                time.sleep(2)
+        wait_for_server(process, port, lambda: log.seek(0) or log.read().decode()[-3000:], poll_s=2)
         yield port
     finally:
         process.terminate()

@@ -130,3 +130,20 @@ def results_of_two_processes(module: str, variant: str, steps: int, processes: i
     if out.returncode != 0 or not results:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
     return results
+
+
+def wait_for_server(process: subprocess.Popen, port: int, log_tail, timeout_s: float = 600, poll_s: float = 1) -> None:
+    """Until the covey server ``process`` answers on ``port``'s /health; if it exits or ``timeout_s`` passes
+    first, a RuntimeError with ``log_tail()``, the end of its log."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"covey server did not start:\n{log_tail()}") from None
+            time.sleep(poll_s)

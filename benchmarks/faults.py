@@ -41,6 +41,7 @@ import yaml
 from safetensors.torch import load_file
 
 from benchmarks.common import machine
+from benchmarks.soak import children
 
 FAULTS = ("kill", "kill_async", "kill_in_checkpoint", "disk_full", "reward_worker")
 TIMING_KEYS = ("step_time", "time/", "tokens_per_second", "async/queue_depth")
@@ -117,18 +118,6 @@ def checkpoints(out: Path) -> dict[str, set[str]]:
     """Each whole checkpoint folder and its files."""
     folder = out / "checkpoints"
     return {c.name: {f.name for f in c.iterdir()} for c in sorted(folder.glob("checkpoint-*"))} if folder.exists() else {}
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
 
 
 def after_first_checkpoint(process: subprocess.Popen, out: Path) -> bool:

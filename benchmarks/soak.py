@@ -40,12 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
-from benchmarks.common import machine
+from benchmarks.common import machine, wait_for_server
 
 MODES = ("sync", "async", "tools", "server")
 
@@ -163,15 +162,7 @@ def fast_server(model: str, work: Path):
         command += ["--model", str(work / "tiny")]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"covey server did not start:\n{(work / 'server.log').read_text()[-3000:]}")
-                time.sleep(1)
+        wait_for_server(process, port, lambda: (work / "server.log").read_text()[-3000:])
         yield port, process.pid
     finally:
         process.terminate()
@@ -216,7 +207,7 @@ def run(mode: str, model: str, steps: int) -> list[dict]:
 
 def slope_per_100(samples: list[dict], key: str) -> float:
     xs, ys = [s["step"] for s in samples], [s[key] for s in samples]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
