@@ -68,7 +68,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here on
     trainer.train()
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    copy = trainer.parts.policy_copy
+    copy = trainer.parts.sampler.policy_copy
     mib = 2 ** 20
     print("RESULT " + json.dumps({
         "rank": trainer.world.rank, "train_s": statistics.median(line["time/train"] for line in trainer.history[1:])

@@ -94,17 +94,18 @@ def tiny_model_dir(tmp_path, tokenizer):
 def scored_batch(trainer, indices):
     """Steps 1-4 of a training step on the training rows at ``indices``, with the step's own functions:
     the scored batch and the log-probs held fixed over its optimizer steps."""
-    from covey.train.step import fixed_logprobs, generate_and_score, with_advantages
+    from covey.train.rounds import generate_and_score, with_advantages
+    from covey.train.update import fixed_logprobs
 
     parts = trainer.parts
-    batch, _ = with_advantages(parts, generate_and_score(parts, trainer.sampler, trainer.progress, indices).samples)
+    batch, _ = with_advantages(parts, generate_and_score(parts, trainer.prompt_sampler, trainer.progress, indices).samples)
     return batch, fixed_logprobs(parts, batch)
 
 
 def optimize(trainer, batch, fixed):
     """Steps 5-6 on the whole batch as the step's first optimizer step (the policy still the one that
     sampled); the loss statistics with the gradient norm. The trainer's progress moves on by the step."""
-    from covey.train.step import optimizer_step
+    from covey.train.update import optimizer_step
 
     totals, grad_norm, trainer.progress = optimizer_step(trainer.parts, batch, fixed, slice(0, batch.samples.size),
                                                          True, trainer.progress)

@@ -265,9 +265,9 @@ def test_faults_and_limits_are_counted_and_never_crash_the_run(tmp_path, tokeniz
                                      "malformed_calls": malformed, "cut": cut}, call
     limited = trainer_with(tmp_path / "limit", tokenizer, tools=[calculate], config=dict(max_tool_calling_iterations=1),
                            train_dataset=[{"prompt": [{"role": "user", "content": "what is 2 * 3?"}], "answer": "6"}])
-    limited.parts.engine.call = limited.parts.engine.call + " again"
+    limited.parts.sampler.engine.call = limited.parts.sampler.engine.call + " again"
     # a model that calls again after the answer: the second round of calls is over the limit
-    limited.parts.engine.generate = _always_calls(limited.parts.engine)
+    limited.parts.sampler.engine.generate = _always_calls(limited.parts.sampler.engine)
     record = scored_batch(limited, [0])[0].samples.records[0]
     assert record["episode"]["cut"] == "turns" and record["episode"]["tool_calls"] == 1
     short = trainer_with(tmp_path / "short", tokenizer, tools=[calculate], config=dict(max_completion_length=100))
@@ -428,7 +428,7 @@ def test_an_openenv_environment_runs_its_tools_in_episodes(tmp_path, tokenizer):
     trainer = trainer_with(tmp_path, tokenizer, engine, environment_factory=Environment,
                            train_dataset=[{"prompt": [{"role": "user", "content": "what is 6 * 1?"}], "answer": "6"},
                                           {"prompt": [{"role": "user", "content": "what is 3 * 1?"}], "answer": "4"}])
-    assert trainer.parts.agent.environment.tool_names == ["add"]
+    assert trainer.parts.sampler.agent.environment.tool_names == ["add"]
     samples = scored_batch(trainer, [0, 1])[0].samples
     assert trainer.parts.rewards.names == ["answer_correct", "Tally"]
     assert samples.rewards_BF[:, 1].tolist() == [1.0, 1.0, 0.0, 0.0]  # 6 reaches 6; 3 is not 4

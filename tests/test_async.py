@@ -161,7 +161,7 @@ def test_verify_catches_a_correction_that_ignores_the_policy_that_sampled(monkey
         original = step_module.fixed_logprobs
 
         def current_as_sampling(parts, batch):
-            current = step_module.logprobs_no_grad(parts, parts.model, batch.samples.sequences)
+            current = step_module.logprobs_no_grad(parts, parts.policy.model, batch.samples.sequences)
             samples = dataclasses.replace(batch.samples, sampling_logp_BT=current)
             object.__setattr__(batch, "samples", samples)
             return original(parts, batch)

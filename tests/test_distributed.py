@@ -108,7 +108,7 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     except TrainingInterrupted as e:
         stopped_by = e.signal_number
     held = (sharded_part(trainer.optimizer) or trainer.optimizer).state.values()  # this process's part, if sharded
-    return {"gradients": gradients, "data": (trainer.sampler.state_dict(), trainer.progress.rounds_sampled),
+    return {"gradients": gradients, "data": (trainer.prompt_sampler.state_dict(), trainer.progress.rounds_sampled),
             "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
 

@@ -17,7 +17,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.errors import ConfigError, DataError, ModelError, RewardError
 import covey.train.step as step_module
 from covey.train.setup import lr_schedule
-from covey.train.step import logprobs_no_grad
+from covey.train.update import logprobs_no_grad
 from tests.conftest import make_model, make_tokenizer, optimize, scored_batch
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
@@ -275,7 +275,7 @@ def test_max_steps_minus_one_trains_for_num_train_epochs_as_in_trl(tmp_path, tok
     assert trainer.args.max_steps == 6 and args.max_steps == -1  # the caller's config is left as it was
     trainer.train()
     summary = trainer.summary
-    assert summary["steps"] == 6 and trainer.sampler.progress == pytest.approx(1.5)
+    assert summary["steps"] == 6 and trainer.prompt_sampler.progress == pytest.approx(1.5)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["max_steps"] == -1 and saved["num_train_epochs"] == 1.5  # as given: a resume resolves it again
 

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from covey import GRPOConfig, GRPOTrainer, core
-from covey.train import step
+from covey.train import update
 from covey.train.batch import Update
 from covey.train.metrics import step_metrics
 from covey.cli import main
@@ -34,8 +34,8 @@ def test_steps_per_generation_gives_several_optimizer_steps_with_old_logprobs_co
     trainer = trainer_for(tmp_path, tokenizer, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                           steps_per_generation=2, max_steps=2)
     calls = []
-    original = step.logprobs_no_grad
-    monkeypatch.setattr(step, "logprobs_no_grad", lambda parts, model, seq: calls.append(1) or original(parts, model, seq))
+    original = update.logprobs_no_grad
+    monkeypatch.setattr(update, "logprobs_no_grad", lambda parts, model, seq: calls.append(1) or original(parts, model, seq))
     ratios = []
     real_loss = core.policy_loss
 
@@ -155,7 +155,7 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
                           processing_class=tokenizer, rollout_engine=engine, quiet=True)
     batch, fixed = scored_batch(trainer, [0, 1])
     samples = batch.samples
-    sampler_logp_BT = step.logprobs_no_grad(trainer.parts, trainer.model, samples.sequences)  # the policy that sampled
+    sampler_logp_BT = update.logprobs_no_grad(trainer.parts, trainer.model, samples.sequences)  # the policy that sampled
     expected = core.engine_importance_weights(sampler_logp_BT, samples.sampling_logp_BT, samples.loss_mask_BT.float(),
                                               core.EngineCorrection.from_mode(mode, 1.5))
     used = []  # the weights each micro-batch's loss was given
@@ -176,8 +176,8 @@ def test_engine_mismatch_is_corrected_when_the_engine_is_not_exact(tmp_path, tok
     token_w = torch.exp(sampler_logp_BT - samples.sampling_logp_BT)[samples.loss_mask_BT == 1]
     assert torch.allclose(token_w, torch.full_like(token_w, torch.exp(torch.tensor(0.05)).item()), atol=1e-4)
     if mode == "token_truncate":  # logged over the trained tokens only, each weighing exp(0.05)
-        update = Update(1, stats, stats["grad_norm"], 1e-3, 0, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
-        metrics = step_metrics(batch, update, ["count_a"], torch.ones(1, dtype=torch.float64), {}, {}, 0)
+        one_step = Update(1, stats, stats["grad_norm"], 1e-3, 0, {"time/generate": 0.0, "time/score": 0.0}, 1.0, 1.0)
+        metrics = step_metrics(batch, one_step, ["count_a"], torch.ones(1, dtype=torch.float64), {}, {}, 0)
         assert metrics["engine_is/mean_weight"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), abs=1e-4)
         assert metrics["engine_is/masked_fraction"] == 0.0
 
@@ -186,7 +186,7 @@ def test_bf16_sampling_trains_with_the_correction_and_no_extra_pass(tmp_path, to
     trainer = trainer_for(tmp_path, tokenizer, rollout_bf16=True, max_steps=2)
     assert trainer.engine.exact_logprobs is False
     passes = []
-    monkeypatch.setattr(step, "logprobs_no_grad", lambda *a, **k: passes.append(1))  # the separate scoring pass
+    monkeypatch.setattr(update, "logprobs_no_grad", lambda *a, **k: passes.append(1))  # the separate scoring pass
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and not passes

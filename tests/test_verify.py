@@ -79,7 +79,7 @@ def _ratio_against_reference(original):
 
 
 def _no_gradient_step(parts, progress):
-    parts.optimizer.zero_grad(set_to_none=True)
+    parts.policy.optimizer.zero_grad(set_to_none=True)
     return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
 
 

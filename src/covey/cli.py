@@ -235,7 +235,7 @@ def cmd_generate(argv: list[str]) -> int:
     from covey.telemetry.plain import output_console, print_table
     from covey.telemetry.tables import completions_table
     from covey.train.setup import one_batch_settings
-    from covey.train.step import score_prompts
+    from covey.train.rounds import score_prompts
     from covey.train.trainer import GRPOTrainer
 
     parts = GRPOTrainer(args=one_batch_settings(args, namespace.num_prompts), quiet=True).parts

@@ -1,6 +1,6 @@
 """A run assembled from what ``GRPOTrainer`` was handed: the rules of the run checked, then the
 rewards, the rows, the run folder, the tokenizer and prompts, the policy and its reference, the
-rollout engine, the optimizer, and the step's parts (``StepParts``). Nothing loads before the rules
+rollout engine, the optimizer, and the step's parts (``StepParts``: the policy and the sampler among them). Nothing loads before the rules
 of the run (``covey.train.run_rules``) have passed."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from covey.train.hub import HubPush
 from covey.train.run_folder import config_as_used, make_run_dir
 from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
-from covey.train.step import Rewards, StepParts
+from covey.train.parts import Rewards, StepParts
+from covey.train.policy import Policy
+from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 
 
@@ -39,7 +41,7 @@ class Assembled:
     parts: StepParts
     world: World
     sharding: Sharding | None  # None: not sharded
-    sampler: PromptSampler
+    prompt_sampler: PromptSampler
     run_dir: Path
     hub: HubPush | None  # None but in the first process under push_to_hub
     resume_from: Path | None
@@ -121,16 +123,18 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     optimizer = setup.make_optimizer(args, policy, world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
     # the prompts of every process, drawn together; each takes its share (World.share)
-    sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
-    parts = StepParts(args, world, policy, reference, engine, tokenizer, eos_ids, Prompts(train_rows, prompt_ids),
-                      rewards, optimizer, scheduler, setup.sampling_params(args),
-                      setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)), setup.engine_correction(args),
-                      agent, rollout_func, **({} if sharded is None else vars(sharded)))
+    prompt_sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
+    sampler = Sampler(engine, tokenizer, eos_ids, setup.sampling_params(args), setup.engine_correction(args), agent,
+                      rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation)
+    sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
+    parts = StepParts(args, world, Policy(policy, reference, optimizer, scheduler, *sharded_passes), sampler,
+                      Prompts(train_rows, prompt_ids), rewards,
+                      setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)))
     if model is None or isinstance(model, str):
         model_name = model or args.model
     else:
         model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
-    return Assembled(args, parts, world, sharding, sampler, run_dir, hub, resume_from, as_used, rows.heldout,
+    return Assembled(args, parts, world, sharding, prompt_sampler, run_dir, hub, resume_from, as_used, rows.heldout,
                      rows.source, model_name, overflow)
 
 

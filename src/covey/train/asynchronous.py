@@ -86,42 +86,34 @@ class InFlight:
     """A round the worker sampled: what generate_and_score gave, and the policy it sampled with."""
 
     version: int  # the optimizer step of the policy that sampled it
-    generated: Any  # covey.train.step.Generated
+    generated: Any  # covey.train.rounds.Generated
     waited_for_weights: float  # seconds the worker waited for the snapshot it sampled with
-
-
-def whole_policy(parts: Any) -> torch.nn.Module:
-    """The policy as a plain module with every weight whole: under fsdp, the whole copy an engine in this
-    process samples from (its weights gathered from the shards: every process calls this at once)."""
-    if parts.policy_copy is None:
-        return parts.model
-    parts.policy_copy.refresh(parts.policy_pass, parts.model)
-    return parts.policy_copy.model
 
 
 class AsyncGeneration:
     """The worker thread, its queue of sampled rounds (at most rounds_ahead), and the published weights.
 
-    ``generate(parts, sampler, progress)`` is steps 1-2 of a step (``covey.train.step.generate_and_score``)
-    run by the worker on its own parts: the trainer's, with the worker's model and engine. An engine with
+    ``generate(parts, prompt_sampler, progress)`` is steps 1-2 of a step (``covey.train.rounds.generate_and_score``)
+    run by the worker on its own parts: the trainer's, with the worker's engine (over the worker's model). An engine with
     its own copy of the weights (``OwnWeights``) is shared with the trainer (``shares_engine``): the
     trainer samples with it only while the worker is held (``engine_lent``)."""
 
-    def __init__(self, parts: Any, sampler: PromptSampler, schedule: AsyncSchedule,
+    def __init__(self, parts: Any, prompt_sampler: PromptSampler, schedule: AsyncSchedule,
                  build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress,
                  restored: dict | None = None):
         self.schedule = schedule
-        model = copy.deepcopy(whole_policy(parts)).eval()
-        if parts.policy_copy is not None:  # the worker's copy is whole; the engine's is freed until it samples
-            parts.policy_copy.release()
+        sampler = parts.sampler
+        model = copy.deepcopy(sampler.whole_policy(parts.policy)).eval()
+        if sampler.policy_copy is not None:  # the worker's copy is whole; the engine's is freed until it samples
+            sampler.policy_copy.release()
         for p in model.parameters():
             p.requires_grad_(False)
-        self.model, self.trainer_model = model, parts.model
-        self.shares_engine = isinstance(parts.engine, OwnWeights)  # one vLLM (or server) for both
-        engine = parts.engine if self.shares_engine else build_engine(model)
-        self.parts = dataclasses.replace(parts, model=model, engine=engine)
-        self.sampler, self.generate = sampler, generate
-        self.trained = [name for name, p in parts.model.named_parameters() if p.requires_grad]
+        self.model, self.trainer_model = model, parts.policy.model
+        self.shares_engine = isinstance(sampler.engine, OwnWeights)  # one vLLM (or server) for both
+        self.engine = sampler.engine if self.shares_engine else build_engine(model)
+        self.parts = parts.sampling_with(self.engine)
+        self.prompt_sampler, self.generate = prompt_sampler, generate
+        self.trained = [name for name, p in self.trainer_model.named_parameters() if p.requires_grad]
         self.rounds_trained = 0  # snapshots published after the first: rounds the trainer finished
         self.snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # rounds trained -> (step, weights)
         self.loaded: int | None = None  # the snapshot the worker's model holds
@@ -136,14 +128,14 @@ class AsyncGeneration:
         self.threads_before = torch.get_num_threads()
         # the trainer and a worker that samples in this process share the cores, half each; a server samples
         # in its own process
-        self.threads = self.threads_before if engine.shared_by_processes else max(1, self.threads_before // 2)
+        self.threads = self.threads_before if self.engine.shared_by_processes else max(1, self.threads_before // 2)
         self.dropped_rows = self.trained_rows = 0  # rows of the rounds taken: dropped as stale, and trained
         queued = self._requeue(restored) if restored is not None else 0
         # the worker samples no round the trainer will not train: up to the rounds taken (trained or dropped)
         # and those max_steps still needs, counted again after each round
         self.rounds_taken = self.next_round - queued
         self.round_limit = self.rounds_taken
-        self.publish(parts.model, progress.global_step, first=True)
+        self.publish(self.trainer_model, progress.global_step, first=True)
 
     def _requeue(self, restored: dict) -> int:
         """The worker's state and the rounds in flight a checkpoint captured (``held``), queued again; how many."""
@@ -236,7 +228,7 @@ class AsyncGeneration:
             yield
             return
         with self.held():
-            self.parts.engine.policy_changed(self.trainer_model)
+            self.engine.policy_changed(self.trainer_model)
             try:
                 yield
             finally:
@@ -250,7 +242,7 @@ class AsyncGeneration:
             self.thread.join()
         torch.set_num_threads(self.threads_before)
         if self.shares_engine:  # the trainer samples with it from now on: the trained policy, pushed
-            self.parts.engine.policy_changed(self.trainer_model)
+            self.engine.policy_changed(self.trainer_model)
 
     def __enter__(self) -> "AsyncGeneration":
         return self.start()
@@ -293,7 +285,7 @@ class AsyncGeneration:
                            and not self.stopping.is_set()):
                         self._wait_idle()
                 progress = Progress(global_step=version, rounds_sampled=self.rounds_sampled)
-                generated = self.generate(self.parts, self.sampler, progress)
+                generated = self.generate(self.parts, self.prompt_sampler, progress)
                 self.rounds_sampled += generated.rounds
                 self.next_round += 1
                 self._put(InFlight(version, generated, waited))
@@ -318,7 +310,7 @@ class AsyncGeneration:
             with torch.no_grad():
                 for name, value in weights.items():
                     named[name].copy_(value)
-            self.parts.engine.policy_changed(self.model)
+            self.engine.policy_changed(self.model)
             self.loaded = index
         return version
 

@@ -28,7 +28,7 @@ def checkpoint_every_process(trainer: GRPOTrainer) -> Path:
     (each resumes its own streams), their parts of a sharded optimizer state, and under
     async_generation the rounds each process's worker sampled ahead, the worker held meanwhile (its
     prompt sampler at the worker's position; a resumed run trains those rounds next). Its path."""
-    worker = trainer.parts.asynchronous
+    worker = trainer.parts.sampler.ahead
     with worker.held() if worker is not None else contextlib.nullcontext() as in_flight:
         return _write_checkpoint(trainer, trainer.world.gather(in_flight) if worker is not None else None)
 
@@ -40,17 +40,17 @@ def _write_checkpoint(trainer: GRPOTrainer, in_flight: list | None) -> Path:
     if trainer.args.save_only_model:  # the model alone, whole (gathered first where it is sharded)
         whole = whole_model_state(trainer)
         return world.on_main(lambda: write_checkpoint_here(trainer, model_state=whole, in_flight=in_flight))
-    if parts.policy_pass is not None:  # every process writes its shards, then the first the rest
+    if parts.policy.sharded_pass is not None:  # every process writes its shards, then the first the rest
         staging = world.on_main(lambda: sharded_staging(trainer.run_dir, trainer.global_step))
-        save_sharded(staging, parts.policy_pass, parts.optimizer,
-                     parts.reference_pass if moving_reference(trainer) is not None else None)
+        save_sharded(staging, parts.policy.sharded_pass, parts.policy.optimizer,
+                     parts.policy.sharded_reference_pass if moving_reference(trainer) is not None else None)
         with_model = trainer.sharding.whole_model_in_checkpoints  # state_dict_type: FULL_STATE_DICT
         whole = whole_model_state(trainer) if with_model else None
         process_rngs = world.gather(rng_states())
         return world.on_main(lambda: write_checkpoint_here(trainer, process_rngs[1:], sharded=staging, model_state=whole,
                                                            whole_model=with_model, in_flight=in_flight))
-    sharded = sharded_part(parts.optimizer) is not None
-    optimizer_state = world.gather_optimizer_state(parts.optimizer) if sharded else None
+    sharded = sharded_part(parts.policy.optimizer) is not None
+    optimizer_state = world.gather_optimizer_state(parts.policy.optimizer) if sharded else None
     process_rngs = world.gather(rng_states())
     return world.on_main(lambda: write_checkpoint_here(trainer, process_rngs[1:], optimizer_state, in_flight=in_flight))
 
@@ -66,7 +66,7 @@ def write_checkpoint_here(trainer: GRPOTrainer, other_processes_rng: list = (), 
     ``in_flight``: under async_generation, each process's rounds sampled ahead (``AsyncGeneration.held``).
     Under save_only_model: the model alone."""
     state = {**dataclasses.asdict(trainer.progress), "history": trainer.history, "before": trainer.before,
-             "sampler": trainer.sampler.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+             "sampler": trainer.prompt_sampler.state_dict(), "scheduler": trainer.scheduler.state_dict(),
              "unlogged_metrics": trainer.unlogged_metrics, "processes": trainer.world.size}
     whole = not trainer.args.save_only_model
     optimizer = trainer.optimizer
@@ -82,10 +82,10 @@ def restore(trainer: GRPOTrainer, path: Path) -> None:
     sampler's position, the progress and the metrics logged so far (and the rounds in flight)."""
     args, world, parts = trainer.args, trainer.world, trainer.parts
     try:
-        state = load_checkpoint(path, trainer.model, parts.optimizer, moving_reference(trainer), world.rank,
-                                parts.policy_pass, parts.reference_pass)
-        parts.scheduler.load_state_dict(state["scheduler"])
-        trainer.sampler.load_state_dict(state["sampler"])
+        state = load_checkpoint(path, trainer.model, parts.policy.optimizer, moving_reference(trainer), world.rank,
+                                parts.policy.sharded_pass, parts.policy.sharded_reference_pass)
+        parts.policy.scheduler.load_state_dict(state["scheduler"])
+        trainer.prompt_sampler.load_state_dict(state["sampler"])
         # a field an older checkpoint lacks keeps its start value
         saved = {f.name: state[f.name] for f in dataclasses.fields(Progress) if f.name in state}
         trainer.progress = dataclasses.replace(trainer.progress, **saved)
@@ -115,23 +115,23 @@ def restore(trainer: GRPOTrainer, path: Path) -> None:
         warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
                       f"{world.size}: each optimizer step now takes the prompts of {world.size}, so "
                       "the run does not continue as it would have", stacklevel=3)
-    if any(i >= len(parts.prompts.rows) for i in trainer.sampler.order):
+    if any(i >= len(parts.prompts.rows) for i in trainer.prompt_sampler.order):
         raise CheckpointError(f"{path} was written while training on a larger dataset than this run's "
                               f"{len(parts.prompts.rows)} rows; resume with the same dataset")
     # the learning rate is this run's config too (max_steps and the schedule already are)
-    parts.scheduler.base_lrs = [args.learning_rate for _ in parts.scheduler.base_lrs]
-    for group in parts.optimizer.param_groups:
+    parts.policy.scheduler.base_lrs = [args.learning_rate for _ in parts.policy.scheduler.base_lrs]
+    for group in parts.policy.optimizer.param_groups:
         group["initial_lr"] = args.learning_rate
-        group["lr"] = args.learning_rate * setup.lr_schedule(args)(parts.scheduler.last_epoch)
+        group["lr"] = args.learning_rate * setup.lr_schedule(args)(parts.policy.scheduler.last_epoch)
 
 
 def moving_reference(trainer: GRPOTrainer) -> torch.nn.Module | None:
     """The reference model when sync_ref_model moves it (then a checkpoint must carry it), else None."""
-    reference = trainer.parts.reference
+    reference = trainer.parts.policy.reference
     return reference.frozen if reference is not None and trainer.args.sync_ref_model else None
 
 
 def whole_model_state(trainer: GRPOTrainer) -> dict | None:
     """Under fsdp, the policy's whole state dict on the first process (every process takes part); else
     None, where the model writes its own."""
-    return None if trainer.parts.policy_pass is None else whole_state_dict(trainer.parts.policy_pass)
+    return None if trainer.parts.policy.sharded_pass is None else whole_state_dict(trainer.parts.policy.sharded_pass)

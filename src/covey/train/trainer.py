@@ -27,6 +27,7 @@ from covey.telemetry.tables import percent, print_summary
 from covey.telemetry.trackers import make_trackers
 from covey.train import between_steps, setup
 from covey.train.assemble import assemble
+from covey.train.asynchronous import AsyncGeneration, AsyncSchedule
 from covey.train.batch import Progress, Prompts
 from covey.train.callbacks import CallbackArgs, Callbacks
 from covey.train.distributed import World
@@ -34,9 +35,9 @@ from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.run_checkpoints import restore
 from covey.train.run_rules import Handed
 from covey.train.run_outputs import open_run_dir, save_final_model, write_model, write_summary
-from covey.train.step import StepParts, grpo_step, sampling_from_policy
+from covey.train.rounds import generate_and_score
+from covey.train.step import grpo_step
 from covey.train.trl_api import TRLSurface, TrainingClock, closing_entry, held_out_loss
-from covey.train.while_training import generating_ahead, gradients_summed
 
 
 class GRPOTrainer(TRLSurface):
@@ -71,12 +72,13 @@ class GRPOTrainer(TRLSurface):
                               World.launched_size())
         run = assemble(args or GRPOConfig(), handed, eval_dataset, reward_processing_classes,
                        None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
-        self.args, self.parts, self.world, self.sharding, self.sampler = run.args, run.parts, run.world, run.sharding, run.sampler
+        self.args, self.parts, self.world, self.sharding = run.args, run.parts, run.world, run.sharding
+        self.prompt_sampler = run.prompt_sampler
         self.run_dir, self.hub, self.resume_from, self.config_as_used = run.run_dir, run.hub, run.resume_from, run.config_as_used
         self.eval_rows, self.dataset_name, self.model_name = run.eval_rows, run.dataset_name, run.model_name
         self.prompt_overflow_count = run.prompt_overflow_count
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given (TRL's members)
-        self.eos_ids = self.parts.eos_ids
+        self.eos_ids = self.parts.sampler.eos_ids
         self.quiet = quiet or not self.world.is_main
         self.progress = Progress(entropy_coef=self.args.entropy_coef)
         self.before: dict | None = None  # the evaluation before training
@@ -88,7 +90,7 @@ class GRPOTrainer(TRLSurface):
         if self.resume_from is not None:
             restore(self, self.resume_from)
         self.callback_handler = Callbacks(callbacks or [], CallbackArgs(self.args, self.run_dir, self.world), self.world,
-                                          self.sampler, lambda: self.epochs_trained, model=self.model,
+                                          self.prompt_sampler, lambda: self.epochs_trained, model=self.model,
                                           processing_class=self.tokenizer, optimizer=self.optimizer,
                                           lr_scheduler=self.scheduler)
         self.callback_handler.log_history.extend(self.history)
@@ -100,12 +102,12 @@ class GRPOTrainer(TRLSurface):
         return self.progress.global_step
 
     # the run's parts, as the step holds them
-    reference = property(lambda self: self.parts.reference, doc="The reference model (None when beta == 0).")
-    engine = property(lambda self: self.parts.engine, doc="The rollout engine.")
-    tokenizer = property(lambda self: self.parts.tokenizer)
+    reference = property(lambda self: self.parts.policy.reference, doc="The reference model (None when beta == 0).")
+    engine = property(lambda self: self.parts.sampler.engine, doc="The rollout engine.")
+    tokenizer = property(lambda self: self.parts.sampler.tokenizer)
     processing_class = tokenizer  # TRL's name, which rollout functions read
-    optimizer = property(lambda self: self.parts.optimizer)
-    scheduler = property(lambda self: self.parts.scheduler)
+    optimizer = property(lambda self: self.parts.policy.optimizer)
+    scheduler = property(lambda self: self.parts.policy.scheduler)
     # transformers' names for the callbacks' view of the run
     state = property(lambda self: self.callback_handler.state, doc="transformers' TrainerState of the run.")
     control = property(lambda self: self.callback_handler.control, doc="transformers' TrainerControl.")
@@ -143,10 +145,11 @@ class GRPOTrainer(TRLSurface):
         callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
         trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
                                  first_step=self.global_step + 1, project=args.project) if self.world.is_main else []
-        with (self.parts.rewards.pool, self.parts.agent or contextlib.nullcontext(),  # its tool worker
+        parts = self.parts
+        with (parts.rewards.pool, parts.sampler.agent or contextlib.nullcontext(),  # its tool worker
               RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers, record=self.world.is_main) as log,
               between_steps.stop_on_signals(self, log), self.hub or contextlib.nullcontext(),
-              self._parts_while(gradients_summed(self.parts))):
+              parts.policy.summing_gradients(self.world, args.gradient_checkpointing)):
             take_stop_counts()  # calls stopped before this run (another trainer's) are not its own
             callbacks.call("on_train_begin", self.global_step)
             if self.resume_from is not None:
@@ -156,11 +159,11 @@ class GRPOTrainer(TRLSurface):
                 self.before = self.held_out_result()
                 log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
                          f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
-            with self._parts_while(generating_ahead(self.parts, self.sampler, self.progress, self.in_flight)):
+            with parts.sampler.generating_ahead(self._worker_ahead()):
                 self.in_flight = None
                 while self.global_step < args.max_steps and not callbacks.stop_asked():
                     steps_before, passes_before = self.global_step, self.passes_trained
-                    result = grpo_step(self.parts, self.sampler, self.progress, callbacks)
+                    result = grpo_step(parts, self.prompt_sampler, self.progress, callbacks)
                     self.progress = result.progress
                     evaluation = between_steps.evaluate_if_due(self, log, steps_before)
                     whole = between_steps.log_step(self, log, result, evaluation)
@@ -183,15 +186,15 @@ class GRPOTrainer(TRLSurface):
             print_summary(log.console, self.before, after, self.run_dir)
         return TrainOutput(self.global_step, metrics["train_loss"], metrics)
 
-    @contextlib.contextmanager
-    def _parts_while(self, context: contextlib.AbstractContextManager[StepParts]):
-        """The step's parts as ``context`` gives them (``covey.train.while_training``), then as before."""
-        before = self.parts
-        try:
-            with context as self.parts:
-                yield
-        finally:
-            self.parts = before
+    def _worker_ahead(self) -> AsyncGeneration | None:
+        """Under async_generation, the worker that samples the next rounds (first those a resumed checkpoint
+        held in flight), over an engine of its own or the run's shared one."""
+        if not self.args.async_generation:
+            return None
+        args, tokenizer, eos_ids = self.args, self.tokenizer, self.eos_ids
+        return AsyncGeneration(self.parts, self.prompt_sampler, AsyncSchedule.from_args(args),
+                               lambda model: setup.build_engine(args, model, tokenizer, eos_ids),
+                               generate_and_score, self.progress, self.in_flight)
 
     # ---- what TRL's scripts call after train() ------------------------------------------------
 
@@ -221,13 +224,13 @@ class GRPOTrainer(TRLSurface):
     def passes_trained(self) -> int:
         """Whole passes over the training prompts trained on (under async_generation the sampler, shared
         with the worker, is rounds ahead)."""
-        return self.sampler.passes_in(self.progress.rounds_sampled)
+        return self.prompt_sampler.passes_in(self.progress.rounds_sampled)
 
     @property
     def epochs_trained(self) -> float:
         """The passes over the training prompts trained on, a fraction within the last (the epoch of logs,
         callbacks and evaluations)."""
-        return self.sampler.progress_in(self.progress.rounds_sampled)
+        return self.prompt_sampler.progress_in(self.progress.rounds_sampled)
 
     def held_out_result(self, rows: list[dict] | None = None) -> dict:
         """Greedy accuracy and mean reward on held-out rows (default: the configured eval split), with
@@ -238,28 +241,22 @@ class GRPOTrainer(TRLSurface):
         rewards = self.parts.rewards
         state = TrainerState(global_step=self.global_step, max_steps=self.args.max_steps, epoch=self.epochs_trained)
         # every process evaluates its share of the rows
-        with self._sampling_from_policy():
-            mine = evaluate(self.engine, self.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
-                            self.args, rewards.pool, reward_context(state), agent=self.parts.agent,
-                            rollout_func=self.parts.rollout_func, eos_ids=self.eos_ids)
+        sampler = self.parts.sampler
+        with sampler.from_policy(self.parts.policy, self.world):
+            mine = evaluate(sampler.engine, sampler.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
+                            self.args, rewards.pool, reward_context(state), agent=sampler.agent,
+                            rollout_func=sampler.rollout_func, eos_ids=sampler.eos_ids)
         parts = self.world.gather(mine)
         result = merge_evaluations(parts)
         self.callback_handler.evaluate(self.global_step, result)
         return result
 
-    @contextlib.contextmanager
-    def _sampling_from_policy(self):
-        """The engine sampling from the trained policy outside a step (an asynchronous worker's lent back)."""
-        lent = self.parts.asynchronous.engine_lent() if self.parts.asynchronous else contextlib.nullcontext()
-        with lent, sampling_from_policy(self.parts):
-            yield
-
     def held_out_loss(self, rows: list[dict]) -> float:
         """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), averaged over the processes. Each
         process scores every row (its own samples): a sharded model's passes must come in step."""
         train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, rows, "eval_dataset",
-                                                           self.parts.agent)
-        with self._sampling_from_policy():
+                                                           self.parts.sampler.agent)
+        with self.parts.sampler.from_policy(self.parts.policy, self.world):
             losses = self.world.gather(held_out_loss(self.parts, Prompts(train_rows, ids)))
         return sum(losses) / len(losses)
 

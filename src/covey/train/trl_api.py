@@ -20,7 +20,7 @@ from covey import core
 from covey.data import load_rows
 from covey.errors import ConfigError
 from covey.rewards import RewardModel, check_reward_columns
-from covey.train import step
+from covey.train import rounds, update
 from covey.train.batch import Prompts
 
 
@@ -74,13 +74,13 @@ def held_out_loss(parts: Any, prompts: Prompts) -> float:
     policy that sampled is the one scored) with the KL term where beta > 0. The entropy terms (masking, the
     bonus) and a router's loss are left out: they measure the training pass, not the held-out data."""
     eval_parts = dataclasses.replace(parts, prompts=prompts)
-    batch = step.score_prompts(eval_parts, list(range(len(prompts.rows))))
+    batch = rounds.score_prompts(eval_parts, list(range(len(prompts.rows))))
     samples = batch.samples
-    logp_BT = step.logprobs_no_grad(parts, parts.model, samples.sequences)
+    logp_BT = update.logprobs_no_grad(parts, parts.policy.model, samples.sequences)
     ref_BT = None
-    if parts.reference is not None:
-        with parts.reference.model() as ref_model:
-            ref_BT = step.logprobs_no_grad(parts, ref_model, samples.sequences)
+    if parts.policy.reference is not None:
+        with parts.policy.reference.model() as ref_model:
+            ref_BT = update.logprobs_no_grad(parts, ref_model, samples.sequences)
     mask_BT = samples.loss_mask_BT.float()
     counts = core.BatchCounts(samples.size, float(mask_BT.sum()), 1, parts.args.max_completion_length)
     settings = dataclasses.replace(parts.loss_settings, top_entropy_quantile=1.0, entropy_bonus=core.EntropyBonus(),
@@ -128,7 +128,7 @@ class TRLSurface:
     def ref_model(self) -> torch.nn.Module | None:
         """The frozen reference copy (None when beta is 0, or for a LoRA policy, whose reference is the base
         model with the adapter disabled), as TRL."""
-        return None if self.parts.reference is None else self.parts.reference.frozen
+        return None if self.parts.policy.reference is None else self.parts.policy.reference.frozen
 
     @property
     def aux_loss_enabled(self) -> bool:
@@ -144,7 +144,7 @@ class TRLSurface:
     def tools(self) -> list:
         """The functions the model may call: the standalone tools, then the environments' methods (of their
         classes, unbound: each episode binds its own instance), as TRL lists them."""
-        agent = self.parts.agent
+        agent = self.parts.sampler.agent
         if agent is None:
             return []
         methods = {}  # every environment's, a name once
@@ -158,11 +158,11 @@ class TRLSurface:
     @property
     def model(self) -> torch.nn.Module:
         """The policy being trained."""
-        return self.parts.model
+        return self.parts.policy.model
 
     @model.setter
     def model(self, value: torch.nn.Module) -> None:
-        if value is not self.parts.model:
+        if value is not self.parts.policy.model:
             raise ConfigError("trainer.model cannot be replaced once the trainer is built: its optimizer, sampler "
                               "and reference hold the policy; build a new GRPOTrainer(model=...) instead")
 

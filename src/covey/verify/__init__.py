@@ -30,7 +30,9 @@ from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
 from covey.rewards import reward_name
 from covey.train.setup import build_engine, one_batch_settings
-from covey.train.step import Rewards, fixed_logprobs, score_prompts
+from covey.train.parts import Rewards
+from covey.train.rounds import score_prompts
+from covey.train.update import fixed_logprobs
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages
 from covey.verify.report import STAGES, Check, Report, print_report
@@ -57,16 +59,16 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
                                    (RewardError, "rewards", "reward functions load"),
                                    ((ModelError, ConfigError), "setup", SETUP)))
     parts = trainer.parts
-    parameters = sum(p.numel() for p in parts.model.parameters())
+    parameters = sum(p.numel() for p in parts.policy.model.parameters())
     report.add("setup", SETUP, True,
                f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
-    eos_ids = parts.eos_ids
+    eos_ids = parts.sampler.eos_ids
     stages.check_data(report, parts)
     stages.check_decode(report, parts, eos_ids)
     indices = list(range(min(num_prompts, len(parts.prompts.rows))))
     rewards, calls = _recording_calls(parts.rewards)
-    engine = _Recording(parts.engine)
-    parts = dataclasses.replace(parts, rewards=rewards, engine=engine)
+    engine = _Recording(parts.sampler.engine)
+    parts = dataclasses.replace(parts.sampling_with(engine), rewards=rewards)
     try:
         batch = score_prompts(parts, indices)
         fixed = fixed_logprobs(parts, batch)
@@ -88,8 +90,8 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
     _check_decode_kernel(report, engine.engine)
     if settings.async_generation:
-        stages.check_async_correction(report, dataclasses.replace(parts, engine=engine.engine), indices,
-                                      lambda model: build_engine(settings, model, parts.tokenizer, eos_ids))
+        stages.check_async_correction(report, parts.sampling_with(engine.engine), indices,
+                                      lambda model: build_engine(settings, model, parts.sampler.tokenizer, eos_ids))
     return report
 
 

@@ -17,9 +17,9 @@ from covey.rewards import TRAINER_REWARD_ARGS, call_reward, required_columns, re
 from covey.agents import ToolCall
 from covey.rewards.answers import reference_number
 from covey.rollout import OwnWeights, Rollout
-from covey.train import step
+from covey.train import rounds, update
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
-from covey.train.step import StepParts
+from covey.train.parts import StepParts
 from covey.verify.formulas import (advantages_written_out, eos_mask, episode_layout, formula_correction,
                                    formula_loss, formula_ratio)
 from covey.verify.report import Report
@@ -33,7 +33,7 @@ def check_data(report: Report, parts: StepParts) -> None:
     report.add("data", "prompt lengths fit", longest <= args.max_prompt_length,
                f"longest {longest} <= {args.max_prompt_length} tokens", "raise max_prompt_length")
     if chat:
-        _check_chat_template(report, parts.tokenizer, rows[0]["prompt"])
+        _check_chat_template(report, parts.sampler.tokenizer, rows[0]["prompt"])
     columns = set(rows[0]) - {"prompt"}
     for func in parts.rewards.funcs:
         needed = required_columns(func)
@@ -77,16 +77,16 @@ def check_rewarded_text(report: Report, parts: StepParts, batch: ScoredBatch, ca
     wrong = None
     for i, completion in enumerate(calls[0]["completions"]):
         ids = seq.completion_ids_BT[i, : int(seq.completion_mask_BT[i].sum())].tolist()
-        if parts.agent is None:
+        if parts.sampler.agent is None:
             pieces = [ids]
         else:
             pieces = [turn for turn, _ in turns.get(i, [])]
             done = sum(len(turn) + len(appended or []) for turn, appended in turns.get(i, []))
             pieces += [ids[done:]] if len(ids) > done else []
-        want = [parts.tokenizer.decode(piece, skip_special_tokens=True) for piece in pieces]
+        want = [parts.sampler.tokenizer.decode(piece, skip_special_tokens=True) for piece in pieces]
         if parts.args.strip_reasoning:
             want = [text.answer_after_reasoning(w) for w in want]
-        if parts.agent is None:
+        if parts.sampler.agent is None:
             got = [completion[0]["content"] if isinstance(completion, list) else completion]
         else:
             got = [m["content"] for m in completion if m.get("role") == "assistant"]
@@ -101,7 +101,7 @@ def check_rewarded_text(report: Report, parts: StepParts, batch: ScoredBatch, ca
 
 def check_decode(report: Report, parts: StepParts, eos_ids: list[int]) -> None:
     """Decode known completions (with EOS and padding) and compare with the text they came from."""
-    tokenizer = parts.tokenizer
+    tokenizer = parts.sampler.tokenizer
     samples = ["The sum is 12.", "<think>7 + 5 is 12</think> 12", "<think>7 + 5 is"]
     answers = {True: ["The sum is 12.", "12", ""], False: samples}
     ids = [tokenizer(s, add_special_tokens=False)["input_ids"] + [eos_ids[0]] for s in samples]
@@ -205,7 +205,7 @@ def check_reward_probes(report: Report, parts: StepParts, calls: list[dict]) -> 
                   for key, value in kwargs.items()}
         conversational = not isinstance(kwargs["completions"][0], str)
         probes["completions"] = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
-        probes["completion_ids"] = [parts.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        probes["completion_ids"] = [parts.sampler.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         name = reward_name(func)
         try:
             scores = [math.nan if v is None else float(v) for v in returned_values(call_reward(func, probes, None))]
@@ -284,9 +284,9 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
                    turns: dict[int, list] | None = None) -> torch.Tensor:
     """Compare the trainer's log-probs with a plain full forward and a log_softmax gather (over a whole
     episode, for episodes: ``turns`` as the engine handed them over)."""
-    args, model, seq = parts.args, parts.model, batch.samples.sequences
+    args, model, seq = parts.args, parts.policy.model, batch.samples.sequences
     with torch.no_grad():
-        got, _ = step.logprob_pass(parts, model)(seq, parts.sampling.distribution, False)  # the step's own pass
+        got, _ = parts.policy.pass_for(model)(seq, parts.sampler.sampling.distribution, False)  # the step's own pass
         input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
         attention = torch.cat([seq.prompt_mask_BP, seq.completion_mask_BT], 1)
         positions = (attention.cumsum(1) - 1).clamp(min=0)
@@ -295,10 +295,10 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
                        position_ids=positions.to(device)).logits.float().cpu()
         P = seq.prompt_ids_BP.shape[1]
         # the distribution sampled from: logits / temperature over the tokens top_k/top_p/min_p keep
-        reference = parts.sampling.distribution.logits(logits[:, P - 1:-1], seq.completion_ids_BT).log_softmax(-1)
+        reference = parts.sampler.sampling.distribution.logits(logits[:, P - 1:-1], seq.completion_ids_BT).log_softmax(-1)
         want = reference.gather(-1, seq.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
-    if parts.agent is None:
-        expected_mask = eos_mask(seq.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
+    if parts.sampler.agent is None:
+        expected_mask = eos_mask(seq.completion_ids_BT, eos_ids, parts.sampler.tokenizer.pad_token_id,
                                  batch.samples.finish_reasons, args.max_completion_length)
     else:  # an episode holds the EOS of each turn: it is as long as its turns and what was appended
         lengths = [episode_layout(turns.get(row, []), args.max_completion_length)[2]
@@ -341,11 +341,11 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
     # the rows the loss sees (mask_truncated_completions leaves truncated ones out) of a group with a spread
     trained = [[i for i in range(g * G, (g + 1) * G) if samples.loss_mask_BT[i].any()] for g in range(B // G)]
     group = next((g for g, rows in enumerate(trained) if len({float(rewards[i]) for i in rows}) > 1), None)
-    model = parts.model
+    model = parts.policy.model
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    sgd_parts = dataclasses.replace(parts, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
+    sgd_parts = parts.stepping_with(sgd)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    stats, _, _ = step.optimizer_step(sgd_parts, batch, fixed, slice(0, B), True, Progress(entropy_coef=args.entropy_coef))
+    stats, _, _ = update.optimizer_step(sgd_parts, batch, fixed, slice(0, B), True, Progress(entropy_coef=args.entropy_coef))
     if checkable:
         # relative to the size of the terms it sums (the loss itself is near 0 at ratio 1 for most objectives)
         scale = max(abs(float(expected)), float(batch.advantages_B.abs().mean()), s.beta)
@@ -360,7 +360,7 @@ def check_loss(report: Report, parts: StepParts, batch: ScoredBatch, fixed: Fixe
     moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     if bool((batch.advantages_B != 0).any()) or s.beta > 0:
         report.add("loss", "an optimizer step changes the weights", moved, "changed" if moved else "unchanged",
-                   "gradients are not applied: see covey.train.step.apply_gradients")
+                   "gradients are not applied: see covey.train.policy.Policy.apply_gradients")
     else:
         report.add("loss", "an optimizer step changes the weights", False, "no signal in this batch",
                    "every advantage is 0 (all groups constant): the rewards give nothing to learn from", warn_only=True)
@@ -425,7 +425,7 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
 def sequence_logprobs(parts: StepParts, samples: Samples) -> torch.Tensor:
     """Sum of the step's log-probs over each completion's trained tokens. (B,)"""
     with torch.no_grad():
-        logp, _ = step.logprob_pass(parts, parts.model)(samples.sequences, parts.sampling.distribution, False)
+        logp, _ = parts.policy.pass_for(parts.policy.model)(samples.sequences, parts.sampler.sampling.distribution, False)
     T = samples.loss_mask_BT.shape[1]
     return (logp.float().cpu()[:, :T] * samples.loss_mask_BT).sum(1)
 
@@ -444,7 +444,7 @@ def check_engine(report: Report, parts: StepParts, batch: ScoredBatch, logp_BT: 
     T = min(on.shape[1], logp_BT.shape[1])
     on = on[:, :T]
     diff = float((batch.samples.sampling_logp_BT[:, :T][on] - logp_BT.float()[:, :T][on]).abs().max())
-    exact = parts.engine.exact_logprobs
+    exact = parts.sampler.engine.exact_logprobs
     report.add("engine", "engine log-probs = trainer log-probs", diff < (1e-3 if exact else 0.1), f"max diff {diff:.2g}",
                "the rollout engine samples from a different distribution than the trainer scores: check the "
                "temperature and the engine's dtype", warn_only=not exact)
@@ -456,17 +456,17 @@ def check_episodes(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
     the environment wrote between turns is attended to but never trained; tool calls round-trip through
     their format. ``turns``: each episode's turns as the engine handed them to the environment."""
     samples, args = batch.samples, parts.args
-    if parts.agent is None:  # one turn each: all of it the model's, and all of it trained
-        want = eos_mask(samples.sequences.completion_ids_BT, eos_ids, parts.tokenizer.pad_token_id,
+    if parts.sampler.agent is None:  # one turn each: all of it the model's, and all of it trained
+        want = eos_mask(samples.sequences.completion_ids_BT, eos_ids, parts.sampler.tokenizer.pad_token_id,
                         samples.finish_reasons, args.max_completion_length)
         if args.mask_truncated_completions:
             want[torch.tensor([reason == "length" for reason in samples.finish_reasons])] = 0
         report.add("episodes", "the loss trains every completion token (one turn each, the model's own)",
                    torch.equal(samples.loss_mask_BT, want), f"{int(want.sum())} tokens",
                    "tokens the model did not sample are trained, or sampled ones are left out: see "
-                   "covey.train.step.loss_mask")
+                   "covey.train.rounds.loss_mask")
         return
-    tool_format, schemas = parts.agent.tool_format, parts.agent.schemas()
+    tool_format, schemas = parts.sampler.agent.tool_format, parts.sampler.agent.schemas()
     calls = [ToolCall(s["function"]["name"], _example_arguments(s["function"].get("parameters", {}))) for s in schemas]
     lost = next((c for c in calls if tool_format.parse(tool_format.render(c)).calls != [c]), None)
     report.add("episodes", "tool calls round-trip through their format", lost is None, f"{len(calls)} tool(s)",
@@ -490,9 +490,9 @@ def check_episodes(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
                "the ids must travel as sampled, see covey.train.generation")
     report.add("episodes", "tokens a tool or the environment wrote are attended to, never trained", not trained_env,
                f"{environment_tokens} such tokens", f"{trained_env} episode(s) train (or drop) tokens the model did "
-               "not write: see covey.train.step.loss_mask")
+               "not write: see covey.train.rounds.loss_mask")
     report.add("episodes", "every token the model sampled is trained", not untrained, "checked",
-               f"{untrained} episode(s) leave tokens the model sampled out of the loss: see covey.train.step.loss_mask")
+               f"{untrained} episode(s) leave tokens the model sampled out of the loss: see covey.train.rounds.loss_mask")
     if not environment_tokens:
         report.add("episodes", "an episode called a tool", False, "none in this batch",
                    "no episode of the batch called a tool, so nothing between turns was checked: sample more "
@@ -510,38 +510,38 @@ def check_async_correction(report: Report, parts: StepParts, indices: list[int],
     """Under async_generation: a batch sampled by a deliberately older policy (the weights moved by about
     1%) carries that policy's log-probs, and the correction the step applies equals the weights written
     out from them and the current policy's log-probs."""
-    older = copy.deepcopy(parts.model).eval()
+    older = copy.deepcopy(parts.policy.model).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in older.parameters():
             if p.requires_grad:
                 p.mul_(1 + 0.01 * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
-    if isinstance(parts.engine, OwnWeights):  # vLLM's, shared as the worker shares it: the older weights pushed
-        parts.engine.policy_changed(older)
+    if isinstance(parts.sampler.engine, OwnWeights):  # vLLM's, shared as the worker shares it: the older weights pushed
+        parts.sampler.engine.policy_changed(older)
         try:
-            batch = step.score_prompts(parts, indices)
+            batch = rounds.score_prompts(parts, indices)
         finally:
-            parts.engine.policy_changed(parts.model)
+            parts.sampler.engine.policy_changed(parts.policy.model)
     else:
-        batch = step.score_prompts(dataclasses.replace(parts, engine=build_engine(older)), indices)
-    samples, correction = batch.samples, parts.correction
+        batch = rounds.score_prompts(parts.sampling_with(build_engine(older)), indices)
+    samples, correction = batch.samples, parts.sampler.correction
     mask = samples.loss_mask_BT.float()
     on = mask.bool()
     T = mask.shape[1]
     sampling = samples.sampling_logp_BT[:, :T]
-    older_logp = step.logprobs_no_grad(parts, older, samples.sequences)[:, :T]
-    current = step.logprobs_no_grad(parts, parts.model, samples.sequences)[:, :T]
+    older_logp = update.logprobs_no_grad(parts, older, samples.sequences)[:, :T]
+    current = update.logprobs_no_grad(parts, parts.policy.model, samples.sequences)[:, :T]
     own = float((sampling - older_logp)[on].abs().max())
     apart = float((current - older_logp)[on].abs().mean())
-    tolerance = 0.1 if parts.args.sample_in_bf16(parts.device) else 1e-3
+    tolerance = 0.1 if parts.args.sample_in_bf16(parts.policy.device) else 1e-3
     report.add("async", "the rows carry the log-probs of the older policy that sampled them", own < tolerance,
                f"max |sampling - older| {own:.2g}; the current policy is {apart:.2g} away on average",
                "the sampling log-probs are not those of the policy that sampled: the correction would use the "
                "wrong ones (see covey.train.asynchronous)")
     # the step's own correction, through an optimizer step that moves nothing (SGD at learning rate 0)
-    sgd = torch.optim.SGD([p for p in parts.model.parameters() if p.requires_grad], lr=0.0)
-    still = dataclasses.replace(parts, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
-    totals, _, _ = step.optimizer_step(still, batch, step.fixed_logprobs(parts, batch), slice(0, samples.size), True,
+    sgd = torch.optim.SGD([p for p in parts.policy.model.parameters() if p.requires_grad], lr=0.0)
+    still = parts.stepping_with(sgd)
+    totals, _, _ = update.optimizer_step(still, batch, update.fixed_logprobs(parts, batch), slice(0, samples.size), True,
                                        Progress(entropy_coef=parts.args.entropy_coef))
     w = formula_correction(current, sampling, mask, correction)
     expected = float(w.sum() if correction.level == "sequence" else (w * mask.double()).sum())
@@ -552,4 +552,4 @@ def check_async_correction(report: Report, parts: StepParts, indices: list[int],
                f"sum of weights {got if got is None else f'{got:.6g}'} vs {expected:.6g} (mean {mean:.4g}, "
                f"{correction.level} level, {correction.action})",
                "the step corrects with other log-probs than the rows' own sampling ones, or none: see "
-               "covey.train.step.sampled_exactly and core.engine_importance_weights")
+               "covey.train.sampler.Sampler.exact and core.engine_importance_weights")
