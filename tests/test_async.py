@@ -153,19 +153,20 @@ def test_verify_checks_the_correction_through_a_server_the_older_policy_pushed_t
 
 @pytest.mark.parametrize("defect", ["no correction", "the current policy's log-probs"])
 def test_verify_catches_a_correction_that_ignores_the_policy_that_sampled(monkeypatch, defect):
-    import covey.train.step as step_module
+    from covey.train import update
+    from covey.train.sampler import Sampler
 
     if defect == "no correction":  # the rows treated as sampled by the policy that trains
-        monkeypatch.setattr(step_module, "sampled_exactly", lambda parts: True)
+        monkeypatch.setattr(Sampler, "exact", property(lambda self: True))
     else:  # the rows' sampling log-probs replaced by the trainer's at the time it trains
-        original = step_module.fixed_logprobs
+        original = update.fixed_logprobs
 
         def current_as_sampling(parts, batch):
-            current = step_module.logprobs_no_grad(parts, parts.policy.model, batch.samples.sequences)
+            current = update.logprobs_no_grad(parts, parts.policy.model, batch.samples.sequences)
             samples = dataclasses.replace(batch.samples, sampling_logp_BT=current)
             object.__setattr__(batch, "samples", samples)
             return original(parts, batch)
-        monkeypatch.setattr(step_module, "fixed_logprobs", current_as_sampling)
+        monkeypatch.setattr(update, "fixed_logprobs", current_as_sampling)
     report = verify_async()
     assert report.first_failure == "async", [(c.stage, c.name, c.value) for c in report.checks if c.status == "FAIL"]
 

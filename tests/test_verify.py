@@ -15,7 +15,8 @@ import covey.train.forward as logprobs
 import covey.train.head as output_head
 import covey.data.text as text
 import covey.train.generation as generation_module
-import covey.train.step as step_module
+import covey.train.rounds as rounds_module
+from covey.train.policy import Policy
 import covey.rollout.engine as engine_module
 from covey import GRPOConfig
 from covey.agents import HermesFormat, ParsedTurn, ToolCall
@@ -78,8 +79,8 @@ def _ratio_against_reference(original):
     return loss
 
 
-def _no_gradient_step(parts, progress):
-    parts.policy.optimizer.zero_grad(set_to_none=True)
+def _no_gradient_step(policy, max_grad_norm, progress):
+    policy.optimizer.zero_grad(set_to_none=True)
     return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
 
 
@@ -110,13 +111,13 @@ MUTATIONS = {
     "EOS excluded from the mask": ("logprobs", lambda mp: mp.setattr(
         fast_rollout, "completion_mask", _without_eos(core.completion_mask))),
     "rewards shifted by one sample": ("rewards", lambda mp: mp.setattr(
-        step_module, "score_completions", _shifted_rewards(step_module.score_completions))),
+        rounds_module, "score_completions", _shifted_rewards(rounds_module.score_completions))),
     "answer column misaligned with prompts": ("data", lambda mp: mp.setattr(
-        step_module, "extra_columns", _misaligned_columns(step_module.extra_columns))),
+        rounds_module, "extra_columns", _misaligned_columns(rounds_module.extra_columns))),
     "loss normalised by the wrong count": ("loss", lambda mp: mp.setitem(
         core.LOSS_NORMALISERS, "generation_token_mean", lambda loss, mask, n: (loss * mask).sum() / n.sequences)),
     "gradients not applied": ("loss", lambda mp: mp.setattr(
-        step_module, "apply_gradients", _no_gradient_step)),
+        Policy, "apply_gradients", _no_gradient_step)),
     "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(  # the training pass's own
         logprobs, "completion_logprobs",
         lambda model, batch, temperature=1.0, **k: _ORIGINAL_LOGPROBS(model, batch, 1.0, **k))),
@@ -378,7 +379,7 @@ def test_a_clean_pipeline_of_episodes_passes(tokenizer):
 ])
 def test_a_defect_of_episodes_fails_at_its_stage(defect, stage, tokenizer, monkeypatch):
     if defect == "tool-result tokens left in the loss mask":
-        monkeypatch.setattr(step_module, "loss_mask", lambda rollout, masked: rollout.completion_mask_BT.clone())
+        monkeypatch.setattr(rounds_module, "loss_mask", lambda rollout, masked: rollout.completion_mask_BT.clone())
     elif defect == "the assistant turn re-encoded from its text":
         monkeypatch.setattr(FastEngine, "generate_episodes", _re_encoded(FastEngine.generate_episodes, tokenizer))
     else:  # the engine samples each later turn from what followed the prompt only

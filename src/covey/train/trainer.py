@@ -37,7 +37,7 @@ from covey.train.run_rules import Handed
 from covey.train.run_outputs import open_run_dir, save_final_model, write_model, write_summary
 from covey.train.rounds import generate_and_score
 from covey.train.step import grpo_step
-from covey.train.trl_api import TRLSurface, TrainingClock, closing_entry, held_out_loss
+from covey.train.trl_api import TRLSurface, TrainingClock, closing_entry, grpo_loss_on
 
 
 class GRPOTrainer(TRLSurface):
@@ -252,12 +252,12 @@ class GRPOTrainer(TRLSurface):
         return result
 
     def held_out_loss(self, rows: list[dict]) -> float:
-        """The GRPO loss on held-out ``rows`` (``trl_api.held_out_loss``), averaged over the processes. Each
+        """The GRPO loss on held-out ``rows`` (``trl_api.grpo_loss_on``), averaged over the processes. Each
         process scores every row (its own samples): a sharded model's passes must come in step."""
         train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, rows, "eval_dataset",
                                                            self.parts.sampler.agent)
         with self.parts.sampler.from_policy(self.parts.policy, self.world):
-            losses = self.world.gather(held_out_loss(self.parts, Prompts(train_rows, ids)))
+            losses = self.world.gather(grpo_loss_on(self.parts, Prompts(train_rows, ids)))
         return sum(losses) / len(losses)
 
 

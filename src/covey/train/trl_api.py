@@ -68,7 +68,7 @@ def training_loss(history: list[dict], first_step: int) -> float:
 
 
 @torch.no_grad()
-def held_out_loss(parts: Any, prompts: Prompts) -> float:
+def grpo_loss_on(parts: Any, prompts: Prompts) -> float:
     """The GRPO loss on held-out ``prompts``, as TRL's evaluate() reports it (eval_loss): num_generations
     completions of each, sampled and scored as in training, their advantages, and the loss at ratio 1 (the
     policy that sampled is the one scored) with the KL term where beta > 0. The entropy terms (masking, the
