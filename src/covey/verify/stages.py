@@ -29,7 +29,7 @@ def check_data(report: Report, parts: StepParts) -> None:
     report.add("data", "prompt lengths fit", longest <= args.max_prompt_length,
                f"longest {longest} <= {args.max_prompt_length} tokens", "raise max_prompt_length")
     if chat:
-        _check_chat_template(report, parts.tokenizer, rows[0]["prompt"])
+        _check_chat_template(report, parts.tokenizer, rows[0]["prompt"], args.chat_template_kwargs)
     columns = set(rows[0]) - {"prompt"}
     for func in parts.rewards.funcs:
         needed = required_columns(func)
@@ -39,12 +39,12 @@ def check_data(report: Report, parts: StepParts) -> None:
                    f"reward {reward_name(func)} needs dataset column(s) {sorted(missing)}; add them to the data")
 
 
-def _check_chat_template(report: Report, tokenizer, messages: list[dict]) -> None:
+def _check_chat_template(report: Report, tokenizer, messages: list[dict], template_kwargs: dict | None) -> None:
     """The prompt the model continues ends where its answer begins: the template opens the assistant's
     turn when asked, or (a template that ignores add_generation_prompt, [INST] ... [/INST]) an
     assistant message follows the prompt directly. And it renders an assistant message it is given."""
     def render(chat, opened):
-        return text.render_chat(tokenizer, chat, opened)
+        return text.render_chat(tokenizer, chat, opened, template_kwargs=template_kwargs)
 
     reply = "covey verify: a reply"
     opened, closed, replied = render(messages, True), render(messages, False), render(
