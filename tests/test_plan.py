@@ -163,10 +163,15 @@ def test_sharding_divides_the_state_over_processes(qwen_like):
     assert two.gradients == one.gradients // 2
 
 
-def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
-    import covey.models
+def no_weights_load(monkeypatch, message: str) -> None:
+    """Any model's weights loaded from here on fail the test (every load goes through PreTrainedModel's)."""
+    from transformers import PreTrainedModel
 
-    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("the plan loaded the model"))
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail(message)))
+
+
+def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
+    no_weights_load(monkeypatch, "the plan loaded the model")
     assert main(["plan", "--model", str(qwen_like), "--max-completion-length", "256", "--bf16", "true"]) == 0
     out = capsys.readouterr().out
     for part in ("weights", "gradients", "optimizer state (AdamW)", "activations", "log-prob pass",
@@ -177,12 +182,11 @@ def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
 
 def test_train_refuses_a_run_that_cannot_fit_before_loading_and_goes_ahead_when_told(qwen_like, tmp_path,
                                                                                       monkeypatch, capsys):
-    import covey.models
     import covey.plan.planning
     import covey.train.trainer
 
     monkeypatch.setattr(covey.plan.planning, "this_device", lambda *a, **k: small_device(4))
-    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("loaded before the check"))
+    no_weights_load(monkeypatch, "loaded before the check")
     run = tmp_path / "run"
     argv = ["train", "--model", str(qwen_like), "--output-dir", str(run)]
     assert main(argv) == 2
