@@ -384,13 +384,12 @@ def test_an_agent_needs_a_chat_template_and_chat_prompts(tmp_path, tokenizer):
 # ---- an ecosystem's environments: OpenEnv ------------------------------------------------------------------
 
 
-def test_an_openenv_environment_runs_its_tools_in_episodes(tmp_path, tokenizer):
+def openenv_tally():
+    """An OpenEnv environment class: add to a tally until it reaches the row's answer (reward 1 then)."""
     pytest.importorskip("openenv")
     from fastmcp import FastMCP
     from openenv.core.env_server.mcp_environment import MCPEnvironment
     from openenv.core.env_server.types import Observation, State
-
-    from covey.agents.openenv import from_openenv
 
     class Tally(MCPEnvironment):
         """Add to a tally until it reaches the row's answer: reward 1 then."""
@@ -423,6 +422,29 @@ def test_an_openenv_environment_runs_its_tools_in_episodes(tmp_path, tokenizer):
         def state(self):
             return self._state
 
+    return Tally
+
+
+def test_an_openenv_environment_in_trls_convention_keeps_its_tools_prompt_reward_and_errors():
+    """from_openenv's class alone, without a run (the run's episodes: the slow test below)."""
+    import inspect
+
+    from covey.agents.openenv import from_openenv
+
+    Environment = from_openenv(openenv_tally())
+    env = Environment()
+    assert env.reset(answer="6") == " Use add." and env.get_reward() == 0.0
+    assert env.add(n=2) == "the tally is 2" and env.get_reward() == 0.0
+    assert env.add(n=4) == "the tally is 6" and env.get_reward() == 1.0
+    assert env.add(n="x").startswith("error:")  # OpenEnv's own error comes back as the tool's result
+    assert inspect.signature(Environment.add).parameters["n"].annotation is int
+    assert Environment.__name__ == "Tally" and "Add n to the tally." in Environment.add.__doc__
+
+
+def test_an_openenv_environment_runs_its_tools_in_episodes(tmp_path, tokenizer):
+    from covey.agents.openenv import from_openenv
+
+    Tally = openenv_tally()
     Environment = from_openenv(Tally)
     engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "add", "arguments": {{"n": {a}}}}}</tool_call>')
     trainer = trainer_with(tmp_path, tokenizer, engine, environment_factory=Environment,

@@ -296,5 +296,11 @@ def test_chat_template_kwargs_reach_every_rendering_of_a_chat(tmp_path, tokenize
                 quiet=True, args=small_args(tmp_path, eval_max_samples=0, output_dir=str(tmp_path / "judged"),
                                             chat_template_kwargs={"flavour": "plain"}))
     assert "assistant/plain: hi" in judge.text(ROWS[0]["prompt"], [{"role": "assistant", "content": "hi"}])
-    appended, _ = tool_message_ids(tokenizer, [{"role": "tool", "name": "f", "content": "1"}], [3])
+    from covey.agents import calculate
+    from covey.train.setup import build_agent
+
+    agent = build_agent(small_args(tmp_path, chat_template_kwargs={"flavour": "plain"}), tokenizer, [calculate], None)
+    appended, _ = tool_message_ids(agent.tokenizer, [{"role": "tool", "name": "f", "content": "1"}], [3],
+                                   agent.chat_template_kwargs)  # as an episode renders its tool messages
     assert "tool/plain: 1" in tokenizer.decode(appended)
+    assert not hasattr(tokenizer, "covey_chat_template_kwargs")  # passed where chats are rendered, not set on it

@@ -16,6 +16,7 @@ inside a function hides a cycle rather than removing it). The layers, from the t
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "src" / "covey"
@@ -43,6 +44,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def module_names(root: Path = SOURCE) -> dict[str, Path]:
     """covey's modules by dotted name (a package by its own name)."""
     names = {}
@@ -69,6 +71,7 @@ def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph(root: Path = SOURCE) -> dict[str, set[str]]:
     modules = module_names(root)
     return {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
@@ -172,3 +175,137 @@ def test_the_package_data_names_files_that_exist():
     for pattern in patterns:
         assert list((root / "src" / "covey").glob(pattern)), pattern
     assert "rollout/fast/decode_kernel.c" in patterns  # the CPU decode kernel's source
+
+
+# The modules no test file of the fast tier imports (nor a package it imports re-exports), each with the fast
+# test that reaches it through the modules its file imports.
+REACHED_THROUGH = {
+    "covey.agents.environments": "tests/test_agents.py::test_an_environment_written_for_trl_runs_unchanged",
+    "covey.config_values": "tests/test_config.py::test_yaml_values_are_typed_and_command_line_overrides_yaml",
+    "covey.plan.report": "tests/test_plan.py::test_plan_reads_the_config_and_no_weights",
+    "covey.rewards.sandbox_boot": "tests/test_sandbox.py::test_correct_wrong_and_broken_programs",
+    "covey.rollout.weight_transfer": "tests/test_server.py::test_push_policy_makes_the_server_follow_the_trainer",
+    "covey.sources": "tests/test_data.py::test_hub_dataset_ids_go_to_datasets_with_the_split",
+    "covey.telemetry.environment": "tests/test_output_for_logs.py::test_version_and_env_for_a_bug_report",
+    "covey.telemetry.finding": "tests/test_hacking.py::test_reward_rising_while_held_out_accuracy_falls",
+    "covey.telemetry.trends": "tests/test_hacking.py::test_reward_rising_while_held_out_accuracy_falls",
+    "covey.train.between_steps": "tests/test_trainer.py::test_trains_writes_the_run_folder_and_saves_a_loadable_model",
+    "covey.train.evaluation": "tests/test_trainer.py::test_held_out_evaluation_runs_under_the_training_settings",
+    "covey.train.hub": "tests/test_lifecycle.py::test_a_failed_final_push_says_how_to_push_the_saved_model",
+    "covey.train.run_checkpoints":
+        "tests/test_checkpoint.py::test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log",
+    "covey.train.while_training": "tests/test_trainer.py::test_trains_writes_the_run_folder_and_saves_a_loadable_model",
+    "covey.verify.trl_batch": "tests/test_verify_trl.py::test_a_clean_trl_pipeline_passes_every_stage",
+    "covey.verify.trl_training": "tests/test_verify_trl.py::test_a_clean_trl_pipeline_passes_every_stage",
+}
+NEEDS_VLLM = {"covey.rollout.vllm_plugin", "covey.rollout.vllm_worker"}  # loaded by vLLM itself: tests/vllm
+
+
+class _Imports(ast.NodeVisitor):
+    """The modules a file imports, anywhere but in the functions ``left_out``."""
+
+    def __init__(self, modules: set[str], left_out: set[str]):
+        self.modules, self.left_out, self.found = modules, left_out, set()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        if node.name not in self.left_out:
+            self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found.update(alias.name for alias in node.names)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.module and not node.level:
+            self.found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in self.modules
+                              else node.module for alias in node.names)
+
+
+@functools.lru_cache(maxsize=None)
+def exports_of(package: str) -> frozenset[str]:
+    """The modules a package's __init__ imports (what it re-exports); none for a module."""
+    path = module_names()[package]
+    return frozenset(imports_of(path, package, set(module_names()))) if path.name == "__init__.py" else frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of_test_file(path: Path, modules: frozenset[str], left_out: frozenset[str] = frozenset(),
+                         parents: bool = True) -> frozenset[str]:
+    """The covey modules a test file imports, anywhere in it but in the test functions ``left_out``, with what
+    the packages it names re-export (their __init__'s imports), covey.__main__ where it runs ``python -m covey``,
+    and (``parents``) the packages above them, which run as they are imported."""
+    visitor = _Imports(modules, left_out)
+    visitor.visit(ast.parse(path.read_text()))
+    found = visitor.found & modules
+    if '"-m", "covey"' in path.read_text():
+        found.add("covey.__main__")
+    todo = list(found)
+    while todo:
+        for exported in exports_of(todo.pop()) - found:
+            found.add(exported)
+            todo.append(exported)
+    if parents:
+        found |= {".".join(name.split(".")[:i]) for name in found for i in range(1, name.count(".") + 1)}
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=None)
+def functions_named_test(path: Path) -> frozenset[str]:
+    functions = (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    return frozenset(n.name for n in functions if n.name.startswith("test_"))
+
+
+def slow_names(path: Path, slow: frozenset[str]) -> set[str]:
+    """The test functions of a test file that tests/slow_tests.txt names, in any of their forms."""
+    return {node_id.partition("::")[2].split("[")[0] for node_id in slow
+            if node_id.partition("::")[0] == path.as_posix()}
+
+
+def modules_the_fast_tier_misses(root: Path, slow: frozenset[str], reached_through: dict[str, str]) -> list[str]:
+    """Each module of covey that no test file of the fast tier imports (outside its slow tests), unless
+    ``reached_through`` names a fast test whose file's imports lead to it; and each entry of it that is wrong."""
+    graph = import_graph()
+    modules = frozenset(graph)
+    imported: set[str] = set()
+    for path in sorted((root / "tests").glob("test_*.py")):
+        left_out = frozenset(slow_names(path.relative_to(root), slow))
+        if functions_named_test(path) - left_out:
+            imported |= imports_of_test_file(path, modules, left_out)
+    missing = []
+    for module in sorted(modules - imported - NEEDS_VLLM):
+        node_id = reached_through.get(module)
+        if node_id is None:
+            missing.append(f"{module}: no fast test file imports it")
+            continue
+        path, _, test = node_id.partition("::")
+        fast = (root / path).is_file() and test in functions_named_test(root / path) - slow_names(Path(path), slow)
+        reached, todo = set(), list(imports_of_test_file(root / path, modules, parents=False)) if fast else []
+        while todo:
+            name = todo.pop()
+            if name not in reached:
+                reached.add(name)
+                todo.extend(graph[name])
+        if module not in reached:
+            missing.append(f"{module}: {node_id} is not a fast test whose file's imports reach it")
+    return missing
+
+
+def test_the_fast_tier_reaches_every_module():
+    """`make test-fast` leaves out the tests in tests/slow_tests.txt; every module of covey keeps a test file of
+    the fast tier that imports it (or a named fast test that reaches it), so the fast tier still covers them all."""
+    from tests.conftest import SLOW_TESTS
+
+    root = Path(__file__).parent.parent
+    assert modules_the_fast_tier_misses(root, SLOW_TESTS, REACHED_THROUGH) == []
+    assert [path.name for path in sorted((root / "tests").glob("test_*.py"))  # and every test file keeps a fast test
+            if not functions_named_test(path) - slow_names(path.relative_to(root), SLOW_TESTS)] == []
+    # the check finds a module whose only test moved to the slow list, and a wrong entry
+    probe_test = "tests/test_plan.py::test_the_probe_says_the_run_time_and_its_measured_peak_against_the_estimate"
+    assert modules_the_fast_tier_misses(root, SLOW_TESTS | {probe_test}, REACHED_THROUGH) == [
+        "covey.train.probe: no fast test file imports it"]
+    unreached = "tests/test_core.py::test_token_logprobs_equal_log_softmax_gather_and_are_nonpositive"
+    wrong = {**REACHED_THROUGH, "covey.train.hub": unreached}
+    assert modules_the_fast_tier_misses(root, SLOW_TESTS, wrong) == [
+        "covey.train.hub: tests/test_core.py::test_token_logprobs_equal_log_softmax_gather_and_are_nonpositive is not "
+        "a fast test whose file's imports reach it"]

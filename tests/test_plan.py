@@ -163,10 +163,15 @@ def test_sharding_divides_the_state_over_processes(qwen_like):
     assert two.gradients == one.gradients // 2
 
 
-def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
-    import covey.models
+def no_weights_load(monkeypatch, message: str) -> None:
+    """Any model's weights loaded from here on fail the test (every load goes through PreTrainedModel's)."""
+    from transformers import PreTrainedModel
 
-    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("the plan loaded the model"))
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail(message)))
+
+
+def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
+    no_weights_load(monkeypatch, "the plan loaded the model")
     assert main(["plan", "--model", str(qwen_like), "--max-completion-length", "256", "--bf16", "true"]) == 0
     out = capsys.readouterr().out
     for part in ("weights", "gradients", "optimizer state (AdamW)", "activations", "log-prob pass",
@@ -177,12 +182,11 @@ def test_plan_reads_the_config_and_no_weights(qwen_like, capsys, monkeypatch):
 
 def test_train_refuses_a_run_that_cannot_fit_before_loading_and_goes_ahead_when_told(qwen_like, tmp_path,
                                                                                       monkeypatch, capsys):
-    import covey.models
     import covey.plan.planning
     import covey.train.trainer
 
     monkeypatch.setattr(covey.plan.planning, "this_device", lambda *a, **k: small_device(4))
-    monkeypatch.setattr(covey.models, "load_policy", lambda *a, **k: pytest.fail("loaded before the check"))
+    no_weights_load(monkeypatch, "loaded before the check")
     run = tmp_path / "run"
     argv = ["train", "--model", str(qwen_like), "--output-dir", str(run)]
     assert main(argv) == 2
@@ -249,8 +253,32 @@ def test_the_check_takes_covey_s_default_prompt_limit_at_its_least(qwen_like):
 
 
 def test_a_model_the_plan_cannot_read_is_left_to_the_trainer(tmp_path, capsys):
-    from covey.plan import check_fits
+    """The check raises its note rather than printing it; the run's rules hand it back, and their phase shows it
+    as a warning once no rule refuses the run (nothing is written by the rule itself)."""
+    from covey.plan import MemoryCheckSkipped, check_fits
+    from covey.rules import check
+    from covey.train.run_rules import Handed, fits_the_device
 
     args = GRPOConfig(**DEMO, model=str(tmp_path / "no-such-model"))
-    assert check_fits(args, 1) is None
-    assert "memory check was skipped" in capsys.readouterr().err
+    with pytest.raises(MemoryCheckSkipped, match="memory check was skipped"):
+        check_fits(args, 1)
+    note = fits_the_device(args, Handed(), lambda ok, message: pytest.fail(message))
+    assert "memory check was skipped" in note and "no-such-model" in note
+    with pytest.warns(UserWarning, match="memory check was skipped"):
+        check((fits_the_device,), args, Handed())
+    assert capsys.readouterr().err == ""
+
+
+def test_the_probe_says_the_run_time_and_its_measured_peak_against_the_estimate(qwen_like):
+    """What covey plan --probe prints from a probed step (the probe's training itself: the slow test above)."""
+    from covey.plan.report import gib
+    from covey.train.probe import Probe, measured_peak, probe_text
+
+    plan = make_plan(GRPOConfig(**DEMO, model=str(qwen_like)), 1, small_device(64))
+    hours = probe_text(plan, Probe(step_seconds=2.0, steps=3000, peak_bytes=3 * 2 ** 30, measured_on="a gauge"))
+    assert "a step took 2.0 s; 3000 steps: about 1.7 h of training" in hours
+    assert f"measured peak 3.00 GiB (a gauge) against the estimate {gib(plan.needed)}" in hours
+    minutes = probe_text(plan, Probe(step_seconds=0.5, steps=120, peak_bytes=2 ** 20, measured_on="a gauge"))
+    assert "120 steps: about 1.0 min of training" in minutes and "measured peak 1 MiB" in minutes
+    peak, how = measured_peak()
+    assert peak > 2 ** 20 and how  # this process holds torch: over a MiB, whichever way it was measured

@@ -5,6 +5,7 @@ pipeline is a tiny random Llama with two rewards (one reading the `answer` colum
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -79,6 +80,13 @@ def _ratio_against_reference(original):
     return loss
 
 
+def _plant_in_core(mp, name, value):
+    """Replace a function of the maths wherever it is called: through ``covey.core`` (the step, verify) and
+    inside the module of covey.core that defines it (its callers there)."""
+    mp.setattr(sys.modules[getattr(core, name).__module__], name, value)
+    mp.setattr(core, name, value)
+
+
 def _no_gradient_step(policy, max_grad_norm, progress):
     policy.optimizer.zero_grad(set_to_none=True)
     return 0.0, dataclasses.replace(progress, global_step=progress.global_step + 1)
@@ -93,15 +101,15 @@ MUTATIONS = {
     "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
         output_head, "token_logprobs",
         lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))),
-    "advantage eps 1e4": ("advantages", lambda mp: mp.setattr(
-        core, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),
-    "advantage sign flipped": ("advantages", lambda mp: mp.setattr(
-        core, "advantages_from_rewards", lambda *a, **k: (lambda out: (-out[0], out[1]))(_ORIGINAL_ADV(*a, **k)))),
+    "advantage eps 1e4": ("advantages", lambda mp: _plant_in_core(
+        mp, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),
+    "advantage sign flipped": ("advantages", lambda mp: _plant_in_core(
+        mp, "advantages_from_rewards", lambda *a, **k: (lambda out: (-out[0], out[1]))(_ORIGINAL_ADV(*a, **k)))),
     "decode bug only for unterminated reasoning": ("decode", lambda mp: mp.setattr(
         text, "answer_after_reasoning",
         lambda t: t.split("<think>", 1)[1] if "<think>" in t and "</think>" not in t else _ORIGINAL_AFTER(t))),
-    "ratio against the reference instead of old": ("loss", lambda mp: mp.setattr(
-        core, "policy_loss", _ratio_against_reference(core.policy_loss))),
+    "ratio against the reference instead of old": ("loss", lambda mp: _plant_in_core(
+        mp, "policy_loss", _ratio_against_reference(core.policy_loss))),
     "clipping takes the optimistic bound (max for min)": ("loss", lambda mp: mp.setitem(
         core.POLICY_OBJECTIVES, "clipped", core.Objective(_optimistic_clip))),
     "KL sign flipped": ("loss", lambda mp: mp.setitem(
@@ -121,15 +129,15 @@ MUTATIONS = {
     "sampling temperature ignored by the trainer": ("logprobs", lambda mp: mp.setattr(  # the training pass's own
         logprobs, "completion_logprobs",
         lambda model, batch, temperature=1.0, **k: _ORIGINAL_LOGPROBS(model, batch, 1.0, **k))),
-    "reward weights ignored": ("rewards", lambda mp: mp.setattr(
-        core, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
+    "reward weights ignored": ("rewards", lambda mp: _plant_in_core(
+        mp, "weighted_reward_sum", lambda r, w: _ORIGINAL_SUM(r, torch.ones_like(w)))),
     "completions decoded with their prompt": ("decode", lambda mp: mp.setattr(
         generation_module, "decode_completions",
         lambda tok, ids, mask, conv, strip=False: (lambda out: (
             [[{"role": "assistant", "content": "user: " + c[0]["content"]}] for c in out[0]], out[1]))(
             text.decode_completions(tok, ids, mask, conv, strip)))),
-    "batch advantages halved by the trainer": ("advantages", lambda mp: mp.setattr(
-        core, "advantages_from_rewards", lambda r, *a, **k: (lambda out: (
+    "batch advantages halved by the trainer": ("advantages", lambda mp: _plant_in_core(
+        mp, "advantages_from_rewards", lambda r, *a, **k: (lambda out: (
             out[0] * (0.5 if r.shape[0] > 4 else 1.0), out[1]))(_ORIGINAL_ADV(r, *a, **k)))),
 }
 _ORIGINAL_GROUP_ADV = core.group_advantages

@@ -162,7 +162,6 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code, args.model_revision)
-    tokenizer.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
     model = load_policy(args.model, model_loading(args)).eval()
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
     result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)

@@ -7,8 +7,10 @@
     ENGINE_RULES   from the rollout engine once it is built: ``covey.train.run_rules``
 
 Each rule is a function of its phase's facts that reports each problem through ``need(ok, message)``;
-every problem of a phase is said at once, in one ``ConfigError`` (``check``). A rule is written once,
-whichever door the setting came through. ``advise`` warns about settings that are allowed but rarely
+every problem of a phase is said at once, in one ``ConfigError`` (``check``). A rule may return a note
+(a string: something allowed but worth saying, such as a check it could not make), which ``check`` shows
+as a warning once the phase passes; a rule itself writes nothing. A rule is written once, whichever door
+the setting came through. ``advise`` warns about settings that are allowed but rarely
 meant. This module stands beside the config and imports nothing of covey's but its errors.
 """
 
@@ -37,9 +39,12 @@ VLLM_SEED = "seed={seed}: vLLM takes seeds from 0 to 2**32 - 1 (numpy's range); 
 TRACKERS = ("mlflow", "none", "tensorboard", "trackio", "wandb")
 
 
-def _collect(rules: tuple, *facts: Any, problems: list[str] | None = None) -> list[str]:
-    """Every problem the ``rules`` find in ``facts``; a rule that raises ConfigError itself adds its own."""
+def _collect(rules: tuple, *facts: Any, problems: list[str] | None = None,
+             notes: list[str] | None = None) -> list[str]:
+    """Every problem the ``rules`` find in ``facts``; a rule that raises ConfigError itself adds its own.
+    The notes the rules return are added to ``notes``."""
     problems = [] if problems is None else problems
+    notes = [] if notes is None else notes
 
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -47,7 +52,8 @@ def _collect(rules: tuple, *facts: Any, problems: list[str] | None = None) -> li
 
     for rule in rules:
         try:
-            rule(*facts, need)
+            if (note := rule(*facts, need)) is not None:
+                notes.append(note)
         except ConfigError as e:
             problems.extend(getattr(e, "problems", None) or [str(e)])
         except (ArithmeticError, TypeError, ValueError):  # a rule that needs a value an earlier one refused
@@ -57,9 +63,13 @@ def _collect(rules: tuple, *facts: Any, problems: list[str] | None = None) -> li
 
 
 def check(rules: tuple, *facts: Any, source: str | None = None) -> None:
-    """Apply one phase's ``rules`` to its ``facts``: every problem at once, in one ConfigError."""
-    if problems := _collect(rules, *facts):
+    """Apply one phase's ``rules`` to its ``facts``: every problem at once, in one ConfigError; where there is
+    none, the notes the rules returned, each as a warning."""
+    notes: list[str] = []
+    if problems := _collect(rules, *facts, notes=notes):
         raise config_errors(problems, source)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
 
 
 # ---- phase 1: the config alone ----------------------------------------------------------------------

@@ -16,13 +16,14 @@ from covey.errors import ConfigError
 _PROBE = "covey_probe_tool"
 
 
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template shows the model the ``tools=`` it is given (the default
-    model's does not: then the tools go into the system prompt, ``with_tools``)."""
+def template_renders_tools(tokenizer, template_kwargs: dict | None = None) -> bool:
+    """Whether the tokenizer's chat template (with the run's ``template_kwargs``) shows the model the ``tools=``
+    it is given (the default model's does not: then the tools go into the system prompt, ``with_tools``)."""
     probe = {"type": "function", "function": {"name": _PROBE, "description": "a probe",
                                               "parameters": {"type": "object", "properties": {}}}}
     try:
-        text = render_chat(tokenizer, [{"role": "user", "content": "hi"}], True, tools=[probe])
+        text = render_chat(tokenizer, [{"role": "user", "content": "hi"}], True, template_kwargs=template_kwargs,
+                           tools=[probe])
     except Exception:  # a template that fails on tools= renders none
         return False
     return _PROBE in text
@@ -51,9 +52,11 @@ def with_reset_text(messages: list[dict], text: str | None) -> list[dict]:
     return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + text}]
 
 
-def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -> tuple[list[int], int]:
+def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int],
+                     template_kwargs: dict | None = None) -> tuple[list[int], int]:
     """(the ids the template writes after a model turn that ended at its end token: the tool messages,
-    then the opening of the model's next turn; that end token). Read off a conversation rendered with
+    then the opening of the model's next turn; that end token), rendered with the run's ``template_kwargs``
+    (its chat_template_kwargs). Read off a conversation rendered with
     and without the tool messages: what follows the assistant turn's end token in the second (so a
     template that renders a last assistant turn otherwise, as Qwen3's does, is read right too)."""
     call = [{"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]
@@ -61,7 +64,7 @@ def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int]) -
 
     def ids(messages: list[dict], opened: bool) -> list[int]:
         try:
-            text = render_chat(tokenizer, messages, opened)
+            text = render_chat(tokenizer, messages, opened, template_kwargs=template_kwargs)
         except Exception as e:  # the template's own error (a missing field it wants, a role it refuses)
             raise ConfigError(f"the chat template cannot render a tool's result after a tool call ({type(e).__name__}: "
                               f"{e}); use a model whose template has a tool role (ChatML, Qwen, Llama 3)") from None

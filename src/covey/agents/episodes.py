@@ -57,11 +57,12 @@ class Agent:
     tool_timeout: float | None  # seconds one call may take
     renders_tools: bool  # the chat template shows the model its tools=; else the system prompt does
     workers: ToolWorkers | None = None  # the worker process of the tools that need not stay in the trainer's
+    chat_template_kwargs: dict | None = None  # the run's, for the chat template that renders tool messages
 
     @staticmethod
     def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: Environments | None,
               tool_format: ToolCallFormat, max_tool_calling_iterations: int | None,
-              tool_timeout: float | None) -> Agent:
+              tool_timeout: float | None, chat_template_kwargs: dict | None = None) -> Agent:
         for kind in environment.kinds.values() if environment else [None]:  # the tools one episode sees
             names = [t.name for t in tools] + (kind.tool_names if kind else [])
             if repeated := sorted({n for n in names if names.count(n) > 1}):
@@ -70,9 +71,10 @@ class Agent:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("tools and environments need a model whose tokenizer has a chat template (an "
                               "instruct/chat model): a tool's result is a message of the conversation")
-        tool_message_ids(tokenizer, [{"role": "tool", "name": "probe", "content": "1"}], eos_ids)  # fails here, early
+        probe = [{"role": "tool", "name": "probe", "content": "1"}]
+        tool_message_ids(tokenizer, probe, eos_ids, chat_template_kwargs)  # fails here, early
         return Agent(tokenizer, eos_ids, tools, environment, tool_format, max_tool_calling_iterations, tool_timeout,
-                     template_renders_tools(tokenizer), ToolWorkers(tools))
+                     template_renders_tools(tokenizer, chat_template_kwargs), ToolWorkers(tools), chat_template_kwargs)
 
     def __enter__(self) -> Agent:
         return self
@@ -143,7 +145,7 @@ class Episodes:
             results.append({"role": "tool", "name": call.name, "content": result.text})
             record.tool_calls += 1
             record.tool_errors += result.failed
-        appended, end = tool_message_ids(agent.tokenizer, results, agent.eos_ids)
+        appended, end = tool_message_ids(agent.tokenizer, results, agent.eos_ids, agent.chat_template_kwargs)
         if not turn_ids or turn_ids[-1] not in agent.eos_ids:  # ended by a stop string: the template's end first
             appended = [end, *appended]
         if len(appended) >= room:

@@ -11,9 +11,11 @@ from covey.errors import DataError
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
                    overflow: str = "error", overflowed: list[tuple[int, int]] | None = None,
-                   tools: list[list[dict] | None] | None = None) -> list[list[int] | None]:
+                   tools: list[list[dict] | None] | None = None,
+                   template_kwargs: dict | None = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
-    turn opened, and each prompt's ``tools`` for a template that renders them), plain strings as they are. A prompt
+    turn opened, the run's ``template_kwargs`` and each prompt's ``tools`` for a template that renders them),
+    plain strings as they are. A prompt
     over ``max_prompt_length`` is an error (``overflow="error"``), None (``"drop"``), or keeps its last
     max_prompt_length tokens (``"truncate_left"``); (index, length in tokens) of each such prompt is
     appended to ``overflowed``."""
@@ -24,7 +26,8 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
             shown = None if tools is None else tools[i]
-            text = render_chat(tokenizer, prompt, True, **({} if shown is None else {"tools": shown}))
+            text = render_chat(tokenizer, prompt, True, template_kwargs=template_kwargs,
+                               **({} if shown is None else {"tools": shown}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             if overflow == "error":
@@ -38,11 +41,12 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
     return encoded
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
-    """``messages`` as the chat template writes them, with the run's chat_template_kwargs (such as Qwen3's
-    enable_thinking), which the trainer sets on its tokenizer: every prompt and tool message is rendered here."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, *,
+                template_kwargs: dict | None = None, **kwargs: Any) -> str:
+    """``messages`` as the chat template writes them, with ``template_kwargs``, the run's chat_template_kwargs
+    (such as Qwen3's enable_thinking): every prompt and tool message is rendered here, each caller passing them."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **getattr(tokenizer, "covey_chat_template_kwargs", {}), **kwargs)
+                                         **(template_kwargs or {}), **kwargs)
 
 
 def check_chat_template(tokenizer, prompts: list, source: str) -> None:

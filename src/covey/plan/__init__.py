@@ -10,11 +10,11 @@ before any weight is loaded (``covey plan``; ``covey train`` checks it first).
 
 from __future__ import annotations
 
-from covey.plan.check import MemoryPlanError, check_fits
+from covey.plan.check import MemoryCheckSkipped, MemoryPlanError, check_fits
 from covey.plan.device import Device, this_device
 from covey.plan.memory import Breakdown, Settings, estimate
 from covey.plan.planning import REFUSE_OVER, Plan, make_plan, replan, settings_from_config
 from covey.plan.shapes import ModelShape, model_config, model_shape
 
-__all__ = ["Breakdown", "Device", "MemoryPlanError", "ModelShape", "Plan", "REFUSE_OVER", "Settings", "check_fits",
-           "estimate", "make_plan", "model_config", "model_shape", "replan", "settings_from_config", "this_device"]
+__all__ = ["Breakdown", "Device", "MemoryCheckSkipped", "MemoryPlanError", "ModelShape", "Plan", "REFUSE_OVER",
+           "Settings", "check_fits", "estimate", "make_plan", "model_config", "model_shape", "replan", "settings_from_config", "this_device"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError
@@ -15,6 +14,11 @@ from covey.plan.report import advice_text, gib
 
 class MemoryPlanError(ConfigError):
     """A run whose estimated peak memory is clearly beyond the device's."""
+
+
+class MemoryCheckSkipped(Exception):
+    """The estimate could not read the run's config, so the memory check did not run; the message says why
+    (the trainer's own loading then says what is wrong). A note for the caller to show, not a refusal."""
 
 
 def least_the_user_asked_for(plan: Plan) -> Plan:
@@ -30,14 +34,14 @@ def least_the_user_asked_for(plan: Plan) -> Plan:
 def check_fits(args: GRPOConfig, processes: int) -> Plan | None:
     """What covey train runs before loading the model: refuse, with the plan's advice, a run whose
     estimated step is over REFUSE_OVER times the device's memory even at the least the user asked for
-    (``least_the_user_asked_for``); memory_check: false skips the check."""
+    (``least_the_user_asked_for``); memory_check: false skips the check. A config the estimate cannot read
+    raises ``MemoryCheckSkipped``."""
     if not args.memory_check:
         return None
     try:
         plan = make_plan(args, processes)
     except Exception as e:  # a config the estimate cannot read: the trainer's own loading says what is wrong
-        print(f"covey: the memory check was skipped: {e}", file=sys.stderr)
-        return None
+        raise MemoryCheckSkipped(f"covey: the memory check was skipped: {e}") from e
     least = least_the_user_asked_for(plan)
     if least.clearly_too_big:
         raise MemoryPlanError(

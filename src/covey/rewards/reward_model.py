@@ -49,6 +49,7 @@ class RewardModel:
         # the model finds each text's last token as the last one that is not this padding
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
         self.model, self.tokenizer, self.reference, self.batch_size = model.eval(), tokenizer, reference, batch_size
+        self.chat_template_kwargs: dict | None = None  # the run's, which the trainer gives it (chats are rendered with them)
 
     def __call__(self, prompts: list, completions: list, **_: Any) -> list[float]:
         texts = [self.text(prompt, completion) for prompt, completion in zip(prompts, completions)]
@@ -66,7 +67,8 @@ class RewardModel:
         if isinstance(prompt, str):
             return prompt + completion
         self.check_prompt(prompt)
-        return render_chat(self.tokenizer, list(prompt) + list(completion), False)
+        return render_chat(self.tokenizer, list(prompt) + list(completion), False,
+                           template_kwargs=self.chat_template_kwargs)
 
     def check_prompt(self, prompt: Any) -> None:
         """Refuse chat prompts where the tokenizer has no chat template to write the conversation with."""

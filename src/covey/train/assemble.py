@@ -18,7 +18,7 @@ from covey.config import GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import ConfigError
 from covey.models import Reference, eos_token_ids, load_tokenizer, prepare_tokenizer, set_log_level
-from covey.rewards import RewardModel, RewardPool
+from covey.rewards import RewardPool
 from covey.train import setup
 from covey.train.batch import Prompts
 from covey.train.checkpoint import resolve_checkpoint, saved_step
@@ -93,8 +93,6 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
         prepare_tokenizer(tokenizer)
     else:
         tokenizer = load_tokenizer(handed.model_source(args), args.trust_remote_code, args.model_revision)
-    for chats in [tokenizer] + [f.tokenizer for f in funcs if isinstance(f, RewardModel)]:
-        chats.covey_chat_template_kwargs = args.chat_template_kwargs or {}  # read by render_chat
     agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format)
     train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent)
     if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on

@@ -44,7 +44,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
         prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, "eval_dataset", args.prompt_overflow,
-                                tools=tools)
+                                tools=tools, template_kwargs=args.chat_template_kwargs)
     kept = [(i, row, ids) for i, (row, ids) in enumerate(zip(rows, prompt_ids)) if ids is not None]
     k = args.num_generations_eval or 1
     params = (dataclasses.replace(sampling_params(args), extra=()) if args.num_generations_eval else

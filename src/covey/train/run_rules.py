@@ -12,7 +12,7 @@ from typing import Any
 
 from covey.config import GRPOConfig
 from covey.models import resolve_model_path
-from covey.plan import check_fits
+from covey.plan import MemoryCheckSkipped, check_fits
 from covey.rollout.vllm_engine import check_vllm
 from covey.rules import VESPO_SEQUENCE_CORRECTION, Need
 from covey.telemetry.trackers import check_trackers
@@ -100,12 +100,16 @@ def model_and_adapter(c: GRPOConfig, h: Handed, need: Need) -> None:
     check_model_settings(c, h.model, h.peft_config)
 
 
-def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> None:
+def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     """A step covey's estimate puts clearly beyond the device's memory is refused, with the plan's advice
     (``covey.plan.check_fits``; memory_check: false trains anyway). A model handed over loaded is left out:
-    it is in memory already."""
+    it is in memory already. A config the estimate cannot read: the note that the check was skipped."""
     if h.model is None or isinstance(h.model, str):
-        check_fits(c if h.model is None else dataclasses.replace(c, model=h.model), h.processes)
+        try:
+            check_fits(c if h.model is None else dataclasses.replace(c, model=h.model), h.processes)
+        except MemoryCheckSkipped as skipped:
+            return str(skipped)
+    return None
 
 
 RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, fits_the_device)

@@ -89,6 +89,8 @@ def load_rewards(args: GRPOConfig, reward_funcs: Sequence[RewardFunc | str] | No
              for f, tokenizer in zip(specs, tokenizers)]
     if args.use_cpu:
         funcs = [f.to("cpu") if isinstance(f, RewardModel) else f for f in funcs]
+    for judge in (f for f in funcs if isinstance(f, RewardModel)):  # it renders chats with the run's variables
+        judge.chat_template_kwargs = args.chat_template_kwargs
     names = [reward_name(f) for f in funcs]
     if repeated := sorted({name for name in names if names.count(name) > 1}):
         raise ConfigError(f"two reward functions are both named {repeated[0]!r}: their metrics and recorded rewards "
@@ -173,7 +175,7 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
         shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
         prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, source, args.prompt_overflow,
-                                overflowed, tools)
+                                overflowed, tools, args.chat_template_kwargs)
     kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
     if not kept:
         raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
@@ -214,7 +216,7 @@ def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, enviro
         return None
     return Agent.build(tokenizer, [tokenizer.eos_token_id], [load_tool(spec) for spec in specs], environment,
                        tool_call_format or FORMATS[args.tool_call_parser], args.max_tool_calling_iterations,
-                       args.tool_timeout)
+                       args.tool_timeout, args.chat_template_kwargs)
 
 
 # ---- the policy and its optimizer -----------------------------------------------------------------

@@ -34,7 +34,7 @@ from covey.train.parts import Rewards
 from covey.train.rounds import score_prompts
 from covey.train.update import fixed_logprobs
 from covey.train.trainer import GRPOTrainer
-from covey.verify import stages
+from covey.verify import stages, step_stages
 from covey.verify.report import STAGES, Check, Report, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
@@ -81,17 +81,17 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_episodes(report, parts, batch, eos_ids, engine.turns)
     stages.check_rewards(report, parts, batch, calls)
     stages.check_reward_probes(report, trainer.parts, calls)  # the functions as given (their columns)
-    stages.check_advantages(report, parts, batch)
+    step_stages.check_advantages(report, parts, batch)
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
-    logp_BT = stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
-    stages.check_loss(report, parts, batch, fixed, logp_BT)
-    stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
-    stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
+    logp_BT = step_stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
+    step_stages.check_loss(report, parts, batch, fixed, logp_BT)
+    step_stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
+    step_stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
     _check_decode_kernel(report, engine.engine)
     if settings.async_generation:
-        stages.check_async_correction(report, parts.sampling_with(engine.engine), indices,
-                                      lambda model: build_engine(settings, model, parts.sampler.tokenizer, eos_ids))
+        step_stages.check_async_correction(report, parts.sampling_with(engine.engine), indices,
+                                           lambda model: build_engine(settings, model, parts.sampler.tokenizer, eos_ids))
     return report
 
 

@@ -1,0 +1,174 @@
+"""Log-probs: the distribution a completion token is sampled from (temperature, top-k, top-p, min-p),
+each token's log-prob and entropy under it, chunk by chunk with a hand-written backward, and the masks
+of a completion's tokens.
+
+    logp_BT = log softmax(logits[b, t] / temperature)[ids[b, t]]        (always <= 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOGPROB_CHUNK_TOKENS = 128
+"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
+tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
+over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
+log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
+vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
+state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
+weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
+dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
+
+
+@dataclass(frozen=True)
+class TokenDistribution:
+    """What a completion token is sampled from, given the model's logits x: softmax(x / temperature) over
+    the tokens that top_k, top_p and min_p keep, applied in that order (transformers' and the fast
+    engine's; 0, 1.0 and 0 keep every token). The engines report the log-probs of this distribution, and
+    the trainer computes its own of the same one, so the policy trained is the one that samples and the
+    engine/trainer ratio carries no factor of the probability mass the truncation kept."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1.0 or bool(self.min_p)
+
+    def logits(self, logits_NV: torch.Tensor, ids_N: torch.Tensor | None = None) -> torch.Tensor:
+        """x / temperature in float32, -inf at the tokens the truncation drops, which it decides without a
+        gradient; never at ``ids_N``, the tokens sampled (a token the engine kept stays on the support
+        where rounding or a policy moved since sampling would drop it)."""
+        scaled = _scaled(logits_NV, self.temperature)
+        if not self.truncates:
+            return scaled
+        with torch.no_grad():
+            removed = truncated_away(scaled, self.top_k, self.top_p, self.min_p)
+            if ids_N is not None:
+                removed.scatter_(-1, ids_N.unsqueeze(-1), False)
+        return scaled.masked_fill(removed, -torch.inf)
+
+
+def truncated_away(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The tokens top-k, then top-p (the most likely token always stays), then min-p remove from
+    ``scaled``, the logits after the temperature: a bool mask (..., V)."""
+    removed = torch.zeros_like(scaled, dtype=torch.bool)
+    if top_k and top_k < scaled.shape[-1]:
+        removed |= scaled < torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        ascending, order = torch.sort(scaled.masked_fill(removed, -torch.inf), descending=False, dim=-1)
+        drop_sorted = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop_sorted[..., -1] = False
+        removed |= drop_sorted.scatter(-1, order, drop_sorted)
+    if min_p:
+        probs = scaled.masked_fill(removed, -torch.inf).softmax(-1)
+        removed |= probs < min_p * probs.max(-1, keepdim=True).values
+    return removed
+
+
+def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: bool = False,
+                   temperature: float | TokenDistribution = 1.0, chunk: int = LOGPROB_CHUNK_TOKENS,
+                   entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(logits / temperature)[ids], its entropy or None) per position, in float32,
+    ``chunk`` positions at a time so a float32 copy of all the logits is never held. Works on any
+    leading shape (..., V). ``temperature``: a number, or the whole ``TokenDistribution`` sampled from
+    (then over the tokens its truncation keeps). The entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus trains on it); else it is a plain value.
+    """
+    shape = ids_N.shape
+    distribution = temperature if isinstance(temperature, TokenDistribution) else TokenDistribution(temperature)
+    logp_N, entropy_N = _TokenLogprobs.apply(logits_NV.reshape(-1, logits_NV.shape[-1]), ids_N.reshape(-1),
+                                             distribution, with_entropy or entropy_grad, chunk, entropy_grad)
+    return logp_N.reshape(shape), entropy_N.reshape(shape) if with_entropy or entropy_grad else None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """The log-softmax at the chosen ids, and optionally the entropy, with a hand-written backward:
+    for z = x / temperature (-inf where a truncation drops a token: p_j = 0 there, and no gradient)
+    and p = softmax(z),
+
+        d logp_id / dz_j = onehot(id)_j - p_j        d H / dz_j = -p_j (log p_j + H)
+
+    each divided by the temperature for the gradient in x. Autograd through logsumexp + gather would
+    keep float32 copies of every chunk for the backward and make several passes over them; this keeps
+    only the logits as given (and the entropy, one number a position) and recomputes the softmax chunk
+    by chunk when the gradient is asked for."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, ids_N, distribution, with_entropy, chunk, entropy_grad):
+        logp_N = torch.empty(ids_N.shape, dtype=torch.float32, device=logits_NV.device)
+        entropy_N = torch.empty(ids_N.shape if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
+        for first in range(0, len(ids_N), chunk):
+            rows = slice(first, first + chunk)
+            log_softmax = distribution.logits(logits_NV[rows], ids_N[rows]).log_softmax(-1)
+            logp_N[rows] = log_softmax.gather(-1, ids_N[rows, None]).squeeze(-1)
+            if with_entropy:  # H = -sum p log p, clamped against rounding below 0 (0 log 0 = 0)
+                log_p = _finite(log_softmax) if distribution.truncates else log_softmax
+                entropy_N[rows] = (-(log_softmax.exp() * log_p).sum(-1)).clamp(min=0)
+        if entropy_grad:
+            ctx.save_for_backward(logits_NV, ids_N, entropy_N)
+        else:
+            ctx.save_for_backward(logits_NV, ids_N)
+            ctx.mark_non_differentiable(entropy_N)
+        ctx.distribution, ctx.chunk = distribution, chunk
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, grad_entropy_N):
+        logits_NV, ids_N, *entropy = ctx.saved_tensors
+        grad_NV = torch.empty_like(logits_NV)
+        for first in range(0, len(ids_N), ctx.chunk):
+            rows = slice(first, first + ctx.chunk)
+            scaled = ctx.distribution.logits(logits_NV[rows], ids_N[rows])
+            if grad_entropy_N is None:  # log-probs only: one fused softmax
+                chunk_grad = scaled.softmax(-1).mul_(-grad_logp_N[rows, None])
+            else:  # -p_j (g_logp + g_H (log p_j + H)), then + g_logp at the id
+                log_p = scaled.log_softmax(-1)
+                p = log_p.exp()
+                if ctx.distribution.truncates:
+                    log_p.masked_fill_(p == 0, 0.0)  # 0 log 0 = 0 off the support
+                chunk_grad = log_p.add_(entropy[0][rows, None]).mul_(grad_entropy_N[rows, None])
+                if grad_logp_N is not None:
+                    chunk_grad.add_(grad_logp_N[rows, None])
+                chunk_grad.mul_(p).neg_()
+            if grad_logp_N is not None:
+                chunk_grad.scatter_add_(-1, ids_N[rows, None], grad_logp_N[rows, None])
+            temperature = ctx.distribution.temperature
+            grad_NV[rows] = chunk_grad / temperature if temperature != 1 else chunk_grad
+        return grad_NV, None, None, None, None, None
+
+
+def _finite(log_p: torch.Tensor) -> torch.Tensor:
+    """Log-probs with the -inf of tokens off the support as 0 (their p is 0: 0 log 0 = 0)."""
+    return log_p.masked_fill(log_p == -torch.inf, 0.0)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()  # the temperature is applied after the cast, not in the logits' own dtype
+    return logits if temperature == 1 else logits / temperature
+
+
+def completion_mask(completion_ids_BT: torch.Tensor, eos_ids: list[int], lengths_B: torch.Tensor | None = None) -> torch.Tensor:
+    """1 up to and including the first EOS of each row, 0 after it (padding). (B, T) long.
+
+    ``lengths_B`` (optional) caps each row at its generated length, for rows that never hit EOS.
+    """
+    B, T = completion_ids_BT.shape
+    is_eos_BT = torch.isin(completion_ids_BT, torch.tensor(eos_ids, device=completion_ids_BT.device))
+    first_eos_B = torch.where(is_eos_BT.any(1), is_eos_BT.int().argmax(1), torch.full((B,), T, device=is_eos_BT.device))
+    end_B = torch.minimum(first_eos_B + 1, torch.full_like(first_eos_B, T))
+    if lengths_B is not None:
+        end_B = torch.minimum(end_B, lengths_B)
+    return length_mask(end_B, T)
+
+
+def length_mask(lengths_B: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T) long mask: 1 at the first ``lengths_B[b]`` positions of row b, 0 after."""
+    positions_BT = torch.arange(T, device=lengths_B.device).expand(len(lengths_B), T)
+    return (positions_BT < lengths_B.unsqueeze(1)).long()
