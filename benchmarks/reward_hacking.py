@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ def sum_judge(completions, **_):
 # name: (reward functions, weights, planted?); the demo's rewards are answer_format and answer_correct
 SETUPS = {
     "length": ([verbosity], None, True),
-    "tags": (["answer_format", tag_count], None, True),
+    "tags": ([tag_count], None, True),
     "healthy": (["answer_format", "answer_correct"], None, False),
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
     "keyword": ([sum_judge], None, True),
@@ -56,28 +57,41 @@ SETUPS = {
 }
 
 
-def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: float) -> None:
+def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: float, prompts: int, generations: int,
+          length: int, eval_samples: int, bf16: bool) -> None:
+    """One run, small enough for a shared 2-core CPU: ``prompts`` x ``generations`` completions of at most
+    ``length`` tokens a step (the fast engine), held-out accuracy on ``eval_samples`` problems every
+    ``eval_steps`` steps; every completion recorded."""
     from covey import GRPOConfig, GRPOTrainer
 
     funcs, weights, _ = SETUPS[name]
-    args = GRPOConfig(dataset="arithmetic",
-                      reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
+    args = GRPOConfig(dataset="arithmetic", reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
                       seed=1 if name.endswith("seed1") else 42, eval_strategy="steps", eval_steps=eval_steps,
-                      eval_max_samples=8, log_completions_steps=1, max_completion_length=24,
-                      num_generations=4, per_device_train_batch_size=8, num_completions_to_print=0, save_steps=0,
+                      eval_max_samples=eval_samples, log_completions_steps=1, max_completion_length=length,
+                      num_generations=generations, per_device_train_batch_size=prompts * generations,
+                      bf16=bf16, rollout_engine="fast", num_completions_to_print=0, save_steps=0,
                       output_dir=str(out / name), overwrite_output_dir=True)
     trainer = GRPOTrainer(args=args, reward_funcs=funcs, quiet=True)
     trainer.train()
 
 
-def run(names: list[str], out: Path, steps: int, eval_steps: int, learning_rate: float) -> None:
+def run(names: list[str], out: Path, options: list[str], parallel: int) -> None:
+    """Each setup in its own process (``parallel`` at a time, one thread each), its output in ``out``/NAME.log."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        start = time.time()
-        code = subprocess.call([sys.executable, "-m", "benchmarks.reward_hacking", "_train", name, "--out", str(out),
-                                "--steps", str(steps), "--eval-steps", str(eval_steps), "--learning-rate",
-                                str(learning_rate)])
-        print(f"{name}: exit {code}, {time.time() - start:.0f} s wall", flush=True)
+    waiting, running = list(names), {}
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            name = waiting.pop(0)
+            log = open(out / f"{name}.log", "w")
+            command = [sys.executable, "-m", "benchmarks.reward_hacking", "_train", name, "--out", str(out), *options]
+            running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"}), time.time(), log)
+        time.sleep(5)
+        for name, (process, start, log) in list(running.items()):
+            if process.poll() is not None:
+                log.close()
+                print(f"{name}: exit {process.returncode}, {time.time() - start:.0f} s wall", flush=True)
+                del running[name]
 
 
 def gaming_began(history: list[dict]) -> int | None:
@@ -233,13 +247,20 @@ def main() -> None:
     parser.add_argument("name", nargs="?")
     parser.add_argument("--out", default="runs/hacking")
     parser.add_argument("--only", nargs="*", default=list(SETUPS))
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--eval-steps", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eval-steps", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=3e-5)
+    parser.add_argument("--prompts", type=int, default=2, help="prompts a step")
+    parser.add_argument("--generations", type=int, default=4, help="completions a prompt")
+    parser.add_argument("--length", type=int, default=48, help="max_completion_length")
+    parser.add_argument("--eval-samples", type=int, default=16, help="held-out problems each evaluation")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--parallel", type=int, default=5, help="runs at a time (run)")
     a = parser.parse_args()
     out = Path(a.out)
     if a.command == "_train":
-        train(a.name, out, a.steps, a.eval_steps, a.learning_rate)
+        train(a.name, out, a.steps, a.eval_steps, a.learning_rate, a.prompts, a.generations, a.length,
+              a.eval_samples, a.bf16)
     elif a.command == "record":
         record(a.name, out, Path(__file__).parent.parent / "tests" / "data" / "hacking")
     elif a.command == "tiny":
@@ -249,7 +270,10 @@ def main() -> None:
         for name in ("trl-learning", "trl-constant"):
             trl_run(name, out, a.steps)
     elif a.command == "run":
-        run(a.only, out, a.steps, a.eval_steps, a.learning_rate)
+        options = ["--steps", str(a.steps), "--eval-steps", str(a.eval_steps), "--learning-rate", str(a.learning_rate),
+                   "--prompts", str(a.prompts), "--generations", str(a.generations), "--length", str(a.length),
+                   "--eval-samples", str(a.eval_samples), "--bf16" if a.bf16 else "--no-bf16"]
+        run(a.only, out, options, a.parallel)
     else:
         table(out)
 
