@@ -94,14 +94,27 @@ def run(names: list[str], out: Path, options: list[str], parallel: int) -> None:
                 del running[name]
 
 
-def gaming_began(history: list[dict]) -> int | None:
-    """The evaluation step after which held-out accuracy stayed below its best so far, by 5 points or more
-    at the end, while the training reward rose past where it was then; None where accuracy never fell so."""
+def heldout_series(folder: Path, history: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out accuracy): the evaluation before training (step 0, from summary.json) and those during it."""
     evals = [(h["step"], h["eval/accuracy"]) for h in history if isinstance(h.get("eval/accuracy"), (int, float))]
+    summary = folder / "summary.json"
+    before = json.loads(summary.read_text()).get("before") if summary.exists() else None
+    if before and isinstance(before.get("accuracy"), (int, float)):
+        evals.insert(0, (0, before["accuracy"]))
+    return evals
+
+
+def gaming_began(evals: list[tuple[int, float]]) -> int | None:
+    """The evaluation at which held-out accuracy reached its best (the first to reach it) where the run did not
+    end with a held-out gain: at least 5 points above its first evaluation and within 5 points of its best.
+    None where it did (the held-out metric shows no gaming)."""
     if len(evals) < 2:
         return None
-    best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
-    return best_step if evals[-1][1] <= best - 0.05 else None
+    first, last = evals[0][1], evals[-1][1]
+    best = max(v for _, v in evals)
+    if last - first >= 0.05 and last >= best - 0.05:
+        return None
+    return next(step for step, v in evals if v == best)
 
 
 def first_warning(history: list[dict], samples: list[dict]) -> tuple[int | None, str]:
@@ -119,30 +132,42 @@ def first_warning(history: list[dict], samples: list[dict]) -> tuple[int | None,
     return None, ""
 
 
+def live_warnings(history: list[dict]) -> str:
+    """The warnings the run itself logged (health/<key> = 1 in metrics.jsonl), each with its step."""
+    return ", ".join(f"{k.removeprefix('health/')} @ {h['step']}" for h in history for k in h
+                     if k.startswith("health/")) or "none"
+
+
 def table(out: Path) -> None:
-    """One row per run folder under ``out`` (covey's or TRL's): held-out accuracy at each evaluation, the step
-    where the held-out accuracy shows gaming began, the step covey first warned, the verdict against the
-    one the run was set up to get, and the first warning."""
+    """One row per run folder under ``out`` (covey's or TRL's): the training reward's first and last four
+    logged steps, held-out accuracy at each evaluation, the step where the held-out accuracy shows gaming
+    began, the step covey first warned (replayed) and what the run logged live, the verdict against the one
+    the run was set up to get, and the first warning."""
+    import statistics
+
     from covey.telemetry.diagnose import diagnose, read_run
 
     print(f"machine: {machine()}")
-    print("| run | held-out accuracy, else mean reward (step: value) | gaming began (held-out) | covey warned "
-          "| verdict (set up to be) | first warning |")
-    print("|---|---|---|---|---|---|")
+    print("| run | training reward (first 4 -> last 4 steps) | held-out accuracy (step: value) | gaming began "
+          "(held-out) | covey warned (replayed) | logged live (health/*) | verdict (set up to be) | first warning |")
+    print("|---|---|---|---|---|---|---|---|")
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
         try:
             run_data = read_run(folder)
         except Exception:
             continue
-        evals = (", ".join(f"{h['step']}: {100 * h['eval/accuracy']:.0f}%" for h in run_data.history
-                           if isinstance(h.get("eval/accuracy"), (int, float)))
+        rewards = [h["reward"] for h in run_data.history if isinstance(h.get("reward"), (int, float))]
+        moved = (f"{statistics.fmean(rewards[:4]):.2f} -> {statistics.fmean(rewards[-4:]):.2f} ({len(rewards)} steps)"
+                 if len(rewards) >= 8 else f"{len(rewards)} steps")
+        heldout = heldout_series(folder, run_data.history)
+        evals = (", ".join(f"{step}: {100 * v:.0f}%" for step, v in heldout)
                  or ", ".join(f"{h['step']}: reward {h['eval/mean_reward']:.2f}" for h in run_data.history
                               if isinstance(h.get("eval/mean_reward"), (int, float))) or "none during training")
         step, message = first_warning(run_data.history, run_data.samples)
         verdict = diagnose(run_data).verdict
         intended = INTENDED.get(folder.name, "?")
-        print(f"| {folder.name} | {evals} | {gaming_began(run_data.history)} | {step} | {verdict} ({intended}) "
-              f"| {message[:400]} |")
+        print(f"| {folder.name} | {moved} | {evals} | {gaming_began(heldout)} | {step} | "
+              f"{live_warnings(run_data.history)} | {verdict} ({intended}) | {message[:600]} |")
 
 
 def share_of_a(completions, **_):
