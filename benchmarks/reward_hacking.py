@@ -95,12 +95,16 @@ def run(names: list[str], out: Path, options: list[str], parallel: int) -> None:
 
 
 def heldout_series(folder: Path, history: list[dict]) -> list[tuple[int, float]]:
-    """(step, held-out accuracy): the evaluation before training (step 0, from summary.json) and those during it."""
+    """(step, held-out accuracy): the evaluation before training (step 0), those during it, and the one after
+    it (at the last step), the first and last from summary.json (absent while a run goes on)."""
     evals = [(h["step"], h["eval/accuracy"]) for h in history if isinstance(h.get("eval/accuracy"), (int, float))]
-    summary = folder / "summary.json"
-    before = json.loads(summary.read_text()).get("before") if summary.exists() else None
-    if before and isinstance(before.get("accuracy"), (int, float)):
+    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
+    before, after = summary.get("before") or {}, summary.get("after") or {}
+    if isinstance(before.get("accuracy"), (int, float)):
         evals.insert(0, (0, before["accuracy"]))
+    last = max((h["step"] for h in history), default=0)
+    if isinstance(after.get("accuracy"), (int, float)) and (not evals or evals[-1][0] < last):
+        evals.append((last, after["accuracy"]))
     return evals
 
 
