@@ -265,8 +265,9 @@ def record(name: str, out: Path, into: Path) -> None:
         for path in files[:3] + files[-3:]:
             shutil.copy(path, target / "completions" / path.name)
     found = diagnose(read_run(target))
+    warned = min((step for step, f in found.findings if f.kind != "note"), default=None)
     (target / "expected.json").write_text(json.dumps({"verdict": INTENDED[name], "findings": sorted(
-        {f.key for _, f in found.findings})}, indent=1) + "\n")
+        {f.key for _, f in found.findings}), "first_warning_step": warned}, indent=1) + "\n")
     print(f"{name}: recorded; covey says {found.verdict}, set up to be {INTENDED[name]}")
 
 

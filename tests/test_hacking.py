@@ -340,6 +340,9 @@ def test_recorded_runs_get_their_verdicts(name):
     result = diagnose(read_run(DATA / name))
     assert result.verdict == expected["verdict"], result.text()
     assert sorted({f.key for _, f in result.findings}) == sorted(expected["findings"]), result.text()
+    if "first_warning_step" in expected:  # the step the live monitor would have warned at
+        warned = min((step for step, f in result.findings if f.kind != "note"), default=None)
+        assert warned == expected["first_warning_step"], result.text()
 
 
 def test_a_long_history_is_thinned_keeping_its_ends_and_evaluations():
