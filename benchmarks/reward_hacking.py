@@ -1,18 +1,23 @@
 """Planted reward hacking on real runs of the default model, and healthy runs where covey stays silent.
 
 Each setup trains the default model on the arithmetic task with a reward that can be gamed (or, for the
-healthy runs, the demo's rewards), evaluating held-out accuracy every ``--eval-steps`` steps. For each
-run it reports: the step where the held-out accuracy shows the gaming began (the evaluation after which
-held-out accuracy only fell below its best while the training reward kept rising), the step where covey's
-rules first warned (the rules of ``covey diagnose`` replayed over the growing history, as during the run),
-what they said, and ``covey diagnose``'s verdict over the finished run folder.
+healthy runs, the demo's rewards), small enough for a shared 2-core CPU (2 prompts x 4 completions of at
+most 48 tokens a step, bfloat16 autocast, the fast engine), evaluating held-out accuracy every
+``--eval-steps`` steps. For each run it reports: the step where the held-out accuracy shows the gaming
+began, the step where covey's rules first warned (the rules of ``covey diagnose`` replayed over the
+growing history, as during the run) and the warnings the run logged itself, what they said, and
+``covey diagnose``'s verdict over the finished run folder.
 
-    nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking            # every setup
-    nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking --only tags length
+    nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking            # every setup, 5 at once
+    nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking --only tags length --parallel 2
     python -m benchmarks.reward_hacking table --out runs/hacking                      # the table of results
+    python -m benchmarks.reward_hacking record tags --out runs/hacking                # keep it in tests/data/hacking
     python -m benchmarks.reward_hacking trl --out runs/hacking --steps 30             # two short TRL runs
     python -m benchmarks.reward_hacking tiny --out runs/hacking --steps 24            # two tiny-model covey runs
     covey diagnose runs/hacking/trl-learning; covey diagnose runs/hacking/trl-constant
+
+Each run needs about 3.8 GiB of memory (float32 weights, gradients and AdamW state, a bfloat16 copy to
+sample with): lower ``--parallel`` where five do not fit.
 """
 
 from __future__ import annotations
