@@ -126,6 +126,18 @@ def test_length_running_away_with_the_reward():
     assert "the reward pays for length" in found.message and found.values["length_reward_correlation"] > 0.5
 
 
+def test_length_running_away_within_the_first_window():
+    """A high learning rate: completions reach the limit (48) in four steps, so the first window's mean already
+    holds most of the rise (the first 13 steps of a real run of the default model paid for length)."""
+    lengths = [28.4, 23.9, 41.2, 48.0, 47.5, 43.8, 48.0, 45.8, 44.1, 44.1, 48.0, 44.1, 48.0]
+    clipped = [0.38, 0.25, 0.62, 1.0, 0.88, 0.88, 1.0, 0.88, 0.88, 0.88, 1.0, 0.88, 1.0]
+    rewards = [0.85, 0.70, 1.52, 1.82, 1.88, 1.52, 1.88, 1.57, 1.60, 1.68, 1.86, 1.67, 1.96]
+    rows = [{"step": i + 1, "reward": r, "completions/mean_length": n, "completions/clipped_ratio": c}
+            for i, (r, n, c) in enumerate(zip(rewards, lengths, clipped))]
+    found = {f.key: f for f in hacking.findings(rows)}["length_runaway"]
+    assert found.values["length_first"] < 30 and found.values["length_last"] > 45
+
+
 def test_length_rising_with_a_falling_reward_is_not_runaway():
     rows = history(reward=lambda i: 0.8 - 0.01 * i + _noise(i),
                    **{"completions/mean_length": lambda i: 10 + 2 * i, "completions/clipped_ratio": lambda i: 0.04 * i})
@@ -328,6 +340,9 @@ def test_recorded_runs_get_their_verdicts(name):
     result = diagnose(read_run(DATA / name))
     assert result.verdict == expected["verdict"], result.text()
     assert sorted({f.key for _, f in result.findings}) == sorted(expected["findings"]), result.text()
+    if "first_warning_step" in expected:  # the step the live monitor would have warned at
+        warned = min((step for step, f in result.findings if f.kind != "note"), default=None)
+        assert warned == expected["first_warning_step"], result.text()
 
 
 def test_a_long_history_is_thinned_keeping_its_ends_and_evaluations():

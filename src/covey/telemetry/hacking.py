@@ -156,14 +156,17 @@ def length_runaway(history: list[dict], samples: list[dict]) -> Finding | None:
     clip_rise = (statistics.fmean(clipped[-WINDOW:]) - statistics.fmean(clipped[:WINDOW])
                  if len(clipped) >= 2 * WINDOW else 0.0)
     follows = spearman(lengths, rewards)
-    if (grown.rose and grown.last >= LENGTH_GROWTH * grown.first and clip_rise >= CLIPPED_RISE
+    # growth from where it began (the smoothed length at its lowest): a rise faster than one window, as a high
+    # learning rate gives, would otherwise be half hidden in the first window's mean
+    start = min(smooth(lengths))
+    if (grown.rose and grown.last >= LENGTH_GROWTH * start and clip_rise >= CLIPPED_RISE
             and follows >= LENGTH_FOLLOWS_REWARD):
         return Finding("length_runaway", "gaming", onset(steps, lengths, rising=True),
-                       f"completions grew from {grown.first:.1f} to {grown.last:.1f} tokens, {100 * clip_rise:.0f} "
+                       f"completions grew from {start:.1f} to {grown.last:.1f} tokens, {100 * clip_rise:.0f} "
                        f"points more of them cut at max_completion_length, and the reward follows the length "
                        f"(rank correlation {follows:.2f}): the reward pays for length",
                        "Cap or penalise length (soft_overlong_penalty, a brevity term), or pay per answer rather "
-                       "than per word.", {"length_first": grown.first, "length_last": grown.last,
+                       "than per word.", {"length_first": start, "length_last": grown.last,
                                           "clipped_rise": clip_rise, "length_reward_correlation": follows},
                        _examples(samples))
     fell = change(rewards)
