@@ -286,7 +286,7 @@ def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random,
     return {"fault": fault, "what": what, "injected": injected, "exit": code, "clear_stop": clear,
             "message": stop_message, "resumed": resumed, "bitwise": bitwise, "lost": lost,
             "recovered_in_run": injected and code == 0, "workers_lost": workers_lost(out),
-            "warned": "without being told to" in err}
+            "warned": any(w in err for w in ("without being told to", "lost the server"))}
 
 
 def reference_run(work: Path, kind: str) -> float:
