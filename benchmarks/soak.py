@@ -65,14 +65,16 @@ def children(pid: int) -> list[int]:
 
 
 def sample(pid: int) -> dict | None:
-    """RSS (MiB), threads, open fds and child processes of ``pid``; None once it is gone."""
+    """RSS (MiB), its anonymous part (what a leak grows: the file-backed pages of libraries and models come
+    and go as the kernel reclaims them on a machine short of memory), threads, open fds and child processes
+    of ``pid``; None once it is gone."""
     try:
         status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, ValueError):
         return None
-    return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "threads": int(status["Threads"]), "fds": fds,
-            "children": len(children(pid))}
+    return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "anon_mib": int(status["RssAnon"].split()[0]) / 1024,
+            "threads": int(status["Threads"]), "fds": fds, "children": len(children(pid))}
 
 
 # ---- the runs ------------------------------------------------------------------------------------------
@@ -225,9 +227,10 @@ def main() -> None:
         return tools_run(args.tools_run, args.steps)
     print(f"{machine()}; model {args.model}; {args.steps} steps per mode; warm-up: the first "
           f"{args.warmup:.0%} of the steps")
-    print("| mode | steps | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth (MiB/100 steps) | threads "
-          "(after warm-up → end) | open fds | child processes | server RSS growth (MiB/100 steps) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | steps | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth (MiB/100 steps) | anonymous RSS "
+          "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS growth "
+          "(MiB/100 steps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         samples = run(mode, args.model, args.steps)
         if args.samples_out:
@@ -237,7 +240,8 @@ def main() -> None:
         first, last = rest[0], rest[-1]
         server = f"{slope_per_100(rest, 'server_rss_mib'):+.2f}" if "server_rss_mib" in first else "—"
         print(f"| {mode} | {samples[-1]['step']} | {first['rss_mib']:.1f} | {last['rss_mib']:.1f} | "
-              f"{slope_per_100(rest, 'rss_mib'):+.2f} | {first['threads']} → {last['threads']} "
+              f"{slope_per_100(rest, 'rss_mib'):+.2f} | {slope_per_100(rest, 'anon_mib'):+.2f} | "
+              f"{first['threads']} → {last['threads']} "
               f"(max {max(s['threads'] for s in rest)}) | {first['fds']} → {last['fds']} (max {max(s['fds'] for s in rest)}) "
               f"| {first['children']} → {last['children']} (max {max(s['children'] for s in rest)}) | {server} |",
               flush=True)

@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import signal
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from covey import GRPOTrainer
 from covey.errors import RewardError
 from covey.rewards.pool import RewardPool
+from covey.rewards.stoppable import take_stop_counts
 from covey.rewards import load_reward_func, score_completions
 from tests.conftest import make_model
 from tests.test_trainer import ROWS, count_a, small_args
@@ -137,6 +139,64 @@ def test_a_worker_that_dies_gives_a_clear_error_and_is_replaced():
     assert errors == [("exits_on_boom", 2, "ended its worker process (exit code 3)"),
                       ("killed_on_boom", 2, f"ended its worker process (signal 9: {signal.strsignal(9)})")]
     assert table.nan_to_num(-1).tolist() == [[0.25, 0.25]] * 2 + [[-1, -1]] + [[0.25, 0.25]] * 4
+
+
+def test_a_worker_killed_mid_call_is_noticed_replaced_and_its_call_run_again(tmp_path):
+    """As the out-of-memory killer would: SIGKILL of a reward worker while it scores a batch."""
+    started, killed = tmp_path / "started", tmp_path / "killed"
+
+    def slow_the_first_time(completions, **kwargs):
+        first = not killed.exists()
+        with open(started, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if first:
+            time.sleep(30)  # killed meanwhile
+        return [float(len(c)) for c in completions]
+
+    def kill_the_first_caller():
+        deadline = time.monotonic() + 20
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed.touch()  # before the kill: the call run again must not sleep
+        os.kill(int(started.read_text().split()[0]), signal.SIGKILL)
+
+    take_stop_counts()
+    killer = threading.Thread(target=kill_the_first_caller)
+    with RewardPool([slow_the_first_time, worker_pid], 1) as pool:
+        killer.start()
+        start = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match=r"a rewards worker process ended \(signal 9: .*\) without being told to.*"
+                                                r"run again in a new worker"):
+            table = score([slow_the_first_time], pool)
+        killer.join()
+        assert time.perf_counter() - start < 20  # not the 30 s of the killed call
+        assert table[:, 0].tolist() == [float(len(c)) for c in COMPLETIONS]  # the call run again, whole
+        first, second = (int(p) for p in started.read_text().split())
+        assert first != second and not running(first)
+        assert set(score([worker_pid], pool)[:, 0].tolist()) == {second}  # one worker: the new one
+    assert take_stop_counts()["rewards/workers_lost"] == 1
+
+
+def test_a_worker_killed_while_idle_is_noticed_and_replaced_before_the_next_call():
+    take_stop_counts()
+    with RewardPool([worker_pid], 2) as pool:
+        before = sorted(set(score([worker_pid], pool)[:, 0].tolist()))
+        os.kill(int(before[0]), signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.warns(RuntimeWarning, match=r"rewards worker process ended \(signal 9: .*waiting for a call"):
+            after = sorted(set(score([worker_pid], pool)[:, 0].tolist()))
+    assert len(after) == 2 and before[1] in after and before[0] not in after
+    assert take_stop_counts()["rewards/workers_lost"] == 1
+
+
+def test_a_worker_killed_after_its_last_call_is_reported_as_the_pool_closes():
+    pool = RewardPool([worker_pid], 1)
+    pid = int(score([worker_pid], pool)[0, 0])
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    with pytest.warns(RuntimeWarning, match=r"rewards worker process ended \(signal 9: .*found as its pool closed"):
+        pool.close()
+    assert not running(pid)
 
 
 def test_a_reward_loaded_from_a_file_runs_in_the_workers(tmp_path):

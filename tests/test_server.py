@@ -283,6 +283,36 @@ def test_a_restarted_server_gets_the_policy_again(model, tokenizer):
         second.close()
 
 
+def test_a_server_lost_between_rounds_is_waited_for_and_given_the_policy_again(model, tokenizer):
+    """Killed, then started again on its port a second later: the client waits for it, pushes the policy
+    again and samples the round with the same seeds; one that does not come back stops the run, saying how to go on."""
+    import threading
+
+    first = serve(model, tokenizer)
+    host, port = first.server_address[:2]
+    policy = make_model(len(tokenizer), seed=9)
+    client = connect(first, tokenizer, policy=policy)
+    prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=8)
+    wanted = PerPrompt(policy, tokenizer).generate(prompts, 2, params, seed=5)
+    assert_same_rollout(client.generate(prompts, 2, params, seed=5), wanted)
+    first.close()
+    second = []
+    later = threading.Timer(1.0, lambda: second.append(serve(model, tokenizer, port=port)))
+    later.start()
+    try:
+        with pytest.warns(RuntimeWarning, match="lost the server .* waiting up to 5 s .* pushed to it again"):
+            assert_same_rollout(client.generate(prompts, 2, params, seed=5), wanted)
+        later.join()
+        assert second[0].weight_version == client.pushed_version and client.pushes_made == 2
+    finally:
+        later.join()
+        for server in second:
+            server.close()
+    with pytest.warns(RuntimeWarning), pytest.raises(ModelError, match=r"lost the server .* did not answer again within "
+                                                                       r"5 s \(vllm_server_timeout\).*--resume-from-checkpoint"):
+        client.generate(prompts, 2, params, seed=5)
+
+
 def test_a_server_that_restarts_during_a_generation_is_sampled_again_with_the_policy(model, tokenizer):
     """vLLM's server starts at weight_version "default"; one that restarted while the trainer sampled
     answered with its start-up weights: the policy is pushed again and the round sampled again."""

@@ -243,9 +243,12 @@ def test_a_tool_that_raises_or_exits_in_its_worker_gives_the_model_an_error():
 
     tools = [as_tool(broken), as_tool(exits), as_tool(calculate)]
     workers = ToolWorkers(tools)
+    take_stop_counts()
     try:
         assert call_tool(tools[0], {"n": 2}, LIMIT, workers).text == "error: broken raised ValueError: no 2"
-        assert call_tool(tools[1], {"n": 2}, LIMIT, workers).text == "error: exits ended its worker process (exit code 3)"
+        with pytest.warns(RuntimeWarning, match=r"a tools worker process ended \(exit code 3\).*the call it was running failed"):
+            assert call_tool(tools[1], {"n": 2}, LIMIT, workers).text == "error: exits ended its worker process (exit code 3)"
+        assert take_stop_counts()["tools/workers_lost"] == 1  # not run again: one loss, not two
         assert call_tool(tools[2], {"expression": "2 + 2"}, LIMIT, workers).text == "4"
     finally:
         workers.close()

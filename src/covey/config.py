@@ -125,7 +125,8 @@ class GRPOConfig:
     vllm_mode: str = _f("colocate", "vLLM in the trainer's process, or a vLLM server (vllm serve, covey server) reached over HTTP", choices=("colocate", "server"))
     vllm_server_host: str = _f("127.0.0.1", "host of the vLLM server (vllm_mode: server)")
     vllm_server_port: int = _f(8000, "port of the vLLM server (vllm_mode: server)")
-    vllm_server_timeout: float = _f(240.0, "seconds to wait for the vLLM server to answer its health check")
+    vllm_server_timeout: float = _f(240.0, "seconds to wait for the vLLM server to answer its health check "
+                                           "(at start, and when lost mid-run)")
     vllm_group_port: int = _f(0, "port of the weight-transfer group the trainer opens with the server (0: a free one)")
     vllm_enable_sleep_mode: bool = _f(False, "vllm colocate: offload vLLM's weights and free its KV cache while the trainer trains (CUDA only)")
     vllm_gpu_memory_utilization: float = _f(0.3, "fraction of GPU memory vLLM may take (on a CPU: of this machine's memory, for its KV cache)")

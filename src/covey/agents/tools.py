@@ -68,7 +68,9 @@ class ToolWorkers:
 
     def __init__(self, tools: Sequence[Tool]):
         self._calls = {id(t.function): synchronous(t.function) for t in tools if not stays_in_process(t.function)}
-        self._pool = RewardPool(list(self._calls.values()), 1 if self._calls and can_fork() else 0, kind="tools")
+        # a call whose worker ended under it is not run again: a tool may act on the world (the model reads the error)
+        self._pool = RewardPool(list(self._calls.values()), 1 if self._calls and can_fork() else 0, kind="tools",
+                                retry_lost=False)
         self._lock = threading.Lock()  # one call at a time: the worker answers them in turn
         self._pool.start()
 

@@ -18,7 +18,12 @@ scores cross the pipe. Consequences of forking, and how they are handled:
 * State does not flow back: a reward function that counts calls or caches counts in its worker.
 
 A call that exceeds the timeout is really stopped: its worker is killed (a hung thread in the
-trainer's process could only be abandoned) and a fresh one is forked for the next call. Each worker
+trainer's process could only be abandoned) and a fresh one is forked for the next call. A worker
+that ends without being told (killed by the out-of-memory killer, say) is always noticed, whether it
+was busy or idle: counted (``rewards/workers_lost``), warned about and replaced; the call it was
+running is run once more in a new worker (a reward function is a function of its arguments), and a
+call whose second worker ends too is a fault, handled as ``reward_errors`` says. Tools are not
+run again (a tool may act on the world): the model reads the error. Each worker
 closes its copies of the trainer's pipe ends, so it sees end-of-file and exits if the trainer's
 process dies without closing the pool (killed by the out-of-memory killer, say). Each worker leads a
 process group of its own, killed as one: processes a function started die with its worker.
@@ -40,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 from covey.errors import ConfigError, RewardError
 from covey.rewards.convention import reward_name
-from covey.rewards.stoppable import WorkerFault, answer, become_worker, count, ended_how, fork, kill_group
+from covey.rewards.stoppable import WorkerFault, answer, become_worker, count, ended_how, fork, kill_group, worker_lost
 
 
 @dataclass
@@ -60,16 +65,18 @@ class RewardPool:
     ``num_workers=0`` the pool runs nothing and every function stays in the trainer's process.
     """
 
-    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1, kind: str = "rewards"):
+    def __init__(self, reward_funcs: Sequence[Callable], num_workers: int, group_size: int = 1, kind: str = "rewards",
+                 retry_lost: bool = True):
         if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError(f"reward_num_workers={num_workers} needs processes started by fork, which this "
                               "platform lacks; set reward_num_workers: 0")
         self.reward_funcs, self.num_workers = tuple(reward_funcs), num_workers  # fixed: the workers inherit them
         self.group_size = group_size  # the batch is split between groups, so a call sees whole groups
         self.kind = kind  # what its functions are (rewards, tools): how its stopped calls are counted
+        self.retry_lost = retry_lost  # a call whose worker ended under it is run once more in a new one
         self._workers: list[_Worker] = []
         # a pool dropped, or left open at exit, still stops its workers (before exit waits for child processes)
-        Finalize(self, _stop, (self._workers,), exitpriority=10)
+        Finalize(self, _stop, (self._workers, kind), exitpriority=10)
 
     def runs(self, func: Callable) -> bool:
         """Whether ``func`` runs in the workers: one of this pool's functions, not ``async``, and not one
@@ -80,28 +87,28 @@ class RewardPool:
     def run(self, calls: list[tuple[Callable, dict]], timeout: float | None) -> list:
         """The outcome of each (function, keyword arguments) call, in order, spread over the workers:
         the return value, or the exception standing for the failure: a WorkerFault (the function
-        raised, returned something that cannot be sent back, or its process died) or TimeoutError
-        (the call ran over ``timeout`` seconds; its worker was killed)."""
+        raised, returned something that cannot be sent back, or its process died, twice when
+        ``retry_lost``) or TimeoutError (the call ran over ``timeout`` seconds; its worker was killed)."""
         outcomes: list[Any] = [None] * len(calls)
-        waiting = collections.deque(enumerate(calls))
-        busy: dict[Connection, tuple[_Worker, int, float]] = {}  # per worker: call index, deadline
+        waiting = collections.deque((i, func, kwargs, self.retry_lost) for i, (func, kwargs) in enumerate(calls))
+        busy: dict[Connection, tuple[_Worker, tuple, float]] = {}  # per worker: its call, its deadline
         try:
             while waiting or busy:
-                self._start_missing()
+                self._replace_ended(idle=[w for w in self._workers if w.conn not in busy])
                 for worker in list(self._workers):  # a worker found dead is dropped from the list
                     if waiting and worker.conn not in busy:
-                        i, (func, kwargs) = waiting.popleft()
-                        if self._send(worker, func, kwargs):
-                            busy[worker.conn] = (worker, i, time.monotonic() + (timeout or math.inf))
-                        else:
-                            outcomes[i] = self._lost(worker)
+                        call = waiting.popleft()
+                        if self._send(worker, call[1], call[2]):
+                            busy[worker.conn] = (worker, call, time.monotonic() + (timeout or math.inf))
+                        else:  # it ended as the call reached it
+                            self._settle(call, self._lost(worker, call[3]), waiting, outcomes)
                 if not busy:
                     continue
                 deadline = min(d for _, _, d in busy.values())
                 for conn in wait(list(busy), None if deadline == math.inf else max(0.0, deadline - time.monotonic())):
-                    worker, i, _ = busy.pop(conn)
-                    outcomes[i] = self._receive(worker)
-                for conn, (worker, i, deadline) in list(busy.items()):
+                    worker, call, _ = busy.pop(conn)
+                    self._settle(call, self._receive(worker, call[3]), waiting, outcomes)
+                for conn, (worker, (i, *_), deadline) in list(busy.items()):
                     if time.monotonic() >= deadline:
                         del busy[conn]
                         self._discard(worker)
@@ -114,7 +121,7 @@ class RewardPool:
 
     def close(self) -> None:
         """Stop the workers; one that does not stop within a second is killed."""
-        _stop(self._workers)
+        _stop(self._workers, self.kind)
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -135,6 +142,14 @@ class RewardPool:
 
     def start(self) -> None:
         """Start the workers now rather than at the first call (before the trainer runs threads)."""
+        self._replace_ended(idle=list(self._workers))
+
+    def _replace_ended(self, idle: list[_Worker]) -> None:
+        """Replace the workers of ``idle`` that have ended (killed while waiting for a call), each
+        counted and warned about, and start the missing ones."""
+        for worker in idle:
+            if wait([worker.process.sentinel], 0):  # ended, not reaped yet (its group is killed first)
+                self._discard(worker, lost="it was waiting for a call; a new one replaces it")
         self._start_missing()
 
     def _send(self, worker: _Worker, func: Callable, kwargs: dict) -> bool:
@@ -152,25 +167,42 @@ class RewardPool:
             return False
         return True
 
-    def _receive(self, worker: _Worker) -> Any:
+    def _receive(self, worker: _Worker, again: bool) -> Any:
         try:
             reply = worker.conn.recv()
         except (EOFError, OSError):
-            return self._lost(worker)
+            return self._lost(worker, again)
         return reply[1] if reply[0] == "ok" else WorkerFault(reply[1], reply[2])
 
-    def _lost(self, worker: _Worker) -> WorkerFault:
-        """The fault of a call whose worker process died under it."""
-        wait([worker.process.sentinel], 1)  # not reaped yet: its group is killed first (kill_group)
-        self._discard(worker)
-        return WorkerFault(f"ended its worker process ({ended_how(worker.process)})", died=True)
+    def _lost(self, worker: _Worker, again: bool) -> WorkerFault:
+        """The fault of a call whose worker process ended under it; the worker replaced, counted and
+        warned about (``again``: the call is to be run once more)."""
+        wait([worker.process.sentinel], 1)  # it closed the pipe by ending: let it finish ending
+        self._discard(worker, lost="the call it was running is run again in a new worker" if again else
+                      "a new one replaces it; the call it was running failed")
+        how = ended_how(worker.process)
+        return WorkerFault(f"ended its worker process ({how})", died=True, how=how)
 
-    def _discard(self, worker: _Worker) -> None:
-        _kill(worker)
+    @staticmethod
+    def _settle(call: tuple, outcome: Any, waiting: collections.deque, outcomes: list) -> None:
+        """Record a call's outcome, or queue it once more when its worker ended under it and it may be retried."""
+        i, func, kwargs, retry = call
+        if retry and isinstance(outcome, WorkerFault) and outcome.died:
+            waiting.appendleft((i, func, kwargs, False))
+        else:
+            outcomes[i] = outcome
+
+    def _discard(self, worker: _Worker, lost: str = "") -> None:
+        """Kill the worker and drop it from the pool; ``lost``: it had ended on its own, and what
+        follows (counted and warned about)."""
+        _kill(worker)  # its group first, then it is reaped: its exit code is read after
         self._workers.remove(worker)
+        if lost:
+            worker_lost(self.kind, ended_how(worker.process), lost)
 
 
-def _stop(workers: list[_Worker]) -> None:
+def _stop(workers: list[_Worker], kind: str) -> None:
+    ended = [w for w in workers if wait([w.process.sentinel], 0)]  # before being told to: lost
     for worker in workers:
         try:
             worker.conn.send(None)
@@ -179,6 +211,8 @@ def _stop(workers: list[_Worker]) -> None:
     for worker in workers:
         wait([worker.process.sentinel], 1)
         _kill(worker)
+    for worker in ended:
+        worker_lost(kind, ended_how(worker.process), "found as its pool closed")
     workers.clear()
 
 

@@ -19,7 +19,7 @@ from covey.rewards.answers import completion_text
 from covey.rewards.convention import (RewardFunc, TrainerState, check_reward_signature, reward_context, reward_name,
                                       without_logging)
 from covey.rewards.pool import RewardPool
-from covey.rewards.stoppable import WorkerFault, call_in_child, call_in_thread, can_fork, stays_in_process
+from covey.rewards.stoppable import WorkerFault, call_in_child, call_in_thread, can_fork, stays_in_process, worker_lost
 
 
 def _logged_in_a_worker(*_: Any) -> None:
@@ -36,13 +36,20 @@ def _context_for(func: RewardFunc, context: dict[str, Any], pool: RewardPool | N
 def call_reward(func: RewardFunc, kwargs: dict, timeout: float | None) -> Any:
     """One call, within ``timeout`` seconds when set: then in a forked child process that is killed
     past it (``covey.rewards.stoppable``), unless ``func`` stays in the trainer's process
-    (``in_trainer_process``) or the platform cannot fork: then in a daemon thread, abandoned past it."""
+    (``in_trainer_process``) or the platform cannot fork: then in a daemon thread, abandoned past it.
+    A child that ends under the call (killed from outside) is counted and the call run once more."""
     if inspect.iscoroutinefunction(func):
         return run_coroutine(asyncio.wait_for(func(**kwargs), timeout))
     if timeout is None:
         return func(**kwargs)
     if can_fork() and not stays_in_process(func):
-        return call_in_child(func, kwargs, timeout, "rewards")
+        try:
+            return call_in_child(func, kwargs, timeout, "rewards")
+        except WorkerFault as e:  # its child ended under it (killed from outside?): counted, and run once more
+            if not e.died:
+                raise
+            worker_lost("rewards", e.how, "the call is run again in a new child")
+            return call_in_child(func, kwargs, timeout, "rewards")
     return call_in_thread(func, kwargs, timeout, "rewards", f"reward-{reward_name(func)}")
 
 

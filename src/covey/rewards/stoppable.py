@@ -12,9 +12,10 @@ back. A function marked ``in_trainer_process = True`` stays in the trainer's pro
 call past its limit is then abandoned in a daemon thread, as the only choice left, and counted as
 such.
 
-Stopped and abandoned calls are counted per kind (``rewards``, ``tools``) and read once per step
-(``take_stop_counts``), for the metrics ``rewards/stopped``, ``rewards/abandoned``,
-``tools/stopped`` and ``tools/abandoned``.
+Stopped and abandoned calls, and worker processes lost (ended without being told: killed from
+outside, as by the out-of-memory killer, or exited), are counted per kind (``rewards``, ``tools``) and
+read once per step (``take_stop_counts``), for the metrics ``rewards/stopped``, ``rewards/abandoned``,
+``rewards/workers_lost`` and their ``tools/`` twins.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 KINDS = ("rewards", "tools")
+HOWS = ("stopped", "abandoned", "workers_lost")
 LOGGERS = ("log_metric", "log_extra")  # a reward's keyword arguments that report to the trainer
 
 _COUNTS: collections.Counter = collections.Counter()
@@ -44,9 +46,10 @@ class WorkerFault(Exception):
     """A call that failed in a child or worker process; ``str()`` says how, worded as for a call in the
     trainer's process ("raised ValueError: ..."), and the child's traceback is its cause."""
 
-    def __init__(self, description: str, worker_traceback: str = "", died: bool = False):
+    def __init__(self, description: str, worker_traceback: str = "", died: bool = False, how: str = ""):
         super().__init__(description)
         self.died = died  # the process itself ended (killed from outside, or it exited), not the call raising
+        self.how = how  # then how it ended ("signal 9: Killed", "exit code 3")
         if worker_traceback:
             self.__cause__ = _WorkerTraceback(worker_traceback)
 
@@ -56,17 +59,27 @@ class _WorkerTraceback(Exception):
 
 
 def count(kind: str, how: str) -> None:
-    """One call of ``kind`` (rewards, tools) ``how`` (stopped, abandoned) past its time limit."""
+    """One call of ``kind`` (rewards, tools) ``how`` (stopped, abandoned) past its time limit, or one of
+    its worker processes lost (``workers_lost``)."""
     with _COUNTS_LOCK:
         _COUNTS[f"{kind}/{how}"] += 1
 
 
 def take_stop_counts() -> dict[str, float]:
-    """The calls stopped and abandoned since the last time this was asked, by metric name."""
+    """The calls stopped and abandoned, and the workers lost, since the last time this was asked, by metric name."""
     with _COUNTS_LOCK:
-        taken = {f"{kind}/{how}": float(_COUNTS[f"{kind}/{how}"]) for kind in KINDS for how in ("stopped", "abandoned")}
+        taken = {f"{kind}/{how}": float(_COUNTS[f"{kind}/{how}"]) for kind in KINDS for how in HOWS}
         _COUNTS.clear()
     return taken
+
+
+def worker_lost(kind: str, how_it_ended: str, what_next: str) -> None:
+    """A worker process of ``kind`` found ended without being told to: counted (``<kind>/workers_lost``)
+    and warned about, with ``what_next`` (the call run again, the worker replaced)."""
+    count(kind, "workers_lost")
+    warnings.warn(f"a {kind} worker process ended ({how_it_ended}) without being told to: killed from outside "
+                  f"(the out-of-memory killer?) or exited (os._exit in the function?); {what_next}. Counted in "
+                  f"{kind}/workers_lost", RuntimeWarning, stacklevel=3)
 
 
 def can_fork() -> bool:
@@ -148,7 +161,7 @@ def call_in_child(func: Callable, kwargs: dict, timeout: float, kind: str = "rew
         kill_group(process)
         theirs.close()
     if reply is None:
-        raise WorkerFault(f"ended its process ({ended_how(process)})", died=True)
+        raise WorkerFault(f"ended its process ({ended_how(process)})", died=True, how=ended_how(process))
     status, *rest, logs = reply
     for name, args in logs:
         kwargs[name](*args)

@@ -11,6 +11,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +27,10 @@ from covey.rollout.wire import (PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, Serv
 
 START_HINT = ("start it with `covey server CONFIG --backend vllm` (vllm serve with the flags covey needs) or as "
               "docs/vllm.md shows")
+
+
+class ServerLost(ModelError):
+    """The server did not answer a request: it stopped, or the connection to it broke."""
 
 
 class ServerAPI:
@@ -53,7 +58,7 @@ class ServerAPI:
         except urllib.error.HTTPError as e:
             raise _http_error(self.url, path, e) from None
         except (urllib.error.URLError, OSError) as e:
-            raise ModelError(f"lost the server at {self.url} on {path} ({getattr(e, 'reason', e)}); is it still "
+            raise ServerLost(f"lost the server at {self.url} on {path} ({getattr(e, 'reason', e)}); is it still "
                              "running? Its own output says why it stopped") from None
         try:
             return json.loads(body) if body else None
@@ -119,7 +124,11 @@ class ServerEngine(OwnWeights):
     (the server's ``weight_version``): before sampling, the engine checks that the server still holds
     the push it made, and a server that restarted gets the policy again. Several training processes
     share one server (``shared_by_processes``): the first pushes, the others are told the version it
-    pushed (``follow_pushes``) and check for it."""
+    pushed (``follow_pushes``) and check for it. A server lost during a generation (killed, restarted)
+    is waited for, up to ``timeout`` seconds; once it answers again it is given the policy again and
+    the round is sampled again, with the same seeds."""
+
+    LOSSES_PER_GENERATION = 3  # a server lost more often in one generation is crashing: the run stops
 
     shared_by_processes = True
 
@@ -129,6 +138,7 @@ class ServerEngine(OwnWeights):
         self.host, self.port, self.group_port = host, port, group_port
         self.api = ServerAPI(self.url, token or server_token())
         self.pad_token_id, self.eos_token_ids = pad_token_id, eos_token_ids
+        self.timeout = timeout
         self._wait_for_health(timeout)
         self.info = self._server_info()
         self.exact_logprobs = self.info.exact_logprobs
@@ -150,6 +160,31 @@ class ServerEngine(OwnWeights):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
+        for losses in range(1, self.LOSSES_PER_GENERATION + 1):
+            try:
+                return self._generate(prompt_ids, num_generations, params, seed)
+            except ServerLost as lost:
+                if losses == self.LOSSES_PER_GENERATION:
+                    raise ModelError(f"{lost}. It was lost {losses} times during one generation: is it crashing? "
+                                     "Restart it, then resume the run from its last checkpoint "
+                                     "(--resume-from-checkpoint auto)") from None
+                self._wait_for_return(lost)
+        raise AssertionError("unreachable")
+
+    def _wait_for_return(self, lost: ServerLost) -> None:
+        """Wait up to ``timeout`` seconds for a lost server to answer again; it has lost the transfer group."""
+        warnings.warn(f"{lost}; waiting up to {self.timeout:g} s (vllm_server_timeout) for it to answer again, "
+                      "then the policy is pushed to it again and the round sampled again", RuntimeWarning, stacklevel=3)
+        self.sender = None
+        try:
+            self._wait_for_health(self.timeout)
+        except ConfigError:
+            raise ModelError(f"{lost}, and it did not answer again within {self.timeout:g} s (vllm_server_timeout). "
+                             "Restart it, then resume the run from its last checkpoint (--resume-from-checkpoint "
+                             "auto)") from None
+
+    def _generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                  seed: int | None) -> Rollout:
         if self.pushes:
             self._push_if_stale()
         self._check_weights()
@@ -220,6 +255,8 @@ class ServerEngine(OwnWeights):
             self.sender.send(weights)
         except Exception as e:
             self.sender = None
+            if not self._answers():  # it died under the push: waited for like any server lost
+                raise ServerLost(f"lost the server at {self.url} while pushing the policy to it ({e})") from e
             raise ModelError(f"pushing the policy to the server at {self.url} failed midway ({e}). The server is "
                              f"left paused, holding a partly updated model named {version}-incomplete, so nothing "
                              "samples from it unknowingly: restart it, then resume the run from its last checkpoint "
@@ -227,6 +264,13 @@ class ServerEngine(OwnWeights):
         self.api.post("/update_weight_version", {"new_version": version})
         self.api.post("/resume")
         self.policy, self.pushed_version, self.pushes_made = model, version, self.pushes_made + 1
+
+    def _answers(self) -> bool:
+        try:
+            self.api.get("/health", timeout=5.0)
+        except ModelError:
+            return False
+        return True
 
     def _open_sender(self) -> Sender:
         backend = self.info.weight_transfer

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 from covey import core
-from covey.rewards.stoppable import take_stop_counts
+from covey.rewards.stoppable import HOWS, KINDS, take_stop_counts
 from covey.train.batch import ScoredBatch, Update
 
 # metrics that are a state or a running count: the last value of a logging interval, not its mean
 LAST_OF_INTERVAL = ("learning_rate", "bad_steps", "rewards/errors")
 # counts of events since the step before: the sum over a logging interval
-SUM_OF_INTERVAL = ("rewards/stopped", "rewards/abandoned", "tools/stopped", "tools/abandoned")
+SUM_OF_INTERVAL = tuple(f"{kind}/{how}" for kind in KINDS for how in HOWS)
 
 
 def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], reward_weights_F,
@@ -64,7 +64,7 @@ def step_metrics(batch: ScoredBatch, update: Update, reward_names: list[str], re
         "grad_norm": update.grad_norm,
         "bad_steps": float(update.bad_steps),
         "rewards/errors": float(reward_errors),
-        **take_stop_counts(),  # reward and tool calls past their time limit since the step before, in this process
+        **take_stop_counts(),  # reward and tool calls past their time limit, and workers lost, since the step before, in this process
         "step_time": update.step_time,
         **update.timings,
         **dynamic_sampling,
