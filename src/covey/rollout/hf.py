@@ -7,6 +7,7 @@ import torch
 from covey.core import completion_mask
 from covey.models import autocast, plain_model
 from covey.rollout.engine import EngineSettings, Rollout, SamplesWithPolicy, SamplingParams, left_pad
+from covey.vision import batch_images, model_inputs, placeholder_token_ids
 
 
 class HFEngine(SamplesWithPolicy):
@@ -39,6 +40,11 @@ class HFEngine(SamplesWithPolicy):
             raise ValueError("stop strings are supported by the 'fast' rollout engine only")
         sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                                  min_p=params.min_p or None)
+        # a vision-language model's prompts: their pictures, and image tokens never sampled (as TRL)
+        images = batch_images(repeated)
+        pictures = {} if images is None else model_inputs(images, attention_mask)
+        if images is not None and (placeholders := placeholder_token_ids(plain_model(self.model).config)):
+            sampling["suppress_tokens"] = placeholders
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
@@ -52,7 +58,8 @@ class HFEngine(SamplesWithPolicy):
         try:
             with autocast(device, self.bf16):
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                          generation_config=generation_config)
+                                          generation_config=generation_config,
+                                          **{key: value.to(device) for key, value in pictures.items()})
         finally:
             self.model.train(was_training)
             holder.generation_config = saved_config

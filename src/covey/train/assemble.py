@@ -29,6 +29,7 @@ from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
 from covey.train.step import Rewards, StepParts
 from covey.train.trl_api import named_eval_sets
+from covey.vision import text_tokenizer
 
 
 @dataclass
@@ -86,7 +87,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     hub = HubPush.connect(args, run_dir, world)
     torch.manual_seed(world.seed(args.seed))  # dropout masks of its own in each process
 
-    tokenizer = handed.processing_class
+    tokenizer = text_tokenizer(handed.processing_class)  # a processor's tokenizer keeps it (covey_processor)
     if tokenizer is not None:
         prepare_tokenizer(tokenizer)
     else:

@@ -44,6 +44,7 @@ from covey.train.batch import FixedLogprobs, Progress, Prompts, Samples, ScoredB
 from covey.train.distributed import World
 from covey.train.forward import SequenceBatch, TrainingForward
 from covey.train.sharding import PolicyCopy, grad_norm_value
+from covey.vision import batch_images
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
         # what reward functions logged with log_extra, beside (never over) what is recorded already
         record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
     prompt_ids_BP, prompt_mask_BP = left_pad(made.prompt_ids, parts.tokenizer.pad_token_id)
-    sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT)
+    sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT,
+                              batch_images(made.prompt_ids))
     return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, rewards_BF, rollout.finish_reasons, records)
 
 
@@ -495,7 +497,7 @@ def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: 
     else:
         prompt = torch.tensor([parts.prompts.ids[0]])
         micro = SequenceBatch(prompt, torch.ones_like(prompt), torch.tensor([[parts.eos_ids[0]]]),
-                              torch.ones(1, 1, dtype=torch.long))
+                              torch.ones(1, 1, dtype=torch.long), batch_images(parts.prompts.ids[:1]))
     with autocast(parts.device, parts.args.bf16):
         logp_BT, _ = forward(micro, parts.sampling.distribution, True, False)
     (logp_BT.sum() * 0.0).backward()
