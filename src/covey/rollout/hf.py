@@ -13,6 +13,8 @@ from covey.vision import batch_images, model_inputs, placeholder_token_ids
 class HFEngine(SamplesWithPolicy):
     """Sampling with ``transformers`` ``generate`` on the policy itself."""
 
+    takes_images = True  # a prompt's pictures ride on its ids (covey.vision.ImagePromptIds)
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], bf16: bool = False):
         self.model = model
         self.pad_token_id = pad_token_id

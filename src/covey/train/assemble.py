@@ -29,6 +29,7 @@ from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
 from covey.train.step import Rewards, StepParts
 from covey.train.trl_api import named_eval_sets
+from covey.train.vision_run import pictures, with_picture_engine
 from covey.vision import text_tokenizer
 
 
@@ -77,6 +78,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
         eval_dataset = [dict(row) for rows in named_eval_sets(eval_dataset).values() for row in rows]
     rows = setup.load_run_rows(args, handed.train_dataset, eval_dataset, funcs, world.size, environment,
                                own_rollouts=rollout_func is not None)
+    args = with_picture_engine(args, rows.train)  # prompts with pictures: transformers' generate unless asked
+    check((pictures,), args, dataclasses.replace(handed, train_dataset=rows.train))  # data read from a file too
     if args.eval_strategy == "steps" and not rows.heldout:
         raise ConfigError(f"eval_strategy: steps evaluates on held-out data, and {rows.source} brings none: give "
                           "eval_dataset (or a built-in task), or set eval_strategy: no")

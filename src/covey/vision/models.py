@@ -110,6 +110,14 @@ def lora_exclusion(model: torch.nn.Module) -> str:
     return "|".join(rf"{re.escape(name)}(\..*)?" for name in vision_parts(model))
 
 
+def vision_lora_options(model: torch.nn.Module, train_vision_tower: bool) -> dict[str, Any]:
+    """covey's own LoRA adapter (``add_lora``'s further options) on a vision-language model: none on the vision
+    tower and projector unless ``train_vision_tower``."""
+    if not is_vision_model(model) or train_vision_tower:
+        return {}
+    return {"exclude_modules": lora_exclusion(model)}
+
+
 def check_vision_settings(model: Any, train_vision_tower: bool) -> None:
     """train_vision_tower is for vision-language models only."""
     if train_vision_tower and model is not None and not isinstance(model, str) and not is_vision_model(model):
