@@ -147,7 +147,8 @@ def test_sampling_and_the_log_prob_pass_see_the_same_pictures(family):
     name, model, processor = family
     tokenizer, ids = encoded(processor, picture_rows(3))
     engine = HFEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
-    rollout = engine.generate(ids, 2, SamplingParams(max_new_tokens=6), seed=0)
+    params = SamplingParams(max_new_tokens=6, suppress=tuple(placeholder_token_ids(model.config)))
+    rollout = engine.generate(ids, 2, params, seed=0)
     repeated = [p for p in ids for _ in range(2)]
     from covey.rollout import left_pad
 
@@ -159,10 +160,13 @@ def test_sampling_and_the_log_prob_pass_see_the_same_pictures(family):
         logp, _ = completion_logprobs(model, sequences)
     # the log-prob pass is the model's own forward with the pictures
     assert float((logp - plain_logprobs(model, sequences)).abs()[mask].max()) < 1e-5
-    # and sampling drew from it (the image tokens, never sampled, aside)
-    suppressed = placeholder_token_ids(model.config)
-    gap = (rollout.sampling_logp_BT - plain_logprobs(model, sequences, suppressed)).abs()[mask].max()
+    # sampling drew from it, less the image tokens, which the distribution the trainer computes says too
+    gap = (rollout.sampling_logp_BT - plain_logprobs(model, sequences, params.suppress)).abs()[mask].max()
     assert float(gap) < 1e-4
+    with torch.no_grad():
+        trainer_logp, _ = completion_logprobs(model, sequences, params.distribution)
+    assert float((rollout.sampling_logp_BT - trainer_logp).abs()[mask].max()) < 1e-4
+    assert not set(rollout.completion_ids_BT[mask].tolist()) & set(params.suppress)
     # other pixels under the same ids give other log-probs: the pictures are what was seen
     blank = [p.images.__class__({k: v + 1.0 if v.is_floating_point() else v
                                  for k, v in p.images.tensors.items()}, p.images.token_fields, (), ()) for p in ids]
@@ -284,3 +288,27 @@ def test_a_trl_vision_script_runs_with_only_its_import_changed(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+# ---- covey verify ----------------------------------------------------------------------------------------
+
+
+def test_verify_checks_the_image_stage_and_fails_it_for_a_processor_of_another_model(tmp_path):
+    from covey.verify import verify
+
+    model, processor = BUILDERS["idefics3"]()
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=6)
+    report = verify(args, model=model, processing_class=processor, train_dataset=picture_rows(), reward_funcs=[
+        lambda completions, **kwargs: [len(c[0]["content"]) / 8 for c in completions]])
+    stage = {c.name: c for c in report.checks if c.stage == "images"}
+    assert set(stage) == {"prompts are the processor's", "image tokens match the vision tower's features",
+                          "log-probs equal a plain forward with the pictures", "the pictures change the log-probs"}
+    assert report.first_failure is None, [c for c in report.checks if c.status == "FAIL"]
+    assert stage["image tokens match the vision tower's features"].value == "1 tokens / 1 features, 1 tokens / 1 features"
+    # a processor that writes two image tokens per picture, for a model whose tower gives one feature
+    model, processor = BUILDERS["idefics3"]()
+    processor.image_seq_len = 2
+    report = verify(args, model=model, processing_class=processor, train_dataset=picture_rows(), reward_funcs=[
+        lambda completions, **kwargs: [1.0] * len(completions)])
+    failed = [c for c in report.checks if c.status == "FAIL"]
+    assert report.first_failure == "engine" and "give the model's own processor" in failed[0].hint, failed

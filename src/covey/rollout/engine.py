@@ -32,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end a completion (kept in it)
     greedy: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # the engine's own further settings (generation_kwargs): hf and vLLM
+    suppress: tuple[int, ...] = ()  # token ids never sampled: a vision-language model's image tokens (hf and vLLM)
 
     def __post_init__(self):
         """The same bounds as the config's, for callers (and a server's clients) that bypass it."""
@@ -48,7 +49,7 @@ class SamplingParams:
         """What each token is drawn from given the model's logits (temperature, top-k, top-p, min-p): the
         trainer computes its log-probs of the same distribution. The repetition penalty is not part of it
         (it depends on the tokens before); its engine/trainer mismatch is corrected as a sampler's is."""
-        return core.TokenDistribution(self.temperature, self.top_k, self.top_p, self.min_p)
+        return core.TokenDistribution(self.temperature, self.top_k, self.top_p, self.min_p, self.suppress)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 from covey.core import completion_mask
 from covey.models import autocast, plain_model
 from covey.rollout.engine import EngineSettings, Rollout, SamplesWithPolicy, SamplingParams, left_pad
-from covey.vision import batch_images, model_inputs, placeholder_token_ids
+from covey.vision import batch_images, model_inputs, picture_errors
 
 
 class HFEngine(SamplesWithPolicy):
@@ -42,11 +42,10 @@ class HFEngine(SamplesWithPolicy):
             raise ValueError("stop strings are supported by the 'fast' rollout engine only")
         sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                                  min_p=params.min_p or None)
-        # a vision-language model's prompts: their pictures, and image tokens never sampled (as TRL)
-        images = batch_images(repeated)
+        images = batch_images(repeated)  # a vision-language model's prompts: their pictures
         pictures = {} if images is None else model_inputs(images, attention_mask)
-        if images is not None and (placeholders := placeholder_token_ids(plain_model(self.model).config)):
-            sampling["suppress_tokens"] = placeholders
+        if params.suppress:  # a vision-language model's image tokens (as TRL): the distribution says so too
+            sampling["suppress_tokens"] = list(params.suppress)
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
@@ -58,7 +57,7 @@ class HFEngine(SamplesWithPolicy):
         self.model.eval()
         holder.generation_config = GenerationConfig()
         try:
-            with autocast(device, self.bf16):
+            with autocast(device, self.bf16), picture_errors():
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                           generation_config=generation_config,
                                           **{key: value.to(device) for key, value in pictures.items()})

@@ -29,7 +29,7 @@ from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
 from covey.train.step import Rewards, StepParts
 from covey.train.trl_api import named_eval_sets
-from covey.train.vision_run import pictures, with_picture_engine
+from covey.train.vision_run import picture_sampling, pictures, with_picture_engine
 from covey.vision import text_tokenizer
 
 
@@ -127,7 +127,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     # the prompts of every process, drawn together; each takes its share (World.share)
     sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
     parts = StepParts(args, world, policy, reference, engine, tokenizer, eos_ids, Prompts(train_rows, prompt_ids),
-                      rewards, optimizer, scheduler, setup.sampling_params(args),
+                      rewards, optimizer, scheduler, picture_sampling(setup.sampling_params(args), policy),
                       setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)), setup.engine_correction(args),
                       agent, rollout_func, **({} if sharded is None else vars(sharded)))
     if model is None or isinstance(model, str):

@@ -26,7 +26,7 @@ from transformers.modeling_utils import AttentionInterface
 from covey.core import TokenDistribution
 from covey.models import cache_keyword, is_sharded, plain_model
 from covey.train.head import check_head, head_logprobs
-from covey.vision import PromptImages, backbone, model_inputs
+from covey.vision import PromptImages, backbone, model_inputs, picture_errors
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 
@@ -207,7 +207,8 @@ def _every_row_with_images(model: torch.nn.Module, batch: SequenceBatch):
     dtype = next(model.parameters()).dtype
     inputs = {key: value.to(device, dtype=dtype if value.is_floating_point() else value.dtype)
               for key, value in inputs.items()}
-    hidden = inner(**inputs, use_cache=False).last_hidden_state
+    with picture_errors():
+        hidden = inner(**inputs, use_cache=False).last_hidden_state
     rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
     return hidden[rows_N.to(device), (cols_N + P - 1).to(device)], rows_N, cols_N
 

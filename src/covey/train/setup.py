@@ -477,7 +477,11 @@ def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GR
     epochs becomes one step."""
     if args.max_steps == -1:
         changes = {"max_steps": 1, "num_train_epochs": None, **changes}
-    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0, push_to_hub=False,
-                               gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
-                               steps_per_generation=None, **changes)
+    settings = dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
+                                   push_to_hub=False, gradient_accumulation_steps=1,
+                                   per_device_train_batch_size=num_prompts * args.num_generations,
+                                   steps_per_generation=None, **changes)
+    # what the caller set stays told apart from covey's defaults (such as the engine of prompts with pictures)
+    settings.__dict__["fields_given"] = args.fields_given | set(changes)
+    return settings
 

@@ -9,7 +9,9 @@ from typing import Any
 
 from covey.config import GRPOConfig
 from covey.rules import Need
-from covey.vision import has_images
+from covey.models import plain_model
+from covey.rollout import SamplingParams
+from covey.vision import has_images, is_vision_model, placeholder_token_ids
 from covey.vision.models import check_vision_settings
 
 # the engines that take a prompt's pictures: transformers' generate, and vLLM in the trainer's process
@@ -44,6 +46,14 @@ def with_picture_engine(c: GRPOConfig, rows: list[dict]) -> GRPOConfig:
     if has_images(rows) and picture_engine(c) != c.rollout_engine and picture_engine(c) == "hf":
         return dataclasses.replace(c, rollout_engine="hf")
     return c
+
+
+def picture_sampling(sampling: SamplingParams, model: Any) -> SamplingParams:
+    """A vision-language model's sampling: its image tokens never sampled (as TRL), which the distribution the
+    trainer computes log-probs of says too."""
+    if not is_vision_model(plain_model(model)):
+        return sampling
+    return dataclasses.replace(sampling, suppress=tuple(placeholder_token_ids(plain_model(model).config)))
 
 
 def pictures(c: GRPOConfig, h: Any, need: Need) -> None:

@@ -32,6 +32,7 @@ from covey.rewards import reward_name
 from covey.train.setup import build_engine, one_batch_settings
 from covey.train.step import Rewards, fixed_logprobs, score_prompts
 from covey.train.trainer import GRPOTrainer
+from covey.verify.images import check_images
 from covey.verify import stages
 from covey.verify.report import STAGES, Check, Report, print_report
 
@@ -83,6 +84,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
     logp_BT = stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
+    check_images(report, parts, batch, indices)
     stages.check_loss(report, parts, batch, fixed, logp_BT)
     stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     stages.check_engine(report, parts, batch, logp_BT, engine.rollout)

@@ -12,12 +12,13 @@ log-prob pass (training, old policy, reference) hand the model the very same inp
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from covey.errors import DataError
+from covey.errors import DataError, ModelError
 from covey.vision.rows import image_label, prompt_images
 
 
@@ -140,3 +141,18 @@ def placeholder_token_ids(config: Any) -> list[int]:
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
     return sorted(ids)
+
+
+@contextlib.contextmanager
+def picture_errors() -> Iterator[None]:
+    """A model's refusal of a prompt's pictures (its image tokens and its vision tower's features disagree in
+    number: a processor of another model) as covey's error, saying what to do."""
+    try:
+        yield
+    except ValueError as e:
+        if "image" not in str(e).lower():
+            raise
+        raise ModelError(f"the model cannot read the prompts' pictures as its processor wrote them ({e}); give the "
+                         "model's own processor as processing_class (AutoProcessor.from_pretrained of the model)"
+                         ) from e
+
