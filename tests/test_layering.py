@@ -10,6 +10,7 @@ inside a function hides a cycle rather than removing it). The layers, from the t
                                  estimate, from a model's config alone
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
+    vision                       pictures in rows and prompts, vision-language models (below data and models)
     core | errors | sources | trl_fields | rules | config_values   the maths (nothing of covey), and leaves
 """
 
