@@ -312,3 +312,59 @@ def test_verify_checks_the_image_stage_and_fails_it_for_a_processor_of_another_m
         lambda completions, **kwargs: [1.0] * len(completions)])
     failed = [c for c in report.checks if c.status == "FAIL"]
     assert report.first_failure == "engine" and "give the model's own processor" in failed[0].hint, failed
+
+
+# ---- several turns, and a run described by its config alone ------------------------------------------------
+
+
+def test_a_later_turn_of_an_episode_still_sees_the_prompt_s_pictures():
+    from covey.rollout import left_pad
+    from covey.rollout.engine import episodes_by_turns
+
+    model, processor = BUILDERS["idefics3"]()
+    tokenizer, ids = encoded(processor, picture_rows(2))
+    engine = HFEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    params = SamplingParams(max_new_tokens=12, suppress=tuple(placeholder_token_ids(model.config)))
+    note = tokenizer("<s>tool\nok</s>\n<s>assistant\n", add_special_tokens=False)["input_ids"]
+    answered = set()
+
+    def respond(row, turn_ids, room):  # one tool message after each episode's first turn
+        if row in answered:
+            return None
+        answered.add(row)
+        return note[:room - 1]
+
+    # short turns: the model's end token made likely, so that a first turn ends before the budget
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 8.0
+    rollout = episodes_by_turns(engine, ids, 2, params, 0, respond, tokenizer.pad_token_id)
+    repeated = [p for p in ids for _ in range(2)]
+    prompt_BP, mask_BP = left_pad(repeated, tokenizer.pad_token_id)
+    sequences = SequenceBatch(prompt_BP, mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT,
+                              batch_images(repeated))
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, sequences, params.distribution)
+    sampled = rollout.sampled_mask_BT.bool()
+    later = sampled & (rollout.sampled_mask_BT.cumsum(1) < torch.arange(1, sampled.shape[1] + 1))  # after a tool message
+    assert later.any(), "no episode had a second turn"
+    assert float((logp - rollout.sampling_logp_BT).abs()[sampled].max()) < 1e-4
+
+
+def test_a_run_described_by_its_config_alone_trains_on_pictures_named_in_a_data_file(tmp_path):
+    folder = saved("idefics3", tmp_path / "tiny-smolvlm")
+    for i in range(2):
+        image(i).save(tmp_path / f"p{i}.png")
+    data = tmp_path / "pictures.jsonl"
+    data.write_text("".join(json.dumps({"prompt": chat(f"What is in picture {i % 2}?"), "image": f"p{i % 2}.png"}) + "\n"
+                            for i in range(4)))
+    args = GRPOConfig.from_dict(dict(model=folder, dataset=str(data), reward_funcs=["json_format"],
+                                     output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4,
+                                     per_device_train_batch_size=4, max_completion_length=4, eval_max_samples=0))
+    trainer = GRPOTrainer(args=args, quiet=True)
+    assert type(trainer.model).__name__ == "Idefics3ForConditionalGeneration"
+    assert trainer.args.rollout_engine == "hf"  # no engine asked for: transformers' generate takes the pictures
+    trainer.train()
+    saved_model = tmp_path / "run" / "final_model"
+    from transformers import AutoProcessor
+
+    assert type(AutoProcessor.from_pretrained(saved_model)).__name__ == "Idefics3Processor"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,19 @@ def load_processor_tokenizer(path: str, trust_remote_code: bool = False, revisio
     except (OSError, ValueError, ImportError):
         return None
     return text_tokenizer(processor) if is_processor(processor) else None
+
+
+def save_processor(tokenizer: Any, folder: Any) -> None:
+    """The processor a run's tokenizer keeps (a vision-language model's), saved in ``folder`` beside the model
+    so that ``AutoProcessor`` loads it from there; a processor that cannot be saved is warned of."""
+    processor = getattr(tokenizer, "covey_processor", None)
+    if processor is None:
+        return
+    try:
+        processor.save_pretrained(folder)
+    except (AttributeError, TypeError, ValueError, OSError) as e:
+        warnings.warn(f"the model's processor ({type(processor).__name__}) could not be saved with it ({e}); save it "
+                      "yourself beside the model (processor.save_pretrained)", stacklevel=2)
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:
