@@ -99,3 +99,29 @@ def saved(family: str, folder) -> str:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return str(folder)
+
+
+def llava(seed: int = 0):
+    """(model, processor) of a tiny LLaVA: a CLIP vision tower on 32-pixel pictures, four image tokens each."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = _tokenizer(["<image>"], "<image>")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=16,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, bos_token_id=2, eos_token_id=3, pad_token_id=0),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=16, projection_dim=32),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+        vision_feature_layer=-1, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 2, 3
+    return model, processor
+
+
+BUILDERS["llava"] = llava
