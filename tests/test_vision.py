@@ -213,6 +213,9 @@ def test_a_short_lora_run_trains_the_language_model_only(tmp_path, family):
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     shown = {part["image"] for r in records for part in r["prompt"][0]["content"] if part["type"] == "image"}
     assert shown <= {image_label(image(i)) for i in range(4)} and shown  # which picture each completion answered
+    from covey.data.text import prompt_text
+
+    assert prompt_text(records[0]["prompt"]).startswith("[image:")  # as the tables and the report show it
 
 
 def test_full_fine_tuning_freezes_the_vision_tower_unless_asked(tmp_path):

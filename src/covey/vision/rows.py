@@ -178,15 +178,15 @@ def _structured(message: Any) -> Any:
 
 def content_text(content: Any) -> str:
     """What a message's content says as text: a string as it is; parts as their text, a picture as its label
-    in brackets."""
+    in brackets (as the completions tables and the report show which picture a completion answered)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         shown = []
         for part in content:
             if isinstance(part, dict) and part.get("type") == "image":
-                picture = part.get("image")
-                shown.append(f"[{image_label(picture) if is_image(picture) else 'image'}]")
+                picture = part.get("image")  # a picture, or (read back from completions.jsonl) its label
+                shown.append(f"[{image_label(picture) if is_image(picture) else picture or 'image'}]")
             elif isinstance(part, dict) and part.get("type") == "text":
                 shown.append(str(part.get("text", "")))
         return " ".join(shown)
