@@ -371,3 +371,20 @@ def test_a_run_described_by_its_config_alone_trains_on_pictures_named_in_a_data_
     from transformers import AutoProcessor
 
     assert type(AutoProcessor.from_pretrained(saved_model)).__name__ == "Idefics3Processor"
+
+
+def test_vllm_is_given_each_picture_s_placeholder_as_the_chat_template_wrote_it():
+    from covey.rollout.vllm_engine import vllm_prompt
+    from covey.vision import with_images_of
+
+    model, processor = BUILDERS["idefics3"]()
+    tokenizer, ids = encoded(processor, picture_rows(1))
+    text = processor.apply_chat_template(load_rows(picture_rows(1))[0]["prompt"], add_generation_prompt=True,
+                                         tokenize=False)
+    written = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = vllm_prompt(ids[0])
+    assert prompt["prompt_token_ids"] == written and len(written) < len(ids[0])  # the processor expanded it
+    assert [image_label(p) for p in prompt["multi_modal_data"]["image"]] == [image_label(image(0))]
+    later = vllm_prompt(with_images_of(ids[0], list(ids[0]) + [40, 41]))  # an episode's later turn
+    assert later["prompt_token_ids"] == written + [40, 41]
+    assert vllm_prompt([5, 6]) == {"prompt_token_ids": [5, 6]}

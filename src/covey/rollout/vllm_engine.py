@@ -74,13 +74,14 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
 
 
 def vllm_prompt(ids: list[int]) -> dict[str, Any]:
-    """vLLM's prompt of token ids: with the prompt's pictures (which its processor turns into the features the
-    ids' image tokens stand for) where it carries any."""
+    """vLLM's prompt of token ids: with the prompt's pictures where it carries any, which vLLM's processor turns
+    into image tokens and features as the model's processor did for the trainer."""
     images = images_of(ids)
-    prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
-    if images is not None:
-        prompt["multi_modal_data"] = {"image": list(images.pictures)}
-    return prompt
+    if images is None:
+        return {"prompt_token_ids": list(ids)}
+    # each picture's placeholder as the chat template wrote it: vLLM expands it (one already expanded may be
+    # expanded again, as vLLM 0.32 does Idefics3's)
+    return {"prompt_token_ids": images.unexpanded(list(ids)), "multi_modal_data": {"image": list(images.pictures)}}
 
 
 # ---- the engine ------------------------------------------------------------------------------------

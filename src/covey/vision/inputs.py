@@ -30,6 +30,14 @@ class PromptImages:
     token_fields: dict[str, torch.Tensor]  # (P,) fields that go with each prompt token
     pictures: tuple  # the PIL images, in order (what an engine with its own processor, vLLM, is given)
     labels: tuple[str, ...]  # each picture's label (``image_label``)
+    # the prompt as the chat template wrote it, each picture one placeholder (what vLLM expands itself), and
+    # the length of the processor's expansion of it (the ids after it are an episode's later tokens)
+    template_ids: tuple[int, ...] = ()
+    expanded_length: int = 0
+
+    def unexpanded(self, ids: list[int]) -> list[int]:
+        """``ids`` (this prompt, expanded, and what followed it) with the prompt as the chat template wrote it."""
+        return [*self.template_ids, *ids[self.expanded_length:]]
 
     @property
     def count(self) -> int:
@@ -77,8 +85,9 @@ def encode_image_prompt(processor: Any, messages: list[dict], where: str, **temp
             token_fields[key] = value[0]
         else:
             tensors[key] = value
+    template_ids = tuple(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
     return ImagePromptIds(ids.tolist(), PromptImages(tensors, token_fields, tuple(pictures),
-                                                     tuple(image_label(p) for p in pictures)))
+                                                     tuple(image_label(p) for p in pictures), template_ids, len(ids)))
 
 
 def batch_images(prompt_ids: list) -> tuple[PromptImages | None, ...] | None:
