@@ -4,7 +4,8 @@ steps of the default run, synchronous against asynchronous generation (step time
 trainer and the worker sharing the GPU), and, where vLLM is installed, vLLM itself: colocated (log-probs, pushed
 weights taking effect, sleep mode, speed against the fast engine), as a server taking pushes (over
 NCCL with two GPUs; over covey_gloo with one, since NCCL refuses two ranks on one GPU), and a short
-GRPO run sampling with it; and covey plan's estimate of a step's peak against
+GRPO run sampling with it; tiny vision-language models sampling and training with pictures
+(``benchmarks.vision_check``); and covey plan's estimate of a step's peak against
 torch.cuda.max_memory_allocated (skipped without CUDA). Each vLLM part runs in a process of its own (one vLLM per process).
 
     python -m benchmarks.device_check            # on the GPU (the default model is on CUDA when there is one)
@@ -30,6 +31,7 @@ import urllib.request
 
 import torch
 
+from benchmarks import vision_check
 from benchmarks.common import load_default
 from covey.rollout.fast.engine import FastEngine
 from covey.train.forward import SequenceBatch, completion_logprobs
@@ -360,6 +362,9 @@ def main() -> int:
               "step times " + ", ".join(f"{h['step_time']:.2f}" for h in history) + " s")
     check_async(3 if args.quick else 6)
     check_plan(args.quick)
+    vision_failures = len(vision_check.FAILURES)
+    vision_check.check_vision(args.quick)  # tiny vision-language models: pictures in sampling and training
+    failures.extend(vision_check.FAILURES[vision_failures:])
     if importlib.util.find_spec("vllm") is None:
         print("info vLLM is not installed here: its checks were not run")
     else:

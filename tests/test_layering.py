@@ -10,6 +10,7 @@ inside a function hides a cycle rather than removing it). The layers, from the t
                                  estimate, from a model's config alone
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
+    vision                       pictures in rows and prompts, vision-language models (below data and models)
     core | errors | sources | trl_fields | rules | config_values   the maths (nothing of covey), and leaves
 """
 
@@ -26,18 +27,19 @@ MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(), "sources": set(), "trl_fields": set(), "rules": {"errors"},
     "core": set(),  # the maths import nothing of covey
     "config_values": {"errors"},
+    "vision": {"errors"},  # pictures in rows and prompts, vision-language models: what data and models stand on
     "config": {"errors", "sources", "trl_fields", "rules", "config_values"},
-    "data": {"errors", "sources"},
-    "models": {"errors", "sources"},
-    "rewards": {"errors", "sources", "data"},  # rewards know no trainer
-    "rollout": {"errors", "core", "models"},  # engines know no rewards and no run config
-    "telemetry": {"errors", "data", "config"},  # telemetry knows no loop
-    "agents": {"errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
-    "train": {"errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
-    "verify": {"errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
+    "data": {"vision", "errors", "sources"},
+    "models": {"vision", "errors", "sources"},
+    "rewards": {"vision", "errors", "sources", "data"},  # rewards know no trainer
+    "rollout": {"vision", "errors", "core", "models"},  # engines know no rewards and no run config
+    "telemetry": {"vision", "errors", "data", "config"},  # telemetry knows no loop
+    "agents": {"vision", "errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
+    "train": {"vision", "errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
+    "verify": {"vision", "errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
-    "plan": {"errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights
-    "cli": {"errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
+    "plan": {"vision", "errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights
+    "cli": {"vision", "errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
             "agents", "train", "verify", "plan", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
     "__main__": {"cli"},

@@ -81,6 +81,7 @@ class GRPOConfig:
     lora_modules_to_save: list | None = _f(None, "modules trained in full beside the adapter, and saved with it")
     use_rslora: bool = _f(False, "rank-stabilised LoRA: scale = lora_alpha / sqrt(lora_r)")
     use_dora: bool = _f(False, "DoRA: LoRA plus a trained magnitude per output (samples with rollout_engine: fast or hf)")
+    train_vision_tower: bool = _f(False, "a vision-language model: train its vision tower and projector too (LoRA adapters on them, or their full weights); by default only the language model trains")
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
     dataset_config: str | None = _f(None, "configuration (subset) of a Hugging Face dataset id, such as gsm8k's main")

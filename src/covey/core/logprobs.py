@@ -34,10 +34,11 @@ class TokenDistribution:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    suppressed: tuple[int, ...] = ()  # tokens never sampled (a vision-language model's image tokens)
 
     @property
     def truncates(self) -> bool:
-        return bool(self.top_k) or self.top_p < 1.0 or bool(self.min_p)
+        return bool(self.top_k) or self.top_p < 1.0 or bool(self.min_p) or bool(self.suppressed)
 
     def logits(self, logits_NV: torch.Tensor, ids_N: torch.Tensor | None = None) -> torch.Tensor:
         """x / temperature in float32, -inf at the tokens the truncation drops, which it decides without a
@@ -47,7 +48,10 @@ class TokenDistribution:
         if not self.truncates:
             return scaled
         with torch.no_grad():
-            removed = truncated_away(scaled, self.top_k, self.top_p, self.min_p)
+            kept = scaled
+            if self.suppressed:  # before the truncation, as transformers' and vLLM's samplers do
+                kept = scaled.index_fill(-1, torch.tensor(self.suppressed, device=scaled.device), -torch.inf)
+            removed = truncated_away(kept, self.top_k, self.top_p, self.min_p) | kept.isneginf()
             if ids_N is not None:
                 removed.scatter_(-1, ids_N.unsqueeze(-1), False)
         return scaled.masked_fill(removed, -torch.inf)

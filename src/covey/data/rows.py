@@ -14,6 +14,7 @@ from typing import Any
 from covey.data import tasks
 from covey.errors import DataError
 from covey.sources import why_unloadable
+from covey.vision import valid_content, with_images_in_prompts
 
 # what every reward call receives from the trainer beside the dataset's columns, which pass by name: no
 # column may be called so (``environments``: the episodes' environment instances, where there are any)
@@ -54,13 +55,15 @@ def load_rows(spec: Any, split: str = "train", system_prompt: str | None = None,
         else:
             rows = _load_with_datasets(spec, split=split, **({} if config is None else {"name": config}))
         source = spec
+        folder = path.parent if file_format is not None else None
     else:
-        rows, source = [dict(r) for r in spec], "train_dataset"
+        rows, source, folder = [dict(r) for r in spec], "train_dataset", None
     covey_wrote_prompts = isinstance(spec, str) and spec in tasks.TASKS  # a built-in task's
     if rows and "prompt" not in rows[0] and {"question", "answer"} <= set(rows[0]):
         rows, covey_wrote_prompts = tasks.gsm8k_rows(rows, source), True
     elif rows and "prompt" not in rows[0] and prompts_from_environment:
         rows = [{"prompt": EMPTY_PROMPT, **row} for row in rows]
+    rows = with_images_in_prompts(rows, source, folder)  # an image / images column: pictures in the prompts
     check_rows(rows, source)
     if system_prompt is None:
         return rows
@@ -186,11 +189,19 @@ def check_rows(rows: list[dict], source: str) -> None:
             ok = bool(prompt.strip())
         else:
             ok = isinstance(prompt, list) and len(prompt) > 0 and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in prompt) and any(m["content"].strip() for m in prompt)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and valid_content(m.get("content"))
+                for m in prompt) and any(_says_something(m["content"]) for m in prompt)
         if not ok:
             raise DataError(f"{source}, row {i}: 'prompt' must be a non-empty string or a list of "
-                            f"{{'role': ..., 'content': ...}} messages, got {prompt!r:.120}")
+                            f"{{'role': ..., 'content': ...}} messages (content: a string, or a list of "
+                            f"{{'type': 'text', 'text': ...}} and {{'type': 'image'}} parts), got {prompt!r:.120}")
+
+
+def _says_something(content) -> bool:
+    """A message's content has text or a picture."""
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(part["type"] == "image" or part["text"].strip() for part in content)
 
 
 def is_conversational(rows: list[dict]) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from covey.errors import DataError
+from covey.vision import content_text, encode_image_prompt, image_parts
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
@@ -24,6 +25,10 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif image_parts(prompt):
+            shown = None if tools is None else tools[i]
+            ids = encode_image_prompt(_processor(tokenizer, source, i), prompt, f"{source}, row {i}",
+                                      **(template_kwargs or {}), **({} if shown is None else {"tools": shown}))
         else:
             shown = None if tools is None else tools[i]
             text = render_chat(tokenizer, prompt, True, template_kwargs=template_kwargs,
@@ -34,11 +39,25 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
                 raise DataError(f"{source}, row {i}: prompt is {len(ids)} tokens, over max_prompt_length="
                                 f"{max_prompt_length}; raise max_prompt_length, shorten the prompt, or set "
                                 "prompt_overflow: drop | truncate_left")
+            if overflow == "truncate_left" and image_parts(prompt):
+                raise DataError(f"{source}, row {i}: prompt is {len(ids)} tokens, over max_prompt_length="
+                                f"{max_prompt_length}, and shows pictures, whose image tokens cannot be cut: raise "
+                                "max_prompt_length, or set prompt_overflow: drop")
             if overflowed is not None:
                 overflowed.append((i, len(ids)))
             ids = None if overflow == "drop" else ids[-max_prompt_length:]
         encoded.append(ids)
     return encoded
+
+
+def _processor(tokenizer, source: str, row: int):
+    """The multimodal processor a prompt with pictures is encoded with (kept on the run's tokenizer)."""
+    processor = getattr(tokenizer, "covey_processor", None)
+    if processor is None:
+        raise DataError(f"{source}, row {row}: the prompt shows pictures, and the model's processing class is a "
+                        "tokenizer, which reads text only: give processing_class=AutoProcessor.from_pretrained(...) "
+                        "of a vision-language model (or load one by name: its processor comes with it)")
+    return processor
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, *,
@@ -52,7 +71,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, *,
 def check_chat_template(tokenizer, prompts: list, source: str) -> None:
     """Chat prompts need a tokenizer with a chat template (a base model's has none)."""
     chat = next((i for i, prompt in enumerate(prompts) if not isinstance(prompt, str)), None)
-    if chat is not None and not getattr(tokenizer, "chat_template", None):
+    if chat is not None and not (getattr(tokenizer, "chat_template", None) or
+                                 getattr(getattr(tokenizer, "covey_processor", None), "chat_template", None)):
         model = getattr(tokenizer, "name_or_path", "") or "the model"
         raise DataError(f"{source}, row {chat}: the prompts are chats (lists of messages), but the tokenizer of "
                         f"{model} has no chat template (a base model?); give plain-string prompts, or use a model "
@@ -66,7 +86,7 @@ def prompt_text(prompt: Any) -> str:
     """What to show of a prompt: the last message of a conversation (the system prompt repeats),
     or the prompt itself."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        return str(prompt[-1].get("content", ""))
+        return content_text(prompt[-1].get("content", ""))
     return str(prompt)
 
 

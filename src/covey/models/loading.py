@@ -15,6 +15,7 @@ from covey.models.device import default_device
 from covey.models.embedded import resolve_model_path
 from covey.models.verbosity import quiet_transformers
 from covey.sources import why_unloadable
+from covey.vision.models import is_vision_folder, load_processor_tokenizer, load_vision_model
 
 @dataclass(frozen=True)
 class ModelLoading:
@@ -64,9 +65,10 @@ def check_quantization(quantization: str | None) -> None:
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str = "main"):
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
-                                                  **({} if revision == "main" else {"revision": revision}))
+    try:  # a vision-language model's tokenizer keeps its processor (covey_processor)
+        tokenizer = load_processor_tokenizer(resolve_model_path(name_or_path), trust_remote_code, revision) or \
+            AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
+                                          **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:
         raise _not_loaded(name_or_path, e) from e
     prepare_tokenizer(tokenizer)
@@ -122,6 +124,8 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
 
             # trainable, as a policy is: training goes on from the saved adapter
             model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
+        elif is_vision_folder(path):  # a vision-language model, as AutoModelForImageTextToText loads it
+            model = load_vision_model(path, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, TypeError) as e:  # TypeError: a model_init_kwargs key the model does not take

@@ -18,6 +18,7 @@ import torch
 
 from covey import core
 from covey.errors import ConfigError
+from covey.vision import with_images_of
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end a completion (kept in it)
     greedy: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # the engine's own further settings (generation_kwargs): hf and vLLM
+    suppress: tuple[int, ...] = ()  # token ids never sampled: a vision-language model's image tokens (hf and vLLM)
 
     def __post_init__(self):
         """The same bounds as the config's, for callers (and a server's clients) that bypass it."""
@@ -47,7 +49,7 @@ class SamplingParams:
         """What each token is drawn from given the model's logits (temperature, top-k, top-p, min-p): the
         trainer computes its log-probs of the same distribution. The repetition penalty is not part of it
         (it depends on the tokens before); its engine/trainer mismatch is corrected as a sampler's is."""
-        return core.TokenDistribution(self.temperature, self.top_k, self.top_p, self.min_p)
+        return core.TokenDistribution(self.temperature, self.top_k, self.top_p, self.min_p, self.suppress)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def episodes_by_turns(engine: RolloutEngine, prompt_ids: list[list[int]], num_ge
     turn costs a prefill of the episode (an engine with a prefix cache, such as vLLM, reuses it). A turn
     that runs past its episode's budget is cut there."""
     budget, G = params.max_new_tokens, num_generations
-    prompts = [list(p) for p in prompt_ids for _ in range(G)]
+    prompts = [with_images_of(p, list(p)) for p in prompt_ids for _ in range(G)]
     B = len(prompts)
     ids: list[list[int]] = [[] for _ in range(B)]
     sampled: list[list[int]] = [[] for _ in range(B)]
@@ -196,8 +198,8 @@ def episodes_by_turns(engine: RolloutEngine, prompt_ids: list[list[int]], num_ge
 
 
 def continuation(prompt_ids: list[int], episode_ids: list[int]) -> list[int]:
-    """What the model's next turn continues: the whole episode so far, its prompt first."""
-    return prompt_ids + episode_ids
+    """What the model's next turn continues: the whole episode so far, its prompt first (and its pictures)."""
+    return with_images_of(prompt_ids, prompt_ids + episode_ids)
 
 
 def padded_rollout(ids: list[list[int]], sampled: list[list[int]], logps: list[list[float]], reasons: list[str],

@@ -7,10 +7,13 @@ import torch
 from covey.core import completion_mask
 from covey.models import autocast, plain_model
 from covey.rollout.engine import EngineSettings, Rollout, SamplesWithPolicy, SamplingParams, left_pad
+from covey.vision import batch_images, model_inputs, picture_errors
 
 
 class HFEngine(SamplesWithPolicy):
     """Sampling with ``transformers`` ``generate`` on the policy itself."""
+
+    takes_images = True  # a prompt's pictures ride on its ids (covey.vision.ImagePromptIds)
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], bf16: bool = False):
         self.model = model
@@ -39,6 +42,10 @@ class HFEngine(SamplesWithPolicy):
             raise ValueError("stop strings are supported by the 'fast' rollout engine only")
         sampling = {} if params.greedy else dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                                  min_p=params.min_p or None)
+        images = batch_images(repeated)  # a vision-language model's prompts: their pictures
+        pictures = {} if images is None else model_inputs(images, attention_mask)
+        if params.suppress:  # a vision-language model's image tokens (as TRL): the distribution says so too
+            sampling["suppress_tokens"] = list(params.suppress)
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **sampling,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids,
@@ -50,9 +57,10 @@ class HFEngine(SamplesWithPolicy):
         self.model.eval()
         holder.generation_config = GenerationConfig()
         try:
-            with autocast(device, self.bf16):
+            with autocast(device, self.bf16), picture_errors():
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                          generation_config=generation_config)
+                                          generation_config=generation_config,
+                                          **{key: value.to(device) for key, value in pictures.items()})
         finally:
             self.model.train(was_training)
             holder.generation_config = saved_config

@@ -29,6 +29,7 @@ from covey.models import plain_model, policy_weights, resolve_model_path
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once, padded_rollout
 from covey.rollout.wire import finish_reason as wire_finish_reason, sampling_fields
 from covey.rollout.weight_transfer import free_port
+from covey.vision import images_of
 
 # The vLLM releases covey is tested with (pyproject.toml's `vllm` extra says the same): the engine relies on
 # their weight-reload lifecycle, their RL endpoints and their registry of weight-transfer backends.
@@ -70,6 +71,17 @@ def rollout_from_outputs(outputs: list[Any], num_generations: int, pad_token_id:
         raise ModelError("vLLM returned no log-prob for some sampled tokens; the engine must ask for logprobs=0")
     logps = [[step[token].logprob for step, token in zip(c.logprobs, row)] for c, row in zip(rows, ids)]
     return padded_rollout(ids, [[1] * len(row) for row in ids], logps, [finish_reason(c) for c in rows], pad_token_id)
+
+
+def vllm_prompt(ids: list[int]) -> dict[str, Any]:
+    """vLLM's prompt of token ids: with the prompt's pictures where it carries any, which vLLM's processor turns
+    into image tokens and features as the model's processor did for the trainer."""
+    images = images_of(ids)
+    if images is None:
+        return {"prompt_token_ids": list(ids)}
+    # each picture's placeholder as the chat template wrote it: vLLM expands it (one already expanded may be
+    # expanded again, as vLLM 0.32 does Idefics3's)
+    return {"prompt_token_ids": images.unexpanded(list(ids)), "multi_modal_data": {"image": list(images.pictures)}}
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -220,6 +232,7 @@ class VLLMEngine(OwnWeights):
     offloaded to host memory, its KV cache freed), leaving the device to training."""
 
     name = "vllm"
+    takes_images = True  # a prompt's pictures go to vLLM's own processor (multi_modal_data)
 
     def __init__(self, settings: EngineSettings, pad_token_id: int, eos_token_ids: list[int],
                  policy: torch.nn.Module | None = None, model_path: str | None = None):
@@ -250,12 +263,14 @@ class VLLMEngine(OwnWeights):
 
         def sample(n: int) -> Rollout:
             kwargs = sampling_fields(params, n, self.eos_token_ids)
+            if params.suppress:  # a vision-language model's image tokens: vLLM's strongest bias keeps them out
+                kwargs["logit_bias"] = {token: -100.0 for token in params.suppress}
             try:
                 per_prompt = [VLLMSamplingParams(**kwargs, seed=s) for s in request_seeds(seed, len(prompt_ids))]
             except ValueError as e:
                 raise ConfigError(f"vLLM rejects the sampling settings: {e}; adjust temperature, top_p, top_k, min_p "
                                   "or repetition_penalty") from None
-            prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+            prompts = [vllm_prompt(ids) for ids in prompt_ids]
             return rollout_from_outputs(self.llm.generate(prompts, per_prompt, use_tqdm=False), n, self.pad_token_id)
 
         if self.sleeps:

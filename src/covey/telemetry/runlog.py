@@ -22,6 +22,7 @@ from covey.telemetry.plain import is_plain, output_console, print_table
 from covey.telemetry.tables import completions_table
 from covey.telemetry.text_signals import SAMPLE_STEPS
 from covey.telemetry.trackers import Tracker
+from covey.vision import jsonable
 
 LIVE_KEYS = (("reward", "reward"), ("reward_std", "std"), ("kl", "kl"), ("completions/mean_length", "len"),
              ("tokens_per_second", "tok/s"))
@@ -121,7 +122,7 @@ class RunLog:
             return
         with open(self.completions_path, "a") as f:
             for record in records:
-                f.write(json.dumps({"step": step, **record}) + "\n")
+                f.write(json.dumps({"step": step, **record}, default=jsonable) + "\n")  # a picture: its label
         self._keep_samples(self.samples + [{"step": step, **record} for record in records])
         if num_to_print != 0 and not self.quiet:
             print_table(self.console, completions_table(records[:num_to_print], title=f"step {step}: sample completions"))
@@ -149,7 +150,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
     """Replace a JSON-lines file in one rename."""
-    _replace(path, "".join(json.dumps(r) + "\n" for r in records))
+    _replace(path, "".join(json.dumps(r, default=jsonable) + "\n" for r in records))
 
 
 def _replace(path: Path, text: str) -> None:

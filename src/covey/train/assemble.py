@@ -31,6 +31,8 @@ from covey.train.parts import Rewards, StepParts
 from covey.train.policy import Policy
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
+from covey.train.vision_run import picture_sampling, pictures, with_picture_engine
+from covey.vision import text_tokenizer
 
 
 @dataclass
@@ -78,6 +80,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
         eval_dataset = [dict(row) for rows in named_eval_sets(eval_dataset).values() for row in rows]
     rows = setup.load_run_rows(args, handed.train_dataset, eval_dataset, funcs, world.size, environment,
                                own_rollouts=rollout_func is not None)
+    args = with_picture_engine(args, rows.train)  # prompts with pictures: transformers' generate unless asked
+    check((pictures,), args, dataclasses.replace(handed, train_dataset=rows.train))  # data read from a file too
     if args.eval_strategy == "steps" and not rows.heldout:
         raise ConfigError(f"eval_strategy: steps evaluates on held-out data, and {rows.source} brings none: give "
                           "eval_dataset (or a built-in task), or set eval_strategy: no")
@@ -88,7 +92,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     hub = HubPush.connect(args, run_dir, world)
     torch.manual_seed(world.seed(args.seed))  # dropout masks of its own in each process
 
-    tokenizer = handed.processing_class
+    tokenizer = text_tokenizer(handed.processing_class)  # a processor's tokenizer keeps it (covey_processor)
     if tokenizer is not None:
         prepare_tokenizer(tokenizer)
     else:
@@ -122,7 +126,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
     # the prompts of every process, drawn together; each takes its share (World.share)
     prompt_sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
-    sampler = Sampler(engine, tokenizer, eos_ids, setup.sampling_params(args), setup.engine_correction(args), agent,
+    sampler = Sampler(engine, tokenizer, eos_ids, picture_sampling(setup.sampling_params(args), policy),
+                      setup.engine_correction(args), agent,
                       rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation)
     sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
     parts = StepParts(args, world, Policy(policy, reference, optimizer, scheduler, *sharded_passes), sampler,

@@ -53,7 +53,8 @@ class Samples:
         index = torch.tensor(rows, dtype=torch.long)
         seq = self.sequences
         return Samples(SequenceBatch(seq.prompt_ids_BP[index], seq.prompt_mask_BP[index], seq.completion_ids_BT[index],
-                                     seq.completion_mask_BT[index]),
+                                     seq.completion_mask_BT[index],
+                                     None if seq.images is None else tuple(seq.images[i] for i in rows)),
                        self.loss_mask_BT[index], self.sampling_logp_BT[index], self.rewards_BF[index],
                        [self.finish_reasons[i] for i in rows], [self.records[i] for i in rows])
 
@@ -75,7 +76,8 @@ class Samples:
         return Samples(SequenceBatch(cat([left(p.sequences.prompt_ids_BP, pad_token_id) for p in parts]),
                                      cat([left(p.sequences.prompt_mask_BP, 0) for p in parts]),
                                      cat([right(p.sequences.completion_ids_BT, pad_token_id) for p in parts]),
-                                     cat([right(p.sequences.completion_mask_BT, 0) for p in parts])),
+                                     cat([right(p.sequences.completion_mask_BT, 0) for p in parts]),
+                                     _joined_images([p.sequences for p in parts])),
                        cat([right(p.loss_mask_BT, 0) for p in parts]), cat([right(p.sampling_logp_BT, 0.0) for p in parts]),
                        cat([p.rewards_BF for p in parts]),
                        [r for p in parts for r in p.finish_reasons], [r for p in parts for r in p.records])
@@ -150,3 +152,10 @@ class StepResult:
     progress: Progress
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # what reward functions logged (log_metric)
     dynamic_sampling: dict[str, float] = field(default_factory=dict)  # DAPO dynamic sampling's counts (when on)
+
+
+def _joined_images(batches: list[SequenceBatch]) -> tuple | None:
+    """The pictures of each row of ``batches`` in order (None: no row of any has one)."""
+    if all(b.images is None for b in batches):
+        return None
+    return tuple(image for b in batches for image in (b.images or (None,) * b.prompt_ids_BP.shape[0]))

@@ -26,6 +26,7 @@ from transformers.modeling_utils import AttentionInterface
 from covey.core import TokenDistribution
 from covey.models import cache_keyword, is_sharded, plain_model
 from covey.train.head import check_head, head_logprobs
+from covey.vision import PromptImages, backbone, model_inputs, picture_errors
 
 PACKED_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # each tested equal to the unpacked forward
 
@@ -38,6 +39,8 @@ class SequenceBatch:
     prompt_mask_BP: torch.Tensor  # (B, P) 1 on prompt tokens
     completion_ids_BT: torch.Tensor  # (B, T) right-padded
     completion_mask_BT: torch.Tensor  # (B, T) 1 on generated tokens (EOS included)
+    # a vision-language model's prompts: each row's pictures as the model takes them (None: no row has any)
+    images: tuple[PromptImages | None, ...] | None = None
 
     def rows(self, index: slice) -> "SequenceBatch":
         """A subset of rows with the padding columns they all share removed."""
@@ -46,7 +49,8 @@ class SequenceBatch:
         first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1]
         last = int(completion_mask.sum(1).max())
         return SequenceBatch(self.prompt_ids_BP[index, first:], prompt_mask[:, first:],
-                             self.completion_ids_BT[index, :last], completion_mask[:, :last])
+                             self.completion_ids_BT[index, :last], completion_mask[:, :last],
+                             None if self.images is None else self.images[index])
 
     def prompt_groups(self) -> torch.Tensor:
         """For each row, the index of its run of consecutive rows with the same prompt. (B,)"""
@@ -92,7 +96,9 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     with _float32_attention(model) if float32_attention else contextlib.nullcontext():
         # the same few tokens whatever the batch (even none): every process of a sharded model runs the same check
         check_head(model, torch.arange(4, device=device).unsqueeze(0))
-        if router_aux_loss:
+        if batch.images is not None:  # the pictures' features stand in the prompts: every row runs whole
+            hidden_NH, rows_N, cols_N = _every_row_with_images(model, batch)
+        elif router_aux_loss:
             hidden_NH, rows_N, cols_N = _every_row_in_full(model, batch, aux)
         else:
             hidden_NH, rows_N, cols_N = completion_hidden_states(model, batch, share_prompt, pack)
@@ -180,6 +186,30 @@ def _every_row_in_full(model: torch.nn.Module, batch: SequenceBatch, router_aux_
         router_aux_loss.append(outputs.aux_loss)
     rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
     # position P - 1 + t predicts completion token t
+    return hidden[rows_N.to(device), (cols_N + P - 1).to(device)], rows_N, cols_N
+
+
+def _every_row_with_images(model: torch.nn.Module, batch: SequenceBatch):
+    """A vision-language model's pass over rows whose prompts show pictures: prompt and completion of every
+    row in one forward of the backbone (vision tower, projector and language model) with each row's pixel
+    inputs, exactly as sampling gave them; hidden states as ``completion_hidden_states``. Positions are the
+    model's own where it computes them from the pictures (Qwen-VL's 3-D rotary positions), else they count
+    real tokens only, as generation numbers them under left padding."""
+    device = next(model.parameters()).device
+    P, T = batch.prompt_ids_BP.shape[1], batch.completion_ids_BT.shape[1]
+    input_ids = torch.cat([batch.prompt_ids_BP, batch.completion_ids_BT], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask_BP, batch.completion_mask_BT], dim=1)
+    inner = backbone(plain_model(model))
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  **model_inputs(batch.images, batch.prompt_mask_BP, T))
+    if not hasattr(inner, "get_rope_index"):
+        inputs["position_ids"] = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    dtype = next(model.parameters()).dtype
+    inputs = {key: value.to(device, dtype=dtype if value.is_floating_point() else value.dtype)
+              for key, value in inputs.items()}
+    with picture_errors():
+        hidden = inner(**inputs, use_cache=False).last_hidden_state
+    rows_N, cols_N = batch.completion_mask_BT.nonzero(as_tuple=True)
     return hidden[rows_N.to(device), (cols_N + P - 1).to(device)], rows_N, cols_N
 
 

@@ -20,6 +20,7 @@ from covey.train import generation
 from covey.train.batch import Progress, Samples, ScoredBatch
 from covey.train.forward import SequenceBatch
 from covey.train.parts import StepParts
+from covey.vision import batch_images
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def sample_round(parts: StepParts, indices: list[int], seed: int, state: Trainer
         # what reward functions logged with log_extra, beside (never over) what is recorded already
         record.update({column: values[i] for column, values in logged_columns.items() if column not in record})
     prompt_ids_BP, prompt_mask_BP = left_pad(made.prompt_ids, sampler.tokenizer.pad_token_id)
-    sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT)
+    sequences = SequenceBatch(prompt_ids_BP, prompt_mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT,
+                              batch_images(made.prompt_ids))
     return Samples(sequences, loss_mask_BT, rollout.sampling_logp_BT, rewards_BF, rollout.finish_reasons, records)
 
 

@@ -16,6 +16,7 @@ from covey.telemetry.tables import accuracy_change, model_card
 from covey.train.checkpoint import written_whole
 from covey.train.run_checkpoints import checkpoint_every_process, whole_model_state
 from covey.train.run_folder import claim_run_dir, write_run_config
+from covey.vision.models import save_processor
 
 GRPOTrainer = Any  # a covey.train.trainer.GRPOTrainer, which imports this module
 
@@ -74,6 +75,7 @@ def write_model(trainer: GRPOTrainer, folder: Path) -> Path:
     def write() -> Path:
         with written_whole(folder, f"{folder.name}-*") as tmp:
             trainer.model.save_pretrained(tmp, safe_serialization=True, state_dict=whole)
+            save_processor(trainer.tokenizer, tmp)  # a vision-language model's, before its tokenizer as loaded
             with tokenizer_as_loaded(trainer.tokenizer) as tokenizer:
                 tokenizer.save_pretrained(tmp)
         return folder

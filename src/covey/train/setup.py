@@ -36,6 +36,7 @@ from covey.sources import load_reference
 from covey.train.distributed import World
 from covey.train.forward import TrainingForward
 from covey.train.sharding import PolicyCopy, Sharding, shard
+from covey.vision.models import freeze_vision_parts, is_vision_model, vision_lora_options
 
 # ---- rewards and data -----------------------------------------------------------------------------
 
@@ -272,7 +273,9 @@ def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Mod
         else:
             policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
                               modules_to_save=args.lora_modules_to_save, use_rslora=args.use_rslora,
-                              use_dora=args.use_dora)
+                              use_dora=args.use_dora, **vision_lora_options(policy, args.train_vision_tower))
+    if is_vision_model(policy) and not args.train_vision_tower and not is_peft_model(policy):
+        freeze_vision_parts(policy)  # full fine-tuning of the language model alone (adapters: vision_lora_options)
     if args.cast_lm_head_to_fp32:
         head_in_float32(policy)
     if shared := adapted_shared_matrix(policy):
@@ -476,7 +479,11 @@ def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GR
     epochs becomes one step."""
     if args.max_steps == -1:
         changes = {"max_steps": 1, "num_train_epochs": None, **changes}
-    return dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0, push_to_hub=False,
-                               gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
-                               steps_per_generation=None, **changes)
+    settings = dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
+                                   push_to_hub=False, gradient_accumulation_steps=1,
+                                   per_device_train_batch_size=num_prompts * args.num_generations,
+                                   steps_per_generation=None, **changes)
+    # what the caller set stays told apart from covey's defaults (such as the engine of prompts with pictures)
+    settings.__dict__["fields_given"] = args.fields_given | set(changes)
+    return settings
 

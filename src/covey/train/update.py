@@ -18,6 +18,7 @@ from covey.models import autocast
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.forward import SequenceBatch
 from covey.train.parts import StepParts
+from covey.vision import batch_images
 
 
 # ---- 4. log-probs ------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: 
     else:
         prompt = torch.tensor([parts.prompts.ids[0]])
         micro = SequenceBatch(prompt, torch.ones_like(prompt), torch.tensor([[parts.sampler.eos_ids[0]]]),
-                              torch.ones(1, 1, dtype=torch.long))
+                              torch.ones(1, 1, dtype=torch.long), batch_images(parts.prompts.ids[:1]))
     with autocast(parts.policy.device, parts.args.bf16):
         logp_BT, _ = forward(micro, parts.sampler.sampling.distribution, True, False)
     (logp_BT.sum() * 0.0).backward()

@@ -35,6 +35,7 @@ from covey.train.rounds import score_prompts
 from covey.train.update import fixed_logprobs
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages, step_stages
+from covey.verify.images import check_images
 from covey.verify.report import STAGES, Check, Report, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
@@ -85,6 +86,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
     logp_BT = step_stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
+    check_images(report, parts, batch, indices)
     step_stages.check_loss(report, parts, batch, fixed, logp_BT)
     step_stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
     step_stages.check_engine(report, parts, batch, logp_BT, engine.rollout)

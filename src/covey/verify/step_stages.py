@@ -18,6 +18,7 @@ from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.parts import StepParts
 from covey.verify.formulas import (advantages_written_out, eos_mask, episode_layout, formula_correction,
                                    formula_loss, formula_ratio)
+from covey.verify.images import plain_inputs
 from covey.verify.report import Report
 
 
@@ -60,12 +61,7 @@ def check_logprobs(report: Report, parts: StepParts, batch: ScoredBatch, eos_ids
     args, model, seq = parts.args, parts.policy.model, batch.samples.sequences
     with torch.no_grad():
         got, _ = parts.policy.pass_for(model)(seq, parts.sampler.sampling.distribution, False)  # the step's own pass
-        input_ids = torch.cat([seq.prompt_ids_BP, seq.completion_ids_BT], 1)
-        attention = torch.cat([seq.prompt_mask_BP, seq.completion_mask_BT], 1)
-        positions = (attention.cumsum(1) - 1).clamp(min=0)
-        device = next(model.parameters()).device
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                       position_ids=positions.to(device)).logits.float().cpu()
+        logits = model(**plain_inputs(model, seq)).logits.float().cpu()  # with the rows' pictures, if any
         P = seq.prompt_ids_BP.shape[1]
         # the distribution sampled from: logits / temperature over the tokens top_k/top_p/min_p keep
         reference = parts.sampler.sampling.distribution.logits(logits[:, P - 1:-1], seq.completion_ids_BT).log_softmax(-1)

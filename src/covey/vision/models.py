@@ -1,0 +1,139 @@
+"""Vision-language models: telling them apart, loading them with their processors, and which of their
+parts train.
+
+A vision-language model (transformers' ``AutoModelForImageTextToText``: Qwen2-VL, Qwen2.5-VL, Idefics3 and
+SmolVLM, LLaVA, Gemma 3...) is a language model that reads image features beside its token embeddings:
+a vision tower turns pixels into features and a projector maps them into the language model's space.
+covey trains the language model; the vision tower and projector stay frozen unless ``train_vision_tower``
+asks otherwise (LoRA adapters then go on them too, or their full weights train).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.errors import ConfigError
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a model config (an object or config.json's dict) is a vision-language model's."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    return get("vision_config", None) is not None
+
+
+def is_vision_folder(path: str) -> bool:
+    """Whether a local model folder holds a vision-language model (its config.json has a vision config)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return is_vision_config(json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def is_vision_model(model: Any) -> bool:
+    return is_vision_config(getattr(model, "config", None) or {})
+
+
+def load_vision_model(path: str, kwargs: dict[str, Any]):
+    """A vision-language model, as TRL's scripts load one (``AutoModelForImageTextToText``)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+
+
+def is_processor(processing_class: Any) -> bool:
+    """Whether a processing class is a multimodal processor (a tokenizer with an image processor beside)."""
+    return hasattr(processing_class, "tokenizer") and hasattr(processing_class, "image_processor")
+
+
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer every text stage of a run uses: a processor's own (which keeps the processor as
+    ``covey_processor``, to encode prompts with pictures), or the processing class itself."""
+    if not is_processor(processing_class):
+        return processing_class
+    tokenizer = processing_class.tokenizer
+    tokenizer.covey_processor = processing_class
+    return tokenizer
+
+
+def load_processor_tokenizer(path: str, trust_remote_code: bool = False, revision: str = "main") -> Any | None:
+    """The tokenizer (keeping its processor) of a vision-language model's folder or hub id; None for a
+    model that is not one, or whose processor does not load (its tokenizer alone is then loaded)."""
+    if not is_vision_folder(path):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                  **({} if revision == "main" else {"revision": revision}))
+    except (OSError, ValueError, ImportError):
+        return None
+    return text_tokenizer(processor) if is_processor(processor) else None
+
+
+def save_processor(tokenizer: Any, folder: Any) -> None:
+    """The processor a run's tokenizer keeps (a vision-language model's), saved in ``folder`` beside the model
+    so that ``AutoProcessor`` loads it from there; a processor that cannot be saved is warned of."""
+    processor = getattr(tokenizer, "covey_processor", None)
+    if processor is None:
+        return
+    try:
+        processor.save_pretrained(folder)
+    except (AttributeError, TypeError, ValueError, OSError) as e:
+        warnings.warn(f"the model's processor ({type(processor).__name__}) could not be saved with it ({e}); save it "
+                      "yourself beside the model (processor.save_pretrained)", stacklevel=2)
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without its output head: the module that takes ids and pixels and returns the language
+    model's last hidden states (``model.model`` for transformers' vision-language models)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def vision_parts(model: torch.nn.Module) -> list[str]:
+    """The qualified names of a vision-language model's parts that are not its language model or head: the
+    vision tower and the projector (the backbone's children other than its decoder)."""
+    inner = backbone(model)
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is inner)
+    return [f"{prefix}.{name}" if prefix else name for name, child in inner.named_children() if child is not decoder]
+
+
+def freeze_vision_parts(model: torch.nn.Module) -> int:
+    """The vision tower and projector no longer train; the number of parameters frozen."""
+    frozen = 0
+    names = tuple(f"{name}." for name in vision_parts(model))
+    for name, param in model.named_parameters():
+        if name.startswith(names) and param.requires_grad:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def lora_exclusion(model: torch.nn.Module) -> str:
+    """peft's ``exclude_modules`` (a regular expression over module names) that keeps LoRA adapters off the
+    vision tower and projector."""
+    return "|".join(rf"{re.escape(name)}(\..*)?" for name in vision_parts(model))
+
+
+def vision_lora_options(model: torch.nn.Module, train_vision_tower: bool) -> dict[str, Any]:
+    """covey's own LoRA adapter (``add_lora``'s further options) on a vision-language model: none on the vision
+    tower and projector unless ``train_vision_tower``."""
+    if not is_vision_model(model) or train_vision_tower:
+        return {}
+    return {"exclude_modules": lora_exclusion(model)}
+
+
+def check_vision_settings(model: Any, train_vision_tower: bool) -> None:
+    """train_vision_tower is for vision-language models only."""
+    if train_vision_tower and model is not None and not isinstance(model, str) and not is_vision_model(model):
+        raise ConfigError("train_vision_tower: true trains a vision-language model's vision tower, and this model has "
+                          "none; remove it")
