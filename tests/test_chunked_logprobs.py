@@ -107,7 +107,7 @@ def _run(model, pass_, entropy_weight):
 
 
 def _compare(model, bf16: bool, temperature: float, entropy_weight: float, monkeypatch, **way):
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     batch = batch_of()
     mask = batch.completion_mask_BT == 1
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -160,7 +160,7 @@ def test_the_chunked_pass_is_exact_under_gradient_checkpointing(monkeypatch):
 
 
 def test_the_router_loss_pass_takes_the_decoders_output_and_the_models_own_aux_loss(monkeypatch):
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     model = tiny("moe").train()
     batch = batch_of()
     logp, _, aux = completion_logprobs(model, batch, router_aux_loss=True)
@@ -226,7 +226,7 @@ class _LargestLogits(TorchDispatchMode):
 def test_no_more_than_a_chunk_of_tokens_has_logits_at_once(kind, share_prompt, monkeypatch):
     """Forward and backward, whatever the pass (shared prompt and packed, or every row in full), no tensor
     holds the logits of more tokens than a chunk (or than the few the one-time head check runs on)."""
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     model = tiny(kind).train()
     batch = batch_of(T=20)
     N = int(batch.completion_mask_BT.sum())
