@@ -150,14 +150,16 @@ def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, 
     return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}
 
 
-def pass_alone(vocabulary: int, tokens: int, repeats: int) -> None:
+def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int]) -> None:
     """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
-    the two ways alternating: the whole [N, V] logits at once (the pass before, ``core.token_logprobs`` on
-    them) and ``covey.train.head.head_logprobs``; the median time of each, and their ratio."""
+    the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
+    the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
+    logits computed again in the backward (the first chunked pass), and ``covey.train.head.head_logprobs``
+    under each budget; the median time of each, and its ratio to the whole logits."""
     import torch
 
     from covey.config import EMBEDDED_MODEL
-    from covey.core import token_logprobs
+    from covey.core import logprob_chunk_tokens, token_logprobs
     from covey.models import load_tokenizer
     from covey.train.head import head_logprobs
 
@@ -166,18 +168,23 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int) -> None:
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)
     ways = {"whole logits": lambda: token_logprobs(model.lm_head(hidden), ids, True),
-            "chunked": lambda: head_logprobs(model, hidden, ids, with_entropy=True)}
+            "128 tokens, none kept": lambda: head_logprobs(model, hidden, ids, with_entropy=True, chunk=128, budget=0)}
+    for mib in budgets_mib:
+        ways[f"{mib} MiB"] = lambda mib=mib: head_logprobs(model, hidden, ids, with_entropy=True, budget=mib * 2**20)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
         for name, way in ways.items():
             model.zero_grad(set_to_none=True)
+            hidden.grad = None
             start = time.perf_counter()
             logp, _ = way()
             logp.sum().backward()
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"| {vocabulary:,} | {tokens:,} | {medians['whole logits']:.2f} | {medians['chunked']:.2f} | "
-          f"{medians['chunked'] / medians['whole logits']:.2f} |", flush=True)
+    whole = medians["whole logits"]
+    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f})" for seconds in medians.values())
+    chunks = ", ".join(f"{mib} MiB: {logprob_chunk_tokens(vocabulary, mib * 2**20)}" for mib in budgets_mib)
+    print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
 
 
 def main() -> None:
@@ -192,13 +199,17 @@ def main() -> None:
                         help="configurations measured at once (each in its own process; peaks stay per process)")
     parser.add_argument("--pass-alone", type=int, metavar="REPEATS",
                         help="time the head's pass alone (whole logits against chunked), REPEATS times each")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128], metavar="MIB",
+                        help="with --pass-alone: the head's budgets timed (LOGPROB_CHUNK_BYTES, in MiB)")
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
     if args.pass_alone:
-        print("| vocabulary | tokens | whole logits s | chunked s | chunked / whole |\n|---|---|---|---|---|")
+        ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole)' for w in ways)} | tokens per chunk |")
+        print("|---|---|" + "---|" * (len(ways) + 1))
         for vocabulary in args.vocabularies:
             for length in args.lengths:
-                pass_alone(vocabulary, length * args.group, args.pass_alone)
+                pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
         return
     if args.worker:
         worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)

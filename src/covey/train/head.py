@@ -170,7 +170,10 @@ class _ChunkedLinearHead(torch.autograd.Function):
             if with_entropy:
                 entropy_N[rows] = entropy.detach()
         ctx.frozen = frozen
-        ctx.save_for_backward(*slopes) if frozen else ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N)
+        if frozen:
+            ctx.save_for_backward(*slopes)
+        else:
+            ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N)
         ctx.settings = head, temperature, with_entropy, entropy_grad, plan, hidden_NH.dtype
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy_N)
@@ -189,22 +192,26 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 if grad is not None:
                     grad_hidden = grad_hidden + slope * grad.unsqueeze(1)
             return (grad_hidden.to(hidden_dtype),) + (None,) * 8
-        hidden_NH, weight_VH, bias_V, ids_N = ctx.saved_tensors
+        hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         weight = weight_VH.to(head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
         for index, rows in enumerate(plan.slices):
             hidden = hidden_NH[rows].to(head.dtype)
+            grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
             if index < len(graphs):
                 (linear, logp, entropy), graphs[index] = graphs[index], None  # freed once used
-            else:  # computed again: the entropy only where it has a gradient
+                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            elif _plain(head, temperature):  # computed again, its softmax from the forward's results
+                linear = _head_linear(head, hidden, weight)
+                grad_logits = _softmax_gradient(linear, ids_N[rows], _scale(temperature), logp_N[rows],
+                                                entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
+            else:  # computed again through the transform or the truncation: the entropy where it has a gradient
                 linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
                                                       entropy_grad, True)
-            pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
-            outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
-            (grad_logits,) = torch.autograd.grad(outputs, linear, grads)
-            del linear, logp, entropy, outputs
+                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            linear = logp = entropy = None
             with torch.autocast(hidden.device.type, enabled=False):
                 if needs_hidden:
                     grad_hidden[rows] = grad_logits @ weight
@@ -226,12 +233,59 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
+def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
+    """The gradient of a chunk's pre-transform logits ``linear``, through the graph to its log-probs and
+    entropies, given theirs (either None where the loss does not use it)."""
+    pairs = [(logp, grad_logp), (entropy, grad_entropy)]
+    outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
+    return torch.autograd.grad(outputs, linear, grads)[0]
+
+
+def _plain(head: LinearHead, temperature) -> bool:
+    """No transform after the head and no truncation of the distribution: the softmax of logits / t."""
+    return head.transform is None and not (isinstance(temperature, TokenDistribution) and temperature.truncates)
+
+
+def _scale(temperature) -> float:
+    return float(temperature.temperature if isinstance(temperature, TokenDistribution) else temperature)
+
+
+def _softmax_gradient(linear_cV, ids_c, t: float, logp_c, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
+    """The gradient of logits x (``linear_cV``, made for this and overwritten) under log p = log_softmax(x / t),
+    from the forward's log-probs and entropies: the log-normaliser is x_id / t - logp_id, so
+
+        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
+
+    in float32, a few passes over the chunk; returned in the logits' dtype."""
+    z = linear_cV.float()
+    normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
+    log_p = z.div_(t) if t != 1 else z
+    log_p.sub_(normaliser)
+    up = grad_logp_c if grad_logp_c is not None else torch.zeros_like(logp_c)
+    if grad_entropy_c is None:  # -p_j g_logp
+        grad = log_p.exp_().mul_(-up[:, None])
+    else:  # -p_j (g_logp + g_H (log p_j + H))
+        p = log_p.exp()
+        grad = log_p.add_(entropy_c[:, None]).mul_(grad_entropy_c[:, None]).add_(up[:, None]).mul_(p).neg_()
+        del p
+    if grad_logp_c is not None:
+        grad.scatter_add_(-1, ids_c[:, None], grad_logp_c[:, None])
+    if t != 1:
+        grad.div_(t)
+    return grad.to(linear_cV.dtype)
+
+
+def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
+    """hidden @ W.T (+ b) in the head's compute dtype, no graph."""
+    with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.to(head.dtype)
+        return torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
+
+
 def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad, graph: bool):
     """(linear, logp, entropy) of one chunk; with ``graph``, on an autograd graph from its pre-transform
     logits ``linear`` through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
-    with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
-        bias = None if head.bias is None else head.bias.to(head.dtype)
-        linear = torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
+    linear = _head_linear(head, hidden_cH, weight)
     linear.requires_grad_(graph)
     with torch.set_grad_enabled(graph), torch.autocast(hidden_cH.device.type, enabled=False):
         logits = linear if head.transform is None else head.transform(linear)
