@@ -38,17 +38,17 @@ ADVANTAGE_EPS = 1e-4
 LOGPROB_CHUNK_TOKENS = 128
 """Rows of logits ``token_logprobs`` turns into float32 log-softmaxes at once (its working copies)."""
 
-LOGPROB_CHUNK_BYTES = 256 * 2**20
+LOGPROB_CHUNK_BYTES = 128 * 2**20
 """The output head's budget in the log-prob pass (``covey.train.head``): the head runs on as many completion
-tokens at once as have float32 logits within it (``logprob_chunk_tokens``: 1,766 tokens of a vocabulary of
-38k, 441 of Qwen's 151,936), so a micro-batch that fits runs in one chunk, and in a pass with a gradient
-the forward keeps the logits of as many chunks as fit the same budget for the backward, which computes only
-the others again. At the worst moment (the backward of the first chunk) the pass holds the kept logits
-(up to the budget), one chunk's logits and their gradient (up to twice the budget in float32) and
-``LOGPROB_CHUNK_TOKENS`` rows of float32 working copies; beside them, per token, its hidden state and two
-float32 results, and one float32 V x H accumulator of the head weight's gradient where the weight trains.
-A larger budget makes fewer and larger matrix products and computes fewer logits twice; a smaller one
-lowers the peak."""
+tokens at once as have float32 logits within it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of
+49,152, 220 of Qwen's 151,936), so a micro-batch that fits runs in one chunk; in a pass with a gradient the
+forward keeps the logits of the chunks that fit the same budget (the first) for the backward, which
+computes only the others again. At the worst moment (the backward of the kept chunk) the pass holds one
+chunk's logits and their gradient (twice the budget, in float32) and float32 working copies of a
+sixteenth of the budget at a time: about 300 MB whatever the vocabulary and the length; beside them, per
+token, its hidden state and two float32 results, and one float32 V x H accumulator of the head weight's
+gradient where the weight trains. A larger budget makes fewer and larger matrix products and computes fewer logits
+twice; a smaller one lowers the peak."""
 
 
 def logprob_chunk_tokens(vocab: int, budget: int | None = None) -> int:

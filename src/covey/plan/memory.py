@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from covey.core import LOGPROB_CHUNK_TOKENS
 from covey.plan.shapes import ModelShape
 
 GiB = 2 ** 30
@@ -226,14 +225,14 @@ def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
     """The log-prob pass of a micro-batch's completion tokens N = B x T, from their final hidden states:
     chunked (``covey.train.head``, ``logprob_chunk`` tokens a chunk, the first chunk's logits kept from the
     forward), at the worst moment one chunk's logits and their gradient, the float32 copies a chunk computed
-    again makes under autocast, ``LOGPROB_CHUNK_TOKENS`` rows of float32 working copies (the softmax, its
+    again makes under autocast, a sixteenth of a chunk's rows in float32 working copies (the softmax, its
     gradient, the log-softmax, and the entropy's two), and under autocast a copy of the head's weight in
     the compute dtype; all at once (an older pass), the logits of all N tokens and their gradient."""
     tokens = s.micro_batch * s.completion_length
     if s.logprob_chunk is None:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
-    working = min(chunk, LOGPROB_CHUNK_TOKENS)
+    working = min(chunk, max(1, s.logprob_chunk // 16))  # covey.train.head's working rows
     cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
     float32_copies = 5 if s.entropy_bonus else 3
     float32_chunk = 4 if logits_bytes(s) == 2 else 0  # a chunk computed again, its softmax in float32

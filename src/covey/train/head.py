@@ -233,6 +233,12 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
+def _working_rows(vocab: int) -> int:
+    """Rows ``core.token_logprobs`` turns into float32 (log-)softmaxes at once inside a chunk: those within
+    a sixteenth of the budget, so its working copies stay small beside the chunk's logits."""
+    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // 16)
+
+
 def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
     """The gradient of a chunk's pre-transform logits ``linear``, through the graph to its log-probs and
     entropies, given theirs (either None where the loss does not use it)."""
@@ -289,7 +295,8 @@ def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_
     linear.requires_grad_(graph)
     with torch.set_grad_enabled(graph), torch.autocast(hidden_cH.device.type, enabled=False):
         logits = linear if head.transform is None else head.transform(linear)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, entropy_grad=entropy_grad)
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
+                                       entropy_grad=entropy_grad)
     return linear, logp, entropy
 
 
@@ -301,7 +308,8 @@ def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, tem
     def chunk_logprobs(hidden_cH: torch.Tensor, ids_c: torch.Tensor):
         logits = head(hidden_cH)
         logits = logits if transform is None else transform(logits)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, entropy_grad=entropy_grad)
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
+                                       entropy_grad=entropy_grad)
         return logp, entropy if with_entropy else logp.new_empty(0)
 
     grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters()))
