@@ -8,11 +8,14 @@ from the decoder's final hidden states, without ever holding the logits of all N
 Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
 the per-token logits processor (the temperature) is applied, one chunk at a time.
 
-A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps only the hidden
-states and the head's weight for its backward: there it recomputes each chunk's logits, turns their
-gradient into the chunk's hidden-state gradient, and adds the chunk's share into one float32
-accumulator of the weight's (and bias's) gradient. Any other head (a LoRA adapter on it, or a copy that
-``lora_modules_to_save`` trains) runs as the module it is, each chunk under ``torch.utils.checkpoint``.
+A chunk is as many tokens as have float32 logits within ``core.LOGPROB_CHUNK_BYTES``, so a small micro-batch
+runs in one. A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden
+states, the head's weight, the results and, within the same budget, the first chunks' logits for its
+backward. There it computes the other chunks' logits again (their softmax from the forward's log-probs
+where nothing comes between the head and the softmax), turns each chunk's gradient into its hidden-state
+gradient, and adds its share into the float32 sum of the weight's (and bias's) gradient. Any other head
+(a LoRA adapter on it, or a copy that ``lora_modules_to_save`` trains) runs as the module it is, each
+chunk under ``torch.utils.checkpoint``.
 Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
 """
 
