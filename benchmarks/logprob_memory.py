@@ -187,6 +187,51 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
 
 
+PASS_WAYS = ("whole logits", "128 tokens, none kept", "budget")
+
+
+def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
+    """One way of the head's pass alone, forward and backward once, the weight training: the process's
+    resident-set high-water mark above its resident set just before the pass (weights, hidden states and
+    the model already there)."""
+    import torch
+
+    from covey.config import EMBEDDED_MODEL
+    from covey.core import token_logprobs
+    from covey.models import load_tokenizer
+    from covey.train.head import head_logprobs
+
+    model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
+    ids = torch.randint(0, vocabulary, (tokens,), generator=g)
+    ways = {"whole logits": lambda: token_logprobs(model.lm_head(hidden), ids, True),
+            "128 tokens, none kept": lambda: head_logprobs(model, hidden, ids, with_entropy=True, chunk=128, budget=0),
+            "budget": lambda: head_logprobs(model, hidden, ids, with_entropy=True)}
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > before:  # loading peaked higher: reset the mark
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    logp, _ = ways[way]()
+    logp.sum().backward()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    print("RESULT " + json.dumps({"pass_mib": (peak - before) / 1024}), flush=True)
+
+
+def pass_memory(vocabulary: int, tokens: int) -> None:
+    """Each way of ``pass_memory_worker`` in a fresh process, one after the other."""
+    results = []
+    for way in PASS_WAYS:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--pass-memory-worker", way,
+                              "--vocabularies", str(vocabulary), "--lengths", str(tokens), "--group", "1"],
+                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        line = next((t for t in out.stdout.splitlines() if t.startswith("RESULT ")), None)
+        results.append(f"{json.loads(line[7:])['pass_mib']:.0f}" if line else f"failed: {out.stderr[-200:]}")
+    print(f"| {vocabulary:,} | {tokens:,} | {' | '.join(results)} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
@@ -201,8 +246,21 @@ def main() -> None:
                         help="time the head's pass alone (whole logits against chunked), REPEATS times each")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128], metavar="MIB",
                         help="with --pass-alone: the head's budgets timed (LOGPROB_CHUNK_BYTES, in MiB)")
+    parser.add_argument("--pass-memory", action="store_true",
+                        help="the head's pass alone: its peak memory above the process's before it, each way in a "
+                             "fresh process (whole logits, 128-token chunks none kept, the budget)")
+    parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
+    if args.pass_memory_worker:
+        pass_memory_worker(args.vocabularies[0], args.lengths[0] * args.group, args.pass_memory_worker)
+        return
+    if args.pass_memory:
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} MiB' for w in PASS_WAYS)} |\n|---|---|---|---|---|")
+        for vocabulary in args.vocabularies:
+            for length in args.lengths:
+                pass_memory(vocabulary, length * args.group)
+        return
     if args.pass_alone:
         ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
         print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole)' for w in ways)} | tokens per chunk |")
