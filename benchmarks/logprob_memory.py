@@ -12,6 +12,11 @@ the median of the steps after the first (with ``--steps 1``, the one step).
 
     python -m benchmarks.logprob_memory --lengths 256 512 1024 --vocabularies 49152 151936 --group 2 \\
         --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
+    python -m benchmarks.logprob_memory --pass-alone 3 --lengths 512 --group 2 --budgets 64 128   # head's time
+    python -m benchmarks.logprob_memory --pass-memory --lengths 512 --group 2                     # head's memory
+
+The last two take the output head's pass alone on random hidden states, against the whole [N, V] logits
+computed at once (the pass before chunking, kept here as the baseline only).
 """
 
 from __future__ import annotations
