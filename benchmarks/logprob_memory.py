@@ -12,6 +12,11 @@ the median of the steps after the first (with ``--steps 1``, the one step).
 
     python -m benchmarks.logprob_memory --lengths 256 512 1024 --vocabularies 49152 151936 --group 2 \\
         --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
+    python -m benchmarks.logprob_memory --pass-alone 3 --lengths 512 --group 2 --budgets 64 128   # head's time
+    python -m benchmarks.logprob_memory --pass-memory --lengths 512 --group 2                     # head's memory
+
+The last two take the output head's pass alone on random hidden states, against the whole [N, V] logits
+computed at once (the pass before chunking, kept here as the baseline only).
 """
 
 from __future__ import annotations
@@ -150,10 +155,50 @@ def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, 
     return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}
 
 
-def pass_alone(vocabulary: int, tokens: int, repeats: int) -> None:
+def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int]) -> None:
     """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
-    the two ways alternating: the whole [N, V] logits at once (the pass before, ``core.token_logprobs`` on
-    them) and ``covey.train.head.head_logprobs``; the median time of each, and their ratio."""
+    the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
+    the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
+    logits computed again in the backward (the first chunked pass), and ``covey.train.head.head_logprobs``
+    under each budget; the median time of each, and its ratio to the whole logits."""
+    import torch
+
+    from covey.config import EMBEDDED_MODEL
+    from covey.core import logprob_chunk_tokens, token_logprobs
+    from covey.models import load_tokenizer
+    from covey.train.head import head_logprobs
+
+    model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
+    ids = torch.randint(0, vocabulary, (tokens,), generator=g)
+    ways = {"whole logits": lambda: token_logprobs(model.lm_head(hidden), ids, True),
+            "128 tokens, none kept": lambda: head_logprobs(model, hidden, ids, with_entropy=True, chunk=128, budget=0)}
+    for mib in budgets_mib:
+        ways[f"{mib} MiB"] = lambda mib=mib: head_logprobs(model, hidden, ids, with_entropy=True, budget=mib * 2**20)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, way in ways.items():
+            model.zero_grad(set_to_none=True)
+            hidden.grad = None
+            start = time.perf_counter()
+            logp, _ = way()
+            logp.sum().backward()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    whole = medians["whole logits"]
+    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f})" for seconds in medians.values())
+    chunks = ", ".join(f"{mib} MiB: {logprob_chunk_tokens(vocabulary, mib * 2**20)}" for mib in budgets_mib)
+    print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
+
+
+PASS_WAYS = ("whole logits", "128 tokens, none kept", "budget")
+
+
+def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
+    """One way of the head's pass alone, forward and backward once, the weight training: the process's
+    resident-set high-water mark above its resident set just before the pass (weights, hidden states and
+    the model already there)."""
     import torch
 
     from covey.config import EMBEDDED_MODEL
@@ -166,18 +211,30 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int) -> None:
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)
     ways = {"whole logits": lambda: token_logprobs(model.lm_head(hidden), ids, True),
-            "chunked": lambda: head_logprobs(model, hidden, ids, with_entropy=True)}
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, way in ways.items():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            logp, _ = way()
-            logp.sum().backward()
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"| {vocabulary:,} | {tokens:,} | {medians['whole logits']:.2f} | {medians['chunked']:.2f} | "
-          f"{medians['chunked'] / medians['whole logits']:.2f} |", flush=True)
+            "128 tokens, none kept": lambda: head_logprobs(model, hidden, ids, with_entropy=True, chunk=128, budget=0),
+            "budget": lambda: head_logprobs(model, hidden, ids, with_entropy=True)}
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > before:  # loading peaked higher: reset the mark
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    logp, _ = ways[way]()
+    logp.sum().backward()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    print("RESULT " + json.dumps({"pass_mib": (peak - before) / 1024}), flush=True)
+
+
+def pass_memory(vocabulary: int, tokens: int) -> None:
+    """Each way of ``pass_memory_worker`` in a fresh process, one after the other."""
+    results = []
+    for way in PASS_WAYS:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--pass-memory-worker", way,
+                              "--vocabularies", str(vocabulary), "--lengths", str(tokens), "--group", "1"],
+                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        line = next((t for t in out.stdout.splitlines() if t.startswith("RESULT ")), None)
+        results.append(f"{json.loads(line[7:])['pass_mib']:.0f}" if line else f"failed: {out.stderr[-200:]}")
+    print(f"| {vocabulary:,} | {tokens:,} | {' | '.join(results)} |", flush=True)
 
 
 def main() -> None:
@@ -192,13 +249,30 @@ def main() -> None:
                         help="configurations measured at once (each in its own process; peaks stay per process)")
     parser.add_argument("--pass-alone", type=int, metavar="REPEATS",
                         help="time the head's pass alone (whole logits against chunked), REPEATS times each")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128], metavar="MIB",
+                        help="with --pass-alone: the head's budgets timed (LOGPROB_CHUNK_BYTES, in MiB)")
+    parser.add_argument("--pass-memory", action="store_true",
+                        help="the head's pass alone: its peak memory above the process's before it, each way in a "
+                             "fresh process (whole logits, 128-token chunks none kept, the budget)")
+    parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
-    if args.pass_alone:
-        print("| vocabulary | tokens | whole logits s | chunked s | chunked / whole |\n|---|---|---|---|---|")
+    if args.pass_memory_worker:
+        pass_memory_worker(args.vocabularies[0], args.lengths[0] * args.group, args.pass_memory_worker)
+        return
+    if args.pass_memory:
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} MiB' for w in PASS_WAYS)} |\n|---|---|---|---|---|")
         for vocabulary in args.vocabularies:
             for length in args.lengths:
-                pass_alone(vocabulary, length * args.group, args.pass_alone)
+                pass_memory(vocabulary, length * args.group)
+        return
+    if args.pass_alone:
+        ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole)' for w in ways)} | tokens per chunk |")
+        print("|---|---|" + "---|" * (len(ways) + 1))
+        for vocabulary in args.vocabularies:
+            for length in args.lengths:
+                pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
         return
     if args.worker:
         worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)

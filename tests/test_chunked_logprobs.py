@@ -107,7 +107,7 @@ def _run(model, pass_, entropy_weight):
 
 
 def _compare(model, bf16: bool, temperature: float, entropy_weight: float, monkeypatch, **way):
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     batch = batch_of()
     mask = batch.completion_mask_BT == 1
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -160,7 +160,7 @@ def test_the_chunked_pass_is_exact_under_gradient_checkpointing(monkeypatch):
 
 
 def test_the_router_loss_pass_takes_the_decoders_output_and_the_models_own_aux_loss(monkeypatch):
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     model = tiny("moe").train()
     batch = batch_of()
     logp, _, aux = completion_logprobs(model, batch, router_aux_loss=True)
@@ -174,10 +174,13 @@ def test_the_router_loss_pass_takes_the_decoders_output_and_the_models_own_aux_l
 
 @pytest.mark.parametrize("head", ["weight", "weight and bias", "frozen"])
 @pytest.mark.parametrize("chunk", [1, 4, 7, 100])
-def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head):
+@pytest.mark.parametrize("kept", ["none", "some", "all"])
+def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head, kept):
     """From given hidden states: the gradient in the hidden states (per chunk), and in the head's weight and
-    bias (summed over chunks), for chunks of one token, of sizes that do not divide N, and of more than N;
-    or, the head frozen, the hidden states' alone (from slopes kept in the forward)."""
+    bias (summed over chunks), for chunks of one token, of sizes that do not divide N, and of more than N,
+    the backward computing every chunk's logits again, some of them (the others kept from the forward) or
+    none; or, the head frozen, the hidden states' alone (from slopes kept in the forward)."""
+    budget = {"none": 0, "some": 9 * V * 4, "all": None}[kept]
     model = tiny("untied")
     bias = head == "weight and bias"
     if bias:
@@ -192,7 +195,8 @@ def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head):
         model.zero_grad(set_to_none=True)
         hidden.grad = None
         if chunked:
-            logp, entropy = head_logprobs(model, hidden, ids, 0.6, with_entropy=True, entropy_grad=True, chunk=chunk)
+            logp, entropy = head_logprobs(model, hidden, ids, 0.6, with_entropy=True, entropy_grad=True, chunk=chunk,
+                                          budget=budget)
         else:
             log_p = (model.lm_head(hidden).float() / 0.6).log_softmax(-1)
             logp, entropy = log_p.gather(-1, ids[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
@@ -202,6 +206,40 @@ def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head):
                        + ([model.lm_head.bias.grad.clone()] if bias else []))
     for got, want in zip(*results):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
+
+
+class _HeadProducts(TorchDispatchMode):
+    """Counts the matrix products whose result has the vocabulary as its last dimension (logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == V:
+            self.rows.append(out.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [3, 3, 3, 3, 2]), (4, [3] * 6 + [2]),
+                                                          (0, [3] * 7 + [2])])
+def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(budget_tokens, computed_again):
+    """23 tokens in chunks of 3: the forward keeps the logits of the first chunks whose float32 logits fit
+    the budget (all 23 tokens, the first 9, the first 3, none), and the backward computes only the others'
+    again."""
+    model = tiny("untied")
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(23, 32, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (23,), generator=g)
+    forward, backward = _HeadProducts(), _HeadProducts()
+    with forward:
+        logp, entropy = head_logprobs(model, hidden, ids, 0.8, with_entropy=True, entropy_grad=True, chunk=3,
+                                      budget=budget_tokens * V * 4)
+    with backward:
+        (logp.sum() - entropy.sum()).backward()
+    assert forward.rows == [3] * 7 + [2]
+    assert backward.rows == computed_again
 
 
 class _LargestLogits(TorchDispatchMode):
@@ -226,7 +264,7 @@ class _LargestLogits(TorchDispatchMode):
 def test_no_more_than_a_chunk_of_tokens_has_logits_at_once(kind, share_prompt, monkeypatch):
     """Forward and backward, whatever the pass (shared prompt and packed, or every row in full), no tensor
     holds the logits of more tokens than a chunk (or than the few the one-time head check runs on)."""
-    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(head_module, "LOGPROB_CHUNK_BYTES", CHUNK * V * 4)
     model = tiny(kind).train()
     batch = batch_of(T=20)
     N = int(batch.completion_mask_BT.sum())

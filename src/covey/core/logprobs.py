@@ -12,14 +12,25 @@ from dataclasses import dataclass
 import torch
 
 LOGPROB_CHUNK_TOKENS = 128
-"""Completion tokens whose logits exist at once in a log-prob pass. What that costs, whatever the number of
-tokens N: at the worst moment (the backward of one chunk) ``LOGPROB_CHUNK_TOKENS x V`` numbers 4 to 6 times
-over in float32, i.e. 16 bytes per logit (the chunk's logits, their softmax, their gradient and the
-log-softmax), 24 with the entropy's gradient and a temperature other than 1: 311 MB (467 MB) for Qwen's
-vocabulary of 151,936, 101 MB (151 MB) for 49,152. Beside it, the pass holds per token only its hidden
-state (H numbers) and two float32 results, and in the backward one float32 V x H accumulator of the head
-weight's gradient (where the weight trains), plus, under autocast, one copy of the weight in the compute
-dtype. Smaller chunks lower the peak, and make more and smaller matrix products."""
+"""Rows of logits ``token_logprobs`` turns into float32 log-softmaxes at once (its working copies)."""
+
+LOGPROB_CHUNK_BYTES = 128 * 2**20
+"""The output head's budget in the log-prob pass (``covey.train.head``): the head runs on as many completion
+tokens at once as have float32 logits within it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of
+49,152, 220 of Qwen's 151,936), so a micro-batch that fits runs in one chunk; in a pass with a gradient the
+forward keeps the logits of the chunks that fit the same budget (the first) for the backward, which
+computes only the others again. At the worst moment (the backward of the kept chunk) the pass holds one
+chunk's logits and their gradient (twice the budget, in float32) and float32 working copies of a
+sixteenth of the budget at a time: about 300 MB whatever the vocabulary and the length; beside them, per
+token, its hidden state and two float32 results, and one float32 V x H accumulator of the head weight's
+gradient where the weight trains. A larger budget makes fewer and larger matrix products and computes fewer logits
+twice; a smaller one lowers the peak."""
+
+
+def logprob_chunk_tokens(vocab: int, budget: int | None = None) -> int:
+    """Completion tokens the output head runs on at once: those whose float32 logits fit ``budget`` bytes
+    (``LOGPROB_CHUNK_BYTES``), at least one."""
+    return max(1, (LOGPROB_CHUNK_BYTES if budget is None else budget) // (4 * vocab))
 
 
 @dataclass(frozen=True)

@@ -223,16 +223,21 @@ def logits_bytes(s: Settings) -> int:
 
 def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
     """The log-prob pass of a micro-batch's completion tokens N = B x T, from their final hidden states:
-    chunked (``covey.train.head``), one chunk's logits, their float32 softmax and their gradient at the
-    worst moment, and under autocast a copy of the head's weight in the compute dtype; all at once (an
-    older pass), the logits of all N tokens and their gradient."""
+    chunked (``covey.train.head``, ``logprob_chunk`` tokens a chunk, the first chunk's logits kept from the
+    forward), at the worst moment one chunk's logits and their gradient, the float32 copies a chunk computed
+    again makes under autocast, a sixteenth of a chunk's rows in float32 working copies (the softmax, its
+    gradient, the log-softmax, and the entropy's two), and under autocast a copy of the head's weight in
+    the compute dtype; all at once (an older pass), the logits of all N tokens and their gradient."""
     tokens = s.micro_batch * s.completion_length
     if s.logprob_chunk is None:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
+    working = min(chunk, max(1, s.logprob_chunk // 16))  # covey.train.head's working rows
     cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
-    float32_copies = 5 if s.entropy_bonus else 3  # softmax, gradient, log-softmax (and the entropy's two)
-    return chunk * shape.vocab * (logits_bytes(s) + float32_copies * 4) + cast_weight
+    float32_copies = 5 if s.entropy_bonus else 3
+    float32_chunk = 4 if logits_bytes(s) == 2 else 0  # a chunk computed again, its softmax in float32
+    per_logit = 2 * logits_bytes(s) + float32_chunk
+    return chunk * shape.vocab * per_logit + working * shape.vocab * float32_copies * 4 + cast_weight
 
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from covey.config import GRPOConfig
-from covey.core import LOGPROB_CHUNK_TOKENS
+from covey.core import logprob_chunk_tokens
 from covey.plan.device import Device, this_device
 from covey.plan.memory import Breakdown, Settings, estimate
 from covey.plan.shapes import ModelShape, model_config, model_shape
@@ -64,7 +64,7 @@ def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes:
         engine_copies_weights=engine == "fast" and device.kind == "cpu" and not _decode_kernel_runs(),
         vllm_share_bytes=int(args.vllm_gpu_memory_utilization * device.total) if engine == "vllm" else 0,
         eager_attention=args.attn_implementation == "eager", head_in_float32=args.cast_lm_head_to_fp32,
-        logprob_chunk=LOGPROB_CHUNK_TOKENS, entropy_bonus=args.entropy_coef > 0 or args.use_adaptive_entropy)
+        logprob_chunk=logprob_chunk_tokens(shape.vocab), entropy_bonus=args.entropy_coef > 0 or args.use_adaptive_entropy)
 
 
 def _decode_kernel_runs() -> bool:

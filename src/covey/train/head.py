@@ -8,11 +8,14 @@ from the decoder's final hidden states, without ever holding the logits of all N
 Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
 the per-token logits processor (the temperature) is applied, one chunk at a time.
 
-A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps only the hidden
-states and the head's weight for its backward: there it recomputes each chunk's logits, turns their
-gradient into the chunk's hidden-state gradient, and adds the chunk's share into one float32
-accumulator of the weight's (and bias's) gradient. Any other head (a LoRA adapter on it, or a copy that
-``lora_modules_to_save`` trains) runs as the module it is, each chunk under ``torch.utils.checkpoint``.
+A chunk is as many tokens as have float32 logits within ``core.LOGPROB_CHUNK_BYTES``, so a small micro-batch
+runs in one. A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden
+states, the head's weight, the results and, within the same budget, the first chunks' logits for its
+backward. There it computes the other chunks' logits again (their softmax from the forward's log-probs
+where nothing comes between the head and the softmax), turns each chunk's gradient into its hidden-state
+gradient, and adds its share into the float32 sum of the weight's (and bias's) gradient. Any other head
+(a LoRA adapter on it, or a copy that ``lora_modules_to_save`` trains) runs as the module it is, each
+chunk under ``torch.utils.checkpoint``.
 Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
 """
 
@@ -25,7 +28,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from covey.core import LOGPROB_CHUNK_TOKENS, TokenDistribution, token_logprobs
+from covey.core import LOGPROB_CHUNK_BYTES, TokenDistribution, logprob_chunk_tokens, token_logprobs
 from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
 
@@ -70,19 +73,25 @@ def logits_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.Tensor, temperature: float | TokenDistribution = 1.0,
-                  with_entropy: bool = False, entropy_grad: bool = False, chunk: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  with_entropy: bool = False, entropy_grad: bool = False, chunk: int | None = None,
+                  budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
-    ``model``'s output head, ``chunk`` tokens at a time (default ``LOGPROB_CHUNK_TOKENS``). The entropy
-    carries a gradient only with ``entropy_grad``."""
-    chunk = chunk or LOGPROB_CHUNK_TOKENS
+    ``model``'s output head, ``chunk`` tokens at a time (default: as many as ``budget`` bytes of float32
+    logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps the logits of the chunks that fit
+    the same budget for its backward. The entropy carries a gradient only with ``entropy_grad``."""
+    budget = LOGPROB_CHUNK_BYTES if budget is None else budget
     head = plain_model(model).get_output_embeddings()
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    chunk = chunk or logprob_chunk_tokens(vocab, budget)
     transform = logits_transform(plain_model(model).config)
     entropy = with_entropy or entropy_grad
     if type(head) in (torch.nn.Linear, Float32Head):
         linear = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden_NH), transform)
+        grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or head.weight.requires_grad
+                                            or (head.bias is not None and head.bias.requires_grad))
+        plan = _Chunks(len(ids_N), chunk, budget if grad else 0, vocab)
         logp_N, entropy_N = _ChunkedLinearHead.apply(hidden_NH, linear.weight, linear.bias, ids_N, linear,
-                                                    temperature, entropy, entropy_grad, chunk)
+                                                    temperature, entropy, entropy_grad, plan)
     else:
         logp_N, entropy_N = _chunked_module_head(head, transform, hidden_NH, ids_N, temperature, entropy,
                                                  entropy_grad, chunk)
@@ -97,20 +106,48 @@ def _compute_dtype(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the first ``kept``)
+    keep their logits from the forward for the backward: those whose float32 logits fit ``keep_bytes``."""
+
+    tokens: int
+    size: int
+    keep_bytes: int
+    vocab: int
+
+    @property
+    def slices(self) -> list[slice]:
+        return _chunks(self.tokens, self.size)
+
+    @property
+    def kept(self) -> int:
+        held, kept = 0, 0
+        for rows in self.slices:
+            held += (rows.stop - rows.start) * self.vocab * 4
+            if held > self.keep_bytes:
+                break
+            kept += 1
+        return kept
+
+
 class _ChunkedLinearHead(torch.autograd.Function):
-    """Log-probs (and entropies) through a linear head, the logits recomputed chunk by chunk in the backward:
+    """Log-probs (and entropies) through a linear head, chunk by chunk:
 
         d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
 
     where g_c is the gradient of the chunk's (pre-transform) logits, which ``core.token_logprobs`` and the
-    transform's own backward give. Where only the hidden states take a gradient (a frozen head: LoRA), each
-    token's log-prob depends on its own hidden state only, so the forward keeps d logp_t / d hidden_t (and
-    d H_t / d hidden_t for the entropy bonus), H numbers a token, and the backward scales them by the
-    incoming gradients: no logits computed again."""
+    transform's own backward give. The forward keeps the first chunks' logits, with their graph through
+    the transform and the log-softmax, as far as the budget allows (all of them where the micro-batch fits
+    it): their backward is that graph's, and only the other chunks' logits are computed again. Where only
+    the hidden states take a gradient (a frozen head: LoRA), each token's log-prob depends on its own
+    hidden state only, so the forward keeps d logp_t / d hidden_t (and d H_t / d hidden_t for the entropy
+    bonus), H numbers a token, and the backward scales them by the incoming gradients: no logits kept,
+    none computed again."""
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, head: LinearHead, temperature, with_entropy,
-                entropy_grad, chunk):
+                entropy_grad, plan: _Chunks):
         N = len(ids_N)
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         entropy_N = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden_NH.device)
@@ -119,24 +156,28 @@ class _ChunkedLinearHead(torch.autograd.Function):
         # d logp / d hidden and d H / d hidden per token, for a frozen head
         slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
                   for _ in range(1 + entropy_grad)] if frozen else []
-        for rows in _chunks(N, chunk):
+        kept = 0 if frozen else plan.kept
+        ctx.graphs = []  # per kept chunk: (linear, logp, entropy), on a graph from its logits
+        for index, rows in enumerate(plan.slices):
+            graph = frozen or index < kept
+            linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
+                                                  with_entropy, entropy_grad, graph)
             if frozen:
-                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                      with_entropy, entropy_grad)
                 for slope, output in zip(slopes, (logp, entropy)):
                     (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
                     with torch.autocast(grad.device.type, enabled=False):
                         slope[rows] = grad @ weight
-                logp, entropy = logp.detach(), entropy if entropy is None else entropy.detach()
-            else:
-                logp, entropy = token_logprobs(head.logits(hidden_NH[rows], weight), ids_N[rows], with_entropy,
-                                               temperature, chunk=chunk)
-            logp_N[rows] = logp
+            elif graph:
+                ctx.graphs.append((linear, logp, entropy))
+            logp_N[rows] = logp.detach()
             if with_entropy:
-                entropy_N[rows] = entropy
+                entropy_N[rows] = entropy.detach()
         ctx.frozen = frozen
-        ctx.save_for_backward(*slopes) if frozen else ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N)
-        ctx.settings = head, temperature, with_entropy, entropy_grad, chunk, hidden_NH.dtype
+        if frozen:
+            ctx.save_for_backward(*slopes)
+        else:
+            ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N)
+        ctx.settings = head, temperature, with_entropy, entropy_grad, plan, hidden_NH.dtype
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy_N)
         ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
@@ -144,7 +185,8 @@ class _ChunkedLinearHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
-        head, temperature, with_entropy, entropy_grad, chunk, hidden_dtype = ctx.settings
+        head, temperature, with_entropy, entropy_grad, plan, hidden_dtype = ctx.settings
+        graphs, ctx.graphs = ctx.graphs, []
         if grad_logp_N is None and grad_entropy_N is None:
             return (None,) * 9
         if ctx.frozen:
@@ -153,45 +195,110 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 if grad is not None:
                     grad_hidden = grad_hidden + slope * grad.unsqueeze(1)
             return (grad_hidden.to(hidden_dtype),) + (None,) * 8
-        hidden_NH, weight_VH, bias_V, ids_N = ctx.saved_tensors
+        hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         weight = weight_VH.to(head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
-        grad_weight = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
-            if needs_weight else None
-        grad_bias = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if needs_bias else None
-        for rows in _chunks(len(ids_N), chunk):
+        grad_weight = grad_bias = None  # float32 sums over the chunks
+        for index, rows in enumerate(plan.slices):
             hidden = hidden_NH[rows].to(head.dtype)
-            # the entropy again only where it has a gradient
-            linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
-                                                  entropy_grad)
-            pairs = [(logp, _part(grad_logp_N, rows)), (entropy, _part(grad_entropy_N, rows) if entropy_grad else None)]
-            outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
-            (grad_logits,) = torch.autograd.grad(outputs, linear, grads)
+            grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
+            if index < len(graphs):
+                (linear, logp, entropy), graphs[index] = graphs[index], None  # freed once used
+                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            elif _plain(head, temperature):  # computed again, its softmax from the forward's results
+                linear = _head_linear(head, hidden, weight)
+                grad_logits = _softmax_gradient(linear, ids_N[rows], _scale(temperature), logp_N[rows],
+                                                entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
+            else:  # computed again through the transform or the truncation: the entropy where it has a gradient
+                linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
+                                                      entropy_grad, True)
+                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            linear = logp = entropy = None
             with torch.autocast(hidden.device.type, enabled=False):
                 if needs_hidden:
                     grad_hidden[rows] = grad_logits @ weight
                 if needs_weight:
-                    if grad_logits.dtype == torch.float32:
-                        grad_weight.addmm_(grad_logits.T, hidden)
-                    else:  # the chunk's product in the compute dtype, summed in float32
-                        grad_weight += grad_logits.T @ hidden
+                    grad_weight = _accumulate(grad_weight, grad_logits.T, hidden)
                 if needs_bias:
-                    grad_bias += grad_logits.sum(0)
+                    part = grad_logits.sum(0, dtype=torch.float32)
+                    grad_bias = part if grad_bias is None else grad_bias.add_(part)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_VH.dtype),
                 None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
 
 
-def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad):
-    """(linear, logp, entropy) of one chunk, on an autograd graph from its pre-transform logits ``linear``
-    through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
+def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """total + left @ right, summed in float32 (the first product taken as the total: no zeros to add to);
+    a product in another dtype is made in it and then added (as the model's own head would make it)."""
+    if left.dtype == torch.float32:
+        return left @ right if total is None else total.addmm_(left, right)
+    product = (left @ right).float()
+    return product if total is None else total.add_(product)
+
+
+def _working_rows(vocab: int) -> int:
+    """Rows ``core.token_logprobs`` turns into float32 (log-)softmaxes at once inside a chunk: those within
+    a sixteenth of the budget, so its working copies stay small beside the chunk's logits."""
+    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // 16)
+
+
+def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
+    """The gradient of a chunk's pre-transform logits ``linear``, through the graph to its log-probs and
+    entropies, given theirs (either None where the loss does not use it)."""
+    pairs = [(logp, grad_logp), (entropy, grad_entropy)]
+    outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
+    return torch.autograd.grad(outputs, linear, grads)[0]
+
+
+def _plain(head: LinearHead, temperature) -> bool:
+    """No transform after the head and no truncation of the distribution: the softmax of logits / t."""
+    return head.transform is None and not (isinstance(temperature, TokenDistribution) and temperature.truncates)
+
+
+def _scale(temperature) -> float:
+    return float(temperature.temperature if isinstance(temperature, TokenDistribution) else temperature)
+
+
+def _softmax_gradient(linear_cV, ids_c, t: float, logp_c, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
+    """The gradient of logits x (``linear_cV``, made for this and overwritten) under log p = log_softmax(x / t),
+    from the forward's log-probs and entropies: the log-normaliser is x_id / t - logp_id, so
+
+        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
+
+    in float32, a few passes over the chunk; returned in the logits' dtype."""
+    z = linear_cV.float()
+    normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
+    log_p = z.div_(t) if t != 1 else z
+    log_p.sub_(normaliser)
+    up = grad_logp_c if grad_logp_c is not None else torch.zeros_like(logp_c)
+    if grad_entropy_c is None:  # -p_j g_logp
+        grad = log_p.exp_().mul_(-up[:, None])
+    else:  # -p_j (g_logp + g_H (log p_j + H))
+        p = log_p.exp()
+        grad = log_p.add_(entropy_c[:, None]).mul_(grad_entropy_c[:, None]).add_(up[:, None]).mul_(p).neg_()
+        del p
+    if grad_logp_c is not None:
+        grad.scatter_add_(-1, ids_c[:, None], grad_logp_c[:, None])
+    if t != 1:
+        grad.div_(t)
+    return grad.to(linear_cV.dtype)
+
+
+def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
+    """hidden @ W.T (+ b) in the head's compute dtype, no graph."""
     with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
         bias = None if head.bias is None else head.bias.to(head.dtype)
-        linear = torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
-    linear.requires_grad_(True)
-    with torch.enable_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
+
+
+def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad, graph: bool):
+    """(linear, logp, entropy) of one chunk; with ``graph``, on an autograd graph from its pre-transform
+    logits ``linear`` through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
+    linear = _head_linear(head, hidden_cH, weight)
+    linear.requires_grad_(graph)
+    with torch.set_grad_enabled(graph), torch.autocast(hidden_cH.device.type, enabled=False):
         logits = linear if head.transform is None else head.transform(linear)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=len(ids_c),
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
                                        entropy_grad=entropy_grad)
     return linear, logp, entropy
 
@@ -204,7 +311,7 @@ def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, tem
     def chunk_logprobs(hidden_cH: torch.Tensor, ids_c: torch.Tensor):
         logits = head(hidden_cH)
         logits = logits if transform is None else transform(logits)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=len(ids_c),
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
                                        entropy_grad=entropy_grad)
         return logp, entropy if with_entropy else logp.new_empty(0)
 
