@@ -79,12 +79,12 @@ def batch_shape(c: GRPOConfig, need: Need) -> None:
     need(c.num_generations >= 2, f"num_generations={c.num_generations}: a group needs at least 2 completions")
     spg = c.micro_batches_per_generation
     need(
-        c.generation_batch_size % c.num_generations == 0,
+        c.num_generations < 1 or c.generation_batch_size % c.num_generations == 0,
         f"per_device_train_batch_size * {'steps_per_generation' if c.steps_per_generation else 'gradient_accumulation_steps'}"
         f" = {c.per_device_train_batch_size} * {spg} = {c.generation_batch_size} completions per generation is "
         f"not divisible by num_generations={c.num_generations}; make it a multiple so every prompt gets a whole group",
     )
-    need(spg % c.gradient_accumulation_steps == 0,
+    need(c.gradient_accumulation_steps < 1 or spg % c.gradient_accumulation_steps == 0,
          f"steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={c.gradient_accumulation_steps}")
     need(c.max_steps >= 1 or c.max_steps == -1,
          f"max_steps={c.max_steps} must be at least 1, or -1 to train for num_train_epochs")

@@ -239,7 +239,7 @@ def check_async_correction(report: Report, parts: StepParts, indices: list[int],
             parts.sampler.engine.policy_changed(parts.policy.model)
     else:
         batch = rounds.score_prompts(parts.sampling_with(build_engine(older)), indices)
-    samples, correction = batch.samples, parts.sampler.correction
+    samples, correction = batch.samples, parts.sampler.engine_correction  # the one configured
     mask = samples.loss_mask_BT.float()
     on = mask.bool()
     T = mask.shape[1]
