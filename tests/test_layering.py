@@ -197,7 +197,7 @@ REACHED_THROUGH = {
     "covey.train.run_checkpoints":
         "tests/test_checkpoint.py::test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log",
     "covey.train.sampler": "tests/test_trainer.py::test_trains_writes_the_run_folder_and_saves_a_loadable_model",
-    "covey.train.vision_run": "tests/test_vision.py::test_the_ratio_is_exactly_one_on_the_first_iteration",
+    "covey.train.vision_run": "tests/test_vision.py::test_what_cannot_take_pictures_is_refused_before_anything_loads",
     "covey.verify.trl_batch": "tests/test_verify_trl.py::test_a_clean_trl_pipeline_passes_every_stage",
     "covey.verify.trl_training": "tests/test_verify_trl.py::test_a_clean_trl_pipeline_passes_every_stage",
 }
