@@ -160,16 +160,17 @@ class ServerEngine(OwnWeights):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  seed: int | None = None) -> Rollout:
-        for losses in range(1, self.LOSSES_PER_GENERATION + 1):
+        losses = 0
+        while True:
             try:
                 return self._generate(prompt_ids, num_generations, params, seed)
             except ServerLost as lost:
+                losses += 1
                 if losses == self.LOSSES_PER_GENERATION:
                     raise ModelError(f"{lost}. It was lost {losses} times during one generation: is it crashing? "
                                      "Restart it, then resume the run from its last checkpoint "
                                      "(--resume-from-checkpoint auto)") from None
                 self._wait_for_return(lost)
-        raise AssertionError("unreachable")
 
     def _wait_for_return(self, lost: ServerLost) -> None:
         """Wait up to ``timeout`` seconds for a lost server to answer again; it has lost the transfer group."""
