@@ -5,6 +5,8 @@ compiles for a minute or two, and a process holds one)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from covey.rollout.engine import EngineSettings
 
 QUESTIONS = ["What is 2 + 3?", "Name a colour.", "Write one word that rhymes with cat.", "What is 7 times 6?"]
 GREEDY = SamplingParams(max_new_tokens=24, greedy=True)
+PROCESS_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ENV_AT_START = {key: os.environ.get(key) for key in PROCESS_GROUP_ENV}  # before any engine was built
 NEAR_TIE = 1e-3  # a log-prob margin this small between two tokens may order them either way in other kernels
 
 

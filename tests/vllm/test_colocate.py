@@ -4,6 +4,7 @@ pushed into it (full fine-tuning and LoRA), a training run sampling with it, and
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from covey.errors import ConfigError
 from covey.rollout import SamplingParams
 from covey.rollout.vllm_engine import check_vllm, model_problem
 from tests.conftest import trained_lora
-from tests.vllm.conftest import GREEDY, assert_greedy_of, completions, largest_logprob_gap
+from tests.vllm.conftest import ENV_AT_START, GREEDY, PROCESS_GROUP_ENV, assert_greedy_of, completions, largest_logprob_gap
 
 SAMPLED = SamplingParams(max_new_tokens=32, temperature=1.0)
 
@@ -109,6 +110,11 @@ def test_an_async_run_samples_ahead_with_vllm_and_leaves_it_holding_the_trained_
         assert 0.8 < m["engine_is/mean_weight"] < 1.2 and m["engine_is/masked_fraction"] < 0.2, m
     trained = trainer.model.eval()
     assert_greedy_of(trained, prompts, colocated.generate(prompts, 1, GREEDY), [default_tokenizer.eos_token_id])
+
+
+def test_the_engine_leaves_no_process_group_variables_for_processes_started_later(colocated):
+    # a child process inheriting MASTER_PORT would try to listen on the port this engine holds
+    assert {key: os.environ.get(key) for key in PROCESS_GROUP_ENV} == ENV_AT_START
 
 
 def test_sleep_mode_is_refused_where_vllm_has_none(colocated):

@@ -13,6 +13,7 @@ weights are ``covey.models.policy_weights``) is a plain function here, so it is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -126,13 +127,21 @@ def llm_kwargs(settings: EngineSettings, model_path: str) -> dict[str, Any]:
         enable_sleep_mode=settings.sleep_mode, **vllm_memory(settings.gpu_memory_utilization))
 
 
-def _single_process_group_env() -> None:
-    """The torch.distributed variables ``external_launcher`` reads, for a world of one process
-    (left alone when a launcher already set them)."""
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
+@contextlib.contextmanager
+def _single_process_group_env():
+    """The torch.distributed variables ``external_launcher`` reads, for a world of one process, set
+    while vLLM builds its engine (those a launcher already set are left alone). They are removed
+    afterwards: a process this one starts later would otherwise inherit the port this engine listens
+    on and fail to bind it."""
+    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ""}
+    added = [key for key in one_process if key not in os.environ]
+    for key in added:
+        os.environ[key] = one_process[key] or str(free_port())
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 NOT_INSTALLED = f"rollout_engine: vllm needs vLLM, which is not installed; {INSTALL_HINT}"
@@ -241,9 +250,9 @@ class VLLMEngine(OwnWeights):
         if problem := model_problem(model_path):
             raise ConfigError(problem)
         vllm = import_vllm()
-        _single_process_group_env()
         threads = torch.get_num_threads()
-        self.llm = vllm.LLM(**llm_kwargs(settings, model_path))
+        with _single_process_group_env():
+            self.llm = vllm.LLM(**llm_kwargs(settings, model_path))
         # vLLM sets torch to one thread for serving; the trainer in this process needs its own back
         torch.set_num_threads(threads)
         self.model_config = self.llm.llm_engine.vllm_config.model_config
