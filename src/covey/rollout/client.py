@@ -22,8 +22,10 @@ from covey.models import policy_weights
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once
 from covey.rollout.vllm_engine import request_seeds, version_problem
 from covey.rollout.weight_transfer import SENDERS, Sender
-from covey.rollout.wire import (PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request, http_url,
-                                is_loopback, rollout_from_choices, server_token)
+from covey.rollout.wire import (GENERATE, PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request,
+                                generate_request, generated_choices, http_url, is_loopback, picture_url,
+                                rollout_from_choices, server_token)
+from covey.vision import images_of
 
 START_HINT = ("start it with `covey server CONFIG --backend vllm` (vllm serve with the flags covey needs) or as "
               "docs/vllm.md shows")
@@ -91,6 +93,9 @@ def _http_error(url: str, path: str, e: urllib.error.HTTPError) -> CoveyError:
     if e.code == 401:
         return ConfigError(f"the server at {url} refused this trainer (HTTP 401): set {TOKEN_VARIABLE} in the "
                            "trainer's environment to the server's token (covey server's, or vllm serve's --api-key)")
+    if e.code in (403, 404) and path == GENERATE:
+        return ConfigError(f"the server at {url} does not sample prompts with pictures ({detail}): start vLLM's "
+                           f"server with --enable-scale-out (`covey server CONFIG --backend vllm` does)")
     if e.code == 404 and path in ("/server_info?config_format=json", "/weight_info"):
         return ConfigError(f"the server at {url} has no {path.split('?')[0]} endpoint: vLLM serves its RL endpoints "
                            "only when started with VLLM_SERVER_DEV_MODE=1; " + START_HINT)
@@ -189,14 +194,16 @@ class ServerEngine(OwnWeights):
         if self.pushes:
             self._push_if_stale()
         self._check_weights()
+        urls = self._picture_urls(prompt_ids)
+
         def sample(n: int) -> Rollout:
-            bodies = [completion_request(self.model_name, ids, n, params, self.eos_token_ids, s)
-                      for ids, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids)))]
+            requests = [self._request(ids, urls, n, params, s)
+                        for ids, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids)))]
             # one request per prompt, each with its own seed (as the in-process vLLM engine samples); the
             # server batches the requests in flight together
-            with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:
-                replies = list(pool.map(lambda body: self.api.post("/v1/completions", body), bodies))
-            return rollout_from_choices([reply["choices"] for reply in replies], n, self.pad_token_id)
+            with ThreadPoolExecutor(max_workers=min(len(requests), 64)) as pool:
+                choices = list(pool.map(lambda request: request[2](self.api.post(request[0], request[1])), requests))
+            return rollout_from_choices(choices, n, self.pad_token_id)
 
         rollout = greedy_once(sample, num_generations, params)
         if self._check_weights():  # it restarted meanwhile, sampling with its start-up weights: sampled again
@@ -205,6 +212,37 @@ class ServerEngine(OwnWeights):
                 raise ModelError(f"the server at {self.url} restarted twice during one generation; is it crashing? "
                                  "Its own output says why")
         return rollout
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether prompts with pictures can be sampled: vLLM's server reads them, covey server text only."""
+        return not self.info.covey_server
+
+    def _picture_urls(self, prompt_ids: list[list[int]]) -> dict[int, list[str]]:
+        """Each distinct prompt's pictures (by the identity of its ``PromptImages``) as the data URLs sent."""
+        urls: dict[int, list[str]] = {}
+        for ids in prompt_ids:
+            images = images_of(ids)
+            if images is None or id(images) in urls:
+                continue
+            if not self.takes_images:
+                raise ConfigError(f"the prompts show pictures, and the server at {self.url} is covey server, whose "
+                                  "fast engine reads token ids only: start the server with --backend vllm")
+            urls[id(images)] = [picture_url(picture) for picture in images.pictures]
+        return urls
+
+    def _request(self, ids: list[int], urls: dict[int, list[str]], n: int, params: SamplingParams,
+                 seed: int | None) -> tuple[str, dict[str, Any], Any]:
+        """(endpoint, body, what reads the reply's choices) of one prompt's samples: its token ids to
+        /v1/completions, or with its pictures (the chat template's ids, each picture one placeholder that the
+        server's processor expands) to /inference/v1/generate."""
+        images = images_of(ids)
+        if images is None:
+            return ("/v1/completions", completion_request(self.model_name, ids, n, params, self.eos_token_ids, seed),
+                    lambda reply: reply["choices"])
+        body = generate_request(self.model_name, images.unexpanded(list(ids)), urls[id(images)], n, params,
+                                self.eos_token_ids, seed)
+        return GENERATE, body, generated_choices
 
     def _check_weights(self) -> bool:
         """The server holds the last push, or is given it again when it restarted (by the pushing process:

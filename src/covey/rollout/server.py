@@ -30,7 +30,7 @@ from covey.errors import ConfigError, CoveyError, ModelError
 from covey.rollout.fast import FastEngine
 from covey.rollout.vllm_engine import vllm_memory
 from covey.rollout.weight_transfer import BACKEND, GlooInitInfo, GlooUpdateInfo, open_group, receive
-from covey.rollout.wire import (MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, completion_choices, http_url,
+from covey.rollout.wire import (GENERATE, MAX_REQUEST_BYTES, READ_TIMEOUT, TOKEN_VARIABLE, completion_choices, http_url,
                                 is_loopback, read_completion_request, server_info_json, server_token)
 
 
@@ -119,7 +119,7 @@ class RolloutServer(ThreadingHTTPServer):
                 "/weight_info": lambda: {"weight_version": self.weight_version}}
 
     def post_routes(self, body: Any) -> dict[str, Callable[[], Any]]:
-        return {"/v1/completions": lambda: self.complete(body),
+        return {"/v1/completions": lambda: self.complete(body), GENERATE: self.refuse_pictures,
                 "/pause": self.pause, "/resume": self.resume,
                 "/init_weight_transfer_engine": lambda: self.join_transfer(_field(body, "init_info")),
                 "/start_weight_update": lambda: {},
@@ -141,6 +141,11 @@ class RolloutServer(ThreadingHTTPServer):
                     break
         choices = completion_choices(rollout, params.stop, backend.eos_token_ids[0], backend.tokenizer.decode)
         return {"object": "text_completion", "model": backend.name, "choices": choices}
+
+    @staticmethod
+    def refuse_pictures() -> dict[str, Any]:
+        raise ConfigError("covey server's fast engine reads token ids only, and this prompt shows pictures: start the "
+                          "server with --backend vllm (vLLM's server reads them)")
 
     def pause(self) -> dict[str, Any]:
         self.running.clear()
@@ -303,7 +308,8 @@ def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, 
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
             "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching"]
+            "--weight-transfer-config", json.dumps({"backend": weight_transfer}), "--enable-prefix-caching",
+            "--enable-scale-out"]
     for key, value in vllm_memory(gpu_memory_utilization).items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     if trust_remote_code:

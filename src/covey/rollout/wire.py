@@ -10,6 +10,11 @@ fast engine. The endpoints the trainer uses:
     POST /v1/completions               one prompt's token ids, sampling settings, ``logprobs: 0`` and
                                        ``return_token_ids: true`` -> {"choices": [{"index", "token_ids",
                                        "logprobs": {"token_logprobs"}, "finish_reason", "stop_reason"}]}
+    POST /inference/v1/generate        a prompt that shows pictures (vLLM's server only, started with
+                                       ``--enable-scale-out``): {"token_ids", "content_parts": [{"type":
+                                       "image_url", "url": "data:image/png;base64,..."}], "sampling_params"}
+                                       -> {"choices": [{"index", "token_ids", "logprobs": {"content":
+                                       [{"token_id", "logprob"}]}, "finish_reason", "stop_reason"}]}
     GET  /weight_info                  {"weight_version"}: the weights it holds, as the last push named them
     POST /pause?mode=wait, /resume     around a push
     POST /init_weight_transfer_engine  {"init_info"}: join the trainer's weight-transfer group
@@ -21,6 +26,8 @@ Weights travel over the weight-transfer group, not HTTP (``covey.rollout.weight_
 
 from __future__ import annotations
 
+import base64
+import io
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -129,7 +136,48 @@ def completion_request(model: str, prompt_ids: list[int], num_generations: int, 
     """The ``/v1/completions`` body for ``num_generations`` samples of one prompt: token ids in, token
     ids and the log-prob of each sampled token out."""
     return dict(model=model, prompt=[int(t) for t in prompt_ids], **sampling_fields(params, num_generations, eos_token_ids),
-                return_token_ids=True, seed=seed)
+                return_token_ids=True, seed=seed, **suppressed(params))
+
+
+def suppressed(params: SamplingParams) -> dict[str, Any]:
+    """The tokens never sampled (a vision-language model's image tokens) as vLLM's strongest negative bias."""
+    return {"logit_bias": {str(token): -100.0 for token in params.suppress}} if params.suppress else {}
+
+
+GENERATE = "/inference/v1/generate"  # where a prompt with pictures is sampled
+
+
+def picture_url(picture: Any) -> str:
+    """A picture as a data URL of its PNG encoding: lossless, so the server's processor reads the very pixels
+    the trainer's did."""
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def generate_request(model: str, prompt_ids: list[int], picture_urls: list[str], num_generations: int,
+                     params: SamplingParams, eos_token_ids: list[int], seed: int | None) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` body for ``num_generations`` samples of a prompt that shows pictures:
+    its ids as the chat template wrote them (one placeholder per picture, which the server's processor
+    expands) and its pictures in order (``picture_url``'s), in vLLM's sampling settings (those of
+    ``/v1/completions``, and the tokens never sampled as the strongest negative bias)."""
+    sampling = sampling_fields(params, num_generations, eos_token_ids) | {"seed": seed} | suppressed(params)
+    return {"model": model, "token_ids": [int(t) for t in prompt_ids],
+            "content_parts": [{"type": "image_url", "url": url} for url in picture_urls],
+            "sampling_params": sampling, "output_mode": "tokens"}
+
+
+def generated_choices(reply: Any) -> list[dict[str, Any]]:
+    """``/inference/v1/generate``'s choices in the form of ``/v1/completions``' (what ``rollout_from_choices``
+    reads): each sampled token's log-prob taken from its ``logprobs.content`` entry."""
+    choices = []
+    for choice in reply["choices"]:
+        content = (choice.get("logprobs") or {}).get("content") or []
+        ids = list(choice.get("token_ids") or [])
+        if [entry["token_id"] for entry in content] != ids:
+            raise ModelError("the server's log-probs do not follow its sampled tokens; it must be asked for logprobs: 0")
+        choices.append({**choice, "token_ids": ids, "logprobs": {"token_logprobs": [entry["logprob"] for entry in content]}})
+    return choices
 
 
 def read_completion_request(body: Any) -> tuple[list[list[int]], int, SamplingParams, list[int], int | None]:

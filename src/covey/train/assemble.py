@@ -25,13 +25,13 @@ from covey.train.checkpoint import resolve_checkpoint, saved_step
 from covey.train.distributed import World
 from covey.train.hub import HubPush
 from covey.train.run_folder import config_as_used, make_run_dir
-from covey.train.run_rules import ENGINE_RULES, RUN_RULES, Handed
+from covey.train.run_rules import ENGINE_ROW_RULES, ENGINE_RULES, ROW_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
 from covey.train.parts import Rewards, StepParts
 from covey.train.policy import Policy
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
-from covey.train.vision_run import picture_sampling, pictures, with_picture_engine
+from covey.train.vision_run import picture_sampling, with_picture_engine
 from covey.vision import text_tokenizer
 
 
@@ -81,7 +81,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     rows = setup.load_run_rows(args, handed.train_dataset, eval_dataset, funcs, world.size, environment,
                                own_rollouts=rollout_func is not None)
     args = with_picture_engine(args, rows.train)  # prompts with pictures: transformers' generate unless asked
-    check((pictures,), args, dataclasses.replace(handed, train_dataset=rows.train))  # data read from a file too
+    check(ROW_RULES, args, dataclasses.replace(handed, train_dataset=rows.train))
     if args.eval_strategy == "steps" and not rows.heldout:
         raise ConfigError(f"eval_strategy: steps evaluates on held-out data, and {rows.source} brings none: give "
                           "eval_dataset (or a built-in task), or set eval_strategy: no")
@@ -119,6 +119,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
     engine = given_engine or setup.build_engine(args, sampled, tokenizer, eos_ids)
     check(ENGINE_RULES, args, engine, rollout_func is not None)
+    check(ENGINE_ROW_RULES, engine, rows.train)
     if given_engine is not None or (world.size > 1 and engine.shared_by_processes):
         # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
         engine.policy_changed(policy)

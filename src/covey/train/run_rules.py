@@ -1,6 +1,7 @@
 """The rules of a run (``covey.rules``' second and third phases): what the trainer was handed and how
-the run was launched, checked before any policy weights load (``RUN_RULES``); and the rollout engine,
-once built (``ENGINE_RULES``). Rules written elsewhere (the launcher's, a sharded run's, the engine's
+the run was launched, checked before any policy weights load (``RUN_RULES``), and its rows once loaded
+(``ROW_RULES``: data named by a file or a task is read after those); and the rollout engine, once built
+(``ENGINE_RULES``, and ``ENGINE_ROW_RULES`` against the rows). Rules written elsewhere (the launcher's, a sharded run's, the engine's
 interface...) are named here, so that this table lists every one."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from covey.train.distributed import check_launcher_settings
 from covey.train.setup import (check_data_and_rewards_given, check_engine, check_model_settings, engine_correction,
                                engine_name, uses_lora)
 from covey.train.sharding import Sharding, check_sharded_run
-from covey.train.vision_run import pictures
+from covey.train.vision_run import engine_reads_pictures, pictures
 
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
                   "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
@@ -113,7 +114,10 @@ def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     return None
 
 
-RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, pictures, fits_the_device)
+RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, fits_the_device)
+# on what the trainer was handed with its rows loaded (``Handed.train_dataset`` the rows), before any policy
+# weights load
+ROW_RULES = (pictures,)
 
 
 # ---- the rollout engine, once built --------------------------------------------------------
@@ -129,3 +133,4 @@ def vespo_with_engine_correction(c: GRPOConfig, engine: Any, own_rollouts: bool,
 
 
 ENGINE_RULES = (vespo_with_engine_correction,)
+ENGINE_ROW_RULES = (engine_reads_pictures,)  # the engine and the training rows
