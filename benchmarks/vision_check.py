@@ -46,7 +46,7 @@ def check_family(family: str, tokens: int, steps: int) -> None:
     model, processor = BUILDERS[family]()
     model = model.to(device)
     tokenizer = text_tokenizer(processor)
-    prompts = encode_prompts(tokenizer, [r["prompt"] for r in load_rows(rows(4))], 512)
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in load_rows(rows(4))], 512, processor=processor)
     params = SamplingParams(max_new_tokens=tokens, suppress=tuple(placeholder_token_ids(model.config)))
     for bf16 in (False, True):
         engine = HFEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], bf16=bf16)

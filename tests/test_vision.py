@@ -96,7 +96,7 @@ def family(request):
 
 def encoded(processor, rows):
     tokenizer = text_tokenizer(processor)
-    return tokenizer, encode_prompts(tokenizer, [r["prompt"] for r in load_rows(rows)], 512)
+    return tokenizer, encode_prompts(tokenizer, [r["prompt"] for r in load_rows(rows)], 512, processor=processor)
 
 
 def test_the_processor_expands_each_picture_to_its_image_tokens(family):
@@ -117,16 +117,8 @@ def test_the_processor_expands_each_picture_to_its_image_tokens(family):
         features.reshape(-1, model.config.get_text_config().hidden_size).shape[0]
     assert ids[0].count(token) == count > 0
     with pytest.raises(DataError, match="processing class is a tokenizer"):
-        encode_prompts(tokenizer_without(tokenizer), [load_rows(picture_rows(1))[0]["prompt"]], 512)
-
-
-def tokenizer_without(tokenizer):
-    """The tokenizer alone, without the processor it keeps."""
-    import copy
-
-    alone = copy.copy(tokenizer)
-    del alone.covey_processor
-    return alone
+        encode_prompts(tokenizer, [load_rows(picture_rows(1))[0]["prompt"]], 512)  # the tokenizer alone
+    assert not hasattr(tokenizer, "covey_processor")  # the processor is carried beside it, not set on it
 
 
 def plain_logprobs(model, sequences: SequenceBatch, suppressed: list[int] = ()) -> torch.Tensor:
@@ -234,7 +226,6 @@ def test_full_fine_tuning_freezes_the_vision_tower_unless_asked(tmp_path):
 
 @pytest.mark.parametrize("changes, handed, message", [
     (dict(rollout_engine="fast"), {}, "rollout_engine: fast samples from token ids only"),
-    (dict(use_vllm=True, vllm_mode="server"), {}, "(vllm_mode: server) samples from token ids only"),
     ({}, dict(rollout_func=lambda prompts, trainer: {}), "leave rollout_func out"),
 ])
 def test_what_cannot_take_pictures_is_refused_before_anything_loads(tmp_path, changes, handed, message):
@@ -247,6 +238,83 @@ def test_what_cannot_take_pictures_is_refused_before_anything_loads(tmp_path, ch
 
         GRPOTrainer(model=make_model(100), reward_funcs=length_reward, train_dataset=[{"prompt": "x"}] * 4,
                     processing_class=make_tokenizer(), args=vision_args(tmp_path, train_vision_tower=True), quiet=True)
+
+
+def test_whether_rows_show_pictures_is_read_from_every_row_not_a_sample(tmp_path):
+    from datasets import Dataset
+
+    from covey.train.vision_run import shows_pictures
+
+    image(0).save(tmp_path / "late.png")
+    text = [{"role": "user", "content": [{"type": "text", "text": "x", "path": None}]}]
+    late = [{"role": "user", "content": [{"type": "image", "text": None, "path": str(tmp_path / "late.png")},
+                                         {"type": "text", "text": "x", "path": None}]}]
+    rows = [{"prompt": text}] * 12 + [{"prompt": late}]  # the first picture in row 12
+    assert shows_pictures(Dataset.from_list(rows)) and shows_pictures(rows)
+    assert not shows_pictures(Dataset.from_list(rows[:12]))
+    assert shows_pictures(Dataset.from_list([{"prompt": chat("x"), "image": None}] * 9 + [{"prompt": chat("x"),
+                                                                                           "image": image(1)}]))
+    model, processor = BUILDERS["idefics3"]()
+    with pytest.raises(ConfigError, match="rollout_engine: fast samples from token ids only"):
+        GRPOTrainer(model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                    train_dataset=Dataset.from_list(rows[:12] + rows[-4:]),
+                    processing_class=processor, args=vision_args(tmp_path, rollout_engine="fast"), quiet=True)
+
+
+def test_covey_server_s_fast_engine_refuses_prompts_with_pictures_before_training(tmp_path):
+    from covey.rollout.server import FastBackend, RolloutServer
+    from tests.conftest import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    server = RolloutServer(FastBackend(make_model(len(tokenizer)).eval(), tokenizer, [tokenizer.eos_token_id]),
+                           "127.0.0.1", 0).start()
+    try:
+        model, processor = BUILDERS["idefics3"]()
+        args = vision_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=server.server_address[1],
+                           vllm_server_timeout=5)
+        with pytest.raises(ConfigError, match="is covey server, whose fast engine reads token ids only: start it "
+                                              "with --backend vllm"):
+            GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(), processing_class=processor,
+                        args=args, quiet=True)
+        from covey.rollout import ServerEngine
+        from covey.rollout.wire import GENERATE
+
+        engine = ServerEngine("127.0.0.1", server.server_address[1], 0, [3], timeout=5)
+        assert not engine.takes_images
+        with pytest.raises(ConfigError, match="HTTP 400: covey server's fast engine reads token ids only"):
+            engine.api.post(GENERATE, {"token_ids": [1, 2]})  # and the server itself says so
+    finally:
+        server.close()
+
+
+def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_lossless_pictures():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from covey.rollout.wire import generate_request, generated_choices, picture_url, rollout_from_choices
+
+    model, processor = BUILDERS["idefics3"]()
+    tokenizer, ids = encoded(processor, picture_rows(1))
+    pictures = images_of(ids[0])
+    urls = [picture_url(p) for p in pictures.pictures]
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, suppress=(7, 9))
+    body = generate_request("m", pictures.unexpanded(list(ids[0])), urls, 2, params, [3], 11)
+    assert body["token_ids"] == list(pictures.template_ids) and len(body["token_ids"]) < len(ids[0])
+    [part] = body["content_parts"]
+    assert part["type"] == "image_url" and part["url"].startswith("data:image/png;base64,")
+    decoded = Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))
+    assert decoded.tobytes() == image(0).tobytes() and decoded.size == image(0).size  # the very pixels
+    sampling = body["sampling_params"]
+    assert (sampling["n"], sampling["seed"], sampling["logprobs"], sampling["temperature"]) == (2, 11, 0, 0.7)
+    assert sampling["logit_bias"] == {"7": -100.0, "9": -100.0} and sampling["stop_token_ids"] == [3]
+    reply = {"choices": [{"index": i, "token_ids": [5, 3], "finish_reason": "stop", "stop_reason": None,
+                          "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 3, "logprob": -1.25}]}}
+                         for i in range(2)]}
+    rollout = rollout_from_choices([generated_choices(reply)], 2, 0)
+    assert rollout.completion_ids_BT.tolist() == [[5, 3]] * 2 and rollout.finish_reasons == ["eos"] * 2
+    assert rollout.sampling_logp_BT.tolist() == [[-0.5, -1.25]] * 2
 
 
 # ---- a TRL script -------------------------------------------------------------------------------------
@@ -366,6 +434,9 @@ def test_a_run_described_by_its_config_alone_trains_on_pictures_named_in_a_data_
     trainer = GRPOTrainer(args=args, quiet=True)
     assert type(trainer.model).__name__ == "Idefics3ForConditionalGeneration"
     assert trainer.args.rollout_engine == "hf"  # no engine asked for: transformers' generate takes the pictures
+    # the processor loaded with the model is carried beside its tokenizer, and is TRL's processing_class
+    assert type(trainer.processing_class).__name__ == "Idefics3Processor"
+    assert trainer.tokenizer is trainer.processing_class.tokenizer and not hasattr(trainer.tokenizer, "covey_processor")
     trainer.train()
     saved_model = tmp_path / "run" / "final_model"
     from transformers import AutoProcessor

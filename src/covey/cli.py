@@ -150,7 +150,7 @@ def cmd_eval(argv: list[str]) -> int:
     args = _load_config(config_path, overrides)
 
     from covey.data import heldout_rows
-    from covey.models import eos_token_ids, load_policy, load_tokenizer
+    from covey.models import eos_token_ids, load_policy, load_processing
     from covey.telemetry.plain import output_console
     from covey.telemetry.tables import percent
     from covey.train.evaluation import evaluate
@@ -161,10 +161,10 @@ def cmd_eval(argv: list[str]) -> int:
     if not rows:
         raise ConfigError(f"no held-out data for dataset {args.dataset!r}: pass --eval-dataset FILE")
     reward_funcs, reward_weights = load_rewards(args)
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code, args.model_revision)
+    tokenizer, processor = load_processing(args.model, args.trust_remote_code, args.model_revision)
     model = load_policy(args.model, model_loading(args)).eval()
     engine = build_engine(args, model, tokenizer, eos_token_ids(model, tokenizer))
-    result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args)
+    result = evaluate(engine, tokenizer, rows, reward_funcs, reward_weights, args, processor=processor)
     output_console().print(f"{args.model}: accuracy {percent(result['accuracy'])} "
                            f"(n={result['n']}), mean reward {result['mean_reward']:.3f}")
     return 0

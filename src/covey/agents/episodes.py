@@ -58,11 +58,12 @@ class Agent:
     renders_tools: bool  # the chat template shows the model its tools=; else the system prompt does
     workers: ToolWorkers | None = None  # the worker process of the tools that need not stay in the trainer's
     chat_template_kwargs: dict | None = None  # the run's, for the chat template that renders tool messages
+    processor: Any = None  # a vision-language model's: it writes the prompts that show pictures
 
     @staticmethod
     def build(tokenizer, eos_ids: list[int], tools: list[Tool], environment: Environments | None,
               tool_format: ToolCallFormat, max_tool_calling_iterations: int | None,
-              tool_timeout: float | None, chat_template_kwargs: dict | None = None) -> Agent:
+              tool_timeout: float | None, chat_template_kwargs: dict | None = None, processor: Any = None) -> Agent:
         for kind in environment.kinds.values() if environment else [None]:  # the tools one episode sees
             names = [t.name for t in tools] + (kind.tool_names if kind else [])
             if repeated := sorted({n for n in names if names.count(n) > 1}):
@@ -74,7 +75,8 @@ class Agent:
         probe = [{"role": "tool", "name": "probe", "content": "1"}]
         tool_message_ids(tokenizer, probe, eos_ids, chat_template_kwargs)  # fails here, early
         return Agent(tokenizer, eos_ids, tools, environment, tool_format, max_tool_calling_iterations, tool_timeout,
-                     template_renders_tools(tokenizer, chat_template_kwargs), ToolWorkers(tools), chat_template_kwargs)
+                     template_renders_tools(tokenizer, chat_template_kwargs), ToolWorkers(tools), chat_template_kwargs,
+                     processor)
 
     def __enter__(self) -> Agent:
         return self

@@ -13,21 +13,22 @@ from covey.vision import content_text, encode_image_prompt, image_parts
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str = "dataset",
                    overflow: str = "error", overflowed: list[tuple[int, int]] | None = None,
                    tools: list[list[dict] | None] | None = None,
-                   template_kwargs: dict | None = None) -> list[list[int] | None]:
+                   template_kwargs: dict | None = None, processor: Any = None) -> list[list[int] | None]:
     """Token ids per prompt: chat prompts through the model's chat template (with the assistant
     turn opened, the run's ``template_kwargs`` and each prompt's ``tools`` for a template that renders them),
     plain strings as they are. A prompt
     over ``max_prompt_length`` is an error (``overflow="error"``), None (``"drop"``), or keeps its last
     max_prompt_length tokens (``"truncate_left"``); (index, length in tokens) of each such prompt is
-    appended to ``overflowed``."""
-    check_chat_template(tokenizer, prompts, source)
+    appended to ``overflowed``. Prompts that show pictures are written by the model's ``processor``
+    (``encode_image_prompt``): None, a tokenizer's run, cannot encode them."""
+    check_chat_template(tokenizer, prompts, source, processor)
     encoded: list[list[int] | None] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif image_parts(prompt):
             shown = None if tools is None else tools[i]
-            ids = encode_image_prompt(_processor(tokenizer, source, i), prompt, f"{source}, row {i}",
+            ids = encode_image_prompt(_processor(processor, source, i), prompt, f"{source}, row {i}",
                                       **(template_kwargs or {}), **({} if shown is None else {"tools": shown}))
         else:
             shown = None if tools is None else tools[i]
@@ -50,9 +51,8 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, source: str
     return encoded
 
 
-def _processor(tokenizer, source: str, row: int):
-    """The multimodal processor a prompt with pictures is encoded with (kept on the run's tokenizer)."""
-    processor = getattr(tokenizer, "covey_processor", None)
+def _processor(processor, source: str, row: int):
+    """The multimodal processor a prompt with pictures is encoded with: the run's, which a tokenizer has not."""
     if processor is None:
         raise DataError(f"{source}, row {row}: the prompt shows pictures, and the model's processing class is a "
                         "tokenizer, which reads text only: give processing_class=AutoProcessor.from_pretrained(...) "
@@ -68,11 +68,11 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, *,
                                          **(template_kwargs or {}), **kwargs)
 
 
-def check_chat_template(tokenizer, prompts: list, source: str) -> None:
-    """Chat prompts need a tokenizer with a chat template (a base model's has none)."""
+def check_chat_template(tokenizer, prompts: list, source: str, processor: Any = None) -> None:
+    """Chat prompts need a tokenizer (or a processor) with a chat template (a base model's has none)."""
     chat = next((i for i, prompt in enumerate(prompts) if not isinstance(prompt, str)), None)
     if chat is not None and not (getattr(tokenizer, "chat_template", None) or
-                                 getattr(getattr(tokenizer, "covey_processor", None), "chat_template", None)):
+                                 getattr(processor, "chat_template", None)):
         model = getattr(tokenizer, "name_or_path", "") or "the model"
         raise DataError(f"{source}, row {chat}: the prompts are chats (lists of messages), but the tokenizer of "
                         f"{model} has no chat template (a base model?); give plain-string prompts, or use a model "

@@ -15,7 +15,7 @@ from covey.models.device import default_device
 from covey.models.embedded import resolve_model_path
 from covey.models.verbosity import quiet_transformers
 from covey.sources import why_unloadable
-from covey.vision.models import is_vision_folder, load_processor_tokenizer, load_vision_model
+from covey.vision.models import is_vision_folder, load_processor, load_vision_model
 
 @dataclass(frozen=True)
 class ModelLoading:
@@ -63,16 +63,24 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str = "main"):
+    """The model's tokenizer, prepared for generation (a vision-language model's: its processor's)."""
+    return load_processing(name_or_path, trust_remote_code, revision)[0]
+
+
+def load_processing(name_or_path: str, trust_remote_code: bool = False, revision: str = "main") -> tuple[Any, Any]:
+    """(tokenizer, processor) of a model: a vision-language model's processor (which encodes prompts with
+    pictures) and its tokenizer, prepared for generation; for another model its tokenizer and None."""
     from transformers import AutoTokenizer
 
-    try:  # a vision-language model's tokenizer keeps its processor (covey_processor)
-        tokenizer = load_processor_tokenizer(resolve_model_path(name_or_path), trust_remote_code, revision) or \
-            AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
-                                          **({} if revision == "main" else {"revision": revision}))
+    path = resolve_model_path(name_or_path)
+    try:
+        processor = load_processor(path, trust_remote_code, revision)
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
+            path, trust_remote_code=trust_remote_code, **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:
         raise _not_loaded(name_or_path, e) from e
     prepare_tokenizer(tokenizer)
-    return tokenizer
+    return tokenizer, processor
 
 
 def prepare_tokenizer(tokenizer) -> None:

@@ -17,7 +17,7 @@ from covey.rules import check
 from covey.config import GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import ConfigError
-from covey.models import Reference, eos_token_ids, load_tokenizer, prepare_tokenizer, set_log_level
+from covey.models import Reference, eos_token_ids, load_processing, prepare_tokenizer, set_log_level
 from covey.rewards import RewardPool
 from covey.train import setup
 from covey.train.batch import Prompts
@@ -32,7 +32,7 @@ from covey.train.policy import Policy
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 from covey.train.vision_run import picture_sampling, with_picture_engine
-from covey.vision import text_tokenizer
+from covey.vision import processor_of, text_tokenizer
 
 
 @dataclass
@@ -92,13 +92,15 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     hub = HubPush.connect(args, run_dir, world)
     torch.manual_seed(world.seed(args.seed))  # dropout masks of its own in each process
 
-    tokenizer = text_tokenizer(handed.processing_class)  # a processor's tokenizer keeps it (covey_processor)
+    # the text stages' tokenizer, and a vision-language model's processor for the prompts with pictures
+    tokenizer, processor = text_tokenizer(handed.processing_class), processor_of(handed.processing_class)
     if tokenizer is not None:
         prepare_tokenizer(tokenizer)
     else:
-        tokenizer = load_tokenizer(handed.model_source(args), args.trust_remote_code, args.model_revision)
-    agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format)
-    train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent)
+        tokenizer, processor = load_processing(handed.model_source(args), args.trust_remote_code, args.model_revision)
+    agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format, processor)
+    train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent,
+                                                                     processor)
     if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
         args = dataclasses.replace(args, max_steps=args.steps_for_epochs(len(train_rows), world.size),
                                    num_train_epochs=None)
@@ -129,7 +131,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     prompt_sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
     sampler = Sampler(engine, tokenizer, eos_ids, picture_sampling(setup.sampling_params(args), policy),
                       setup.engine_correction(args), agent,
-                      rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation)
+                      rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation,
+                      processor)
     sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
     parts = StepParts(args, world, Policy(policy, reference, optimizer, scheduler, *sharded_passes), sampler,
                       Prompts(train_rows, prompt_ids), rewards,

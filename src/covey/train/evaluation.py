@@ -22,7 +22,7 @@ from covey.train.setup import sampling_params
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: Sequence[RewardFunc],
              reward_weights: Sequence[float], args: GRPOConfig, reward_pool: RewardPool | None = None,
              reward_call_context: dict | None = None, agent: Agent | None = None,
-             rollout_func=None, eos_ids: list[int] | None = None) -> dict:
+             rollout_func=None, eos_ids: list[int] | None = None, processor=None) -> dict:
     """Greedy completions of held-out rows under the run's own settings (prompt length and
     overflow, completion length, stop strings, reasoning stripping, reward errors and timeout):
     accuracy (the tagged answer equals the `answer` column, over the rows whose answer holds a number;
@@ -33,6 +33,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
     ``reward_call_context``: what reward calls get beside the batch (default: step 0, nothing logged).
     ``agent``: tools (and an environment) available, in episodes as in training; ``rollout_func``: the
     user's own generation, as in training (TRL calls it for evaluation too; greedy is its own to choose).
+    ``processor``: a vision-language model's, which writes the prompts that show pictures.
 
         {"accuracy": 0.42, "mean_reward": 1.3, "n": 64, "checked": 60,
          "samples": [{prompt, completion, correct, reward}, ...]}
@@ -44,7 +45,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
         shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
         prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, "eval_dataset", args.prompt_overflow,
-                                tools=tools, template_kwargs=args.chat_template_kwargs)
+                                tools=tools, template_kwargs=args.chat_template_kwargs, processor=processor)
     kept = [(i, row, ids) for i, (row, ids) in enumerate(zip(rows, prompt_ids)) if ids is not None]
     k = args.num_generations_eval or 1
     params = (dataclasses.replace(sampling_params(args), extra=()) if args.num_generations_eval else

@@ -83,7 +83,8 @@ def _episode_prompt_ids(agent: Agent, episodes: Episodes, rows: list[dict], indi
     shown = [agent.prompt(messages, row) for messages, row in zip(episodes.prompts, rows)]
     ids = encode_prompts(agent.tokenizer, [messages for messages, _ in shown], max_prompt_length, "episodes",
                          "truncate_left" if prompt_overflow == "truncate_left" else "drop",
-                         tools=[tools for _, tools in shown], template_kwargs=agent.chat_template_kwargs)
+                         tools=[tools for _, tools in shown], template_kwargs=agent.chat_template_kwargs,
+                         processor=agent.processor)
     if (over := next((b for b, row_ids in enumerate(ids) if row_ids is None), None)) is not None:
         raise DataError(f"row {indices[over]}: its prompt, with what the environment's reset added, is over "
                         f"max_prompt_length={max_prompt_length} tokens; raise max_prompt_length, shorten what reset "

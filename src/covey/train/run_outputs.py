@@ -75,7 +75,7 @@ def write_model(trainer: GRPOTrainer, folder: Path) -> Path:
     def write() -> Path:
         with written_whole(folder, f"{folder.name}-*") as tmp:
             trainer.model.save_pretrained(tmp, safe_serialization=True, state_dict=whole)
-            save_processor(trainer.tokenizer, tmp)  # a vision-language model's, before its tokenizer as loaded
+            save_processor(trainer.parts.sampler.processor, tmp)  # a vision-language model's, before its tokenizer
             with tokenizer_as_loaded(trainer.tokenizer) as tokenizer:
                 tokenizer.save_pretrained(tmp)
         return folder

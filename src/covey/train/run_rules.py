@@ -23,7 +23,7 @@ from covey.train.distributed import check_launcher_settings
 from covey.train.setup import (check_data_and_rewards_given, check_engine, check_model_settings, engine_correction,
                                engine_name, uses_lora)
 from covey.train.sharding import Sharding, check_sharded_run
-from covey.train.vision_run import engine_reads_pictures, pictures
+from covey.train.vision_run import engine_reads_pictures, pictures, vision_tower
 
 SYNC_WITH_LORA = ("sync_ref_model cannot be used with a LoRA policy (use_peft, peft_config or a model with an "
                   "adapter): its reference is the base model with the adapter disabled, not a copy to sync")
@@ -114,7 +114,7 @@ def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     return None
 
 
-RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, fits_the_device)
+RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, vision_tower, fits_the_device)
 # on what the trainer was handed with its rows loaded (``Handed.train_dataset`` the rows), before any policy
 # weights load
 ROW_RULES = (pictures,)

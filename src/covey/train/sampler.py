@@ -41,6 +41,7 @@ class Sampler:
     rollout_func: Callable[[list], dict] | None = None  # the user's own generation, TRL's rollout_func
     policy_copy: PolicyCopy | None = None  # under fsdp, the whole copy of the policy an engine here samples from
     async_generation: bool = False  # the rounds are sampled ahead, by an older policy
+    processor: Any = None  # a vision-language model's processor, which writes the prompts with pictures (None: text)
     ahead: AsyncGeneration | None = field(default=None, init=False)  # the worker, while train() runs
 
     @property

@@ -164,9 +164,11 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
 
 
 def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], source: str,
-                            agent: Agent | None = None) -> tuple[list[dict], list[list[int]], int]:
+                            agent: Agent | None = None, processor: Any = None
+                            ) -> tuple[list[dict], list[list[int]], int]:
     """(the rows kept, their prompts' token ids, how many were over max_prompt_length): rows over it
-    follow prompt_overflow. With an ``agent``, the prompts show the model its tools."""
+    follow prompt_overflow. With an ``agent``, the prompts show the model its tools; prompts with pictures
+    are written by the model's ``processor``."""
     overflowed: list[tuple[int, int]] = []
     prompts, tools = [r["prompt"] for r in rows], None
     if agent is not None:
@@ -176,7 +178,7 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
         shown = [agent.prompt(p, row) for p, row in zip(prompts, rows)]
         prompts, tools = [messages for messages, _ in shown], [tools for _, tools in shown]
     prompt_ids = encode_prompts(tokenizer, prompts, args.max_prompt_length, source, args.prompt_overflow,
-                                overflowed, tools, args.chat_template_kwargs)
+                                overflowed, tools, args.chat_template_kwargs, processor)
     kept = [i for i, ids in enumerate(prompt_ids) if ids is not None]
     if not kept:
         raise DataError(f"every training prompt is longer than max_prompt_length={args.max_prompt_length}")
@@ -209,7 +211,7 @@ def load_environment(args: GRPOConfig, environment_factory: Callable | dict | No
 
 
 def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, environment: Environments | None,
-                tool_call_format: ToolCallFormat | None = None) -> Agent | None:
+                tool_call_format: ToolCallFormat | None = None, processor: Any = None) -> Agent | None:
     """What the run's episodes run with: its tools (given, else ``args.tools``) and environment; None for
     a run of single completions."""
     specs = list(tools) if tools is not None else list(args.tools)
@@ -217,7 +219,7 @@ def build_agent(args: GRPOConfig, tokenizer: Any, tools: Sequence | None, enviro
         return None
     return Agent.build(tokenizer, [tokenizer.eos_token_id], [load_tool(spec) for spec in specs], environment,
                        tool_call_format or FORMATS[args.tool_call_parser], args.max_tool_calling_iterations,
-                       args.tool_timeout, args.chat_template_kwargs)
+                       args.tool_timeout, args.chat_template_kwargs, processor)
 
 
 # ---- the policy and its optimizer -----------------------------------------------------------------

@@ -105,7 +105,8 @@ class GRPOTrainer(TRLSurface):
     reference = property(lambda self: self.parts.policy.reference, doc="The reference model (None when beta == 0).")
     engine = property(lambda self: self.parts.sampler.engine, doc="The rollout engine.")
     tokenizer = property(lambda self: self.parts.sampler.tokenizer)
-    processing_class = tokenizer  # TRL's name, which rollout functions read
+    # TRL's name, which rollout functions read: a vision-language model's processor, else the tokenizer
+    processing_class = property(lambda self: self.parts.sampler.processor or self.parts.sampler.tokenizer)
     optimizer = property(lambda self: self.parts.policy.optimizer)
     scheduler = property(lambda self: self.parts.policy.scheduler)
     # transformers' names for the callbacks' view of the run
@@ -245,7 +246,7 @@ class GRPOTrainer(TRLSurface):
         with sampler.from_policy(self.parts.policy, self.world):
             mine = evaluate(sampler.engine, sampler.tokenizer, self.world.share(rows), rewards.funcs, rewards.weights,
                             self.args, rewards.pool, reward_context(state), agent=sampler.agent,
-                            rollout_func=sampler.rollout_func, eos_ids=sampler.eos_ids)
+                            rollout_func=sampler.rollout_func, eos_ids=sampler.eos_ids, processor=sampler.processor)
         parts = self.world.gather(mine)
         result = merge_evaluations(parts)
         self.callback_handler.evaluate(self.global_step, result)
@@ -255,7 +256,7 @@ class GRPOTrainer(TRLSurface):
         """The GRPO loss on held-out ``rows`` (``trl_api.grpo_loss_on``), averaged over the processes. Each
         process scores every row (its own samples): a sharded model's passes must come in step."""
         train_rows, ids, _ = setup.encode_training_prompts(self.args, self.tokenizer, rows, "eval_dataset",
-                                                           self.parts.sampler.agent)
+                                                           self.parts.sampler.agent, self.parts.sampler.processor)
         with self.parts.sampler.from_policy(self.parts.policy, self.world):
             losses = self.world.gather(grpo_loss_on(self.parts, Prompts(train_rows, ids)))
         return sum(losses) / len(losses)

@@ -50,10 +50,11 @@ def check_images(report: Report, parts: StepParts, batch: ScoredBatch, indices: 
     seq = batch.samples.sequences
     if seq.images is None:
         return
-    model, processor = parts.policy.model, getattr(parts.sampler.tokenizer, "covey_processor", None)
+    model, processor = parts.policy.model, parts.sampler.processor
     token = _image_token(plain_model(model).config)
     rows = [parts.prompts.rows[i] for i in indices]
-    again = encode_prompts(parts.sampler.tokenizer, [row["prompt"] for row in rows], 10**9, "verify")
+    again = encode_prompts(parts.sampler.tokenizer, [row["prompt"] for row in rows], 10**9, "verify",
+                           processor=processor)
     same = all(list(a) == list(parts.prompts.ids[i]) for a, i in zip(again, indices))
     report.add("images", "prompts are the processor's", same and processor is not None,
                f"{len(indices)} prompts re-encoded by {type(processor).__name__}",

@@ -55,18 +55,18 @@ def is_processor(processing_class: Any) -> bool:
 
 
 def text_tokenizer(processing_class: Any) -> Any:
-    """The tokenizer every text stage of a run uses: a processor's own (which keeps the processor as
-    ``covey_processor``, to encode prompts with pictures), or the processing class itself."""
-    if not is_processor(processing_class):
-        return processing_class
-    tokenizer = processing_class.tokenizer
-    tokenizer.covey_processor = processing_class
-    return tokenizer
+    """The tokenizer every text stage of a run uses: a processor's own, or the processing class itself."""
+    return processing_class.tokenizer if is_processor(processing_class) else processing_class
 
 
-def load_processor_tokenizer(path: str, trust_remote_code: bool = False, revision: str = "main") -> Any | None:
-    """The tokenizer (keeping its processor) of a vision-language model's folder or hub id; None for a
-    model that is not one, or whose processor does not load (its tokenizer alone is then loaded)."""
+def processor_of(processing_class: Any) -> Any | None:
+    """The multimodal processor a run encodes prompts with pictures with (None: a tokenizer, text only)."""
+    return processing_class if is_processor(processing_class) else None
+
+
+def load_processor(path: str, trust_remote_code: bool = False, revision: str = "main") -> Any | None:
+    """The processor of a vision-language model's folder or hub id; None for a model that is not one, or
+    whose processor does not load (its tokenizer alone is then used)."""
     if not is_vision_folder(path):
         return None
     from transformers import AutoProcessor
@@ -76,13 +76,12 @@ def load_processor_tokenizer(path: str, trust_remote_code: bool = False, revisio
                                                   **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError, ImportError):
         return None
-    return text_tokenizer(processor) if is_processor(processor) else None
+    return processor if is_processor(processor) else None
 
 
-def save_processor(tokenizer: Any, folder: Any) -> None:
-    """The processor a run's tokenizer keeps (a vision-language model's), saved in ``folder`` beside the model
-    so that ``AutoProcessor`` loads it from there; a processor that cannot be saved is warned of."""
-    processor = getattr(tokenizer, "covey_processor", None)
+def save_processor(processor: Any | None, folder: Any) -> None:
+    """A run's processor (a vision-language model's; None: nothing to save) saved in ``folder`` beside the
+    model so that ``AutoProcessor`` loads it from there; a processor that cannot be saved is warned of."""
     if processor is None:
         return
     try:
