@@ -315,6 +315,15 @@ def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_
     rollout = rollout_from_choices([generated_choices(reply)], 2, 0)
     assert rollout.completion_ids_BT.tolist() == [[5, 3]] * 2 and rollout.finish_reasons == ["eos"] * 2
     assert rollout.sampling_logp_BT.tolist() == [[-0.5, -1.25]] * 2
+    # a vLLM server started without --enable-scale-out answers that endpoint 403: what to do is said
+    import urllib.error
+
+    from covey.rollout.client import _http_error
+    from covey.rollout.wire import GENERATE
+
+    refusal = b'{"error": {"message": "Scale-out endpoints are disabled."}}'
+    error = _http_error("http://h:1", GENERATE, urllib.error.HTTPError("u", 403, "Forbidden", {}, io.BytesIO(refusal)))
+    assert isinstance(error, ConfigError) and "start vLLM's server with --enable-scale-out" in str(error)
 
 
 # ---- a TRL script -------------------------------------------------------------------------------------
