@@ -274,8 +274,8 @@ def test_covey_server_s_fast_engine_refuses_prompts_with_pictures_before_trainin
                            vllm_server_timeout=5)
         with pytest.raises(ConfigError, match="is covey server, whose fast engine reads token ids only: start it "
                                               "with --backend vllm"):
-            GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(), processing_class=processor,
-                        args=args, quiet=True)
+            GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(),
+                        processing_class=processor, args=args, quiet=True)
         from covey.rollout import ServerEngine
         from covey.rollout.wire import GENERATE
 
@@ -309,9 +309,9 @@ def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_
     sampling = body["sampling_params"]
     assert (sampling["n"], sampling["seed"], sampling["logprobs"], sampling["temperature"]) == (2, 11, 0, 0.7)
     assert sampling["logit_bias"] == {"7": -100.0, "9": -100.0} and sampling["stop_token_ids"] == [3]
+    content = [{"token_id": 5, "logprob": -0.5}, {"token_id": 3, "logprob": -1.25}]
     reply = {"choices": [{"index": i, "token_ids": [5, 3], "finish_reason": "stop", "stop_reason": None,
-                          "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 3, "logprob": -1.25}]}}
-                         for i in range(2)]}
+                          "logprobs": {"content": content}} for i in range(2)]}
     rollout = rollout_from_choices([generated_choices(reply)], 2, 0)
     assert rollout.completion_ids_BT.tolist() == [[5, 3]] * 2 and rollout.finish_reasons == ["eos"] * 2
     assert rollout.sampling_logp_BT.tolist() == [[-0.5, -1.25]] * 2

@@ -28,7 +28,8 @@ __all__ = [
     "Reference", "adapted_shared_matrix", "add_lora", "autocast", "base_parameter_name", "cache_dir",
     "cache_keyword", "check_quantization", "default_device", "dequantized", "disable_dropout",
     "embedded_model_folder", "eos_token_ids", "gathered_parameters", "head_in_float32", "is_peft_model",
-    "is_sharded", "keep_freed_memory", "load_policy", "load_processing", "load_tokenizer", "lora_merge_blocker", "merged_model",
+    "is_sharded", "keep_freed_memory", "load_policy", "load_processing", "load_tokenizer", "lora_merge_blocker",
+    "merged_model",
     "parameters_whole", "plain_model", "policy_weights", "prepare_tokenizer", "quiet_transformers",
     "resolve_model_path", "set_log_level", "tokenizer_as_loaded",
 ]

@@ -175,8 +175,10 @@ def generated_choices(reply: Any) -> list[dict[str, Any]]:
         content = (choice.get("logprobs") or {}).get("content") or []
         ids = list(choice.get("token_ids") or [])
         if [entry["token_id"] for entry in content] != ids:
-            raise ModelError("the server's log-probs do not follow its sampled tokens; it must be asked for logprobs: 0")
-        choices.append({**choice, "token_ids": ids, "logprobs": {"token_logprobs": [entry["logprob"] for entry in content]}})
+            raise ModelError("the server's log-probs do not follow its sampled tokens; it must be asked for "
+                             "logprobs: 0")
+        logprobs = [entry["logprob"] for entry in content]
+        choices.append({**choice, "token_ids": ids, "logprobs": {"token_logprobs": logprobs}})
     return choices
 
 

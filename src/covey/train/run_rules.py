@@ -1,8 +1,8 @@
 """The rules of a run (``covey.rules``' second and third phases): what the trainer was handed and how
 the run was launched, checked before any policy weights load (``RUN_RULES``), and its rows once loaded
 (``ROW_RULES``: data named by a file or a task is read after those); and the rollout engine, once built
-(``ENGINE_RULES``, and ``ENGINE_ROW_RULES`` against the rows). Rules written elsewhere (the launcher's, a sharded run's, the engine's
-interface...) are named here, so that this table lists every one."""
+(``ENGINE_RULES``, and ``ENGINE_ROW_RULES`` against the rows). Rules written elsewhere (the launcher's, a
+sharded run's, the engine's interface...) are named here, so that this table lists every one."""
 
 from __future__ import annotations
 

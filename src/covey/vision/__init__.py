@@ -12,4 +12,5 @@ from covey.vision.rows import (content_text, has_images, image_label, image_part
 __all__ = ["ImagePromptIds", "PromptImages", "backbone", "batch_images", "content_text", "encode_image_prompt",
            "freeze_vision_parts", "has_images", "image_label", "image_parts", "images_of", "is_processor",
            "is_vision_model", "jsonable", "lora_exclusion", "model_inputs", "picture_errors", "placeholder_token_ids",
-           "processor_of", "prompt_images", "text_tokenizer", "valid_content", "vision_parts", "with_images_in_prompts", "with_images_of"]
+           "processor_of", "prompt_images", "text_tokenizer", "valid_content", "vision_parts",
+           "with_images_in_prompts", "with_images_of"]
