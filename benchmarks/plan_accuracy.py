@@ -10,7 +10,7 @@ it includes the runtime of python, torch, transformers and covey, measured once 
 (``baseline``) and subtracted: the table compares the estimated step (``Breakdown.peak``) with the
 measured peak less that baseline.
 
-    nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about 10-15 minutes
+    nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about an hour on 2 shared cores
     nice -n 10 python -m benchmarks.plan_accuracy --only smollm2-full-64
 """
 
