@@ -17,7 +17,8 @@ A step's phases do not overlap: sampling, then the training pass. Its peak is wh
 colocated vLLM's share) plus the larger phase. In the training pass the backward starts with every
 activation, the logits and the head's gradient held; it then frees each layer's activations as it
 makes that layer's gradients, and ends with the embedding's dense gradient E (V x H), so the peak is at
-one end (``training_pass_bytes``): ``max(A + log-prob pass + head gradient, G + E where the head is tied)``;
+one end (``training_pass_bytes``): ``max(A + log-prob pass + head gradient, G + E where the head is tied)``
+(under FSDP2, the root unit's whole gradients beside the shards G);
 where a step accumulates micro-batches, the gradients G of the earlier ones are held beside either end.
 """
 
@@ -269,15 +270,22 @@ def training_pass_bytes(shape: ModelShape, s: Settings, activations: int, logpro
       share of the shared matrix's gradient until the embedding's arrives and sums the two, so both exist
       at once: G + E. Untied, the embedding's is its own part of G.
 
+    Under FSDP2 the root unit (embedding, head) reduce-scatters its gradients only once its backward is
+    done, after the embedding's: until then they are whole beside the shards G, the embedding's and the
+    tied head's share (or an untied head's own).
+
     Accumulating micro-batches, every gradient G is held already from the earlier ones, and each new one
     exists beside it until it is added in: G + the larger of the start and the end's new gradients (the
     embedding's, and the tied head's share waiting to be summed with it)."""
     gradients, embedding = gradients_bytes(shape, s), embedding_gradient_bytes(shape, s)
     start = activations + logprob + head_gradient_bytes(shape, s)
     tied_share = embedding if shape.tied else 0
+    end_new = embedding + tied_share
+    if s.sharded and embedding and not shape.tied:  # the untied head's whole gradient waits for the root's too
+        end_new += shape.head_params * s.weight_bytes
     if s.accumulating:
-        return gradients + max(start, embedding + tied_share)
-    return max(start, gradients + tied_share)
+        return gradients + max(start, end_new)
+    return max(start, gradients + (end_new if s.sharded else tied_share))
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
