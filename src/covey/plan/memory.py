@@ -271,8 +271,9 @@ def training_pass_bytes(shape: ModelShape, s: Settings, activations: int, logpro
       at once: G + E. Untied, the embedding's is its own part of G.
 
     Under FSDP2 the root unit (embedding, head) reduce-scatters its gradients only once its backward is
-    done, after the embedding's: until then they are whole beside the shards G, the embedding's and the
-    tied head's share (or an untied head's own).
+    done, after the embedding's: they are whole beside the shards G, the embedding's and an untied head's,
+    and again in the reduce-scatter's input, copied there before they are freed (tied: the head's share
+    and the embedding's, before they are summed, take as much).
 
     Accumulating micro-batches, every gradient G is held already from the earlier ones, and each new one
     exists beside it until it is added in: G + the larger of the start and the end's new gradients (the
@@ -281,8 +282,8 @@ def training_pass_bytes(shape: ModelShape, s: Settings, activations: int, logpro
     start = activations + logprob + head_gradient_bytes(shape, s)
     tied_share = embedding if shape.tied else 0
     end_new = embedding + tied_share
-    if s.sharded and embedding and not shape.tied:  # the untied head's whole gradient waits for the root's too
-        end_new += shape.head_params * s.weight_bytes
+    if s.sharded and embedding:  # the root unit's whole gradients, and their copy for the reduce-scatter
+        end_new = 2 * (embedding + shape.head_params * s.weight_bytes)
     if s.accumulating:
         return gradients + max(start, end_new)
     return max(start, gradients + (end_new if s.sharded else tied_share))
