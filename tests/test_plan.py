@@ -178,6 +178,70 @@ def test_the_backward_ends_with_the_embedding_gradient_beside_the_others(tied, a
     assert estimated == pytest.approx(measured, rel=0.1)
 
 
+def _big_vocabulary(tied: bool):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+
+
+def _sharded_pass_allocates(rank: int, port: int, out: str, tied: bool) -> None:
+    """In one of two processes: a tiny model sharded as covey shards it, its training pass run once, then
+    measured (``_allocated_at_most``); process 0 writes the bytes to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    from covey.train.head import head_logprobs
+    from covey.train.sharding import Sharding, shard
+    from tests.test_distributed import as_launched
+
+    as_launched(rank, port)
+    torch.distributed.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_big_vocabulary(tied))
+
+    class Pass(torch.nn.Module):  # the pass around the model that covey shards
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            hidden = self.model.model(input_ids=ids).last_hidden_state[:, 1:-1].reshape(-1, 32)
+            return head_logprobs(self.model, hidden, ids[:, 2:].reshape(-1))[0]
+
+    sharded = shard(Pass(), Sharding(), bf16=False)
+    ids = torch.randint(0, 32000, (1, 4))
+
+    def training_pass():
+        (-sharded(ids).mean()).backward()
+
+    training_pass()  # FSDP2's first pass sets up its buffers
+    model.zero_grad(set_to_none=True)
+    measured = _allocated_at_most(training_pass)
+    if rank == 0:
+        with open(out, "w") as file:
+            file.write(str(measured))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_under_fsdp2_the_root_unit_s_gradients_are_whole_at_the_backward_s_end(tmp_path, tied):
+    """Two processes (gloo), FSDP2 full_shard: what the training pass allocates at once (the root unit
+    gathered, its gradients whole and copied for the reduce-scatter, beside the shards) against the
+    estimate's training phase."""
+    from covey.core import logprob_chunk_tokens
+    from covey.plan.memory import fsdp_gathered_bytes
+    from tests.test_distributed import free_port, run_in_two_processes
+
+    out = tmp_path / "measured"
+    run_in_two_processes(_sharded_pass_allocates, (free_port(), str(out), tied), seconds=240)
+    shape = dense_shape(_big_vocabulary(tied))
+    settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=2, completion_length=2,
+                        logprob_chunk=logprob_chunk_tokens(shape.vocab), processes=2, fsdp="full_shard")
+    estimated = fsdp_gathered_bytes(shape, settings) + training_pass_bytes(
+        shape, settings, activation_bytes(shape, settings), logprob_pass_bytes(shape, settings))
+    assert estimated == pytest.approx(int(out.read_text()), rel=0.1)
+
+
 @pytest.fixture
 def qwen_like(tmp_path):
     """A folder with only a config.json (no weights): the plan reads nothing else."""
