@@ -260,7 +260,7 @@ def run_vllm_part(part: str, quick: bool) -> bool:
 
 
 PLAN_CONFIGS = ("smollm2-full-256", "smollm2-bf16-128", "smollm2-checkpointing-256", "smollm2-lora-128",
-                "qwen2.5-full-64", "qwen2.5-bf16-128")  # of benchmarks.plan_accuracy, one process each
+                "qwen2.5-full-64", "qwen2.5-bf16-128", "qwen2.5-accumulate2-64")  # of benchmarks.plan_accuracy, one process each
 
 
 def check_plan(quick: bool) -> None:

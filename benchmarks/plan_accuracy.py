@@ -10,7 +10,7 @@ it includes the runtime of python, torch, transformers and covey, measured once 
 (``baseline``) and subtracted: the table compares the estimated step (``Breakdown.peak``) with the
 measured peak less that baseline.
 
-    nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about 10-15 minutes
+    nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about an hour on 2 shared cores
     nice -n 10 python -m benchmarks.plan_accuracy --only smollm2-full-64
 """
 
@@ -52,6 +52,8 @@ CONFIGS = {
     "qwen2.5-bf16-128": ("qwen2.5-0.5b", 1, dict(max_completion_length=128, bf16=True)),
     "qwen2.5-checkpointing-128": ("qwen2.5-0.5b", 1, dict(max_completion_length=128, gradient_checkpointing=True)),
     "qwen3-full-64": ("qwen3-0.6b", 1, dict(max_completion_length=64)),
+    "qwen2.5-accumulate2-64": ("qwen2.5-0.5b", 1, dict(max_completion_length=64, per_device_train_batch_size=4,
+                                                       gradient_accumulation_steps=2)),
     "smollm2-fsdp2x2-64": ("smollm2-135m", 2, dict(max_completion_length=64, fsdp="full_shard")),
     "qwen2.5-fsdp2x2-64": ("qwen2.5-0.5b", 2, dict(max_completion_length=64, fsdp="full_shard")),
 }

@@ -11,7 +11,8 @@ from covey.cli import main
 from covey.config import DEMO, GRPOConfig
 from covey.plan import Device, estimate, make_plan, model_config, replan
 from covey.plan.advice import advice
-from covey.plan.memory import Settings, layer_bytes_per_token, lora_trainable, logprob_pass_bytes, weights_bytes
+from covey.plan.memory import (Settings, activation_bytes, layer_bytes_per_token, lora_trainable, logprob_pass_bytes,
+                                training_pass_bytes, weights_bytes)
 from covey.plan.shapes import dense_shape, meta_shape, model_shape
 
 
@@ -126,6 +127,119 @@ def test_the_chunked_logprob_pass_does_not_grow_with_the_completions():
     assert logprob_pass_bytes(shape, short) == logprob_pass_bytes(shape, long)
     whole = dataclasses.replace(long, logprob_chunk=None)  # every logit at once: N x V, and its gradient
     assert logprob_pass_bytes(shape, whole) == 2 * 8 * 4096 * shape.vocab * 4
+
+
+def _allocated_at_most(work) -> int:
+    """The most bytes ``work`` holds at once of what it allocates, from the profiler's record of every CPU
+    allocation and free, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = most = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        most = max(most, live)
+    return most
+
+
+@pytest.mark.parametrize("accumulating", [False, True], ids=["first-micro-batch", "accumulating"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_backward_ends_with_the_embedding_gradient_beside_the_others(tied, accumulating):
+    """The training pass's peak where the embedding's dense gradient decides it (a large vocabulary, few
+    tokens): what the pass allocates at once, plus the gradients an earlier micro-batch left, against
+    ``training_pass_bytes``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from covey.core import logprob_chunk_tokens
+    from covey.train.head import head_logprobs
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    P, T = 2, 2
+    ids = torch.randint(0, config.vocab_size, (1, P + T))
+
+    def training_pass():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, P - 1:-1].reshape(-1, config.hidden_size)
+        logp, _ = head_logprobs(model, hidden, ids[:, P:].reshape(-1))
+        (-logp.mean()).backward()
+
+    if accumulating:
+        training_pass()  # an earlier micro-batch of the step
+    held = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    measured = held + _allocated_at_most(training_pass)
+    shape = dense_shape(config)
+    settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=P, completion_length=T,
+                        logprob_chunk=logprob_chunk_tokens(shape.vocab), accumulating=accumulating)
+    estimated = training_pass_bytes(shape, settings, activation_bytes(shape, settings), logprob_pass_bytes(shape, settings))
+    assert estimated == pytest.approx(measured, rel=0.1)
+
+
+def _big_vocabulary(tied: bool):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+
+
+def _sharded_pass_allocates(rank: int, port: int, out: str, tied: bool) -> None:
+    """In one of two processes: a tiny model sharded as covey shards it, its training pass run once, then
+    measured (``_allocated_at_most``); process 0 writes the bytes to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    from covey.train.head import head_logprobs
+    from covey.train.sharding import Sharding, shard
+    from tests.test_distributed import as_launched
+
+    as_launched(rank, port)
+    torch.distributed.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_big_vocabulary(tied))
+
+    class Pass(torch.nn.Module):  # the pass around the model that covey shards
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            hidden = self.model.model(input_ids=ids).last_hidden_state[:, 1:-1].reshape(-1, 32)
+            return head_logprobs(self.model, hidden, ids[:, 2:].reshape(-1))[0]
+
+    sharded = shard(Pass(), Sharding(), bf16=False)
+    ids = torch.randint(0, 32000, (1, 4))
+
+    def training_pass():
+        (-sharded(ids).mean()).backward()
+
+    training_pass()  # FSDP2's first pass sets up its buffers
+    model.zero_grad(set_to_none=True)
+    measured = _allocated_at_most(training_pass)
+    if rank == 0:
+        with open(out, "w") as file:
+            file.write(str(measured))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_under_fsdp2_the_root_unit_s_gradients_are_whole_at_the_backward_s_end(tmp_path, tied):
+    """Two processes (gloo), FSDP2 full_shard: what the training pass allocates at once (the root unit
+    gathered, its gradients whole and copied for the reduce-scatter, beside the shards) against the
+    estimate's training phase."""
+    from covey.core import logprob_chunk_tokens
+    from covey.plan.memory import fsdp_gathered_bytes
+    from tests.test_distributed import free_port, run_in_two_processes
+
+    out = tmp_path / "measured"
+    run_in_two_processes(_sharded_pass_allocates, (free_port(), str(out), tied), seconds=240)
+    shape = dense_shape(_big_vocabulary(tied))
+    settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=2, completion_length=2,
+                        logprob_chunk=logprob_chunk_tokens(shape.vocab), processes=2, fsdp="full_shard")
+    estimated = fsdp_gathered_bytes(shape, settings) + training_pass_bytes(
+        shape, settings, activation_bytes(shape, settings), logprob_pass_bytes(shape, settings))
+    assert estimated == pytest.approx(int(out.read_text()), rel=0.1)
 
 
 @pytest.fixture

@@ -16,7 +16,10 @@ Pure arithmetic: every function takes sizes and returns bytes. The parts:
 A step's phases do not overlap: sampling, then the training pass. Its peak is what stays (W, O, R, a
 colocated vLLM's share) plus the larger phase. In the training pass the backward starts with every
 activation, the logits and the head's gradient held; it then frees each layer's activations as it
-makes that layer's gradients, so the peak is at one end: ``max(A + log-prob pass + head gradient, G)``.
+makes that layer's gradients, and ends with the embedding's dense gradient E (V x H), so the peak is at
+one end (``training_pass_bytes``): ``max(A + log-prob pass + head gradient, G + E where the head is tied)``
+(under FSDP2, the root unit's whole gradients beside the shards G);
+where a step accumulates micro-batches, the gradients G of the earlier ones are held beside either end.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Settings:
     eager_attention: bool = False
     head_in_float32: bool = False
     logprob_chunk: int | None = None  # tokens of the log-prob pass's chunk; None: all at once
+    accumulating: bool = False  # several micro-batches a step: their gradients held from the first backward on
     entropy_bonus: bool = False  # the entropy carries a gradient (entropy_coef > 0)
 
     @property
@@ -252,6 +256,39 @@ def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:
     return summed + (shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 else 0)
 
 
+def embedding_gradient_bytes(shape: ModelShape, s: Settings) -> int:
+    """The input embedding's gradient, made at the very end of the backward: dense (V x H, in the weight's
+    dtype) whatever few tokens the micro-batch has; none where the embedding does not train (LoRA)."""
+    return 0 if s.trains_lora else shape.vocab * shape.hidden * s.weight_bytes
+
+
+def training_pass_bytes(shape: ModelShape, s: Settings, activations: int, logprob: int) -> int:
+    """The training pass's peak, at one end of the backward:
+
+    - its start: every activation, the log-prob pass and the head's gradient;
+    - its end: the embedding's gradient made beside the others. With a tied head autograd holds the head's
+      share of the shared matrix's gradient until the embedding's arrives and sums the two, so both exist
+      at once: G + E. Untied, the embedding's is its own part of G.
+
+    Under FSDP2 the root unit (embedding, head) reduce-scatters its gradients only once its backward is
+    done, after the embedding's: they are whole beside the shards G, the embedding's and an untied head's,
+    and again in the reduce-scatter's input, copied there before they are freed (tied: the head's share
+    and the embedding's, before they are summed, take as much).
+
+    Accumulating micro-batches, every gradient G is held already from the earlier ones, and each new one
+    exists beside it until it is added in: G + the larger of the start and the end's new gradients (the
+    embedding's, and the tied head's share waiting to be summed with it)."""
+    gradients, embedding = gradients_bytes(shape, s), embedding_gradient_bytes(shape, s)
+    start = activations + logprob + head_gradient_bytes(shape, s)
+    tied_share = embedding if shape.tied else 0
+    end_new = embedding + tied_share
+    if s.sharded and embedding:  # the root unit's whole gradients, and their copy for the reduce-scatter
+        end_new = 2 * (embedding + shape.head_params * s.weight_bytes)
+    if s.accumulating:
+        return gradients + max(start, end_new)
+    return max(start, gradients + (end_new if s.sharded else tied_share))
+
+
 # ---- the engine ---------------------------------------------------------------------------------------
 
 
@@ -312,7 +349,7 @@ def estimate(shape: ModelShape, s: Settings) -> Breakdown:
     activations, logprob = activation_bytes(shape, s), logprob_pass_bytes(shape, s)
     reference, engine, gathered = reference_bytes(shape, s), engine_bytes(shape, s), fsdp_gathered_bytes(shape, s)
     stays = weights + optimizer + reference + (engine if s.engine == "vllm" else 0)
-    training = gathered + max(activations + logprob + head_gradient_bytes(shape, s), gradients)
+    training = gathered + training_pass_bytes(shape, s, activations, logprob)
     sampling = 0 if s.engine == "vllm" else engine
     notes = []
     if s.logprob_chunk is None:
