@@ -58,8 +58,14 @@ SETUPS = {
     "healthy": (["answer_format", "answer_correct"], None, False),
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
     "keyword": ([sum_judge], None, True),
-    "healthy-seed1": (["answer_format", "answer_correct"], None, False),
 }
+HEALTHY_SEEDS = (0, 1, 2)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
+SETUPS.update({f"healthy-seed{seed}": SETUPS["healthy"] for seed in HEALTHY_SEEDS})
+
+
+def seed_of(name: str) -> int:
+    """A run's seed: N for healthy-seedN, 42 for every other setup."""
+    return int(name.rsplit("-seed", 1)[1]) if "-seed" in name else 42
 
 
 def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: float, prompts: int, generations: int,
@@ -71,7 +77,7 @@ def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: floa
 
     funcs, weights, _ = SETUPS[name]
     args = GRPOConfig(dataset="arithmetic", reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
-                      seed=1 if name.endswith("seed1") else 42, eval_strategy="steps", eval_steps=eval_steps,
+                      seed=seed_of(name), eval_strategy="steps", eval_steps=eval_steps,
                       eval_max_samples=eval_samples, log_completions_steps=1, max_completion_length=length,
                       num_generations=generations, per_device_train_batch_size=prompts * generations,
                       bf16=bf16, rollout_engine="fast", num_completions_to_print=0, save_steps=0,
@@ -232,7 +238,7 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 # the verdict each run must get, by what it was set up to do (not by what covey said)
 INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward",
             "keyword": "gaming the reward", "composed": "gaming the reward", "healthy": "learning",
-            "healthy-seed1": "learning",
+            **{f"healthy-seed{seed}": "learning" for seed in HEALTHY_SEEDS},
             "trl-learning": "learning", "trl-constant": "not learning",
             "tiny-keyword": "gaming the reward", "tiny-healthy": "learning"}
 KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
@@ -261,6 +267,10 @@ def record(name: str, out: Path, into: Path) -> None:
         (target / "completions.jsonl").write_text("".join(
             json.dumps({k: r[k] for k in ("step", "prompt", "completion", "rewards", "reward")}) + "\n"
             for r in records if r["step"] in kept))
+        if (source / "summary.json").exists():  # the evaluations before and after training
+            summary = json.loads((source / "summary.json").read_text())
+            (target / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("steps", "before", "after")},
+                                                            indent=1) + "\n")
     else:
         state = json.loads((source / "trainer_state.json").read_text())
         state = {"global_step": state["global_step"], "log_history": [keep(r) for r in state["log_history"]]}

@@ -11,14 +11,17 @@ noise, so a single noisy step fires nothing; the thresholds below are named wher
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 
 from covey.telemetry import text_signals
 from covey.telemetry.finding import Finding
-from covey.telemetry.trends import WINDOW, change, onset, series, smooth, spearman
+from covey.telemetry.trends import WINDOW, Z, change, noise, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
 MIN_EVALS = 3  # held-out evaluations during training before the held-out trend is judged
+MIN_RISEN_EVALS = 2  # of them made after the training reward had clearly risen (see _heldout_flat)
 HELDOUT_ACCURACY_GAIN = 0.05  # a held-out accuracy gain below this (5 points) is "no gain"
 HELDOUT_REWARD_SHARE = 0.25  # a held-out reward gain below this share of the training reward's is "no gain"
 HIGH_ACCURACY = 0.8  # held-out accuracy already this high and not falling: a flat one is a solved task
@@ -47,15 +50,32 @@ def heldout(history: list[dict]) -> tuple[str, list[int], list[float]] | None:
     return None
 
 
+def risen_at(history: list[dict], at: list[int]) -> list[bool]:
+    """For each step of ``at``, whether the training reward had clearly risen by then: the mean of its window
+    ending at that step above its first window's by more than Z standard errors, the noise taken from the
+    whole history (trends.noise)."""
+    steps, rewards = series(history, "reward")
+    if len(rewards) < 2 * WINDOW:
+        return [False] * len(at)
+    first, error = statistics.fmean(rewards[:WINDOW]), noise(rewards) * math.sqrt(2 / WINDOW)
+    ends = [bisect.bisect_right(steps, step) for step in at]
+    return [end > WINDOW and statistics.fmean(rewards[end - WINDOW:end]) - first > Z * error for end in ends]
+
+
 def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
-    """(key, first, last, the step of its best evaluation before the last) where the held-out metric, over at
-    least MIN_EVALS evaluations, did not gain (or fell) while the training reward gained ``reward_gain``; None
-    where it gained or the task is solved."""
+    """(key, first, last, the step of its best evaluation before the last) where the held-out metric did not gain
+    (or fell) from its first evaluation while the training reward gained ``reward_gain``; None where it gained,
+    the task is solved, or too few evaluations were made after the reward rose. A held-out metric can only fail
+    to follow a rise it was measured after: at least MIN_RISEN_EVALS evaluations must have been made once the
+    reward had clearly risen, and "last" is the mean of the last two of those."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
         return None
     key, steps, values = found
-    first, last = values[0], statistics.fmean(values[-2:])
+    risen = [v for v, up in zip(values[1:], risen_at(history, steps[1:])) if up]
+    if len(risen) < MIN_RISEN_EVALS:
+        return None
+    first, last = values[0], statistics.fmean(risen[-2:])
     if key == "eval/accuracy":
         if last >= HIGH_ACCURACY and last >= first - HELDOUT_ACCURACY_GAIN:
             return None  # a solved task stays flat near the top

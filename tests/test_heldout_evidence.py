@@ -1,0 +1,121 @@
+"""The held-out evidence of the hacking rules and of covey diagnose's verdict: the held-out gap is judged only on
+evaluations made after the training reward rose, diagnose reads the evaluation after training (summary.json) as
+the final held-out point, and a gaming finding belied by a clear held-out gain at the end does not make the
+verdict."""
+
+import json
+import random
+
+from covey.telemetry import endpoints, hacking
+from covey.telemetry.diagnose import GAMING, LEARNING, NOT_LEARNING, diagnose, read_run
+from tests.test_hacking import DATA, history, keys, samples, healthy_text, write_covey, write_trl
+
+
+SCATTER = random.Random(0)
+NOISE = [SCATTER.gauss(0, 0.05) for _ in range(64)]  # one fixed draw of a reward's step-to-step scatter
+
+
+def late_rise(i):
+    """A training reward flat for 9 steps, then rising: the shape of the healthy seed-1 run."""
+    return 0.15 + (0.08 * (i - 8) if i >= 9 else 0.0) + NOISE[i]
+
+
+def flat(i):
+    return 0.5 + NOISE[i]
+
+
+def test_a_gap_is_not_judged_on_one_evaluation_after_the_reward_rose():
+    """Evaluations at 4 and 8 were made before the reward rose: only the one at 12 could show whether the
+    held-out set follows, so at step 13 the rule waits (the seed-1 run's false alarm)."""
+    rows = history(13, reward=late_rise, evals={4: 0.0, 8: 0.0, 12: 0.0})
+    assert hacking.risen_at(rows, [4, 8, 12]) == [False, False, True]
+    assert keys(rows) == []
+
+
+def test_the_gap_fires_once_two_evaluations_after_the_rise_stay_flat():
+    """The same run going on with the held-out accuracy still flat: the rule fires at the second evaluation
+    after the rise, so the wait moves no alarm past the evidence."""
+    monitor = hacking.Monitor()
+    rows = history(20, reward=late_rise, evals={4: 0.0, 8: 0.0, 12: 0.0, 16: 0.0, 20: 0.0})
+    fired = [(rows[i - 1]["step"], f.key) for i in range(1, 21) for f in monitor.check(rows[:i])]
+    assert fired == [(16, "heldout_gap")]
+
+
+def test_a_reward_rising_from_the_start_is_judged_as_before():
+    rows = history(evals={6: 0.4, 12: 0.35, 18: 0.25, 24: 0.2})
+    assert hacking.risen_at(rows, [12, 18, 24]) == [True, True, True]
+    assert keys(rows, samples(healthy_text)) == ["heldout_gap"]
+
+
+def test_the_recorded_seed1_healthy_run_draws_no_finding():
+    """The real run that raised the false alarm (held-out accuracy 0/16 at steps 4, 8 and 12, the reward rising
+    from step 10 on partial credit for untagged answers; 31% after training): no finding at any step."""
+    run = read_run(DATA / "healthy-seed1")
+    assert run.summary["after"]["accuracy"] > run.summary["before"]["accuracy"]
+    result = diagnose(run)
+    assert result.findings == [] and result.verdict != GAMING, result.text()
+
+
+def summary(before, after, n=64):
+    return {"steps": 24, "before": {"accuracy": before, "mean_reward": 0.3, "n": n, "checked": n},
+            "after": {"accuracy": after, "mean_reward": 0.9, "n": n, "checked": n}}
+
+
+def test_the_evaluation_after_training_is_the_final_held_out_point(tmp_path):
+    """Two evaluations during training, only one of them after the reward rose: the gap is judged once the
+    evaluation after training joins them, at the last step."""
+    rows = history(24, evals={6: 0.3, 18: 0.3})
+    folder = write_covey(tmp_path / "run", rows)
+    assert [f.key for _, f in diagnose(read_run(folder)).findings] == []
+    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.28)))
+    result = diagnose(read_run(folder))
+    assert [(step, f.key) for step, f in result.findings] == [(24, "heldout_gap")], result.text()
+    assert result.verdict == GAMING and "0.300 -> 0.290" in result.reason
+    assert rows[-1].get("eval/accuracy") is None  # the run's rows are not changed
+
+
+def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path):
+    rows = history(24, evals={6: 0.3, 12: 0.3, 18: 0.29})
+    folder = write_covey(tmp_path / "run", rows)
+    assert diagnose(read_run(folder)).verdict == GAMING
+    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.7)))
+    result = diagnose(read_run(folder))
+    assert [(step, f.key) for step, f in result.findings] == [(18, "heldout_gap")]
+    assert result.verdict == LEARNING and result.contradicted == ["heldout_gap"], result.text()
+    assert "contradicted by the held-out gain at the end" in result.text()
+    assert "held-out accuracy 0.300 -> 0.700 (n=64 and 64)" in result.reason
+
+
+def test_a_gain_within_the_held_out_sets_chance_contradicts_nothing(tmp_path):
+    """0.30 -> 0.45 on 16 problems each is within 2.5 standard errors (0.17 each): the finding stands."""
+    folder = write_covey(tmp_path / "run", history(24, evals={6: 0.3, 12: 0.3, 18: 0.29}))
+    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.45, n=16)))
+    result = diagnose(read_run(folder))
+    assert result.verdict == GAMING and result.contradicted == [], result.text()
+
+
+def test_a_gain_below_the_best_contradicts_nothing(tmp_path):
+    """Held-out accuracy that peaked and fell back ends above its start yet far below its best: gaming began
+    after the peak, and the finding stands."""
+    folder = write_covey(tmp_path / "run", history(24, evals={6: 0.9, 12: 0.5, 18: 0.4}))
+    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.45, n=400)))
+    result = diagnose(read_run(folder))
+    assert result.verdict == GAMING and result.contradicted == [], result.text()
+
+
+def test_a_clear_held_out_gain_makes_a_flat_reward_run_learning(tmp_path):
+    rows = history(24, reward=flat)
+    folder = write_covey(tmp_path / "run", rows)
+    assert diagnose(read_run(folder)).verdict == NOT_LEARNING
+    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.7)))
+    result = diagnose(read_run(folder))
+    assert result.verdict == LEARNING and "not clearly above its start" in result.reason, result.text()
+
+
+def test_a_trl_folder_without_a_summary_weighs_its_last_evaluation(tmp_path):
+    """TRL writes no evaluation after training: the ends are its first and last evaluations, with no set sizes."""
+    rows = history(24, evals={6: 0.3, 12: 0.3, 18: 0.29, 24: 0.8})
+    ends = endpoints.heldout_ends(rows, None)
+    assert (ends.start, ends.end, ends.n_start, ends.error) == (0.3, 0.8, None, None) and ends.gained
+    run = read_run(write_trl(tmp_path / "trl", rows))
+    assert diagnose(run).verdict == LEARNING == diagnose(read_run(write_covey(tmp_path / "covey", rows))).verdict
