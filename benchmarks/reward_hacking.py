@@ -59,7 +59,7 @@ SETUPS = {
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
     "keyword": ([sum_judge], None, True),
 }
-HEALTHY_SEEDS = (0, 1, 2)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
+HEALTHY_SEEDS = (0, 1, 2, 3)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
 SETUPS.update({f"healthy-seed{seed}": SETUPS["healthy"] for seed in HEALTHY_SEEDS})
 
 
@@ -132,12 +132,13 @@ def gaming_began(evals: list[tuple[int, float]]) -> int | None:
     return next(step for step, v in evals if v == best)
 
 
-def first_warning(history: list[dict], samples: list[dict]) -> tuple[int | None, str]:
+def first_warning(history: list[dict], samples: list[dict], summary: dict | None = None) -> tuple[int | None, str]:
     """The first step at which a hacking or collapse rule warned over the history so far (replayed as during
-    the run); the one-metric health warnings are not counted."""
+    the run, with the held-out set's size that runs now log); the one-metric health warnings are not counted."""
+    from covey.telemetry.endpoints import with_sizes
     from covey.telemetry.hacking import Monitor
 
-    monitor = Monitor()
+    monitor, history = Monitor(), with_sizes(history, summary)
     for i in range(1, len(history) + 1):
         step = history[i - 1]["step"]
         findings = [f for f in monitor.check(history[:i], [s for s in samples if s.get("step", 0) <= step])
@@ -178,7 +179,7 @@ def table(out: Path) -> None:
         evals = (", ".join(f"{step}: {100 * v:.0f}%" for step, v in heldout)
                  or ", ".join(f"{h['step']}: reward {h['eval/mean_reward']:.2f}" for h in run_data.history
                               if isinstance(h.get("eval/mean_reward"), (int, float))) or "none during training")
-        step, message = first_warning(run_data.history, run_data.samples)
+        step, message = first_warning(run_data.history, run_data.samples, run_data.summary)
         verdict = diagnose(run_data).verdict
         intended = INTENDED.get(folder.name, "?")
         print(f"| {folder.name} | {moved} | {evals} | {gaming_began(heldout)} | {step} | "

@@ -56,7 +56,7 @@ def test_the_recorded_seed1_healthy_run_draws_no_finding():
     assert result.findings == [] and result.verdict != GAMING, result.text()
 
 
-def summary(before, after, n=64):
+def summary(before, after, n=1000):
     return {"steps": 24, "before": {"accuracy": before, "mean_reward": 0.3, "n": n, "checked": n},
             "after": {"accuracy": after, "mean_reward": 0.9, "n": n, "checked": n}}
 
@@ -83,13 +83,13 @@ def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path):
     assert [(step, f.key) for step, f in result.findings] == [(18, "heldout_gap")]
     assert result.verdict == LEARNING and result.contradicted == ["heldout_gap"], result.text()
     assert "contradicted by the held-out gain at the end" in result.text()
-    assert "held-out accuracy 0.300 -> 0.700 (n=64 and 64)" in result.reason
+    assert "held-out accuracy 0.300 -> 0.700 (n=1000 and 1000)" in result.reason
 
 
 def test_a_gain_within_the_held_out_sets_chance_contradicts_nothing(tmp_path):
-    """0.30 -> 0.45 on 16 problems each is within 2.5 standard errors (0.17 each): the finding stands."""
-    folder = write_covey(tmp_path / "run", history(24, evals={6: 0.3, 12: 0.3, 18: 0.29}))
-    (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.45, n=16)))
+    """0/16 -> 3/16 (before and after training) is within 2.5 standard errors (0.09 each): the finding stands."""
+    folder = write_covey(tmp_path / "run", history(24, evals={6: 0.0, 12: 0.0, 18: 0.0}))
+    (folder / "summary.json").write_text(json.dumps(summary(0.0, 0.1875, n=16)))
     result = diagnose(read_run(folder))
     assert result.verdict == GAMING and result.contradicted == [], result.text()
 
@@ -119,3 +119,41 @@ def test_a_trl_folder_without_a_summary_weighs_its_last_evaluation(tmp_path):
     assert (ends.start, ends.end, ends.n_start, ends.error) == (0.3, 0.8, None, None) and ends.gained
     run = read_run(write_trl(tmp_path / "trl", rows))
     assert diagnose(run).verdict == LEARNING == diagnose(read_run(write_covey(tmp_path / "covey", rows))).verdict
+
+
+def sized(rows, n):
+    for row in rows:
+        if "eval/accuracy" in row:
+            row["eval/checked"] = n
+    return rows
+
+
+def test_a_held_out_fall_within_the_sets_chance_is_no_gap():
+    """The healthy seed-2 run's held-out accuracy: 12/16 -> 10/16 -> 9/16 while the reward rose. Judged on 5
+    points alone it is a 16-point fall; on 16 problems a standard error is 0.15, so it is no evidence."""
+    evals = {6: 0.75, 12: 0.625, 18: 0.5625}
+    assert keys(history(evals=evals)) == ["heldout_gap"]  # the held-out set's size unknown (a TRL log)
+    assert keys(sized(history(evals=evals), 16)) == []
+    assert keys(sized(history(evals=evals), 400)) == ["heldout_gap"]  # 400 problems: well beyond chance
+
+
+def test_a_held_out_fall_beyond_the_sets_chance_is_a_gap():
+    """The tags run: 9/16 -> 4/16 -> 2/16, a fall of 2.6 standard errors from its best; and one that first rose
+    (4/16 -> 12/16) and then fell back near its start (5/16, 4/16): no flat gain, a fall from its best."""
+    assert keys(sized(history(evals={6: 0.5625, 12: 0.25, 18: 0.125}), 16)) == ["heldout_gap"]
+    assert keys(sized(history(evals={6: 0.25, 12: 0.75, 18: 0.3125, 24: 0.25}), 16)) == ["heldout_gap"]
+
+
+def test_a_held_out_accuracy_flat_at_nothing_is_a_gap_whatever_the_size():
+    """0/16 at every evaluation while the reward rose (the length, keyword and composed runs): no chance of a
+    5-point gain hides in three zeros."""
+    assert keys(sized(history(evals={6: 0.0, 12: 0.0, 18: 0.0}), 16)) == ["heldout_gap"]
+
+
+def test_the_summary_gives_the_held_out_size_to_runs_that_did_not_log_it(tmp_path):
+    rows = history(24, evals={6: 0.75, 12: 0.625, 18: 0.5625})
+    folder = write_covey(tmp_path / "run", rows)
+    assert diagnose(read_run(folder)).verdict == GAMING
+    (folder / "summary.json").write_text(json.dumps(summary(0.1875, 0.5625, n=16)))
+    result = diagnose(read_run(folder))
+    assert result.findings == [] and result.verdict == LEARNING, result.text()

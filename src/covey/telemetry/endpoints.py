@@ -24,14 +24,27 @@ def _number(value) -> float | None:
     return float(value) if ok else None
 
 
+def with_sizes(history: list[dict], summary: dict | None) -> list[dict]:
+    """The history with the held-out set's size (``eval/checked``) on every evaluation that lacks it (runs that
+    did not log it): covey evaluates the same held-out rows each time, so the size summary.json gives is
+    theirs. The rows given are not changed."""
+    before, after = ((summary or {}).get(k) or {} for k in ("before", "after"))
+    checked = next((n for n in (after.get("checked"), before.get("checked")) if isinstance(n, int) and n > 0), None)
+    if checked is None:
+        return history
+    return [{**row, "eval/checked": checked} if _number(row.get("eval/accuracy")) is not None
+            and "eval/checked" not in row else row for row in history]
+
+
 def with_final(history: list[dict], summary: dict | None) -> list[dict]:
-    """The history with the evaluation after training (summary.json's ``after``) as the held-out point of its
-    last logged step, where that step holds no evaluation of its own; the rows given are not changed."""
+    """The history (with its held-out sizes, see with_sizes) and the evaluation after training (summary.json's
+    ``after``) as the held-out point of its last logged step, where that step holds no evaluation of its own."""
     after = (summary or {}).get("after") or {}
     final = {key: v for name, key in HELDOUT_KEYS.items() if (v := _number(after.get(name))) is not None}
-    if not history or not final or any(_number(history[-1].get(key)) is not None for key in HELDOUT_KEYS.values()):
-        return history
-    return [*history[:-1], {**history[-1], **final}]
+    rows = list(history)
+    if rows and final and not any(_number(rows[-1].get(key)) is not None for key in HELDOUT_KEYS.values()):
+        rows[-1] = {**rows[-1], **final}
+    return with_sizes(rows, summary)
 
 
 @dataclass(frozen=True)

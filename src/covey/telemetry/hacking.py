@@ -17,7 +17,7 @@ import statistics
 
 from covey.telemetry import text_signals
 from covey.telemetry.finding import Finding
-from covey.telemetry.trends import WINDOW, Z, change, noise, onset, series, smooth, spearman
+from covey.telemetry.trends import WINDOW, Z, binomial_error, change, noise, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
 MIN_EVALS = 3  # held-out evaluations during training before the held-out trend is judged
@@ -62,6 +62,33 @@ def risen_at(history: list[dict], at: list[int]) -> list[bool]:
     return [end > WINDOW and statistics.fmean(rewards[end - WINDOW:end]) - first > Z * error for end in ends]
 
 
+def _sizes(history: list[dict], steps: list[int]) -> list[int] | None:
+    """The held-out set's size (problems checked) at each evaluation step, where every one is logged
+    (``eval/checked``); else None."""
+    by_step = {h.get("step"): h.get("eval/checked") for h in history}
+    sizes = [by_step.get(step) for step in steps]
+    return sizes if all(isinstance(n, int) and n > 0 for n in sizes) else None
+
+
+def _accuracy_gap(values: list[float], sizes: list[int] | None, last: list[int]) -> bool:
+    """Held-out accuracy did not follow: it gained under HELDOUT_ACCURACY_GAIN from the first evaluation to the
+    ``last`` ones (pooled). Where the held-out set's sizes are known, that must also be beyond chance: the
+    accuracy fell from its best before them by more than Z binomial standard errors, or its gain from the first
+    is below HELDOUT_ACCURACY_GAIN even at Z standard errors above what was seen (a set too small to tell a
+    flat accuracy from a rising one says nothing)."""
+    weights = [sizes[i] for i in last] if sizes else [1] * len(last)
+    now = sum(values[i] * w for i, w in zip(last, weights)) / sum(weights)
+    if now - values[0] >= HELDOUT_ACCURACY_GAIN:
+        return False
+    if sizes is None:
+        return True
+    n_now = sum(weights)
+    best = max(range(last[0]), key=lambda i: (values[i], -i))
+    fell = values[best] - now > Z * binomial_error(values[best], sizes[best], now, n_now)
+    flat = now - values[0] + Z * binomial_error(values[0], sizes[0], now, n_now) < HELDOUT_ACCURACY_GAIN
+    return fell or flat
+
+
 def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
     """(key, first, last, the step of its best evaluation before the last) where the held-out metric did not gain
     (or fell) from its first evaluation while the training reward gained ``reward_gain``; None where it gained,
@@ -72,14 +99,14 @@ def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, 
     if found is None or len(found[2]) < MIN_EVALS:
         return None
     key, steps, values = found
-    risen = [v for v, up in zip(values[1:], risen_at(history, steps[1:])) if up]
+    risen = [i + 1 for i, up in enumerate(risen_at(history, steps[1:])) if up]
     if len(risen) < MIN_RISEN_EVALS:
         return None
-    first, last = values[0], statistics.fmean(risen[-2:])
+    first, last = values[0], statistics.fmean(values[i] for i in risen[-2:])
     if key == "eval/accuracy":
         if last >= HIGH_ACCURACY and last >= first - HELDOUT_ACCURACY_GAIN:
             return None  # a solved task stays flat near the top
-        flat = last - first < HELDOUT_ACCURACY_GAIN
+        flat = _accuracy_gap(values, _sizes(history, steps), risen[-2:])
     else:
         flat = last - first < HELDOUT_REWARD_SHARE * reward_gain
     if not flat:
