@@ -2,7 +2,8 @@
 
 Each detector is a pure function ``(history, samples) -> Finding | None``: ``history`` the logged
 metrics (TRL's names, one dict per logged step, held-out results as ``eval/accuracy`` and
-``eval/mean_reward`` on the step they were made after), ``samples`` the recorded completions (dicts
+``eval/mean_reward`` on the step they were made after, with ``eval/checked``, the held-out set's size,
+where it is known), ``samples`` the recorded completions (dicts
 with ``step``, ``prompt``, ``completion``, ``reward``, as completions.jsonl holds them). A finding
 names the step where the pattern began, the values behind it, one to three completions that show it,
 and what to do. Trends are judged on windows of ``trends.WINDOW`` logged steps against the series' own
