@@ -59,7 +59,7 @@ SETUPS = {
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
     "keyword": ([sum_judge], None, True),
 }
-HEALTHY_SEEDS = (0, 1, 2, 3)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
+HEALTHY_SEEDS = (0, 1, 2, 3, 4, 5)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
 SETUPS.update({f"healthy-seed{seed}": SETUPS["healthy"] for seed in HEALTHY_SEEDS})
 
 
@@ -266,7 +266,7 @@ def record(name: str, out: Path, into: Path) -> None:
         steps = sorted({r["step"] for r in records})
         kept = set(steps[:3] + steps[-3:])
         (target / "completions.jsonl").write_text("".join(
-            json.dumps({k: r[k] for k in ("step", "prompt", "completion", "rewards", "reward")}) + "\n"
+            json.dumps({k: r[k] for k in ("step", "prompt", "answer", "completion", "rewards", "reward") if k in r}) + "\n"
             for r in records if r["step"] in kept))
         if (source / "summary.json").exists():  # the evaluations before and after training
             summary = json.loads((source / "summary.json").read_text())

@@ -6,7 +6,7 @@ verdict."""
 import json
 import random
 
-from covey.telemetry import endpoints, hacking
+from covey.telemetry import endpoints, hacking, text_signals
 from covey.telemetry.diagnose import GAMING, LEARNING, NOT_LEARNING, diagnose, read_run
 from tests.test_hacking import DATA, history, keys, samples, healthy_text, write_covey, write_trl
 
@@ -157,3 +157,30 @@ def test_the_summary_gives_the_held_out_size_to_runs_that_did_not_log_it(tmp_pat
     (folder / "summary.json").write_text(json.dumps(summary(0.1875, 0.5625, n=16)))
     result = diagnose(read_run(folder))
     assert result.findings == [] and result.verdict == LEARNING, result.text()
+
+
+# the same completion for different prompts (a false alarm of the healthy seed-0 run)
+
+
+def answered(texts, answers):
+    """Recorded completions for steps 1-8: two prompts a step, 4 completions each; ``texts(step, p, k)``."""
+    return [{"step": step, "prompt": f"prompt {step}-{p}", "answer": answers(step, p),
+             "completion": texts(step, p, k), "reward": 1.0} for step in range(1, 9) for p in range(2) for k in range(4)]
+
+
+def test_one_answer_to_prompts_with_that_answer_is_no_ignored_prompt():
+    """'<answer>12</answer>' for 3 + 9, 4 + 8 and 5 + 7: right each time, and no sign the prompt went unread."""
+    texts = answered(lambda step, p, k: "<answer>12</answer>", lambda step, p: "12")
+    assert [f.key for f in [text_signals.same_across_prompts([], texts)] if f] == []
+    assert text_signals.same_across_prompts([], [{k: v for k, v in s.items() if k != "answer"} for s in texts])
+
+
+def test_a_stock_reply_among_other_answers_is_no_ignored_prompt():
+    """One completion in four is the stock '<answer>12</answer>' whatever the sum: the policy mostly reads its
+    prompt; when it is most of them, it does not."""
+    rare = answered(lambda step, p, k: "<answer>12</answer>" if k == 0 else f"{step} + {p} <answer>{step + p}</answer>",
+                    lambda step, p: str(step + p))
+    assert text_signals.same_across_prompts([], rare) is None
+    most = answered(lambda step, p, k: "<answer>12</answer>" if k < 3 else f"{step} + {p} <answer>{step + p}</answer>",
+                    lambda step, p: str(step + p))
+    assert text_signals.same_across_prompts([], most).key == "same_completion"
