@@ -266,7 +266,8 @@ def record(name: str, out: Path, into: Path) -> None:
         steps = sorted({r["step"] for r in records})
         kept = set(steps[:3] + steps[-3:])
         (target / "completions.jsonl").write_text("".join(
-            json.dumps({k: r[k] for k in ("step", "prompt", "answer", "completion", "rewards", "reward") if k in r}) + "\n"
+            json.dumps({k: r[k] for k in ("step", "prompt", "answer", "completion", "rewards", "reward") if k in r})
+            + "\n"
             for r in records if r["step"] in kept))
         if (source / "summary.json").exists():  # the evaluations before and after training
             summary = json.loads((source / "summary.json").read_text())

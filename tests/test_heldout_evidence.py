@@ -1,7 +1,8 @@
-"""The held-out evidence of the hacking rules and of covey diagnose's verdict: the held-out gap is judged only on
-evaluations made after the training reward rose, diagnose reads the evaluation after training (summary.json) as
+"""The evidence behind the hacking rules and covey diagnose's verdict, from the false alarms of healthy runs:
+the held-out gap is judged only on evaluations made after the training reward rose, and against the held-out
+set's binomial error where its size is known; diagnose reads the evaluation after training (summary.json) as
 the final held-out point, and a gaming finding belied by a clear held-out gain at the end does not make the
-verdict."""
+verdict; one completion shared by prompts is no ignored prompt where they share its answer or it is rare."""
 
 import json
 import random
@@ -165,7 +166,8 @@ def test_the_summary_gives_the_held_out_size_to_runs_that_did_not_log_it(tmp_pat
 def answered(texts, answers):
     """Recorded completions for steps 1-8: two prompts a step, 4 completions each; ``texts(step, p, k)``."""
     return [{"step": step, "prompt": f"prompt {step}-{p}", "answer": answers(step, p),
-             "completion": texts(step, p, k), "reward": 1.0} for step in range(1, 9) for p in range(2) for k in range(4)]
+             "completion": texts(step, p, k), "reward": 1.0}
+            for step in range(1, 9) for p in range(2) for k in range(4)]
 
 
 def test_one_answer_to_prompts_with_that_answer_is_no_ignored_prompt():
