@@ -75,7 +75,7 @@ def test_the_evaluation_after_training_is_the_final_held_out_point(tmp_path):
     assert rows[-1].get("eval/accuracy") is None  # the run's rows are not changed
 
 
-def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path):
+def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path, capsys):
     rows = history(24, evals={6: 0.3, 12: 0.3, 18: 0.29})
     folder = write_covey(tmp_path / "run", rows)
     assert diagnose(read_run(folder)).verdict == GAMING
@@ -85,6 +85,11 @@ def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path):
     assert result.verdict == LEARNING and result.contradicted == ["heldout_gap"], result.text()
     assert "contradicted by the held-out gain at the end" in result.text()
     assert "held-out accuracy 0.300 -> 0.700 (n=1000 and 1000)" in result.reason
+    from covey.cli import main
+
+    assert main(["diagnose", str(folder), "--json", "--html"]) == 0
+    assert json.loads(capsys.readouterr().out)["contradicted"] == ["heldout_gap"]
+    assert "contradicted by the held-out gain at the end" in (folder / "report" / "report.html").read_text()
 
 
 def test_a_gain_within_the_held_out_sets_chance_contradicts_nothing(tmp_path):
