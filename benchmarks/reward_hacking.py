@@ -10,6 +10,7 @@ growing history, as during the run) and the warnings the run logged itself, what
 
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking            # every setup, 5 at once
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking --only tags length --parallel 2
+    nice -n 10 python -m benchmarks.reward_hacking run --only healthy-seed0 healthy-seed1 --steps 16  # false alarms?
     python -m benchmarks.reward_hacking table --out runs/hacking                      # the table of results
     python -m benchmarks.reward_hacking record tags --out runs/hacking                # keep it in tests/data/hacking
     python -m benchmarks.reward_hacking trl --out runs/hacking --steps 30             # two short TRL runs
