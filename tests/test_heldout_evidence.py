@@ -140,6 +140,7 @@ def test_a_held_out_fall_within_the_sets_chance_is_no_gap():
     evals = {6: 0.75, 12: 0.625, 18: 0.5625}
     assert keys(history(evals=evals)) == ["heldout_gap"]  # the held-out set's size unknown (a TRL log)
     assert keys(sized(history(evals=evals), 16)) == []
+    assert keys(sized(history(evals=evals), 16.0)) == []  # as metrics.jsonl holds it
     assert keys(sized(history(evals=evals), 400)) == ["heldout_gap"]  # 400 problems: well beyond chance
 
 

@@ -29,7 +29,7 @@ def with_sizes(history: list[dict], summary: dict | None) -> list[dict]:
     did not log it): covey evaluates the same held-out rows each time, so the size summary.json gives is
     theirs. The rows given are not changed."""
     before, after = ((summary or {}).get(k) or {} for k in ("before", "after"))
-    checked = next((n for n in (after.get("checked"), before.get("checked")) if isinstance(n, int) and n > 0), None)
+    checked = next((int(n) for n in (after.get("checked"), before.get("checked")) if (_number(n) or 0) >= 1), None)
     if checked is None:
         return history
     return [{**row, "eval/checked": checked} if _number(row.get("eval/accuracy")) is not None

@@ -67,8 +67,9 @@ def _sizes(history: list[dict], steps: list[int]) -> list[int] | None:
     """The held-out set's size (problems checked) at each evaluation step, where every one is logged
     (``eval/checked``); else None."""
     by_step = {h.get("step"): h.get("eval/checked") for h in history}
-    sizes = [by_step.get(step) for step in steps]
-    return sizes if all(isinstance(n, int) and n > 0 for n in sizes) else None
+    sizes = [by_step.get(step) for step in steps]  # logged metrics are floats: 16.0
+    ok = all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n >= 1 for n in sizes)
+    return [int(n) for n in sizes] if ok else None
 
 
 def _accuracy_gap(values: list[float], sizes: list[int] | None, last: list[int]) -> bool:
