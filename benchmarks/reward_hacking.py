@@ -10,6 +10,7 @@ growing history, as during the run) and the warnings the run logged itself, what
 
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking            # every setup, 5 at once
     nice -n 10 python -m benchmarks.reward_hacking run --out runs/hacking --only tags length --parallel 2
+    nice -n 10 python -m benchmarks.reward_hacking run --only healthy-seed0 healthy-seed1 --steps 16  # false alarms?
     python -m benchmarks.reward_hacking table --out runs/hacking                      # the table of results
     python -m benchmarks.reward_hacking record tags --out runs/hacking                # keep it in tests/data/hacking
     python -m benchmarks.reward_hacking trl --out runs/hacking --steps 30             # two short TRL runs
@@ -58,8 +59,14 @@ SETUPS = {
     "healthy": (["answer_format", "answer_correct"], None, False),
     "composed": (["answer_correct", verbosity], [1.0, 1.0], True),
     "keyword": ([sum_judge], None, True),
-    "healthy-seed1": (["answer_format", "answer_correct"], None, False),
 }
+HEALTHY_SEEDS = (0, 1, 2, 3, 4, 5)  # healthy-seedN: the healthy setup with seed N, runs where covey must stay silent
+SETUPS.update({f"healthy-seed{seed}": SETUPS["healthy"] for seed in HEALTHY_SEEDS})
+
+
+def seed_of(name: str) -> int:
+    """A run's seed: N for healthy-seedN, 42 for every other setup."""
+    return int(name.rsplit("-seed", 1)[1]) if "-seed" in name else 42
 
 
 def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: float, prompts: int, generations: int,
@@ -71,7 +78,7 @@ def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: floa
 
     funcs, weights, _ = SETUPS[name]
     args = GRPOConfig(dataset="arithmetic", reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
-                      seed=1 if name.endswith("seed1") else 42, eval_strategy="steps", eval_steps=eval_steps,
+                      seed=seed_of(name), eval_strategy="steps", eval_steps=eval_steps,
                       eval_max_samples=eval_samples, log_completions_steps=1, max_completion_length=length,
                       num_generations=generations, per_device_train_batch_size=prompts * generations,
                       bf16=bf16, rollout_engine="fast", num_completions_to_print=0, save_steps=0,
@@ -126,12 +133,13 @@ def gaming_began(evals: list[tuple[int, float]]) -> int | None:
     return next(step for step, v in evals if v == best)
 
 
-def first_warning(history: list[dict], samples: list[dict]) -> tuple[int | None, str]:
+def first_warning(history: list[dict], samples: list[dict], summary: dict | None = None) -> tuple[int | None, str]:
     """The first step at which a hacking or collapse rule warned over the history so far (replayed as during
-    the run); the one-metric health warnings are not counted."""
+    the run, with the held-out set's size that runs now log); the one-metric health warnings are not counted."""
+    from covey.telemetry.endpoints import with_sizes
     from covey.telemetry.hacking import Monitor
 
-    monitor = Monitor()
+    monitor, history = Monitor(), with_sizes(history, summary)
     for i in range(1, len(history) + 1):
         step = history[i - 1]["step"]
         findings = [f for f in monitor.check(history[:i], [s for s in samples if s.get("step", 0) <= step])
@@ -172,7 +180,7 @@ def table(out: Path) -> None:
         evals = (", ".join(f"{step}: {100 * v:.0f}%" for step, v in heldout)
                  or ", ".join(f"{h['step']}: reward {h['eval/mean_reward']:.2f}" for h in run_data.history
                               if isinstance(h.get("eval/mean_reward"), (int, float))) or "none during training")
-        step, message = first_warning(run_data.history, run_data.samples)
+        step, message = first_warning(run_data.history, run_data.samples, run_data.summary)
         verdict = diagnose(run_data).verdict
         intended = INTENDED.get(folder.name, "?")
         print(f"| {folder.name} | {moved} | {evals} | {gaming_began(heldout)} | {step} | "
@@ -232,7 +240,7 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 # the verdict each run must get, by what it was set up to do (not by what covey said)
 INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward",
             "keyword": "gaming the reward", "composed": "gaming the reward", "healthy": "learning",
-            "healthy-seed1": "learning",
+            **{f"healthy-seed{seed}": "learning" for seed in HEALTHY_SEEDS},
             "trl-learning": "learning", "trl-constant": "not learning",
             "tiny-keyword": "gaming the reward", "tiny-healthy": "learning"}
 KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
@@ -259,8 +267,13 @@ def record(name: str, out: Path, into: Path) -> None:
         steps = sorted({r["step"] for r in records})
         kept = set(steps[:3] + steps[-3:])
         (target / "completions.jsonl").write_text("".join(
-            json.dumps({k: r[k] for k in ("step", "prompt", "completion", "rewards", "reward")}) + "\n"
+            json.dumps({k: r[k] for k in ("step", "prompt", "answer", "completion", "rewards", "reward") if k in r})
+            + "\n"
             for r in records if r["step"] in kept))
+        if (source / "summary.json").exists():  # the evaluations before and after training
+            summary = json.loads((source / "summary.json").read_text())
+            (target / "summary.json").write_text(json.dumps({k: summary.get(k) for k in ("steps", "before", "after")},
+                                                            indent=1) + "\n")
     else:
         state = json.loads((source / "trainer_state.json").read_text())
         state = {"global_step": state["global_step"], "log_history": [keep(r) for r in state["log_history"]]}

@@ -291,7 +291,7 @@ def cmd_diagnose(argv: list[str]) -> int:
                                         "message": f.message, "advice": f.advice, "values": f.values,
                                         "examples": list(f.examples)} for step, f in diagnosis.findings],
                           "warnings": [{"step": step, "message": m} for step, m in diagnosis.warnings],
-                          "notes": diagnosis.notes}, indent=2))
+                          "contradicted": diagnosis.contradicted, "notes": diagnosis.notes}, indent=2))
     else:
         print(f"{run.folder} ({run.source} run, {len(run.history)} logged steps)\n{diagnosis.text()}")
     if namespace.html:

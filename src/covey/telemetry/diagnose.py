@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from covey.errors import ConfigError
-from covey.telemetry import health
+from covey.telemetry import endpoints, health
 from covey.telemetry.hacking import MIN_STEPS, Finding, Monitor
 from covey.telemetry.trends import WINDOW, change, series
 
@@ -25,6 +25,7 @@ LEARNING, NOT_LEARNING, GAMING, COLLAPSED, TOO_EARLY = (
     "learning", "not learning", "gaming the reward", "collapsed", "too early to tell")
 GENERATOR = '<meta name="generator" content="covey diagnose">'  # marks a page as covey's to rewrite
 REPLAY_POINTS = 500  # most prefixes of a history the rules are replayed over
+BELIED = " (contradicted by the held-out gain at the end)"  # a gaming finding the end of the run belies
 SPREAD_GONE = 0.01  # reward_std below this: every completion of a group scores the same
 
 
@@ -35,6 +36,7 @@ class RunData:
     history: list[dict]
     samples: list[dict]
     notes: list[str] = field(default_factory=list)
+    summary: dict | None = None  # a covey run's summary.json: the evaluations before and after training
 
 
 @dataclass
@@ -44,11 +46,13 @@ class Diagnosis:
     findings: list[tuple[int, Finding]]  # (the step covey warned at, the finding)
     warnings: list[tuple[int, str]]  # the one-metric health warnings: (step, message)
     notes: list[str]
+    contradicted: list[str] = field(default_factory=list)  # keys of the gaming findings the end of the run belies
 
     def text(self) -> str:
         lines = [f"verdict: {self.verdict}: {self.reason}"]
         for step, finding in self.findings:
-            lines.append(f"- step {step}: {finding.text()}")
+            belied = BELIED if finding.key in self.contradicted else ""
+            lines.append(f"- step {step}{belied}: {finding.text()}")
         lines += [f"- step {step}: {message}" for step, message in self.warnings]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -130,7 +134,13 @@ def read_run(folder: str | Path) -> RunData:
     if (folder / "metrics.jsonl").exists():
         samples = _jsonl(folder / "completions.jsonl") if (folder / "completions.jsonl").exists() else []
         notes = [] if samples else ["no completions.jsonl (log_completions off): the text rules are skipped"]
-        return RunData(folder, "covey", _jsonl(folder / "metrics.jsonl"), samples, notes)
+        summary = None
+        if (folder / "summary.json").exists():
+            try:
+                summary = json.loads((folder / "summary.json").read_text())
+            except ValueError:
+                notes.append("summary.json is not valid JSON: the evaluations before and after training are not read")
+        return RunData(folder, "covey", _jsonl(folder / "metrics.jsonl"), samples, notes, summary)
     if (state := _trl_state(folder)) is not None:
         try:
             log_history = json.loads(state.read_text()).get("log_history", [])
@@ -180,41 +190,61 @@ def _why_not_learning(history: list[dict]) -> str:
 
 
 def diagnose(run: RunData) -> Diagnosis:
-    found, warnings = replay(run.history, run.samples)
+    """The rules replayed over the run (with the evaluation after training as its final held-out point), and one
+    verdict that weighs the end of the run: gaming findings belied by a clear held-out accuracy gain at the end
+    are reported as contradicted, and do not make the verdict."""
+    history = endpoints.with_final(run.history, run.summary)
+    found, warnings = replay(history, run.samples)
     notes = list(run.notes) + [f"{f.message.removeprefix('note: ')}: {f.advice}" for _, f in found if f.kind == "note"]
     found = [(s, f) for s, f in found if f.kind != "note"]
     _, rewards = series(run.history, "reward")
     moved = change(rewards)
+
+    def verdict(name: str, reason: str, contradicted: list[str] = ()) -> Diagnosis:
+        return Diagnosis(name, reason, found, warnings, notes, list(contradicted))
+
     if len(rewards) < MIN_STEPS or moved is None:
-        return Diagnosis(TOO_EARLY, f"{len(rewards)} logged steps with a reward; the rules need {MIN_STEPS}",
-                         found, warnings, notes)
+        return verdict(TOO_EARLY, f"{len(rewards)} logged steps with a reward; the rules need {MIN_STEPS}")
+    ends = endpoints.heldout_ends(run.history, run.summary)
+    gained = ends is not None and ends.gained
     gaming = [f for _, f in found if f.kind == "gaming"]
-    if gaming:
-        return Diagnosis(GAMING, "; ".join(f.message for f in gaming[:2]), found, warnings, notes)
+    if gaming and not gained:
+        return verdict(GAMING, "; ".join(f.message for f in gaming[:2]))
+    belied = [f.key for f in gaming]
+    but = (f"; {len(belied)} gaming finding(s) ({', '.join(belied)}) contradicted by the held-out gain at the end"
+           if belied else "")
     collapse = [f for _, f in found if f.kind == "collapse"]
     _, spread = series(run.history, "reward_std")
     if collapse:
-        return Diagnosis(COLLAPSED, collapse[0].message, found, warnings, notes)
+        return verdict(COLLAPSED, collapse[0].message + but, belied)
     if (not moved.rose and len(spread) >= 2 * WINDOW and max(spread[-WINDOW:]) < SPREAD_GONE
             and statistics.fmean(spread[:WINDOW]) > 5 * SPREAD_GONE):
-        return Diagnosis(COLLAPSED, f"reward_std fell to 0 while the reward did not rise ({moved.first:.3f} -> "
-                         f"{moved.last:.3f}): every completion now scores the same", found, warnings, notes)
+        return verdict(COLLAPSED, f"reward_std fell to 0 while the reward did not rise ({moved.first:.3f} -> "
+                       f"{moved.last:.3f}): every completion now scores the same{but}", belied)
     if moved.fell:
-        return Diagnosis(NOT_LEARNING, f"the reward fell {moved.first:.3f} -> {moved.last:.3f}: the updates make the "
-                         "policy worse; lower the learning rate", found, warnings, notes)
+        return verdict(NOT_LEARNING, f"the reward fell {moved.first:.3f} -> {moved.last:.3f}: the updates make the "
+                       f"policy worse; lower the learning rate{but}", belied)
+    if not moved.rose and not gained:
+        held = "" if ends is None else f"; {ends.text()}, not a clear gain"
+        return verdict(NOT_LEARNING, _why_not_learning(run.history) + f" (reward {moved.first:.3f} -> "
+                       f"{moved.last:.3f}){held}")
     if not moved.rose:
-        return Diagnosis(NOT_LEARNING, _why_not_learning(run.history) + f" (reward {moved.first:.3f} -> "
-                         f"{moved.last:.3f})", found, warnings, notes)
-    held = [v for v in series(run.history, "eval/accuracy")[1] or series(run.history, "eval/mean_reward")[1]]
-    also = f", held-out {held[0]:.3f} -> {held[-1]:.3f}" if len(held) >= 2 else ""
-    return Diagnosis(LEARNING, f"the reward rose {moved.first:.3f} -> {moved.last:.3f}{also}", found, warnings, notes)
+        return verdict(LEARNING, f"{ends.text()} at the end, though the training reward is not clearly above its "
+                       f"start ({moved.first:.3f} -> {moved.last:.3f}){but}", belied)
+    if ends is not None:
+        also = f", {ends.text()}"
+    else:
+        held = series(history, "eval/mean_reward")[1]
+        also = f", held-out mean reward {held[0]:.3f} -> {held[-1]:.3f}" if len(held) >= 2 else ""
+    return verdict(LEARNING, f"the reward rose {moved.first:.3f} -> {moved.last:.3f}{also}{but}", belied)
 
 
 def diagnosis_html(diagnosis: Diagnosis) -> str:
     """The verdict and its evidence as a section of the report page."""
     from html import escape
 
-    items = [f"<li><b>step {step}</b>: {escape(f.message)}{'' if f.began is None else f' (from step {f.began})'}. "
+    items = [f"<li><b>step {step}</b>{BELIED if f.key in diagnosis.contradicted else ''}: {escape(f.message)}"
+             f"{'' if f.began is None else f' (from step {f.began})'}. "
              f"{escape(f.advice)}" + "".join(f"<br><code>{escape(e)}</code>" for e in f.examples) + "</li>"
              for step, f in diagnosis.findings]
     items += [f"<li><b>step {step}</b>: {escape(message)}</li>" for step, message in diagnosis.warnings]

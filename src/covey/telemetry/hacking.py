@@ -2,7 +2,8 @@
 
 Each detector is a pure function ``(history, samples) -> Finding | None``: ``history`` the logged
 metrics (TRL's names, one dict per logged step, held-out results as ``eval/accuracy`` and
-``eval/mean_reward`` on the step they were made after), ``samples`` the recorded completions (dicts
+``eval/mean_reward`` on the step they were made after, with ``eval/checked``, the held-out set's size,
+where it is known), ``samples`` the recorded completions (dicts
 with ``step``, ``prompt``, ``completion``, ``reward``, as completions.jsonl holds them). A finding
 names the step where the pattern began, the values behind it, one to three completions that show it,
 and what to do. Trends are judged on windows of ``trends.WINDOW`` logged steps against the series' own
@@ -11,14 +12,17 @@ noise, so a single noisy step fires nothing; the thresholds below are named wher
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 
 from covey.telemetry import text_signals
 from covey.telemetry.finding import Finding
-from covey.telemetry.trends import WINDOW, change, onset, series, smooth, spearman
+from covey.telemetry.trends import WINDOW, Z, binomial_error, change, noise, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
 MIN_EVALS = 3  # held-out evaluations during training before the held-out trend is judged
+MIN_RISEN_EVALS = 2  # of them made after the training reward had clearly risen (see _heldout_flat)
 HELDOUT_ACCURACY_GAIN = 0.05  # a held-out accuracy gain below this (5 points) is "no gain"
 HELDOUT_REWARD_SHARE = 0.25  # a held-out reward gain below this share of the training reward's is "no gain"
 HIGH_ACCURACY = 0.8  # held-out accuracy already this high and not falling: a flat one is a solved task
@@ -47,19 +51,64 @@ def heldout(history: list[dict]) -> tuple[str, list[int], list[float]] | None:
     return None
 
 
+def risen_at(history: list[dict], at: list[int]) -> list[bool]:
+    """For each step of ``at``, whether the training reward had clearly risen by then: the mean of its window
+    ending at that step above its first window's by more than Z standard errors, the noise taken from the
+    whole history (trends.noise)."""
+    steps, rewards = series(history, "reward")
+    if len(rewards) < 2 * WINDOW:
+        return [False] * len(at)
+    first, error = statistics.fmean(rewards[:WINDOW]), noise(rewards) * math.sqrt(2 / WINDOW)
+    ends = [bisect.bisect_right(steps, step) for step in at]
+    return [end > WINDOW and statistics.fmean(rewards[end - WINDOW:end]) - first > Z * error for end in ends]
+
+
+def _sizes(history: list[dict], steps: list[int]) -> list[int] | None:
+    """The held-out set's size (problems checked) at each evaluation step, where every one is logged
+    (``eval/checked``); else None."""
+    by_step = {h.get("step"): h.get("eval/checked") for h in history}
+    sizes = [by_step.get(step) for step in steps]  # logged metrics are floats: 16.0
+    ok = all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n >= 1 for n in sizes)
+    return [int(n) for n in sizes] if ok else None
+
+
+def _accuracy_gap(values: list[float], sizes: list[int] | None, last: list[int]) -> bool:
+    """Held-out accuracy did not follow: it gained under HELDOUT_ACCURACY_GAIN from the first evaluation to the
+    ``last`` ones (pooled). Where the held-out set's sizes are known, that must also be beyond chance: the
+    accuracy fell from its best before them by more than Z binomial standard errors, or its gain from the first
+    is below HELDOUT_ACCURACY_GAIN even at Z standard errors above what was seen (a set too small to tell a
+    flat accuracy from a rising one says nothing)."""
+    weights = [sizes[i] for i in last] if sizes else [1] * len(last)
+    now = sum(values[i] * w for i, w in zip(last, weights)) / sum(weights)
+    if now - values[0] >= HELDOUT_ACCURACY_GAIN:
+        return False
+    if sizes is None:
+        return True
+    n_now = sum(weights)
+    best = max(range(last[0]), key=lambda i: (values[i], -i))
+    fell = values[best] - now > Z * binomial_error(values[best], sizes[best], now, n_now)
+    flat = now - values[0] + Z * binomial_error(values[0], sizes[0], now, n_now) < HELDOUT_ACCURACY_GAIN
+    return fell or flat
+
+
 def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
-    """(key, first, last, the step of its best evaluation before the last) where the held-out metric, over at
-    least MIN_EVALS evaluations, did not gain (or fell) while the training reward gained ``reward_gain``; None
-    where it gained or the task is solved."""
+    """(key, first, last, the step of its best evaluation before the last) where the held-out metric did not gain
+    (or fell) from its first evaluation while the training reward gained ``reward_gain``; None where it gained,
+    the task is solved, or too few evaluations were made after the reward rose. A held-out metric can only fail
+    to follow a rise it was measured after: at least MIN_RISEN_EVALS evaluations must have been made once the
+    reward had clearly risen, and "last" is the mean of the last two of those."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
         return None
     key, steps, values = found
-    first, last = values[0], statistics.fmean(values[-2:])
+    risen = [i + 1 for i, up in enumerate(risen_at(history, steps[1:])) if up]
+    if len(risen) < MIN_RISEN_EVALS:
+        return None
+    first, last = values[0], statistics.fmean(values[i] for i in risen[-2:])
     if key == "eval/accuracy":
         if last >= HIGH_ACCURACY and last >= first - HELDOUT_ACCURACY_GAIN:
             return None  # a solved task stays flat near the top
-        flat = last - first < HELDOUT_ACCURACY_GAIN
+        flat = _accuracy_gap(values, _sizes(history, steps), risen[-2:])
     else:
         flat = last - first < HELDOUT_REWARD_SHARE * reward_gain
     if not flat:

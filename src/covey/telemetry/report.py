@@ -468,7 +468,7 @@ def _health(run: Run) -> str:
     """The verdict of covey diagnose and its evidence (diagnose.py), over the run's metrics and completions."""
     from covey.telemetry.diagnose import RunData, diagnose, diagnosis_html
 
-    return diagnosis_html(diagnose(RunData(run.path, "covey", run.metrics, run.completions)))
+    return diagnosis_html(diagnose(RunData(run.path, "covey", run.metrics, run.completions, summary=run.summary)))
 
 
 def render_page(run: Run, plots: list[Plot]) -> str:

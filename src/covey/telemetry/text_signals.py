@@ -18,7 +18,7 @@ MIN_TOKENS = 6  # completions shorter than this many tokens are too short to jud
 REPETITION_HIGH = 0.3  # share of repeated word 3-grams in the latest completions ...
 REPETITION_RISE = 0.2  # ... at least this much above the start's
 SAME_SHARE = 0.5  # one completion given to this share of the distinct prompts ...
-MIN_PROMPTS = 3  # ... of at least this many prompts
+MIN_PROMPTS = 3  # ... and to at least this many of them
 REPEATED_TAGS = 0.3  # share of the latest completions that repeat a format tag ...
 REPEATED_TAGS_START = 0.1  # ... where at most this share did at the start
 SHOWN_CHARS = 160  # characters of a completion quoted as evidence
@@ -95,22 +95,36 @@ def _prompt_key(prompt) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
 
 
+def _question(sample: dict) -> str:
+    """What a prompt asks, for telling prompts apart: its reference answer where the sample records one (two
+    sums that both make 12 are one question to a completion that answers '12'), else the prompt itself."""
+    answer = sample.get("answer")
+    if isinstance(answer, (str, int, float)) and not isinstance(answer, bool) and str(answer).strip():
+        return "answer: " + str(answer).strip()
+    return _prompt_key(sample.get("prompt"))
+
+
 def same_across_prompts(history: list[dict], samples: list[dict]):
-    """One completion given to half or more of the distinct prompts: the policy ignores its input."""
+    """One completion given to half or more of the distinct prompts (those with different reference answers,
+    where they are recorded), at least MIN_PROMPTS, as half or more of those prompts' completions: the policy
+    ignores its input."""
     ends = _ends(samples)
     if ends is None:
         return None
     _, latest, began = ends
     answers: dict[str, set[str]] = {}
     for s in latest:
-        answers.setdefault(" ".join(s["completion"].split()), set()).add(_prompt_key(s.get("prompt")))
-    prompts = {_prompt_key(s.get("prompt")) for s in latest}
+        answers.setdefault(" ".join(s["completion"].split()), set()).add(_question(s))
+    prompts = {_question(s) for s in latest}
     if len(prompts) < MIN_PROMPTS or not answers:
         return None
     text, given = max(answers.items(), key=lambda kv: len(kv[1]))
     share = len(given) / len(prompts)
-    if share < SAME_SHARE or not text:
+    if share < SAME_SHARE or len(given) < MIN_PROMPTS or not text:  # two alike: a short answer's coincidence
         return None
+    theirs = [s for s in latest if _question(s) in given]  # the completions of the prompts it answers ...
+    if sum(" ".join(s["completion"].split()) == text for s in theirs) < SAME_SHARE * len(theirs):
+        return None  # ... mostly something else: a policy that still reads its prompt, with one stock reply
     return Finding("same_completion", "gaming", began,
                    f"the same completion answers {len(given)} of {len(prompts)} different prompts in the latest "
                    "recorded steps: the policy no longer reads its prompt",

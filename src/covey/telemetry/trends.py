@@ -104,3 +104,10 @@ def onset(steps: list[int], values: list[float], rising: bool, n: int = WINDOW) 
     pick = min if rising else max
     best = pick(smoothed)
     return steps[max(i for i, v in enumerate(smoothed) if v == best)] if smoothed else 0
+
+
+def binomial_error(p1: float, n1: int, p2: float, n2: int) -> float:
+    """Standard error of p2 - p1 for two shares (accuracies) of n1 and n2 trials under no change: the pooled
+    share's binomial variance over both sizes."""
+    pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
+    return math.sqrt(max(pooled * (1 - pooled), 0.0) * (1 / n1 + 1 / n2))

@@ -42,7 +42,8 @@ def evaluate_if_due(trainer: GRPOTrainer, log: RunLog, steps_before: int) -> dic
     result = trainer.held_out_result()
     mean = "n/a" if result["mean_reward"] is None else f"{result['mean_reward']:.3f}"
     log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward {mean}, n={result['n']})")
-    return {f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")}
+    return {**{f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")},
+            "eval/checked": result["checked"]}  # the held-out set's size, for the binomial error of its accuracy
 
 
 def log_step(trainer: GRPOTrainer, log: RunLog, result: StepResult, evaluation: dict[str, float]) -> ScoredBatch | None:
