@@ -171,8 +171,9 @@ def fast_server(model: str, work: Path):
         process.wait(timeout=60)
 
 
-def run(mode: str, model: str, steps: int) -> list[dict]:
-    """The samples of one run, one per step."""
+def run(mode: str, model: str, steps: int, samples_out: str | None = None) -> list[dict]:
+    """The samples of one run, one per step (each also appended to ``samples_out`` as it is taken, so that a
+    run stopped midway keeps what it measured)."""
     with tempfile.TemporaryDirectory() as tmp:
         work, out = Path(tmp), Path(tmp) / "run"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -189,10 +190,13 @@ def run(mode: str, model: str, steps: int) -> list[dict]:
                 command = [sys.executable, "-m", "covey", "train", str(work / "config.yaml"), "--output-dir", str(out)]
             err = open(work / "stderr.txt", "w+")
             process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
-            samples, seen = [], 0
+            samples, seen, size = [], 0, 0
             metrics = out / "metrics.jsonl"
             while process.poll() is None:
-                lines = metrics.read_text().count("\n") if metrics.exists() else 0
+                grown = metrics.exists() and metrics.stat().st_size != size
+                if grown:  # read the file only when it has grown: a thousand-step run's file is read cheaply
+                    size = metrics.stat().st_size
+                lines = metrics.read_text().count("\n") if grown else seen
                 if lines > seen:
                     seen = lines
                     taken = sample(process.pid)
@@ -200,6 +204,9 @@ def run(mode: str, model: str, steps: int) -> list[dict]:
                         if server_pid is not None:
                             taken["server_rss_mib"] = (sample(server_pid) or {}).get("rss_mib", float("nan"))
                         samples.append({"step": seen, **taken})
+                        if samples_out:
+                            with open(samples_out, "a") as f:
+                                f.write(json.dumps({"mode": mode, **samples[-1]}) + "\n")
                 time.sleep(0.01)
             if process.returncode != 0:
                 err.seek(0)
@@ -232,10 +239,7 @@ def main() -> None:
           "(MiB/100 steps) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        samples = run(mode, args.model, args.steps)
-        if args.samples_out:
-            with open(args.samples_out, "a") as f:
-                f.writelines(json.dumps({"mode": mode, **s}) + "\n" for s in samples)
+        samples = run(mode, args.model, args.steps, args.samples_out)
         rest = [s for s in samples if s["step"] > args.warmup * args.steps]
         first, last = rest[0], rest[-1]
         server = f"{slope_per_100(rest, 'server_rss_mib'):+.2f}" if "server_rss_mib" in first else "—"
