@@ -202,7 +202,9 @@ def run(mode: str, model: str, steps: int, samples_out: str | None = None) -> li
                     taken = sample(process.pid)
                     if taken is not None:
                         if server_pid is not None:
-                            taken["server_rss_mib"] = (sample(server_pid) or {}).get("rss_mib", float("nan"))
+                            server = sample(server_pid) or {}
+                            taken["server_rss_mib"] = server.get("rss_mib", float("nan"))
+                            taken["server_anon_mib"] = server.get("anon_mib", float("nan"))
                         samples.append({"step": seen, **taken})
                         if samples_out:
                             with open(samples_out, "a") as f:
@@ -235,14 +237,15 @@ def main() -> None:
     print(f"{machine()}; model {args.model}; {args.steps} steps per mode; warm-up: the first "
           f"{args.warmup:.0%} of the steps")
     print("| mode | steps | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth (MiB/100 steps) | anonymous RSS "
-          "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS growth "
-          "(MiB/100 steps) |")
+          "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS / "
+          "anonymous RSS growth (MiB/100 steps) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         samples = run(mode, args.model, args.steps, args.samples_out)
         rest = [s for s in samples if s["step"] > args.warmup * args.steps]
         first, last = rest[0], rest[-1]
-        server = f"{slope_per_100(rest, 'server_rss_mib'):+.2f}" if "server_rss_mib" in first else "—"
+        server = (f"{slope_per_100(rest, 'server_rss_mib'):+.2f} / {slope_per_100(rest, 'server_anon_mib'):+.2f}"
+                  if "server_rss_mib" in first else "—")
         print(f"| {mode} | {samples[-1]['step']} | {first['rss_mib']:.1f} | {last['rss_mib']:.1f} | "
               f"{slope_per_100(rest, 'rss_mib'):+.2f} | {slope_per_100(rest, 'anon_mib'):+.2f} | "
               f"{first['threads']} → {last['threads']} "
