@@ -24,9 +24,13 @@ hour-long run of the goal is
 
     nice python -m benchmarks.soak --model default --steps 1000 --modes sync async server
 
-and the short one whose figures docs/reliability.md shows:
+and docs/reliability.md shows the tiny model's, e.g.
 
-    nice python -m benchmarks.soak --steps 100
+    python -m benchmarks.soak --steps 1000 --modes sync --samples-out sync.jsonl
+
+Growth is reported for resident memory and for its anonymous part (``anon_mib``): on a machine short
+of memory the kernel drops file-backed pages (libraries, the model file), so total RSS falls and
+rises with other work while the anonymous part is what a leak grows.
 """
 
 from __future__ import annotations
