@@ -24,9 +24,13 @@ hour-long run of the goal is
 
     nice python -m benchmarks.soak --model default --steps 1000 --modes sync async server
 
-and the short one whose figures docs/reliability.md shows:
+and docs/reliability.md shows the tiny model's, e.g.
 
-    nice python -m benchmarks.soak --steps 100
+    python -m benchmarks.soak --steps 1000 --modes sync --samples-out sync.jsonl
+
+Growth is reported for resident memory and for its anonymous part (``anon_mib``): on a machine short
+of memory the kernel drops file-backed pages (libraries, the model file), so total RSS falls and
+rises with other work while the anonymous part is what a leak grows.
 """
 
 from __future__ import annotations
@@ -171,8 +175,9 @@ def fast_server(model: str, work: Path):
         process.wait(timeout=60)
 
 
-def run(mode: str, model: str, steps: int) -> list[dict]:
-    """The samples of one run, one per step."""
+def run(mode: str, model: str, steps: int, samples_out: str | None = None) -> list[dict]:
+    """The samples of one run, one per step (each also appended to ``samples_out`` as it is taken, so that a
+    run stopped midway keeps what it measured)."""
     with tempfile.TemporaryDirectory() as tmp:
         work, out = Path(tmp), Path(tmp) / "run"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -189,17 +194,25 @@ def run(mode: str, model: str, steps: int) -> list[dict]:
                 command = [sys.executable, "-m", "covey", "train", str(work / "config.yaml"), "--output-dir", str(out)]
             err = open(work / "stderr.txt", "w+")
             process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
-            samples, seen = [], 0
+            samples, seen, size = [], 0, 0
             metrics = out / "metrics.jsonl"
             while process.poll() is None:
-                lines = metrics.read_text().count("\n") if metrics.exists() else 0
+                grown = metrics.exists() and metrics.stat().st_size != size
+                if grown:  # read the file only when it has grown: a thousand-step run's file is read cheaply
+                    size = metrics.stat().st_size
+                lines = metrics.read_text().count("\n") if grown else seen
                 if lines > seen:
                     seen = lines
                     taken = sample(process.pid)
                     if taken is not None:
                         if server_pid is not None:
-                            taken["server_rss_mib"] = (sample(server_pid) or {}).get("rss_mib", float("nan"))
+                            server = sample(server_pid) or {}
+                            taken["server_rss_mib"] = server.get("rss_mib", float("nan"))
+                            taken["server_anon_mib"] = server.get("anon_mib", float("nan"))
                         samples.append({"step": seen, **taken})
+                        if samples_out:
+                            with open(samples_out, "a") as f:
+                                f.write(json.dumps({"mode": mode, **samples[-1]}) + "\n")
                 time.sleep(0.01)
             if process.returncode != 0:
                 err.seek(0)
@@ -228,17 +241,15 @@ def main() -> None:
     print(f"{machine()}; model {args.model}; {args.steps} steps per mode; warm-up: the first "
           f"{args.warmup:.0%} of the steps")
     print("| mode | steps | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth (MiB/100 steps) | anonymous RSS "
-          "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS growth "
-          "(MiB/100 steps) |")
+          "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS / "
+          "anonymous RSS growth (MiB/100 steps) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        samples = run(mode, args.model, args.steps)
-        if args.samples_out:
-            with open(args.samples_out, "a") as f:
-                f.writelines(json.dumps({"mode": mode, **s}) + "\n" for s in samples)
+        samples = run(mode, args.model, args.steps, args.samples_out)
         rest = [s for s in samples if s["step"] > args.warmup * args.steps]
         first, last = rest[0], rest[-1]
-        server = f"{slope_per_100(rest, 'server_rss_mib'):+.2f}" if "server_rss_mib" in first else "—"
+        server = (f"{slope_per_100(rest, 'server_rss_mib'):+.2f} / {slope_per_100(rest, 'server_anon_mib'):+.2f}"
+                  if "server_rss_mib" in first else "—")
         print(f"| {mode} | {samples[-1]['step']} | {first['rss_mib']:.1f} | {last['rss_mib']:.1f} | "
               f"{slope_per_100(rest, 'rss_mib'):+.2f} | {slope_per_100(rest, 'anon_mib'):+.2f} | "
               f"{first['threads']} → {last['threads']} "
