@@ -158,7 +158,7 @@ def test_bad_inputs_fail_before_the_model_is_loaded(tmp_path, monkeypatch):
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(covey.train.setup, "load_policy", no_loading)
-    monkeypatch.setattr(covey.train.assemble, "load_tokenizer", no_loading)
+    monkeypatch.setattr(covey.train.assemble, "load_processing", no_loading)
     with pytest.raises(DataError, match="no 'prompt' column"):
         GRPOTrainer(reward_funcs=[count_a], args=small_args(tmp_path), train_dataset=[{"text": "x"}])
 
