@@ -157,18 +157,26 @@ class _ChunkedLinearHead(torch.autograd.Function):
         slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
                   for _ in range(1 + entropy_grad)] if frozen else []
         kept = 0 if frozen else plan.kept
-        ctx.graphs = []  # per kept chunk: (linear, logp, entropy), on a graph from its logits
+        plain = _plain(head, temperature)
+        ctx.kept = []  # per kept chunk: what its backward starts from (``_Kept``)
         for index, rows in enumerate(plan.slices):
-            graph = frozen or index < kept
-            linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                  with_entropy, entropy_grad, graph)
-            if frozen:
-                for slope, output in zip(slopes, (logp, entropy)):
-                    (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
-                    with torch.autocast(grad.device.type, enabled=False):
-                        slope[rows] = grad @ weight
-            elif graph:
-                ctx.graphs.append((linear, logp, entropy))
+            if plain and not frozen:  # the softmax's own results, kept in place of the logits where asked
+                keep = None if index >= kept else "log_p" if entropy_grad else "p"
+                logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
+                                                      _scale(temperature), with_entropy, keep)
+                if held is not None:
+                    ctx.kept.append(_Kept(keep, held))
+            else:
+                graph = frozen or index < kept
+                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
+                                                      with_entropy, entropy_grad, graph)
+                if frozen:
+                    for slope, output in zip(slopes, (logp, entropy)):
+                        (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
+                        with torch.autocast(grad.device.type, enabled=False):
+                            slope[rows] = grad @ weight
+                elif graph:
+                    ctx.kept.append(_Kept("graph", linear, logp, entropy))
             logp_N[rows] = logp.detach()
             if with_entropy:
                 entropy_N[rows] = entropy.detach()
@@ -186,7 +194,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
         head, temperature, with_entropy, entropy_grad, plan, hidden_dtype = ctx.settings
-        graphs, ctx.graphs = ctx.graphs, []
+        kept, ctx.kept = ctx.kept, []  # used once: a second backward computes every chunk again
         if grad_logp_N is None and grad_entropy_N is None:
             return (None,) * 9
         if ctx.frozen:
@@ -203,9 +211,11 @@ class _ChunkedLinearHead(torch.autograd.Function):
         for index, rows in enumerate(plan.slices):
             hidden = hidden_NH[rows].to(head.dtype)
             grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
-            if index < len(graphs):
-                (linear, logp, entropy), graphs[index] = graphs[index], None  # freed once used
-                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            if index < len(kept):
+                held, kept[index] = kept[index], None  # freed once used
+                grad_logits = held.gradient(ids_N[rows], _scale(temperature), entropy_N[rows] if entropy_grad else None,
+                                            grad_logp, grad_entropy, head.dtype)
+                held = None
             elif _plain(head, temperature):  # computed again, its softmax from the forward's results
                 linear = _head_linear(head, hidden, weight)
                 grad_logits = _softmax_gradient(linear, ids_N[rows], _scale(temperature), logp_N[rows],
@@ -261,27 +271,95 @@ def _scale(temperature) -> float:
 
 def _softmax_gradient(linear_cV, ids_c, t: float, logp_c, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
     """The gradient of logits x (``linear_cV``, made for this and overwritten) under log p = log_softmax(x / t),
-    from the forward's log-probs and entropies: the log-normaliser is x_id / t - logp_id, so
-
-        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
-
-    in float32, a few passes over the chunk; returned in the logits' dtype."""
+    from the forward's log-probs: the log-normaliser is x_id / t - logp_id (``_log_p_gradient``), in float32,
+    returned in the logits' dtype."""
     z = linear_cV.float()
     normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
     log_p = z.div_(t) if t != 1 else z
     log_p.sub_(normaliser)
-    up = grad_logp_c if grad_logp_c is not None else torch.zeros_like(logp_c)
+    return _log_p_gradient(log_p, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c).to(linear_cV.dtype)
+
+
+def _log_p_gradient(log_p, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
+    """The gradient of the logits x from log p = log_softmax(x / t) (float32, overwritten), given the
+    gradients of the log-probs at ``ids_c`` and of the entropies ``entropy_c`` (either None where unused):
+
+        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
+
+    in float32, a few passes over the chunk, in place."""
+    up = grad_logp_c if grad_logp_c is not None else torch.zeros(len(ids_c), device=log_p.device)
     if grad_entropy_c is None:  # -p_j g_logp
         grad = log_p.exp_().mul_(-up[:, None])
     else:  # -p_j (g_logp + g_H (log p_j + H))
         p = log_p.exp()
         grad = log_p.add_(entropy_c[:, None]).mul_(grad_entropy_c[:, None]).add_(up[:, None]).mul_(p).neg_()
         del p
+    return _onehot_part(grad, ids_c, grad_logp_c, t)
+
+
+def _onehot_part(grad, ids_c, grad_logp_c, t: float) -> torch.Tensor:
+    """``grad`` (the -p_j parts of the gradient in z = x / t) plus g_logp at each id, divided by t: the
+    gradient in x."""
     if grad_logp_c is not None:
         grad.scatter_add_(-1, ids_c[:, None], grad_logp_c[:, None])
-    if t != 1:
-        grad.div_(t)
-    return grad.to(linear_cV.dtype)
+    return grad.div_(t) if t != 1 else grad
+
+
+def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | None):
+    """(logp_c, entropy_c or empty, kept or None) of a chunk's logits x (``linear_cV``, made for this and
+    overwritten) under log p = log_softmax(x / t), in float32, a few rows at a time:
+
+        logp_id = log p_id        H = -sum_j p_j log p_j (clamped at 0 against rounding)
+
+    ``keep``: what the backward of a kept chunk starts from, float32 [c, V], written over the logits where
+    they are float32: "p" (the log-probs' gradient needs p alone) or "log_p" (the entropy's needs log p);
+    None keeps nothing."""
+    c, V = linear_cV.shape
+    kept = None if keep is None else linear_cV if linear_cV.dtype == torch.float32 else \
+        torch.empty(c, V, dtype=torch.float32, device=linear_cV.device)
+    logp_c = torch.empty(c, dtype=torch.float32, device=linear_cV.device)
+    entropy_c = torch.empty(c if with_entropy else 0, dtype=torch.float32, device=linear_cV.device)
+    for rows in _chunks(c, _working_rows(V)):
+        z = linear_cV[rows].float()  # the logits' own memory where float32 (not needed after this)
+        log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
+        logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
+        if keep == "log_p":
+            if with_entropy:
+                entropy_c[rows] = _entropy(log_p.exp(), log_p)
+            kept[rows] = log_p
+        elif keep == "p" or with_entropy:
+            p = torch.exp(log_p, out=kept[rows] if keep == "p" else z)
+            if with_entropy:
+                entropy_c[rows] = _entropy(p, log_p)
+    return logp_c, entropy_c, kept
+
+
+def _entropy(p_cV: torch.Tensor, log_p_cV: torch.Tensor) -> torch.Tensor:
+    """-sum_j p_j log p_j per row, as a batch of dot products (no product of the rows' size is made)."""
+    return torch.bmm(p_cV.unsqueeze(1), log_p_cV.unsqueeze(2)).view(-1).neg_().clamp_(min=0)
+
+
+@dataclass
+class _Kept:
+    """What the forward keeps of a kept chunk for its backward: "p" (the softmax), "log_p" (the log-softmax),
+    both float32 [c, V] after the temperature, or "graph" (``linear``, its log-probs and entropies, on an
+    autograd graph from its pre-transform logits ``linear``)."""
+
+    kind: str
+    held: torch.Tensor
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def gradient(self, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of the chunk's pre-transform logits, in ``dtype``; uses up what was held."""
+        held, self.held = self.held, None
+        if self.kind == "graph":
+            return _graph_gradient(held, self.logp, self.entropy, grad_logp_c, grad_entropy_c)
+        if self.kind == "p":  # -p_j g_logp, + g_logp at the id
+            grad = _onehot_part(held.mul_(-grad_logp_c[:, None]), ids_c, grad_logp_c, t)
+        else:
+            grad = _log_p_gradient(held, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c)
+        return grad.to(dtype)
 
 
 def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
