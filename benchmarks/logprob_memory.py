@@ -6,7 +6,8 @@ embeddings, float32. One prompt, a group of ``--group`` completions of exactly t
 same token ids for both trainers: a ``rollout_func`` (TRL's, which covey takes as it is) hands them over,
 so the step is the work this measures (the log-prob pass, its backward, the optimizer) and not
 sampling, which would take far longer on a CPU than the step itself. beta 0 (no reference model),
-one pass over each batch, AdamW. Each configuration runs in a fresh process; its peak is that process's
+one pass over each batch, AdamW, gradient checkpointing the same in both (on: TRL 1.16's default, which
+recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither). Each configuration runs in a fresh process; its peak is that process's
 resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
 the median of the steps after the first (with ``--steps 1``, the one step).
 
@@ -78,13 +79,14 @@ def completion_length(completions, **kwargs):
     return [len(set(t)) / 100 for t in texts]
 
 
-def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
+              checkpointing: bool = True) -> list[float]:
     from covey import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                       gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                       learning_rate=1e-6, temperature=1.0, eval_max_samples=0, log_completions=False, seed=0,
-                      vllm_importance_sampling_correction=False)
+                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing)
     GRPOTrainer(model=model, reward_funcs=completion_length, train_dataset=[{"prompt": PROMPT}] * 64,
                 processing_class=tokenizer, args=args, quiet=True, rollout_func=fixed_rollouts(length)).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -94,7 +96,8 @@ def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: st
     return [m["step_time"] for m in metrics]
 
 
-def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
+            checkpointing: bool = True) -> list[float]:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -116,7 +119,8 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str)
     config = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                         gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                         learning_rate=1e-6, temperature=1.0, logging_steps=1, report_to="none", use_cpu=True,
-                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False)
+                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False,
+                        gradient_checkpointing=checkpointing)
     timer = Timer()
     GRPOTrainer(model=model, reward_funcs=completion_length, args=config, processing_class=tokenizer,
                 train_dataset=datasets.Dataset.from_list([{"prompt": PROMPT}] * 64), callbacks=[timer],
@@ -125,7 +129,7 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str)
     return timer.seconds
 
 
-def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int) -> None:
+def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool) -> None:
     from covey.config import EMBEDDED_MODEL
     from covey.models import load_tokenizer
 
@@ -133,19 +137,21 @@ def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int) -
     model = random_model(vocabulary, tokenizer)
     with tempfile.TemporaryDirectory() as out_dir:
         run = run_trl if trainer == "trl" else run_covey
-        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"))
+        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"), checkpointing)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}), flush=True)
 
 
-def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None) -> dict:
+def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None,
+            checkpointing: bool) -> dict:
     """One configuration in a fresh process; ``source``: the covey src folder it imports (another version)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if source:
         env["PYTHONPATH"] = os.pathsep.join([source, os.getcwd()])
     out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--worker", trainer,
                           "--vocabularies", str(vocabulary), "--lengths", str(length), "--group", str(group),
-                          "--steps", str(steps)], capture_output=True, text=True, env=env)
+                          "--steps", str(steps), "--gradient-checkpointing", "on" if checkpointing else "off"],
+                         capture_output=True, text=True, env=env)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
         killed = " (killed: out of memory?)" if out.returncode == -9 else ""
@@ -245,6 +251,8 @@ def main() -> None:
     parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
     parser.add_argument("--group", type=int, default=8, help="completions per step (one prompt's group)")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                        help="for covey and TRL alike (on: TRL's default; covey's is off)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="configurations measured at once (each in its own process; peaks stay per process)")
     parser.add_argument("--pass-alone", type=int, metavar="REPEATS",
@@ -257,6 +265,7 @@ def main() -> None:
     parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
     parser.add_argument("--worker", choices=["covey", "trl"])
     args = parser.parse_args()
+    checkpointing = args.gradient_checkpointing == "on"
     if args.pass_memory_worker:
         pass_memory_worker(args.vocabularies[0], args.lengths[0] * args.group, args.pass_memory_worker)
         return
@@ -275,7 +284,7 @@ def main() -> None:
                 pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
         return
     if args.worker:
-        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)
+        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing)
         return
     runs = [(name, name, None) for name in args.trainers]
     if args.covey_before:
@@ -284,7 +293,7 @@ def main() -> None:
     # the largest first, so that the last to finish are short ones
     order = sorted(jobs, key=lambda job: -job[0] * job[1])
     def run(job):
-        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2])
+        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2], checkpointing)
         print(f"measured {job[2][0]}, vocabulary {job[0]}, {job[1]} x {args.group} tokens: {result}", flush=True)
         return result
 
