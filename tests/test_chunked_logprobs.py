@@ -11,6 +11,8 @@ gradient entry for gradients.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -262,6 +264,44 @@ def test_the_backward_of_a_kept_chunk_makes_no_logits_of_its_own(entropy_grad):
     assert spy.made == (3 if entropy_grad else 0)  # three chunks: 5, 5 and 3 tokens
 
 
+class _LiveLogits(TorchDispatchMode):
+    """The most rows of [rows, V] tensors alive at once (new tensors only: views and in-place results are
+    their inputs' memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.most = 0
+
+    def _freed(self, rows: int) -> None:
+        self.live -= rows
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliases = any(r.alias_info is not None for r in func._schema.returns)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == V and not aliases:
+                self.live += t.shape[0]
+                self.most = max(self.most, self.live)
+                weakref.finalize(t, self._freed, t.shape[0])
+        return out
+
+
+def test_the_kept_chunks_come_last_in_the_forward_and_first_in_the_backward():
+    """23 tokens in chunks of 3, a budget of 6 tokens: the last two chunks (3 + 2 tokens) are kept. Their
+    softmax never sits beside the logits of a chunk that is not kept: at most the kept chunk before the last
+    (3 rows), the last's logits and its one working copy (2 + 2) are alive at once, forward or backward."""
+    model = tiny("untied")
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 32, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (23,), generator=g)
+    spy = _LiveLogits()
+    with spy:
+        logp, _ = head_logprobs(model, hidden, ids, 0.9, with_entropy=True, chunk=3, budget=6 * V * 4)
+        forward = spy.most
+        logp.sum().backward()
+    assert forward == 3 + 2 + 2 and spy.most == forward and spy.live == 0
+
+
 class _HeadProducts(TorchDispatchMode):
     """Counts the matrix products whose result has the vocabulary as its last dimension (logits)."""
 
@@ -276,12 +316,12 @@ class _HeadProducts(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [3, 3, 3, 3, 2]), (4, [3] * 6 + [2]),
+@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [3] * 5), (4, [3] * 7), (1, [3] * 7 + [2]),
                                                           (0, [3] * 7 + [2])])
 def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(budget_tokens, computed_again):
-    """23 tokens in chunks of 3: the forward keeps the logits of the first chunks whose float32 logits fit
-    the budget (all 23 tokens, the first 9, the first 3, none), and the backward computes only the others'
-    again."""
+    """23 tokens in chunks of 3: the forward keeps what the backward needs of the last chunks whose float32
+    logits fit the budget (all 23 tokens, the last 8, the last 2, none, none), and the backward computes only
+    the others' logits again."""
     model = tiny("untied")
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(23, 32, generator=g, requires_grad=True)

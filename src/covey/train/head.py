@@ -10,10 +10,13 @@ the per-token logits processor (the temperature) is applied, one chunk at a time
 
 A chunk is as many tokens as have float32 logits within ``core.LOGPROB_CHUNK_BYTES``, so a small micro-batch
 runs in one. A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden
-states, the head's weight, the results and, within the same budget, the first chunks' logits for its
-backward. There it computes the other chunks' logits again (their softmax from the forward's log-probs
-where nothing comes between the head and the softmax), turns each chunk's gradient into its hidden-state
-gradient, and adds its share into the float32 sum of the weight's (and bias's) gradient. Any other head
+states, the head's weight, the results and, within the same budget, what the last chunks' backward starts
+from: their softmax in place of their logits where nothing comes between the head and the softmax (else the
+logits and their graph). Its backward turns those into their logits' gradient in place first, then computes
+the other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
+turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of the
+weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so the
+logits of a chunk computed again never sit beside them. Any other head
 (a LoRA adapter on it, or a copy that ``lora_modules_to_save`` trains) runs as the module it is, each
 chunk under ``torch.utils.checkpoint``.
 Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
@@ -77,8 +80,8 @@ def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.
                   budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
     ``model``'s output head, ``chunk`` tokens at a time (default: as many as ``budget`` bytes of float32
-    logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps the logits of the chunks that fit
-    the same budget for its backward. The entropy carries a gradient only with ``entropy_grad``."""
+    logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps, for as many chunks as have float32
+    logits within the same budget, what their backward starts from. The entropy carries a gradient only with ``entropy_grad``."""
     budget = LOGPROB_CHUNK_BYTES if budget is None else budget
     head = plain_model(model).get_output_embeddings()
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
@@ -108,8 +111,8 @@ def _compute_dtype(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.dtype:
 
 @dataclass(frozen=True)
 class _Chunks:
-    """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the first ``kept``)
-    keep their logits from the forward for the backward: those whose float32 logits fit ``keep_bytes``."""
+    """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the last ``kept``)
+    keep what their backward starts from: those whose float32 logits fit ``keep_bytes``."""
 
     tokens: int
     size: int
@@ -123,7 +126,7 @@ class _Chunks:
     @property
     def kept(self) -> int:
         held, kept = 0, 0
-        for rows in self.slices:
+        for rows in reversed(self.slices):
             held += (rows.stop - rows.start) * self.vocab * 4
             if held > self.keep_bytes:
                 break
@@ -136,10 +139,11 @@ class _ChunkedLinearHead(torch.autograd.Function):
 
         d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
 
-    where g_c is the gradient of the chunk's (pre-transform) logits, which ``core.token_logprobs`` and the
-    transform's own backward give. The forward keeps the first chunks' logits, with their graph through
-    the transform and the log-softmax, as far as the budget allows (all of them where the micro-batch fits
-    it): their backward is that graph's, and only the other chunks' logits are computed again. Where only
+    where g_c is the gradient of the chunk's (pre-transform) logits. As far as the budget allows (every chunk
+    where the micro-batch fits it), the forward keeps the last chunks' softmax p (log p for the entropy
+    bonus), float32, in place of their logits, whose gradient the backward then makes from it in place
+    (``_Kept``); through a transform or a truncation, it keeps their logits with their graph through the
+    transform and ``core.token_logprobs`` instead. Only the other chunks' logits are computed again. Where only
     the hidden states take a gradient (a frozen head: LoRA), each token's log-prob depends on its own
     hidden state only, so the forward keeps d logp_t / d hidden_t (and d H_t / d hidden_t for the entropy
     bonus), H numbers a token, and the backward scales them by the incoming gradients: no logits kept,
@@ -156,18 +160,19 @@ class _ChunkedLinearHead(torch.autograd.Function):
         # d logp / d hidden and d H / d hidden per token, for a frozen head
         slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
                   for _ in range(1 + entropy_grad)] if frozen else []
-        kept = 0 if frozen else plan.kept
+        slices = plan.slices
+        first_kept = len(slices) - (0 if frozen else plan.kept)
         plain = _plain(head, temperature)
-        ctx.kept = []  # per kept chunk: what its backward starts from (``_Kept``)
-        for index, rows in enumerate(plan.slices):
+        ctx.kept = []  # per kept chunk, from the first kept: what its backward starts from (``_Kept``)
+        for index, rows in enumerate(slices):
             if plain and not frozen:  # the softmax's own results, kept in place of the logits where asked
-                keep = None if index >= kept else "log_p" if entropy_grad else "p"
+                keep = None if index < first_kept else "log_p" if entropy_grad else "p"
                 logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
                                                       _scale(temperature), with_entropy, keep)
                 if held is not None:
                     ctx.kept.append(_Kept(keep, held))
             else:
-                graph = frozen or index < kept
+                graph = frozen or index >= first_kept
                 linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
                                                       with_entropy, entropy_grad, graph)
                 if frozen:
@@ -208,11 +213,15 @@ class _ChunkedLinearHead(torch.autograd.Function):
         weight = weight_VH.to(head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
-        for index, rows in enumerate(plan.slices):
+        slices = plan.slices
+        first_kept = len(slices) - len(kept)
+        # the kept chunks first, each freed once used, so that no logits computed again sit beside them
+        for index in [*range(first_kept, len(slices)), *range(first_kept)]:
+            rows = slices[index]
             hidden = hidden_NH[rows].to(head.dtype)
             grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
-            if index < len(kept):
-                held, kept[index] = kept[index], None  # freed once used
+            if index >= first_kept:
+                held, kept[index - first_kept] = kept[index - first_kept], None  # freed once used
                 grad_logits = held.gradient(ids_N[rows], _scale(temperature), entropy_N[rows] if entropy_grad else None,
                                             grad_logp, grad_entropy, head.dtype)
                 held = None
@@ -246,10 +255,11 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
-def _working_rows(vocab: int) -> int:
-    """Rows ``core.token_logprobs`` turns into float32 (log-)softmaxes at once inside a chunk: those within
-    a sixteenth of the budget, so its working copies stay small beside the chunk's logits."""
-    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // 16)
+def _working_rows(vocab: int, share: int = 16) -> int:
+    """Rows turned into float32 (log-)softmaxes at once inside a chunk: those within a ``share``-th of the
+    budget, so the working copies stay small beside the chunk's logits (``core.token_logprobs`` makes
+    several at a time, a sixteenth each; ``_plain_logprobs`` one, a quarter: fewer and larger passes)."""
+    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // share)
 
 
 def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
@@ -319,7 +329,7 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
         torch.empty(c, V, dtype=torch.float32, device=linear_cV.device)
     logp_c = torch.empty(c, dtype=torch.float32, device=linear_cV.device)
     entropy_c = torch.empty(c if with_entropy else 0, dtype=torch.float32, device=linear_cV.device)
-    for rows in _chunks(c, _working_rows(V)):
+    for rows in _chunks(c, _working_rows(V, 4)):
         z = linear_cV[rows].float()  # the logits' own memory where float32 (not needed after this)
         log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
         logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
