@@ -165,7 +165,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
     the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
     the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
-    logits computed again in the backward (the first chunked pass), and ``covey.train.head.head_logprobs``
+    logits computed again in the backward (as the first chunked pass did), and ``covey.train.head.head_logprobs``
     under each budget; the median time of each, and its ratio to the whole logits."""
     import torch
 
@@ -183,17 +183,22 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     for mib in budgets_mib:
         ways[f"{mib} MiB"] = lambda mib=mib: head_logprobs(model, hidden, ids, with_entropy=True, budget=mib * 2**20)
     times: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}  # the process's CPU time: less moved by other work
     for _ in range(repeats):
         for name, way in ways.items():
             model.zero_grad(set_to_none=True)
             hidden.grad = None
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             logp, _ = way()
             logp.sum().backward()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu_medians = {name: statistics.median(t) for name, t in cpu.items()}
     whole = medians["whole logits"]
-    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f})" for seconds in medians.values())
+    whole_cpu = cpu_medians["whole logits"]
+    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f}); CPU {cpu_medians[name]:.2f} "
+                       f"({cpu_medians[name] / whole_cpu:.2f})" for name, seconds in medians.items())
     chunks = ", ".join(f"{mib} MiB: {logprob_chunk_tokens(vocabulary, mib * 2**20)}" for mib in budgets_mib)
     print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
 
@@ -277,7 +282,8 @@ def main() -> None:
         return
     if args.pass_alone:
         ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
-        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole)' for w in ways)} | tokens per chunk |")
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole); CPU s (/ whole)' for w in ways)} | "
+              "tokens per chunk |")
         print("|---|---|" + "---|" * (len(ways) + 1))
         for vocabulary in args.vocabularies:
             for length in args.lengths:
