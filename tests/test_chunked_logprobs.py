@@ -287,9 +287,9 @@ class _LiveLogits(TorchDispatchMode):
 
 
 def test_the_kept_chunks_come_last_in_the_forward_and_first_in_the_backward():
-    """23 tokens in chunks of 3, a budget of 6 tokens: the last two chunks (3 + 2 tokens) are kept. Their
-    softmax never sits beside the logits of a chunk that is not kept: at most the kept chunk before the last
-    (3 rows), the last's logits and its one working copy (2 + 2) are alive at once, forward or backward."""
+    """23 tokens in chunks of 3 (the short one, 2, first), a budget of 6 tokens: the last two chunks are kept.
+    Their softmax never sits beside the logits of a chunk that is not kept: at most the kept chunk before the
+    last (3 rows), the last's logits and its one working copy (3 + 3) are alive at once, forward or backward."""
     model = tiny("untied")
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(23, 32, generator=g, requires_grad=True)
@@ -299,7 +299,7 @@ def test_the_kept_chunks_come_last_in_the_forward_and_first_in_the_backward():
         logp, _ = head_logprobs(model, hidden, ids, 0.9, with_entropy=True, chunk=3, budget=6 * V * 4)
         forward = spy.most
         logp.sum().backward()
-    assert forward == 3 + 2 + 2 and spy.most == forward and spy.live == 0
+    assert forward == 3 + 3 + 3 and spy.most == forward and spy.live == 0
 
 
 class _HeadProducts(TorchDispatchMode):
@@ -316,12 +316,12 @@ class _HeadProducts(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [3] * 5), (4, [3] * 7), (1, [3] * 7 + [2]),
-                                                          (0, [3] * 7 + [2])])
+@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [2, 3, 3, 3, 3]), (4, [2] + [3] * 6),
+                                                          (2, [2] + [3] * 7), (0, [2] + [3] * 7)])
 def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(budget_tokens, computed_again):
-    """23 tokens in chunks of 3: the forward keeps what the backward needs of the last chunks whose float32
-    logits fit the budget (all 23 tokens, the last 8, the last 2, none, none), and the backward computes only
-    the others' logits again."""
+    """23 tokens in chunks of 3, the short chunk first: the forward keeps what the backward needs of the last
+    chunks whose float32 logits fit the budget (all 23 tokens, the last 9, the last 3, none, none), and the
+    backward computes only the others' logits again."""
     model = tiny("untied")
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(23, 32, generator=g, requires_grad=True)
@@ -332,7 +332,7 @@ def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(bud
                                       budget=budget_tokens * V * 4)
     with backward:
         (logp.sum() - entropy.sum()).backward()
-    assert forward.rows == [3] * 7 + [2]
+    assert forward.rows == [2] + [3] * 7
     assert backward.rows == computed_again
 
 

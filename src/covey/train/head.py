@@ -112,7 +112,8 @@ def _compute_dtype(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.dtype:
 @dataclass(frozen=True)
 class _Chunks:
     """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the last ``kept``)
-    keep what their backward starts from: those whose float32 logits fit ``keep_bytes``."""
+    keep what their backward starts from: those whose float32 logits fit ``keep_bytes`` (with ``size`` from
+    the same budget, the last whole chunk)."""
 
     tokens: int
     size: int
@@ -121,7 +122,10 @@ class _Chunks:
 
     @property
     def slices(self) -> list[slice]:
-        return _chunks(self.tokens, self.size)
+        """The short chunk (where ``size`` does not divide ``tokens``) first, so the last ones, which are kept,
+        are whole."""
+        short = self.tokens % self.size
+        return [slice(0, short)] * bool(short) + _chunks(self.tokens - short, self.size, short)
 
     @property
     def kept(self) -> int:
@@ -452,8 +456,9 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
 _CHECKED: dict[int, weakref.ref] = {}  # id(model config) -> the config, once check_head passed
 
 
-def _chunks(N: int, chunk: int) -> list[slice]:
-    return [slice(first, min(first + chunk, N)) for first in range(0, N, chunk)]
+def _chunks(N: int, chunk: int, start: int = 0) -> list[slice]:
+    """N rows from ``start`` in slices of ``chunk`` (the last shorter where it does not divide N)."""
+    return [slice(start + first, start + min(first + chunk, N)) for first in range(0, N, chunk)]
 
 
 def _part(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
