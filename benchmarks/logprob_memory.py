@@ -15,6 +15,8 @@ the median of the steps after the first (with ``--steps 1``, the one step).
         --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
     python -m benchmarks.logprob_memory --pass-alone 3 --lengths 512 --group 2 --budgets 64 128   # head's time
     python -m benchmarks.logprob_memory --pass-memory --lengths 512 --group 2                     # head's memory
+    python -m benchmarks.logprob_memory --worker covey --vocabularies 151936 --lengths 512 --group 2 --stages
+                                                        # one run in this process, its peak per stage (or trl)
 
 The last two take the output head's pass alone on random hidden states, against the whole [N, V] logits
 computed at once (the pass before chunking, kept here as the baseline only).
@@ -129,17 +131,77 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
     return timer.seconds
 
 
-def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool) -> None:
+def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool,
+           stages: bool = False) -> None:
     from covey.config import EMBEDDED_MODEL
     from covey.models import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    peaks = StagePeaks(trainer) if stages else None
     model = random_model(vocabulary, tokenizer)
+    if peaks is not None:
+        peaks.stage = "after the model is built"
     with tempfile.TemporaryDirectory() as out_dir:
         run = run_trl if trainer == "trl" else run_covey
         seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"), checkpointing)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if peaks is not None:
+        print("STAGES " + json.dumps(peaks.peaks_mib), flush=True)
     print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}), flush=True)
+
+
+class StagePeaks:
+    """The resident set's highest value in each stage of a run, sampled every 5 ms by a thread (torch's
+    operations let it run): the stage is the innermost of the calls below that is under way (the trainer's
+    set-up, the step's parts, the log-prob passes, the backward, AdamW's step), else the last one ended."""
+
+    def __init__(self, trainer: str):
+        import functools
+        import threading
+
+        import torch
+
+        self.stage, self.peaks_mib = "building the model", {}
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def sample():
+            while True:
+                with open("/proc/self/statm") as f:
+                    mib = int(f.read().split()[1]) * page / 2**20
+                self.peaks_mib[self.stage] = round(max(self.peaks_mib.get(self.stage, 0), mib))
+                time.sleep(0.005)
+
+        def wrap(owner, name: str, stage: str) -> None:
+            function = getattr(owner, name)
+
+            @functools.wraps(function)
+            def staged(*args, **kwargs):
+                outer, self.stage = self.stage, stage
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self.stage = f"after {stage}" if outer.startswith("after") else outer
+
+            setattr(owner, name, staged)
+
+        wrap(torch.Tensor, "backward", "backward")
+        wrap(torch.optim.AdamW, "step", "AdamW step")
+        if trainer == "covey":
+            import covey.train.forward
+            import covey.train.step
+            import covey.train.trainer
+
+            wrap(covey.train.trainer.GRPOTrainer, "__init__", "trainer set-up")
+            for name in ("generate_and_score", "fixed_logprobs"):
+                wrap(covey.train.step, name, name)
+            wrap(covey.train.forward.TrainingForward, "forward", "log-prob pass (forward)")
+        else:
+            import trl
+
+            wrap(trl.GRPOTrainer, "__init__", "trainer set-up")
+            wrap(trl.GRPOTrainer, "_generate_and_score_completions", "generate_and_score")
+            wrap(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", "log-prob pass (forward)")
+        threading.Thread(target=sample, daemon=True).start()
 
 
 def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None,
@@ -268,7 +330,9 @@ def main() -> None:
                         help="the head's pass alone: its peak memory above the process's before it, each way in a "
                              "fresh process (whole logits, 128-token chunks none kept, the budget)")
     parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
-    parser.add_argument("--worker", choices=["covey", "trl"])
+    parser.add_argument("--worker", choices=["covey", "trl"],
+                        help="one configuration in this process (--stages: also the resident set's peak per stage)")
+    parser.add_argument("--stages", action="store_true")
     args = parser.parse_args()
     checkpointing = args.gradient_checkpointing == "on"
     if args.pass_memory_worker:
@@ -290,7 +354,7 @@ def main() -> None:
                 pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
         return
     if args.worker:
-        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing)
+        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing, args.stages)
         return
     runs = [(name, name, None) for name in args.trainers]
     if args.covey_before:
