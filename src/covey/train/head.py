@@ -246,6 +246,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 if needs_bias:
                     part = grad_logits.sum(0, dtype=torch.float32)
                     grad_bias = part if grad_bias is None else grad_bias.add_(part)
+            grad_logits = None  # freed before the next chunk's logits are made
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_VH.dtype),
                 None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
 
@@ -345,6 +346,7 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
             p = torch.exp(log_p, out=kept[rows] if keep == "p" else z)
             if with_entropy:
                 entropy_c[rows] = _entropy(p, log_p)
+        log_p = p = None  # freed before the next rows' working copy is made
     return logp_c, entropy_c, kept
 
 
