@@ -81,7 +81,8 @@ def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.
     """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
     ``model``'s output head, ``chunk`` tokens at a time (default: as many as ``budget`` bytes of float32
     logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps, for as many chunks as have float32
-    logits within the same budget, what their backward starts from. The entropy carries a gradient only with ``entropy_grad``."""
+    logits within the same budget, what their backward starts from. The entropy carries a gradient only
+    with ``entropy_grad``."""
     budget = LOGPROB_CHUNK_BYTES if budget is None else budget
     head = plain_model(model).get_output_embeddings()
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
