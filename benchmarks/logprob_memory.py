@@ -7,7 +7,8 @@ same token ids for both trainers: a ``rollout_func`` (TRL's, which covey takes a
 so the step is the work this measures (the log-prob pass, its backward, the optimizer) and not
 sampling, which would take far longer on a CPU than the step itself. beta 0 (no reference model),
 one pass over each batch, AdamW, gradient checkpointing the same in both (on: TRL 1.16's default, which
-recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither). Each configuration runs in a fresh process; its peak is that process's
+recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither). Each
+configuration runs in a fresh process; its peak is that process's
 resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
 the median of the steps after the first (with ``--steps 1``, the one step).
 
@@ -381,7 +382,8 @@ def main() -> None:
         pass_memory_worker(args.vocabularies[0], args.lengths[0] * args.group, args.pass_memory_worker)
         return
     if args.pass_memory:
-        print(f"| vocabulary | tokens | {' | '.join(f'{w}: RSS MiB; tensors MiB' for w in PASS_WAYS)} |\n|---|---|---|---|---|")
+        print(f"| vocabulary | tokens | {' | '.join(f'{w}: RSS MiB; tensors MiB' for w in PASS_WAYS)} |")
+        print("|---|---|---|---|---|")
         for vocabulary in args.vocabularies:
             for length in args.lengths:
                 pass_memory(vocabulary, length * args.group)
