@@ -6,7 +6,9 @@ embeddings, float32. One prompt, a group of ``--group`` completions of exactly t
 same token ids for both trainers: a ``rollout_func`` (TRL's, which covey takes as it is) hands them over,
 so the step is the work this measures (the log-prob pass, its backward, the optimizer) and not
 sampling, which would take far longer on a CPU than the step itself. beta 0 (no reference model),
-one pass over each batch, AdamW. Each configuration runs in a fresh process; its peak is that process's
+one pass over each batch, AdamW, gradient checkpointing the same in both (on: TRL 1.16's default, which
+recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither). Each
+configuration runs in a fresh process; its peak is that process's
 resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
 the median of the steps after the first (with ``--steps 1``, the one step).
 
@@ -14,6 +16,8 @@ the median of the steps after the first (with ``--steps 1``, the one step).
         --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
     python -m benchmarks.logprob_memory --pass-alone 3 --lengths 512 --group 2 --budgets 64 128   # head's time
     python -m benchmarks.logprob_memory --pass-memory --lengths 512 --group 2                     # head's memory
+    python -m benchmarks.logprob_memory --worker covey --vocabularies 151936 --lengths 512 --group 2 --stages
+                                                        # one run in this process, its peak per stage (or trl)
 
 The last two take the output head's pass alone on random hidden states, against the whole [N, V] logits
 computed at once (the pass before chunking, kept here as the baseline only).
@@ -78,13 +82,14 @@ def completion_length(completions, **kwargs):
     return [len(set(t)) / 100 for t in texts]
 
 
-def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
+              checkpointing: bool = True) -> list[float]:
     from covey import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                       gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                       learning_rate=1e-6, temperature=1.0, eval_max_samples=0, log_completions=False, seed=0,
-                      vllm_importance_sampling_correction=False)
+                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing)
     GRPOTrainer(model=model, reward_funcs=completion_length, train_dataset=[{"prompt": PROMPT}] * 64,
                 processing_class=tokenizer, args=args, quiet=True, rollout_func=fixed_rollouts(length)).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -94,7 +99,8 @@ def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: st
     return [m["step_time"] for m in metrics]
 
 
-def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str) -> list[float]:
+def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
+            checkpointing: bool = True) -> list[float]:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -116,7 +122,8 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str)
     config = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                         gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                         learning_rate=1e-6, temperature=1.0, logging_steps=1, report_to="none", use_cpu=True,
-                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False)
+                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False,
+                        gradient_checkpointing=checkpointing)
     timer = Timer()
     GRPOTrainer(model=model, reward_funcs=completion_length, args=config, processing_class=tokenizer,
                 train_dataset=datasets.Dataset.from_list([{"prompt": PROMPT}] * 64), callbacks=[timer],
@@ -125,27 +132,89 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str)
     return timer.seconds
 
 
-def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int) -> None:
+def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool,
+           stages: bool = False) -> None:
     from covey.config import EMBEDDED_MODEL
     from covey.models import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    peaks = StagePeaks(trainer) if stages else None
     model = random_model(vocabulary, tokenizer)
+    if peaks is not None:
+        peaks.stage = "after the model is built"
     with tempfile.TemporaryDirectory() as out_dir:
         run = run_trl if trainer == "trl" else run_covey
-        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"))
+        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"), checkpointing)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if peaks is not None:
+        print("STAGES " + json.dumps(peaks.peaks_mib), flush=True)
     print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak_mib}), flush=True)
 
 
-def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None) -> dict:
+class StagePeaks:
+    """The resident set's highest value in each stage of a run, sampled every 5 ms by a thread (torch's
+    operations let it run): the stage is the innermost of the calls below that is under way (the trainer's
+    set-up, the step's parts, the log-prob passes, the backward, AdamW's step), else the last one ended."""
+
+    def __init__(self, trainer: str):
+        import functools
+        import threading
+
+        import torch
+
+        self.stage, self.peaks_mib = "building the model", {}
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def sample():
+            while True:
+                with open("/proc/self/statm") as f:
+                    mib = int(f.read().split()[1]) * page / 2**20
+                self.peaks_mib[self.stage] = round(max(self.peaks_mib.get(self.stage, 0), mib))
+                time.sleep(0.005)
+
+        def wrap(owner, name: str, stage: str) -> None:
+            function = getattr(owner, name)
+
+            @functools.wraps(function)
+            def staged(*args, **kwargs):
+                outer, self.stage = self.stage, stage
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self.stage = f"after {stage}" if outer.startswith("after") else outer
+
+            setattr(owner, name, staged)
+
+        wrap(torch.Tensor, "backward", "backward")
+        wrap(torch.optim.AdamW, "step", "AdamW step")
+        if trainer == "covey":
+            import covey.train.forward
+            import covey.train.step
+            import covey.train.trainer
+
+            wrap(covey.train.trainer.GRPOTrainer, "__init__", "trainer set-up")
+            for name in ("generate_and_score", "fixed_logprobs"):
+                wrap(covey.train.step, name, name)
+            wrap(covey.train.forward.TrainingForward, "forward", "log-prob pass (forward)")
+        else:
+            import trl
+
+            wrap(trl.GRPOTrainer, "__init__", "trainer set-up")
+            wrap(trl.GRPOTrainer, "_generate_and_score_completions", "generate_and_score")
+            wrap(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", "log-prob pass (forward)")
+        threading.Thread(target=sample, daemon=True).start()
+
+
+def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None,
+            checkpointing: bool) -> dict:
     """One configuration in a fresh process; ``source``: the covey src folder it imports (another version)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if source:
         env["PYTHONPATH"] = os.pathsep.join([source, os.getcwd()])
     out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--worker", trainer,
                           "--vocabularies", str(vocabulary), "--lengths", str(length), "--group", str(group),
-                          "--steps", str(steps)], capture_output=True, text=True, env=env)
+                          "--steps", str(steps), "--gradient-checkpointing", "on" if checkpointing else "off"],
+                         capture_output=True, text=True, env=env)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
         killed = " (killed: out of memory?)" if out.returncode == -9 else ""
@@ -159,7 +228,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
     the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
     the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
-    logits computed again in the backward (the first chunked pass), and ``covey.train.head.head_logprobs``
+    logits computed again in the backward (as the first chunked pass did), and ``covey.train.head.head_logprobs``
     under each budget; the median time of each, and its ratio to the whole logits."""
     import torch
 
@@ -177,17 +246,22 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     for mib in budgets_mib:
         ways[f"{mib} MiB"] = lambda mib=mib: head_logprobs(model, hidden, ids, with_entropy=True, budget=mib * 2**20)
     times: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}  # the process's CPU time: less moved by other work
     for _ in range(repeats):
         for name, way in ways.items():
             model.zero_grad(set_to_none=True)
             hidden.grad = None
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             logp, _ = way()
             logp.sum().backward()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu_medians = {name: statistics.median(t) for name, t in cpu.items()}
     whole = medians["whole logits"]
-    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f})" for seconds in medians.values())
+    whole_cpu = cpu_medians["whole logits"]
+    cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f}); CPU {cpu_medians[name]:.2f} "
+                       f"({cpu_medians[name] / whole_cpu:.2f})" for name, seconds in medians.items())
     chunks = ", ".join(f"{mib} MiB: {logprob_chunk_tokens(vocabulary, mib * 2**20)}" for mib in budgets_mib)
     print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
 
@@ -222,7 +296,47 @@ def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
     logp.sum().backward()
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-    print("RESULT " + json.dumps({"pass_mib": (peak - before) / 1024}), flush=True)
+    model.zero_grad(set_to_none=True)
+    hidden.grad = None
+    with LiveTensors() as live:  # again, counting the tensors' own bytes
+        logp, _ = ways[way]()
+        logp.sum().backward()
+    print("RESULT " + json.dumps({"pass_mib": (peak - before) / 1024, "tensors_mib": live.most / 2**20}), flush=True)
+
+
+def LiveTensors():
+    """A dispatch mode that follows the bytes of the tensors made under it while they live (each storage
+    once; views and in-place results are their inputs' memory): ``most``, the highest sum."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.most = 0
+            self.held: set[int] = set()
+
+        def _freed(self, key: int, size: int) -> None:
+            self.live -= size
+            self.held.discard(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                storage = getattr(tensor, "untyped_storage", lambda: None)()
+                if storage is None or storage.data_ptr() in self.held:
+                    continue
+                key, size = storage.data_ptr(), storage.nbytes()
+                self.held.add(key)
+                self.live += size
+                self.most = max(self.most, self.live)
+                weakref.finalize(storage, self._freed, key, size)
+            return out
+
+    return Live()
 
 
 def pass_memory(vocabulary: int, tokens: int) -> None:
@@ -233,7 +347,9 @@ def pass_memory(vocabulary: int, tokens: int) -> None:
                               "--vocabularies", str(vocabulary), "--lengths", str(tokens), "--group", "1"],
                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         line = next((t for t in out.stdout.splitlines() if t.startswith("RESULT ")), None)
-        results.append(f"{json.loads(line[7:])['pass_mib']:.0f}" if line else f"failed: {out.stderr[-200:]}")
+        result = json.loads(line[7:]) if line else None
+        results.append(f"{result['pass_mib']:.0f}; tensors {result['tensors_mib']:.0f}" if line
+                       else f"failed: {out.stderr[-200:]}")
     print(f"| {vocabulary:,} | {tokens:,} | {' | '.join(results)} |", flush=True)
 
 
@@ -245,6 +361,8 @@ def main() -> None:
     parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
     parser.add_argument("--group", type=int, default=8, help="completions per step (one prompt's group)")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                        help="for covey and TRL alike (on: TRL's default; covey's is off)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="configurations measured at once (each in its own process; peaks stay per process)")
     parser.add_argument("--pass-alone", type=int, metavar="REPEATS",
@@ -255,27 +373,32 @@ def main() -> None:
                         help="the head's pass alone: its peak memory above the process's before it, each way in a "
                              "fresh process (whole logits, 128-token chunks none kept, the budget)")
     parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
-    parser.add_argument("--worker", choices=["covey", "trl"])
+    parser.add_argument("--worker", choices=["covey", "trl"],
+                        help="one configuration in this process (--stages: also the resident set's peak per stage)")
+    parser.add_argument("--stages", action="store_true")
     args = parser.parse_args()
+    checkpointing = args.gradient_checkpointing == "on"
     if args.pass_memory_worker:
         pass_memory_worker(args.vocabularies[0], args.lengths[0] * args.group, args.pass_memory_worker)
         return
     if args.pass_memory:
-        print(f"| vocabulary | tokens | {' | '.join(f'{w} MiB' for w in PASS_WAYS)} |\n|---|---|---|---|---|")
+        print(f"| vocabulary | tokens | {' | '.join(f'{w}: RSS MiB; tensors MiB' for w in PASS_WAYS)} |")
+        print("|---|---|---|---|---|")
         for vocabulary in args.vocabularies:
             for length in args.lengths:
                 pass_memory(vocabulary, length * args.group)
         return
     if args.pass_alone:
         ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
-        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole)' for w in ways)} | tokens per chunk |")
+        print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole); CPU s (/ whole)' for w in ways)} | "
+              "tokens per chunk |")
         print("|---|---|" + "---|" * (len(ways) + 1))
         for vocabulary in args.vocabularies:
             for length in args.lengths:
                 pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
         return
     if args.worker:
-        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps)
+        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing, args.stages)
         return
     runs = [(name, name, None) for name in args.trainers]
     if args.covey_before:
@@ -284,7 +407,7 @@ def main() -> None:
     # the largest first, so that the last to finish are short ones
     order = sorted(jobs, key=lambda job: -job[0] * job[1])
     def run(job):
-        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2])
+        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2], checkpointing)
         print(f"measured {job[2][0]}, vocabulary {job[0]}, {job[1]} x {args.group} tokens: {result}", flush=True)
         return result
 

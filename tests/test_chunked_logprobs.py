@@ -11,6 +11,8 @@ gradient entry for gradients.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,10 +141,12 @@ def test_the_chunked_pass_equals_the_full_logits_pass_in_float32(kind, temperatu
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied", "softcap"])
-def test_the_chunked_pass_equals_the_full_logits_pass_under_bf16_autocast(kind, monkeypatch):
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
+def test_the_chunked_pass_equals_the_full_logits_pass_under_bf16_autocast(kind, entropy_weight, monkeypatch):
+    """bfloat16 logits, the kept chunk's softmax (or log-softmax, for the entropy bonus) held in float32."""
     model = tiny(kind).train()
     # the reference attends as the model does under autocast; so does the pass with float32_attention off
-    _compare(model, True, 0.8, 0.1, monkeypatch, float32_attention=False)
+    _compare(model, True, 0.8, entropy_weight, monkeypatch, float32_attention=False)
 
 
 def test_the_chunked_pass_equals_the_full_logits_pass_with_the_head_in_float32(monkeypatch):
@@ -208,6 +212,96 @@ def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head, k
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_a_second_backward_computes_again_what_the_first_used_up(entropy_grad):
+    """The backward of a kept chunk works in place on what the forward kept; a second backward through the
+    same graph (retain_graph) computes the logits again and gives the same gradients."""
+    model = tiny("untied")
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(11, 32, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (11,), generator=g)
+    logp, entropy = head_logprobs(model, hidden, ids, 0.7, with_entropy=True, entropy_grad=entropy_grad, chunk=4,
+                                  budget=8 * V * 4)
+    loss = (logp * torch.linspace(0.5, 1.5, 11)).sum() + (entropy.sum() if entropy_grad else 0)
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        hidden.grad = None
+        loss.backward(retain_graph=True)
+        grads.append((hidden.grad.clone(), model.lm_head.weight.grad.clone()))
+    for first, second in zip(*grads):
+        assert torch.allclose(first, second, atol=1e-6, rtol=1e-5), float((first - second).abs().max())
+
+
+class _NewLogits(TorchDispatchMode):
+    """Counts the new (not a view, not in place) tensors of two or more dimensions whose last is the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliases = any(r.alias_info is not None for r in func._schema.returns)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V and not aliases:
+                self.made += 1
+        return out
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_backward_of_a_kept_chunk_makes_no_logits_of_its_own(entropy_grad):
+    """Every chunk kept, float32: the backward turns the softmax the forward kept into the logits' gradient in
+    place, so it allocates no [rows, V] tensor (the entropy bonus's gradient: one working copy, p, at a time)."""
+    model = tiny("untied")
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(13, 32, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (13,), generator=g)
+    logp, entropy = head_logprobs(model, hidden, ids, 0.9, with_entropy=True, entropy_grad=entropy_grad, chunk=5)
+    spy = _NewLogits()
+    with spy:
+        (logp.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+    assert spy.made == (3 if entropy_grad else 0)  # three chunks: 5, 5 and 3 tokens
+
+
+class _LiveLogits(TorchDispatchMode):
+    """The most rows of [rows, V] tensors alive at once (new tensors only: views and in-place results are
+    their inputs' memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.most = 0
+
+    def _freed(self, rows: int) -> None:
+        self.live -= rows
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliases = any(r.alias_info is not None for r in func._schema.returns)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == V and not aliases:
+                self.live += t.shape[0]
+                self.most = max(self.most, self.live)
+                weakref.finalize(t, self._freed, t.shape[0])
+        return out
+
+
+def test_the_kept_chunks_come_last_in_the_forward_and_first_in_the_backward():
+    """23 tokens in chunks of 3 (the short one, 2, first), a budget of 6 tokens: the last two chunks are kept.
+    Their softmax never sits beside the logits of a chunk that is not kept: at most the kept chunk before the
+    last (3 rows), the last's logits and its one working copy (3 + 3) are alive at once, forward or backward."""
+    model = tiny("untied")
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 32, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (23,), generator=g)
+    spy = _LiveLogits()
+    with spy:
+        logp, _ = head_logprobs(model, hidden, ids, 0.9, with_entropy=True, chunk=3, budget=6 * V * 4)
+        forward = spy.most
+        logp.sum().backward()
+    assert forward == 3 + 3 + 3 and spy.most == forward and spy.live == 0
+
+
 class _HeadProducts(TorchDispatchMode):
     """Counts the matrix products whose result has the vocabulary as its last dimension (logits)."""
 
@@ -222,12 +316,12 @@ class _HeadProducts(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [3, 3, 3, 3, 2]), (4, [3] * 6 + [2]),
-                                                          (0, [3] * 7 + [2])])
+@pytest.mark.parametrize("budget_tokens, computed_again", [(23, []), (10, [2, 3, 3, 3, 3]), (4, [2] + [3] * 6),
+                                                          (2, [2] + [3] * 7), (0, [2] + [3] * 7)])
 def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(budget_tokens, computed_again):
-    """23 tokens in chunks of 3: the forward keeps the logits of the first chunks whose float32 logits fit
-    the budget (all 23 tokens, the first 9, the first 3, none), and the backward computes only the others'
-    again."""
+    """23 tokens in chunks of 3, the short chunk first: the forward keeps what the backward needs of the last
+    chunks whose float32 logits fit the budget (all 23 tokens, the last 9, the last 3, none, none), and the
+    backward computes only the others' logits again."""
     model = tiny("untied")
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(23, 32, generator=g, requires_grad=True)
@@ -238,7 +332,7 @@ def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(bud
                                       budget=budget_tokens * V * 4)
     with backward:
         (logp.sum() - entropy.sum()).backward()
-    assert forward.rows == [3] * 7 + [2]
+    assert forward.rows == [2] + [3] * 7
     assert backward.rows == computed_again
 
 

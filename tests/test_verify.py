@@ -98,10 +98,16 @@ def _optimistic_clip(t, s):
     return -torch.maximum(ratio * adv, torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high) * adv), {}
 
 
+def _negated_logprobs(mp) -> None:
+    """The output head's log-probs with their sign flipped, in both of its ways (``core.token_logprobs`` behind a
+    transform or a truncation, ``_plain_logprobs`` for the plain softmax)."""
+    plain = output_head._plain_logprobs
+    mp.setattr(output_head, "token_logprobs", lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))
+    mp.setattr(output_head, "_plain_logprobs", lambda *a, **k: (lambda lp, h, kept: (-lp, h, kept))(*plain(*a, **k)))
+
+
 MUTATIONS = {
-    "log-softmax operands reversed": ("logprobs", lambda mp: mp.setattr(
-        output_head, "token_logprobs",
-        lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))),
+    "log-softmax operands reversed": ("logprobs", lambda mp: _negated_logprobs(mp)),
     "advantage eps 1e4": ("advantages", lambda mp: _plant_in_core(
         mp, "group_advantages", lambda r, g, scale="group", eps=0: _ORIGINAL_GROUP_ADV(r, g, scale, 1e4))),
     "advantage sign flipped": ("advantages", lambda mp: _plant_in_core(

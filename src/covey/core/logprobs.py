@@ -18,12 +18,12 @@ LOGPROB_CHUNK_BYTES = 128 * 2**20
 """The output head's budget in the log-prob pass (``covey.train.head``): the head runs on as many completion
 tokens at once as have float32 logits within it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of
 49,152, 220 of Qwen's 151,936), so a micro-batch that fits runs in one chunk; in a pass with a gradient the
-forward keeps the logits of the chunks that fit the same budget (the first) for the backward, which
-computes only the others again. At the worst moment (the backward of the kept chunk) the pass holds one
-chunk's logits and their gradient (twice the budget, in float32) and float32 working copies of a
-sixteenth of the budget at a time: about 300 MB whatever the vocabulary and the length; beside them, per
-token, its hidden state and two float32 results, and one float32 V x H accumulator of the head weight's
-gradient where the weight trains. A larger budget makes fewer and larger matrix products and computes fewer logits
+forward keeps, for the chunks that fit the same budget (the last), their float32 softmax in place of their
+logits, which the backward turns into the logits' gradient in place before it computes the other chunks'
+logits again. At the worst moment the pass holds one chunk's float32 logits and a float32 working copy of
+a quarter of the budget: 160 MiB whatever the vocabulary and the length (under bf16 autocast, or with the
+entropy bonus, up to twice the budget); beside them, per token, its hidden state and two float32 results,
+and one float32 V x H accumulator of the head weight's gradient where the weight trains. A larger budget makes fewer and larger matrix products and computes fewer logits
 twice; a smaller one lowers the peak."""
 
 

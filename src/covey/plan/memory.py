@@ -9,7 +9,7 @@ Pure arithmetic: every function takes sizes and returns bytes. The parts:
   the tensors a Llama-family layer saves, in float32 and under bfloat16 autocast); with gradient
   checkpointing only each layer's input, plus one layer recomputed in the backward;
 - the log-prob pass: the logits of the micro-batch's completion tokens and their gradient (a chunk of
-  them at a time where the pass is chunked);
+  them at a time where the pass is chunked, ``logprob_pass_bytes``);
 - the engine: while it samples, its KV cache, the last position's logits and any copy of the weights
   it samples from; vLLM colocated keeps its share of the device (gpu_memory_utilization) throughout.
 
@@ -227,21 +227,25 @@ def logits_bytes(s: Settings) -> int:
 
 def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
     """The log-prob pass of a micro-batch's completion tokens N = B x T, from their final hidden states:
-    chunked (``covey.train.head``, ``logprob_chunk`` tokens a chunk, the first chunk's logits kept from the
-    forward), at the worst moment one chunk's logits and their gradient, the float32 copies a chunk computed
-    again makes under autocast, a sixteenth of a chunk's rows in float32 working copies (the softmax, its
-    gradient, the log-softmax, and the entropy's two), and under autocast a copy of the head's weight in
-    the compute dtype; all at once (an older pass), the logits of all N tokens and their gradient."""
+    chunked (``covey.train.head``, ``logprob_chunk`` tokens a chunk; the last chunk's softmax kept from the
+    forward in float32, in place of its logits, which its backward turns into their gradient in place). At
+    the worst moment, per vocabulary entry: in float32, one chunk's logits and a quarter of a chunk's rows
+    of working copy (the log-softmax), or, for the entropy bonus, a chunk and its float32 p; under autocast,
+    the kept float32 softmax beside the chunk's bfloat16 logits and two quarter-chunk float32 working
+    copies, or a chunk computed again, its float32 copy and its gradient cast back (and the entropy bonus's
+    p), with a copy of the head's weight in the compute dtype; all at once (an older pass), the logits of
+    all N tokens and their gradient."""
     tokens = s.micro_batch * s.completion_length
     if s.logprob_chunk is None:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
-    working = min(chunk, max(1, s.logprob_chunk // 16))  # covey.train.head's working rows
+    working = min(chunk, max(1, s.logprob_chunk // 4))  # covey.train.head's working rows, a quarter of the budget
     cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
-    float32_copies = 5 if s.entropy_bonus else 3
-    float32_chunk = 4 if logits_bytes(s) == 2 else 0  # a chunk computed again, its softmax in float32
-    per_logit = 2 * logits_bytes(s) + float32_chunk
-    return chunk * shape.vocab * per_logit + working * shape.vocab * float32_copies * 4 + cast_weight
+    if logits_bytes(s) == 4:
+        per_entry = 8 * chunk if s.entropy_bonus else 4 * chunk + 4 * working
+    else:
+        per_entry = 12 * chunk if s.entropy_bonus else max(6 * chunk + 8 * working, 8 * chunk)
+    return per_entry * shape.vocab + cast_weight
 
 
 def head_gradient_bytes(shape: ModelShape, s: Settings) -> int:

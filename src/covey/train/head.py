@@ -10,10 +10,13 @@ the per-token logits processor (the temperature) is applied, one chunk at a time
 
 A chunk is as many tokens as have float32 logits within ``core.LOGPROB_CHUNK_BYTES``, so a small micro-batch
 runs in one. A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden
-states, the head's weight, the results and, within the same budget, the first chunks' logits for its
-backward. There it computes the other chunks' logits again (their softmax from the forward's log-probs
-where nothing comes between the head and the softmax), turns each chunk's gradient into its hidden-state
-gradient, and adds its share into the float32 sum of the weight's (and bias's) gradient. Any other head
+states, the head's weight, the results and, within the same budget, what the last chunks' backward starts
+from: their softmax in place of their logits where nothing comes between the head and the softmax (else the
+logits and their graph). Its backward turns those into their logits' gradient in place first, then computes
+the other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
+turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of the
+weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so the
+logits of a chunk computed again never sit beside them. Any other head
 (a LoRA adapter on it, or a copy that ``lora_modules_to_save`` trains) runs as the module it is, each
 chunk under ``torch.utils.checkpoint``.
 Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
@@ -77,8 +80,9 @@ def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.
                   budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_N, entropy_N or None) of tokens ``ids_N`` after final hidden states ``hidden_NH``, under
     ``model``'s output head, ``chunk`` tokens at a time (default: as many as ``budget`` bytes of float32
-    logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps the logits of the chunks that fit
-    the same budget for its backward. The entropy carries a gradient only with ``entropy_grad``."""
+    logits hold, ``LOGPROB_CHUNK_BYTES``); a pass with a gradient keeps, for as many chunks as have float32
+    logits within the same budget, what their backward starts from. The entropy carries a gradient only
+    with ``entropy_grad``."""
     budget = LOGPROB_CHUNK_BYTES if budget is None else budget
     head = plain_model(model).get_output_embeddings()
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
@@ -108,8 +112,9 @@ def _compute_dtype(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.dtype:
 
 @dataclass(frozen=True)
 class _Chunks:
-    """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the first ``kept``)
-    keep their logits from the forward for the backward: those whose float32 logits fit ``keep_bytes``."""
+    """The pass's chunks of ``tokens`` rows, ``size`` at a time, and how many of them (the last ``kept``)
+    keep what their backward starts from: those whose float32 logits fit ``keep_bytes`` (with ``size`` from
+    the same budget, the last whole chunk)."""
 
     tokens: int
     size: int
@@ -118,12 +123,15 @@ class _Chunks:
 
     @property
     def slices(self) -> list[slice]:
-        return _chunks(self.tokens, self.size)
+        """The short chunk (where ``size`` does not divide ``tokens``) first, so the last ones, which are kept,
+        are whole."""
+        short = self.tokens % self.size
+        return [slice(0, short)] * bool(short) + _chunks(self.tokens - short, self.size, short)
 
     @property
     def kept(self) -> int:
         held, kept = 0, 0
-        for rows in self.slices:
+        for rows in reversed(self.slices):
             held += (rows.stop - rows.start) * self.vocab * 4
             if held > self.keep_bytes:
                 break
@@ -136,10 +144,11 @@ class _ChunkedLinearHead(torch.autograd.Function):
 
         d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
 
-    where g_c is the gradient of the chunk's (pre-transform) logits, which ``core.token_logprobs`` and the
-    transform's own backward give. The forward keeps the first chunks' logits, with their graph through
-    the transform and the log-softmax, as far as the budget allows (all of them where the micro-batch fits
-    it): their backward is that graph's, and only the other chunks' logits are computed again. Where only
+    where g_c is the gradient of the chunk's (pre-transform) logits. As far as the budget allows (every chunk
+    where the micro-batch fits it), the forward keeps the last chunks' softmax p (log p for the entropy
+    bonus), float32, in place of their logits, whose gradient the backward then makes from it in place
+    (``_Kept``); through a transform or a truncation, it keeps their logits with their graph through the
+    transform and ``core.token_logprobs`` instead. Only the other chunks' logits are computed again. Where only
     the hidden states take a gradient (a frozen head: LoRA), each token's log-prob depends on its own
     hidden state only, so the forward keeps d logp_t / d hidden_t (and d H_t / d hidden_t for the entropy
     bonus), H numbers a token, and the backward scales them by the incoming gradients: no logits kept,
@@ -156,19 +165,28 @@ class _ChunkedLinearHead(torch.autograd.Function):
         # d logp / d hidden and d H / d hidden per token, for a frozen head
         slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
                   for _ in range(1 + entropy_grad)] if frozen else []
-        kept = 0 if frozen else plan.kept
-        ctx.graphs = []  # per kept chunk: (linear, logp, entropy), on a graph from its logits
-        for index, rows in enumerate(plan.slices):
-            graph = frozen or index < kept
-            linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                  with_entropy, entropy_grad, graph)
-            if frozen:
-                for slope, output in zip(slopes, (logp, entropy)):
-                    (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
-                    with torch.autocast(grad.device.type, enabled=False):
-                        slope[rows] = grad @ weight
-            elif graph:
-                ctx.graphs.append((linear, logp, entropy))
+        slices = plan.slices
+        first_kept = len(slices) - (0 if frozen else plan.kept)
+        plain = _plain(head, temperature)
+        ctx.kept = []  # per kept chunk, from the first kept: what its backward starts from (``_Kept``)
+        for index, rows in enumerate(slices):
+            if plain and not frozen:  # the softmax's own results, kept in place of the logits where asked
+                keep = None if index < first_kept else "log_p" if entropy_grad else "p"
+                logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
+                                                      _scale(temperature), with_entropy, keep)
+                if held is not None:
+                    ctx.kept.append(_Kept(keep, held))
+            else:
+                graph = frozen or index >= first_kept
+                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
+                                                      with_entropy, entropy_grad, graph)
+                if frozen:
+                    for slope, output in zip(slopes, (logp, entropy)):
+                        (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
+                        with torch.autocast(grad.device.type, enabled=False):
+                            slope[rows] = grad @ weight
+                elif graph:
+                    ctx.kept.append(_Kept("graph", linear, logp, entropy))
             logp_N[rows] = logp.detach()
             if with_entropy:
                 entropy_N[rows] = entropy.detach()
@@ -186,7 +204,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
         head, temperature, with_entropy, entropy_grad, plan, hidden_dtype = ctx.settings
-        graphs, ctx.graphs = ctx.graphs, []
+        kept, ctx.kept = ctx.kept, []  # used once: a second backward computes every chunk again
         if grad_logp_N is None and grad_entropy_N is None:
             return (None,) * 9
         if ctx.frozen:
@@ -200,12 +218,18 @@ class _ChunkedLinearHead(torch.autograd.Function):
         weight = weight_VH.to(head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
-        for index, rows in enumerate(plan.slices):
+        slices = plan.slices
+        first_kept = len(slices) - len(kept)
+        # the kept chunks first, each freed once used, so that no logits computed again sit beside them
+        for index in [*range(first_kept, len(slices)), *range(first_kept)]:
+            rows = slices[index]
             hidden = hidden_NH[rows].to(head.dtype)
             grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
-            if index < len(graphs):
-                (linear, logp, entropy), graphs[index] = graphs[index], None  # freed once used
-                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
+            if index >= first_kept:
+                held, kept[index - first_kept] = kept[index - first_kept], None  # freed once used
+                grad_logits = held.gradient(ids_N[rows], _scale(temperature), entropy_N[rows] if entropy_grad else None,
+                                            grad_logp, grad_entropy, head.dtype)
+                held = None
             elif _plain(head, temperature):  # computed again, its softmax from the forward's results
                 linear = _head_linear(head, hidden, weight)
                 grad_logits = _softmax_gradient(linear, ids_N[rows], _scale(temperature), logp_N[rows],
@@ -223,6 +247,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 if needs_bias:
                     part = grad_logits.sum(0, dtype=torch.float32)
                     grad_bias = part if grad_bias is None else grad_bias.add_(part)
+            grad_logits = None  # freed before the next chunk's logits are made
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_VH.dtype),
                 None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
 
@@ -236,10 +261,11 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
-def _working_rows(vocab: int) -> int:
-    """Rows ``core.token_logprobs`` turns into float32 (log-)softmaxes at once inside a chunk: those within
-    a sixteenth of the budget, so its working copies stay small beside the chunk's logits."""
-    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // 16)
+def _working_rows(vocab: int, share: int = 16) -> int:
+    """Rows turned into float32 (log-)softmaxes at once inside a chunk: those within a ``share``-th of the
+    budget, so the working copies stay small beside the chunk's logits (``core.token_logprobs`` makes
+    several at a time, a sixteenth each; ``_plain_logprobs`` one, a quarter: fewer and larger passes)."""
+    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // share)
 
 
 def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
@@ -261,27 +287,96 @@ def _scale(temperature) -> float:
 
 def _softmax_gradient(linear_cV, ids_c, t: float, logp_c, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
     """The gradient of logits x (``linear_cV``, made for this and overwritten) under log p = log_softmax(x / t),
-    from the forward's log-probs and entropies: the log-normaliser is x_id / t - logp_id, so
-
-        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
-
-    in float32, a few passes over the chunk; returned in the logits' dtype."""
+    from the forward's log-probs: the log-normaliser is x_id / t - logp_id (``_log_p_gradient``), in float32,
+    returned in the logits' dtype."""
     z = linear_cV.float()
     normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
     log_p = z.div_(t) if t != 1 else z
     log_p.sub_(normaliser)
-    up = grad_logp_c if grad_logp_c is not None else torch.zeros_like(logp_c)
+    return _log_p_gradient(log_p, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c).to(linear_cV.dtype)
+
+
+def _log_p_gradient(log_p, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
+    """The gradient of the logits x from log p = log_softmax(x / t) (float32, overwritten), given the
+    gradients of the log-probs at ``ids_c`` and of the entropies ``entropy_c`` (either None where unused):
+
+        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
+
+    in float32, a few passes over the chunk, in place."""
+    up = grad_logp_c if grad_logp_c is not None else torch.zeros(len(ids_c), device=log_p.device)
     if grad_entropy_c is None:  # -p_j g_logp
         grad = log_p.exp_().mul_(-up[:, None])
     else:  # -p_j (g_logp + g_H (log p_j + H))
         p = log_p.exp()
         grad = log_p.add_(entropy_c[:, None]).mul_(grad_entropy_c[:, None]).add_(up[:, None]).mul_(p).neg_()
         del p
+    return _onehot_part(grad, ids_c, grad_logp_c, t)
+
+
+def _onehot_part(grad, ids_c, grad_logp_c, t: float) -> torch.Tensor:
+    """``grad`` (the -p_j parts of the gradient in z = x / t) plus g_logp at each id, divided by t: the
+    gradient in x."""
     if grad_logp_c is not None:
         grad.scatter_add_(-1, ids_c[:, None], grad_logp_c[:, None])
-    if t != 1:
-        grad.div_(t)
-    return grad.to(linear_cV.dtype)
+    return grad.div_(t) if t != 1 else grad
+
+
+def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | None):
+    """(logp_c, entropy_c or empty, kept or None) of a chunk's logits x (``linear_cV``, made for this and
+    overwritten) under log p = log_softmax(x / t), in float32, a few rows at a time:
+
+        logp_id = log p_id        H = -sum_j p_j log p_j (clamped at 0 against rounding)
+
+    ``keep``: what the backward of a kept chunk starts from, float32 [c, V], written over the logits where
+    they are float32: "p" (the log-probs' gradient needs p alone) or "log_p" (the entropy's needs log p);
+    None keeps nothing."""
+    c, V = linear_cV.shape
+    kept = None if keep is None else linear_cV if linear_cV.dtype == torch.float32 else \
+        torch.empty(c, V, dtype=torch.float32, device=linear_cV.device)
+    logp_c = torch.empty(c, dtype=torch.float32, device=linear_cV.device)
+    entropy_c = torch.empty(c if with_entropy else 0, dtype=torch.float32, device=linear_cV.device)
+    for rows in _chunks(c, _working_rows(V, 4)):
+        z = linear_cV[rows].float()  # the logits' own memory where float32 (not needed after this)
+        log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
+        logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
+        if keep == "log_p":
+            if with_entropy:
+                entropy_c[rows] = _entropy(log_p.exp(), log_p)
+            kept[rows] = log_p
+        elif keep == "p" or with_entropy:
+            p = torch.exp(log_p, out=kept[rows] if keep == "p" else z)
+            if with_entropy:
+                entropy_c[rows] = _entropy(p, log_p)
+        log_p = p = None  # freed before the next rows' working copy is made
+    return logp_c, entropy_c, kept
+
+
+def _entropy(p_cV: torch.Tensor, log_p_cV: torch.Tensor) -> torch.Tensor:
+    """-sum_j p_j log p_j per row, as a batch of dot products (no product of the rows' size is made)."""
+    return torch.bmm(p_cV.unsqueeze(1), log_p_cV.unsqueeze(2)).view(-1).neg_().clamp_(min=0)
+
+
+@dataclass
+class _Kept:
+    """What the forward keeps of a kept chunk for its backward: "p" (the softmax), "log_p" (the log-softmax),
+    both float32 [c, V] after the temperature, or "graph" (``linear``, its log-probs and entropies, on an
+    autograd graph from its pre-transform logits ``linear``)."""
+
+    kind: str
+    held: torch.Tensor
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def gradient(self, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of the chunk's pre-transform logits, in ``dtype``; uses up what was held."""
+        held, self.held = self.held, None
+        if self.kind == "graph":
+            return _graph_gradient(held, self.logp, self.entropy, grad_logp_c, grad_entropy_c)
+        if self.kind == "p":  # -p_j g_logp, + g_logp at the id
+            grad = _onehot_part(held.mul_(-grad_logp_c[:, None]), ids_c, grad_logp_c, t)
+        else:
+            grad = _log_p_gradient(held, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c)
+        return grad.to(dtype)
 
 
 def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
@@ -364,8 +459,9 @@ def check_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
 _CHECKED: dict[int, weakref.ref] = {}  # id(model config) -> the config, once check_head passed
 
 
-def _chunks(N: int, chunk: int) -> list[slice]:
-    return [slice(first, min(first + chunk, N)) for first in range(0, N, chunk)]
+def _chunks(N: int, chunk: int, start: int = 0) -> list[slice]:
+    """N rows from ``start`` in slices of ``chunk`` (the last shorter where it does not divide N)."""
+    return [slice(start + first, start + min(first + chunk, N)) for first in range(0, N, chunk)]
 
 
 def _part(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
