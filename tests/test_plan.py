@@ -178,6 +178,38 @@ def test_the_backward_ends_with_the_embedding_gradient_beside_the_others(tied, a
     assert estimated == pytest.approx(measured, rel=0.1)
 
 
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_the_logprob_pass_allocates_what_the_plan_counts(head):
+    """The log-prob pass alone, forward and backward over two chunks (the last kept from the forward, the
+    first computed again; a frozen head, as under LoRA, keeps per-token slopes instead), against
+    ``logprob_pass_bytes``; the head weight's own gradient is counted with the gradients, not here."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from covey.core import logprob_chunk_tokens
+    from covey.train.head import head_logprobs
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.lm_head.weight.requires_grad_(head == "trained")
+    shape = dense_shape(config)
+    chunk = logprob_chunk_tokens(shape.vocab)
+    N = chunk + chunk // 2
+    hidden = torch.randn(N, config.hidden_size, requires_grad=True)
+    ids = torch.randint(0, config.vocab_size, (N,))
+
+    def the_pass():
+        logp, _ = head_logprobs(model, hidden, ids)
+        (logp * torch.linspace(0.5, 1.5, N)).sum().backward()
+
+    weight_gradient = shape.vocab * config.hidden_size * 4 if head == "trained" else 0
+    measured = _allocated_at_most(the_pass) - weight_gradient
+    settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=1, completion_length=N,
+                        logprob_chunk=chunk, lora_targets=("q_proj",) if head == "frozen" else None)
+    assert logprob_pass_bytes(shape, settings) == pytest.approx(measured, rel=0.1)
+
+
 def _big_vocabulary(tied: bool):
     from transformers import LlamaConfig
 

@@ -170,7 +170,12 @@ class _ChunkedLinearHead(torch.autograd.Function):
         plain = _plain(head, temperature)
         ctx.kept = []  # per kept chunk, from the first kept: what its backward starts from (``_Kept``)
         for index, rows in enumerate(slices):
-            if plain and not frozen:  # the softmax's own results, kept in place of the logits where asked
+            if plain and frozen:  # the slopes from the chunk's log-softmax, in place of its logits
+                logp, entropy, chunk_slopes = _plain_slopes(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
+                                                            _scale(temperature), with_entropy, entropy_grad, weight)
+                for slope, chunk_slope in zip(slopes, chunk_slopes):
+                    slope[rows] = chunk_slope
+            elif plain:  # the softmax's own results, kept in place of the logits where asked
                 keep = None if index < first_kept else "log_p" if entropy_grad else "p"
                 logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
                                                       _scale(temperature), with_entropy, keep)
@@ -349,6 +354,23 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
                 entropy_c[rows] = _entropy(p, log_p)
         log_p = p = None  # freed before the next rows' working copy is made
     return logp_c, entropy_c, kept
+
+
+def _plain_slopes(linear_cV, ids_c, t: float, with_entropy: bool, entropy_grad: bool, weight_VH):
+    """(logp_c, entropy_c, slopes) of a frozen head's chunk (``linear_cV`` made for this and overwritten):
+    d logp_t / d hidden_t = (onehot(id) - p) W / t and, with the entropy's gradient, d H_t / d hidden_t =
+    -(p (log p + H_t)) W / t, from the chunk's log-softmax; at most its p beside it."""
+    logp_c, entropy_c, log_p = _plain_logprobs(linear_cV, ids_c, t, with_entropy, "log_p")
+    with torch.autocast(log_p.device.type, enabled=False):
+        p = log_p.exp() if entropy_grad else log_p.exp_()
+        slopes = []
+        if entropy_grad:
+            entropy_part = log_p.add_(entropy_c[:, None]).mul_(p).neg_()
+            slopes.append(_onehot_part(entropy_part, ids_c, None, t).to(weight_VH.dtype) @ weight_VH)
+        log_p = entropy_part = None
+        logp_part = _onehot_part(p.neg_(), ids_c, torch.ones(len(ids_c), device=p.device), t)
+        slopes.insert(0, logp_part.to(weight_VH.dtype) @ weight_VH)
+    return logp_c, entropy_c, slopes
 
 
 def _entropy(p_cV: torch.Tensor, log_p_cV: torch.Tensor) -> torch.Tensor:
