@@ -272,10 +272,16 @@ def test_covey_server_s_fast_engine_refuses_prompts_with_pictures_before_trainin
         model, processor = BUILDERS["idefics3"]()
         args = vision_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=server.server_address[1],
                            vllm_server_timeout=5)
-        with pytest.raises(ConfigError, match="is covey server, whose fast engine reads token ids only: start it "
-                                              "with --backend vllm"):
+        with pytest.raises(ConfigError, match="pictures, and the server at .* is covey server, whose fast engine "
+                                              "reads token ids only: start the server with --backend vllm"):
             GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(),
                         processing_class=processor, args=args, quiet=True)
+        # prompts of text alone: the model's image tokens must still never be sampled, which the fast engine
+        # cannot promise
+        with pytest.raises(ConfigError, match="the policy is a vision-language model, whose image tokens are never "
+                                              "sampled, and the server at .* is covey server"):
+            GRPOTrainer(model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                        train_dataset=[{"prompt": chat("x")}] * 4, processing_class=processor, args=args, quiet=True)
         from covey.rollout import ServerEngine
         from covey.rollout.wire import GENERATE
 

@@ -133,10 +133,11 @@ def _single_process_group_env():
     while vLLM builds its engine (those a launcher already set are left alone). They are removed
     afterwards: a process this one starts later would otherwise inherit the port this engine listens
     on and fail to bind it."""
-    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ""}
+    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    if "MASTER_PORT" not in os.environ:
+        one_process["MASTER_PORT"] = str(free_port())
     added = [key for key in one_process if key not in os.environ]
-    for key in added:
-        os.environ[key] = one_process[key] or str(free_port())
+    os.environ.update({key: one_process[key] for key in added})
     try:
         yield
     finally:

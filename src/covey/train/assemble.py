@@ -121,7 +121,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
     engine = given_engine or setup.build_engine(args, sampled, tokenizer, eos_ids)
     check(ENGINE_RULES, args, engine, rollout_func is not None)
-    check(ENGINE_ROW_RULES, engine, rows.train)
+    check(ENGINE_ROW_RULES, engine, rows.train, policy)
     if given_engine is not None or (world.size > 1 and engine.shared_by_processes):
         # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
         engine.policy_changed(policy)

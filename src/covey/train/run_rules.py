@@ -133,4 +133,4 @@ def vespo_with_engine_correction(c: GRPOConfig, engine: Any, own_rollouts: bool,
 
 
 ENGINE_RULES = (vespo_with_engine_correction,)
-ENGINE_ROW_RULES = (engine_reads_pictures,)  # the engine and the training rows
+ENGINE_ROW_RULES = (engine_reads_pictures,)  # the engine, the training rows and the policy

@@ -85,11 +85,17 @@ def pictures(c: GRPOConfig, h: Any, need: Need) -> None:
          "text alone: leave rollout_func out (covey samples the pictures' prompts with rollout_engine: hf or vllm)")
 
 
-def engine_reads_pictures(engine: Any, rows: list[dict], need: Need) -> None:
-    """The engine built for a run whose prompts show pictures takes them: a server is known only once
-    reached, and covey server's fast engine reads token ids only."""
-    if has_images(rows):
-        need(getattr(engine, "takes_images", False),
-             f"the training prompts show pictures, and the server at {getattr(engine, 'url', '?')} is covey "
-             "server, whose fast engine reads token ids only: start it with --backend vllm (vLLM's server reads "
-             "them), or use vllm_mode: colocate or rollout_engine: hf")
+def engine_reads_pictures(engine: Any, rows: list[dict], policy: Any, need: Need) -> None:
+    """The engine built for a run whose prompts show pictures, or whose policy is a vision-language model (its
+    image tokens never sampled, as the trainer's log-probs assume), is one that takes pictures: a server is
+    known only once reached, and covey server's fast engine reads token ids and samples every token."""
+    why = ("the training prompts show pictures" if has_images(rows) else
+           "the policy is a vision-language model, whose image tokens are never sampled"
+           if is_vision_model(plain_model(policy)) else None)
+    if why is None:
+        return
+    url = getattr(engine, "url", None)
+    which = f"the server at {url} is covey server, whose fast engine" if url else f"the rollout engine ({type(engine).__name__})"
+    need(getattr(engine, "takes_images", False),
+         f"{why}, and {which} reads token ids only: start the server with --backend vllm (vLLM's server reads "
+         "pictures), or use rollout_engine: hf or vllm")
