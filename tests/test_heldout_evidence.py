@@ -127,6 +127,15 @@ def test_a_trl_folder_without_a_summary_weighs_its_last_evaluation(tmp_path):
     assert diagnose(run).verdict == LEARNING == diagnose(read_run(write_covey(tmp_path / "covey", rows))).verdict
 
 
+def test_without_a_summary_the_ends_take_the_sizes_their_evaluations_logged():
+    """A run still going (no summary.json yet): the sizes come from its first and last evaluations' eval/checked,
+    so a small held-out set's gain is judged against its binomial error."""
+    rows = sized(history(24, evals={6: 0.3, 12: 0.3, 18: 0.29, 24: 0.5}), 16.0)
+    ends = endpoints.heldout_ends(rows, None)
+    assert (ends.n_start, ends.n_end) == (16, 16) and ends.error is not None
+    assert not ends.gained  # 0.3 -> 0.5 over 16 problems each is within 2.5 standard errors
+
+
 def sized(rows, n):
     for row in rows:
         if "eval/accuracy" in row:

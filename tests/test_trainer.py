@@ -625,6 +625,8 @@ def test_evaluation_batches_and_generations_per_row_follow_trl_s_eval_settings(t
     assert [c[0] * c[1] for c in calls] == ([6, 6, 3] if k else [5])  # at most 6 completions per call
     assert all(c[1] == per_row and c[2] == (k is None) for c in calls)  # k sampled, or one greedy
     assert sum(c[0] for c in calls) == 5 and len(result["samples"]) == 5 * per_row and result["n"] == 5
+    # the accuracy's binomial error is over problems: k completions of one problem are not k trials
+    assert result["checked"] == 5  # every row's answer is a number
 
 
 def test_log_level_sets_what_transformers_prints(tmp_path, tokenizer, tiny_model):

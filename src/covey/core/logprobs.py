@@ -22,9 +22,11 @@ forward keeps, for the chunks that fit the same budget (the last), their float32
 logits, which the backward turns into the logits' gradient in place before it computes the other chunks'
 logits again. At the worst moment the pass holds one chunk's float32 logits and a float32 working copy of
 a quarter of the budget: 160 MiB whatever the vocabulary and the length (under bf16 autocast, or with the
-entropy bonus, up to twice the budget); beside them, per token, its hidden state and two float32 results,
-and one float32 V x H accumulator of the head weight's gradient where the weight trains. A larger budget makes fewer and larger matrix products and computes fewer logits
-twice; a smaller one lowers the peak."""
+entropy bonus, up to twice the budget; with both, three times); beside them, per token, its hidden state
+and two float32 results, and one float32 V x H accumulator of the head weight's gradient where the weight
+trains. A frozen head (LoRA) keeps no chunk: per token, the slopes of its log-prob (and entropy) in the
+hidden state. A larger budget makes fewer and larger matrix products and computes fewer logits twice; a
+smaller one lowers the peak."""
 
 
 def logprob_chunk_tokens(vocab: int, budget: int | None = None) -> int:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from covey.telemetry.hacking import HELDOUT_ACCURACY_GAIN
-from covey.telemetry.trends import Z, series
+from covey.telemetry.trends import Z, binomial_error, series
 
 HELDOUT_KEYS = {"accuracy": "eval/accuracy", "mean_reward": "eval/mean_reward"}
 
@@ -62,8 +62,7 @@ class HeldoutEnds:
         """Standard error of end - start under no change (the two evaluations' pooled binomial)."""
         if not self.n_start or not self.n_end:
             return None
-        pooled = (self.start * self.n_start + self.end * self.n_end) / (self.n_start + self.n_end)
-        return math.sqrt(pooled * (1 - pooled) * (1 / self.n_start + 1 / self.n_end))
+        return binomial_error(self.start, self.n_start, self.end, self.n_end)
 
     @property
     def gained(self) -> bool:
@@ -86,6 +85,16 @@ def heldout_ends(history: list[dict], summary: dict | None) -> HeldoutEnds | Non
     points = [v for v in (_number(before.get("accuracy")), *during, _number(after.get("accuracy"))) if v is not None]
     if len(points) < 2:
         return None
-    n_start = before.get("checked") if _number(before.get("accuracy")) is not None else None
-    n_end = after.get("checked") if _number(after.get("accuracy")) is not None else None
+    evaluations = [h for h in history if _number(h.get("eval/accuracy")) is not None]
+    # the sizes: summary.json's where its evaluation is the end, else the evaluation's own eval/checked
+    n_start = _size(before.get("checked") if _number(before.get("accuracy")) is not None else
+                    evaluations[0].get("eval/checked") if evaluations else None)
+    n_end = _size(after.get("checked") if _number(after.get("accuracy")) is not None else
+                  evaluations[-1].get("eval/checked") if evaluations else None)
     return HeldoutEnds(points[0], points[-1], max(points), n_start, n_end)
+
+
+def _size(value) -> int | None:
+    """A held-out set's size as logged (metrics are floats: 16.0), or None where it is not a count."""
+    number = _number(value)
+    return int(number) if number is not None and number >= 1 else None

@@ -21,7 +21,7 @@ from covey.telemetry.finding import Finding
 from covey.telemetry.trends import WINDOW, Z, binomial_error, change, noise, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
-MIN_EVALS = 3  # held-out evaluations during training before the held-out trend is judged
+MIN_EVALS = 3  # held-out evaluations (the one after training among them) before the held-out trend is judged
 MIN_RISEN_EVALS = 2  # of them made after the training reward had clearly risen (see _heldout_flat)
 HELDOUT_ACCURACY_GAIN = 0.05  # a held-out accuracy gain below this (5 points) is "no gain"
 HELDOUT_REWARD_SHARE = 0.25  # a held-out reward gain below this share of the training reward's is "no gain"
@@ -66,7 +66,8 @@ def risen_at(history: list[dict], at: list[int]) -> list[bool]:
 def _sizes(history: list[dict], steps: list[int]) -> list[int] | None:
     """The held-out set's size (problems checked) at each evaluation step, where every one is logged
     (``eval/checked``); else None."""
-    by_step = {h.get("step"): h.get("eval/checked") for h in history}
+    by_step = {h.get("step", i + 1): h.get("eval/checked") for i, h in enumerate(history)  # as trends.series
+               if h.get("eval/accuracy") is not None}
     sizes = [by_step.get(step) for step in steps]  # logged metrics are floats: 16.0
     ok = all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n >= 1 for n in sizes)
     return [int(n) for n in sizes] if ok else None

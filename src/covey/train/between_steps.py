@@ -43,7 +43,7 @@ def evaluate_if_due(trainer: GRPOTrainer, log: RunLog, steps_before: int) -> dic
     mean = "n/a" if result["mean_reward"] is None else f"{result['mean_reward']:.3f}"
     log.info(f"step {step}: held-out accuracy {percent(result['accuracy'])} (mean reward {mean}, n={result['n']})")
     return {**{f"eval/{key}": math.nan if result[key] is None else result[key] for key in ("accuracy", "mean_reward")},
-            "eval/checked": result["checked"]}  # the held-out set's size, for the binomial error of its accuracy
+            "eval/checked": result["checked"]}  # the problems checked, for the binomial error of the accuracy
 
 
 def log_step(trainer: GRPOTrainer, log: RunLog, result: StepResult, evaluation: dict[str, float]) -> ScoredBatch | None:

@@ -73,7 +73,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[dict], reward_funcs: S
                 correct.append(ok)
             samples.append({"prompt": row["prompt"], "completion": text, "correct": ok, "reward": reward})
     return {"accuracy": sum(correct) / len(correct) if correct else None,
-            "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "checked": len(correct),
+            "mean_reward": float(torch.cat(rewards).nanmean()), "n": len(kept), "checked": len(correct) // k,
             "samples": samples}
 
 
@@ -81,8 +81,8 @@ def merge_evaluations(parts: list[dict]) -> dict:
     """One evaluation from those of consecutive shares of the rows (``evaluate`` in several processes)."""
     if len(parts) == 1:
         return parts[0]
-    checked = sum(part["checked"] for part in parts)
-    correct = sum(round(part["accuracy"] * part["checked"]) for part in parts if part["checked"])
+    checked = sum(part["checked"] for part in parts)  # problems (each of the same k completions in every part)
+    correct = sum(part["accuracy"] * part["checked"] for part in parts if part["checked"])
     samples = [sample for part in parts for sample in part["samples"]]
     rewards = torch.tensor([sample["reward"] for sample in samples], dtype=torch.float64)
     return {"accuracy": correct / checked if checked else None, "mean_reward": float(rewards.nanmean()),
