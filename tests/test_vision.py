@@ -243,17 +243,15 @@ def test_what_cannot_take_pictures_is_refused_before_anything_loads(tmp_path, ch
 def test_whether_rows_show_pictures_is_read_from_every_row_not_a_sample(tmp_path):
     from datasets import Dataset
 
-    from covey.train.vision_run import shows_pictures
+    from covey.vision import has_images
 
     image(0).save(tmp_path / "late.png")
     text = [{"role": "user", "content": [{"type": "text", "text": "x", "path": None}]}]
     late = [{"role": "user", "content": [{"type": "image", "text": None, "path": str(tmp_path / "late.png")},
                                          {"type": "text", "text": "x", "path": None}]}]
     rows = [{"prompt": text}] * 12 + [{"prompt": late}]  # the first picture in row 12
-    assert shows_pictures(Dataset.from_list(rows)) and shows_pictures(rows)
-    assert not shows_pictures(Dataset.from_list(rows[:12]))
-    assert shows_pictures(Dataset.from_list([{"prompt": chat("x"), "image": None}] * 9 + [{"prompt": chat("x"),
-                                                                                           "image": image(1)}]))
+    assert has_images(rows) and not has_images(rows[:12])
+    assert has_images([{"prompt": chat("x"), "image": None}] * 9 + [{"prompt": chat("x"), "image": image(1)}])
     model, processor = BUILDERS["idefics3"]()
     with pytest.raises(ConfigError, match="rollout_engine: fast samples from token ids only"):
         GRPOTrainer(model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -26,6 +26,14 @@ from covey.rollout.wire import (GENERATE, PROCESSED, REQUEST_TIMEOUT, TOKEN_VARI
                                 generate_request, generated_choices, http_url, is_loopback, picture_url,
                                 rollout_from_choices, server_token)
 from covey.vision import images_of
+
+
+class SampleRequest(NamedTuple):
+    """One prompt's request to the server: where it goes, what it says, and what reads the reply's choices."""
+    path: str
+    body: dict[str, Any]
+    read_choices: Callable[[dict], list]
+
 
 START_HINT = ("start it with `covey server CONFIG --backend vllm` (vllm serve with the flags covey needs) or as "
               "docs/vllm.md shows")
@@ -202,7 +210,7 @@ class ServerEngine(OwnWeights):
             # one request per prompt, each with its own seed (as the in-process vLLM engine samples); the
             # server batches the requests in flight together
             with ThreadPoolExecutor(max_workers=min(len(requests), 64)) as pool:
-                choices = list(pool.map(lambda request: request[2](self.api.post(request[0], request[1])), requests))
+                choices = list(pool.map(lambda r: r.read_choices(self.api.post(r.path, r.body)), requests))
             return rollout_from_choices(choices, n, self.pad_token_id)
 
         rollout = greedy_once(sample, num_generations, params)
@@ -232,17 +240,18 @@ class ServerEngine(OwnWeights):
         return urls
 
     def _request(self, ids: list[int], urls: dict[int, list[str]], n: int, params: SamplingParams,
-                 seed: int | None) -> tuple[str, dict[str, Any], Any]:
-        """(endpoint, body, what reads the reply's choices) of one prompt's samples: its token ids to
+                 seed: int | None) -> "SampleRequest":
+        """The request of one prompt's samples: its token ids to
         /v1/completions, or with its pictures (the chat template's ids, each picture one placeholder that the
         server's processor expands) to /inference/v1/generate."""
         images = images_of(ids)
         if images is None:
-            return ("/v1/completions", completion_request(self.model_name, ids, n, params, self.eos_token_ids, seed),
-                    lambda reply: reply["choices"])
+            return SampleRequest("/v1/completions",
+                                 completion_request(self.model_name, ids, n, params, self.eos_token_ids, seed),
+                                 lambda reply: reply["choices"])
         body = generate_request(self.model_name, images.unexpanded(list(ids)), urls[id(images)], n, params,
                                 self.eos_token_ids, seed)
-        return GENERATE, body, generated_choices
+        return SampleRequest(GENERATE, body, generated_choices)
 
     def _check_weights(self) -> bool:
         """The server holds the last push, or is given it again when it restarted (by the pushing process:
