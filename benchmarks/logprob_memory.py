@@ -224,12 +224,13 @@ def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, 
     return {"peak_mib": result["peak_mib"], "seconds": statistics.median(timed)}
 
 
-def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int]) -> None:
+def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int], frozen_head: bool = False) -> None:
     """The log-prob pass's head alone, forward and backward on ``tokens`` hidden states, in one process,
     the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
     the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
     logits computed again in the backward (as the first chunked pass did), and ``covey.train.head.head_logprobs``
-    under each budget; the median time of each, and its ratio to the whole logits."""
+    under each budget; the median time of each, and its ratio to the whole logits. ``frozen_head``: the head's
+    weight takes no gradient (as under LoRA), only the hidden states."""
     import torch
 
     from covey.config import EMBEDDED_MODEL
@@ -238,6 +239,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     from covey.train.head import head_logprobs
 
     model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
+    model.lm_head.weight.requires_grad_(not frozen_head)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)
@@ -281,6 +283,7 @@ def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
     from covey.train.head import head_logprobs
 
     model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
+    model.lm_head.weight.requires_grad_(not frozen_head)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)
@@ -369,6 +372,8 @@ def main() -> None:
                         help="time the head's pass alone (whole logits against chunked), REPEATS times each")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128], metavar="MIB",
                         help="with --pass-alone: the head's budgets timed (LOGPROB_CHUNK_BYTES, in MiB)")
+    parser.add_argument("--frozen-head", action="store_true",
+                        help="with --pass-alone: the head's weight frozen (as under LoRA), the hidden states' gradient only")
     parser.add_argument("--pass-memory", action="store_true",
                         help="the head's pass alone: its peak memory above the process's before it, each way in a "
                              "fresh process (whole logits, 128-token chunks none kept, the budget)")
@@ -395,7 +400,7 @@ def main() -> None:
         print("|---|---|" + "---|" * (len(ways) + 1))
         for vocabulary in args.vocabularies:
             for length in args.lengths:
-                pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets)
+                pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets, args.frozen_head)
         return
     if args.worker:
         worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing, args.stages)
