@@ -499,3 +499,25 @@ def test_saved_weights_are_as_readable_as_the_other_files_the_umask_allows(tmp_p
         assert weights, folder
         for path in weights:  # not the 0o600 safetensors writes its files with
             assert path.stat().st_mode & 0o777 == 0o640 == (run / "config.yaml").stat().st_mode & 0o777, path
+
+
+def test_the_signal_handler_says_what_it_does_without_the_console(tmp_path, capfd):
+    """The handler runs wherever the main thread was, a print through the console (and the imports it makes
+    on first use) included: it says what it does straight to standard error and records the stop."""
+    from types import SimpleNamespace
+
+    from covey.telemetry.runlog import RunLog
+    from covey.train.between_steps import stop_on_signals
+
+    class PrintingWhenSignalled:
+        def print(self, *args, **kwargs):
+            raise AssertionError("the signal handler printed through the console")
+
+    log = RunLog(tmp_path, 4)
+    log.console = PrintingWhenSignalled()
+    trainer = SimpleNamespace(stop_signal=None, world=SimpleNamespace(size=1))
+    with stop_on_signals(trainer, log):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs in this thread, between two bytecodes
+    assert trainer.stop_signal == signal.SIGTERM
+    assert "SIGTERM received: saving a checkpoint after this step" in capfd.readouterr().err

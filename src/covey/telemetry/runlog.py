@@ -5,9 +5,12 @@ health warnings and the trackers; and where a run folder keeps the configs it we
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import os
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,17 @@ class RunLog:
     def info(self, message: str) -> None:
         if not self.quiet:
             self.console.print(message)
+
+    def say_from_signal_handler(self, message: str) -> None:
+        """``message`` said by a signal handler, which runs wherever the main thread was, a print through
+        the console (and the imports it makes on first use) included: plain text written straight to
+        standard error, never through the console again."""
+        if self.quiet:
+            return
+        try:
+            os.write(sys.stderr.fileno(), f"{message}\n".encode())
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):  # a stream with no descriptor
+            sys.stderr.write(f"{message}\n")
 
 
 def write_json(path: Path, value: Any) -> None:

@@ -144,11 +144,11 @@ def stop_on_signals(trainer: GRPOTrainer, log: RunLog):
         if trainer.stop_signal is not None:
             raise KeyboardInterrupt
         trainer.stop_signal = signum
-        log.info(f"[yellow]{signal.Signals(signum).name} received: saving a checkpoint after this step "
-                 "(send it again to stop at once, without saving)[/]")
+        log.say_from_signal_handler(f"{signal.Signals(signum).name} received: saving a checkpoint after this step "
+                                    "(send it again to stop at once, without saving)")
         if trainer.world.size > 1:
-            log.info("[yellow]a signal sent to torchrun reaches the processes, but torchrun kills them "
-                     "30 s later unless started with a longer --shutdown-timeout[/]")
+            log.say_from_signal_handler("a signal sent to torchrun reaches the processes, but torchrun kills them "
+                                        "30 s later unless started with a longer --shutdown-timeout")
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
