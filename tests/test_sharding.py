@@ -30,8 +30,11 @@ def test_fsdp_makes_the_update_one_process_makes_on_the_whole_batch(tmp_path, ov
     one_final = load_file(tmp_path / "one" / "final_model" / "model.safetensors")
     two_final = load_file(tmp_path / "two" / "final_model" / "model.safetensors")
     assert one_final.keys() == two_final.keys(), one_final.keys() ^ two_final.keys()
+    # the gradients above agree to float32 rounding (about 1e-9 here), not bit for bit: AdamW divides each by
+    # its own size plus eps (1e-8), so a component near zero moves its weight by up to lr (1e-3) x its
+    # rounding / eps; the weights agree to a hundredth of the learning rate
     for name in one_final:
-        assert torch.allclose(one_final[name], two_final[name], atol=1e-6), name
+        assert torch.allclose(one_final[name], two_final[name], atol=1e-5), name
 
 
 def test_under_async_generation_the_workers_of_a_sharded_run_sample_with_the_whole_trained_weights(tmp_path):
