@@ -84,6 +84,26 @@ def test_callbacks_get_every_event_in_transformers_order_with_its_state(tmp_path
     assert "'train_loss'" in printed[-1]  # the closing entry, printed as transformers prints it
 
 
+def test_a_run_no_callback_reads_holds_its_metrics_once_and_makes_log_history_when_asked(tmp_path, tokenizer):
+    """Without callbacks the logged metrics live in the trainer's history only (a long run held them
+    twice); log_history made from it afterwards is the one a run with a callback builds as it goes."""
+    def log_history_of(run: str, callbacks: list) -> tuple[list[dict], list]:
+        trainer = trainer_for(small_args(tmp_path / run, max_steps=3, logging_steps=1), tokenizer, callbacks=callbacks)
+        handler, held = trainer.callback_handler, []
+        log_training = handler.log_training
+        handler.log_training = lambda step, metrics: (log_training(step, metrics), held.append(handler._log_history))
+        trainer.train()
+        timing = ("time/", "step_time", "_per_second", "runtime")
+        return [{k: v for k, v in entry.items() if not any(t in k for t in timing)}
+                for entry in trainer.state.log_history], held
+
+    made, held = log_history_of("alone", [])
+    assert held == [None, None, None]  # three steps logged, no second copy of their metrics
+    kept, _ = log_history_of("with_callback", [Recorder()])
+    assert [entry["step"] for entry in made] == [1, 2, 3, 3] and all("epoch" in entry for entry in made)
+    assert made == kept
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step):
         self.step, self.ended = step, False

@@ -79,7 +79,7 @@ def write_metrics(trainer: GRPOTrainer, log: RunLog, step: int) -> None:
     """Log the mean of the metrics since the last logged step, as of ``step``, and tell the callbacks."""
     metrics = interval_mean(trainer.unlogged_metrics)
     log.log_metrics(step, metrics)
-    trainer.callback_handler.log(step, metrics)
+    trainer.callback_handler.log_training(step, metrics)
     trainer.unlogged_metrics = []
 
 

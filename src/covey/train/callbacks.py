@@ -109,11 +109,13 @@ class Callbacks:
     or ``state`` is read, so that a run without callbacks does not pay for it."""
 
     def __init__(self, callbacks: Iterable[Any], args: CallbackArgs, world: World, sampler: PromptSampler,
-                 epoch: Callable[[], float], **objects: Any):
+                 epoch: Callable[[], float], trained: Callable[[], list[dict]], **objects: Any):
         self.callbacks: list[Any] = []
         self.args, self.world, self.sampler, self.epoch, self.objects = args, world, sampler, epoch, objects
+        self.trained = trained  # the trainer's history of logged training steps (restored on resume)
         self.global_step = 0
-        self.log_history: list[dict] = []
+        self._log_history: list[dict] | None = None  # made from ``trained`` when first read
+        self._step_epochs: dict[int, float] = {}  # until then: the epoch of each training step logged
         self._state = self._control = None
         self.stopping = False  # a callback asked the training to stop
         self.asked: dict[str, set[int]] = {request: set() for request in REQUESTS}  # steps of the requests not done yet
@@ -139,6 +141,19 @@ class Callbacks:
             raise ValueError(f"{callback!r} is not one of the trainer's callbacks")
 
     # ---- state and control --------------------------------------------------------------------
+
+    @property
+    def log_history(self) -> list[dict]:
+        """transformers' log_history. A run that nothing reads it from (no callback, no ``state`` asked
+        for) does not hold each logged step's metrics a second time: the trainer's history has them, and
+        the list is made from it when first read."""
+        if self._log_history is None:
+            self._log_history = [
+                {**{k: v for k, v in entry.items() if k != "step" and not k.startswith("health/")},
+                 **({"epoch": self._step_epochs[entry["step"]]} if entry["step"] in self._step_epochs else {}),
+                 "step": entry["step"]} for entry in self.trained()]
+            self._step_epochs.clear()
+        return self._log_history
 
     @property
     def state(self):
@@ -233,6 +248,16 @@ class Callbacks:
         logs = {**(self.world.on_main(lambda: metrics) if from_main else metrics), "epoch": self.epoch()}
         self.log_history.append({**logs, "step": global_step})
         self.call("on_log", global_step, logs=logs)
+
+    def log_training(self, global_step: int, metrics: dict[str, float]) -> None:
+        """``log`` for a training step's metrics, which the trainer's history holds too: on the first
+        process, while nothing has read log_history, only the step's epoch is kept (a callback that reads
+        it makes it, this step included)."""
+        if self._log_history is None and self.world.is_main:
+            epoch = self._step_epochs[global_step] = self.epoch()
+            self.call("on_log", global_step, logs={**metrics, "epoch": epoch})
+        else:
+            self.log(global_step, metrics)
 
     def evaluate(self, global_step: int, result: dict) -> None:
         """on_evaluate with a held-out evaluation's result, under transformers' eval_ names."""

@@ -90,10 +90,10 @@ class GRPOTrainer(TRLSurface):
         if self.resume_from is not None:
             restore(self, self.resume_from)
         self.callback_handler = Callbacks(callbacks or [], CallbackArgs(self.args, self.run_dir, self.world), self.world,
-                                          self.prompt_sampler, lambda: self.epochs_trained, model=self.model,
+                                          self.prompt_sampler, lambda: self.epochs_trained, lambda: self.history,
+                                          model=self.model,
                                           processing_class=self.processing_class, optimizer=self.optimizer,
                                           lr_scheduler=self.scheduler)
-        self.callback_handler.log_history.extend(self.history)
         self.callback_handler.call("on_init_end", self.global_step)
 
     @property
