@@ -109,7 +109,7 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
         stopped_by = e.signal_number
     held = (sharded_part(trainer.optimizer) or trainer.optimizer).state.values()  # this process's part, if sharded
     return {"gradients": gradients, "data": (trainer.prompt_sampler.state_dict(), trainer.progress.rounds_sampled),
-            "stopped_by": stopped_by, "optimizer_state": sum(t.numel() for state in held for t in state.values()
+            "stopped_by": stopped_by, "log_history": trainer.state.log_history, "optimizer_state": sum(t.numel() for state in held for t in state.values()
                                                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
 
 
@@ -190,8 +190,11 @@ def _metrics(run):
 ])
 def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
     one = train(tmp_path / "one", 1, **overrides)["gradients"]
-    two = [result["gradients"] for result in train_in_two_processes(tmp_path, **overrides)]
+    results = train_in_two_processes(tmp_path, **overrides)
+    two = [result["gradients"] for result in results]
     assert len(one) == len(two[0]) == len(two[1]) == 2
+    # every process's log_history holds the first's metrics (made from its history there when read)
+    assert results[0]["log_history"] == results[1]["log_history"] and len(results[0]["log_history"]) == 3
     for step in range(2):
         for single, rank0, rank1 in zip(one[step], two[0][step], two[1][step]):
             assert torch.equal(rank0, rank1)  # every process takes the same update

@@ -251,13 +251,14 @@ class Callbacks:
 
     def log_training(self, global_step: int, metrics: dict[str, float]) -> None:
         """``log`` for a training step's metrics, which the trainer's history holds too: on the first
-        process, while nothing has read log_history, only the step's epoch is kept (a callback that reads
-        it makes it, this step included)."""
+        process, while nothing has read log_history, only the step's epoch is kept (log_history is made
+        from that history when read)."""
+        logs = {**self.world.on_main(lambda: metrics), "epoch": self.epoch()}  # every process takes part
         if self._log_history is None and self.world.is_main:
-            epoch = self._step_epochs[global_step] = self.epoch()
-            self.call("on_log", global_step, logs={**metrics, "epoch": epoch})
+            self._step_epochs[global_step] = logs["epoch"]
         else:
-            self.log(global_step, metrics)
+            self.log_history.append({**logs, "step": global_step})
+        self.call("on_log", global_step, logs=logs)
 
     def evaluate(self, global_step: int, result: dict) -> None:
         """on_evaluate with a held-out evaluation's result, under transformers' eval_ names."""
