@@ -13,8 +13,10 @@ Modes:
 * ``async``: ``async_generation: true``, a worker thread sampling one round ahead.
 * ``tools``: episodes with tools: an engine that writes a tool call in its first turn and answers with
   the tool's result (the one of ``tests/test_agents.py``), the tool hanging on every other call and
-  stopped at ``tool_timeout`` (0.2 s), and a reward that hangs on the batches holding one of the prompts, stopped at
-  ``reward_timeout`` (``reward_errors: skip``): a stop every step, to see that stops leak nothing.
+  stopped at ``tool_timeout`` (0.2 s), on a quarter of its calls flooding its standard output (1 MiB)
+  and leaving a process of its own running, and a reward that hangs on the batches holding one of the
+  prompts, stopped at ``reward_timeout`` (``reward_errors: skip``): a stop every step, to see that stops
+  leak nothing. The tool's own processes are counted at every step and once the run has ended.
 * ``server``: sampling from ``covey server --backend fast`` in its own process.
 
 ``--model tiny`` (default) is the tiny random Llama of the tests (2 layers of width 32, a character
@@ -51,6 +53,7 @@ import yaml
 from benchmarks.common import machine, wait_for_server
 
 MODES = ("sync", "async", "tools", "server")
+TOOL_PROCESS = "soak-tool-process"  # in the command line of the processes the tool leaves running
 
 
 # ---- what is sampled ------------------------------------------------------------------------------------
@@ -68,6 +71,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def tool_processes() -> int:
+    """The processes the tool task's tool started that are still running, wherever they are."""
+    found = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            found += entry.name.isdigit() and TOOL_PROCESS.encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+    return found
+
+
 def sample(pid: int) -> dict | None:
     """RSS (MiB), its anonymous part (what a leak grows: the file-backed pages of libraries and models come
     and go as the kernel reclaims them on a machine short of memory), threads, open fds and child processes
@@ -78,7 +92,8 @@ def sample(pid: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "anon_mib": int(status["RssAnon"].split()[0]) / 1024,
-            "threads": int(status["Threads"]), "fds": fds, "children": len(children(pid))}
+            "threads": int(status["Threads"]), "fds": fds, "children": len(children(pid)),
+            "tool_processes": tool_processes()}
 
 
 # ---- the runs ------------------------------------------------------------------------------------------
@@ -134,6 +149,10 @@ def tools_run(out: str, steps: int) -> None:
         """
         if (a * b) % 2:  # 27 and 25 of the four prompts: every other call hangs, and is stopped
             clock.sleep(600)
+        if a * b == 42:  # a quarter of the calls flood their output and leave a process running
+            sys.stdout.write("x" * 2**20)
+            sys.stdout.flush()
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", TOOL_PROCESS])
         return str(a * b)
 
     def hangs_on_some_batches(prompts, completions, **kwargs):
@@ -217,6 +236,7 @@ def run(mode: str, model: str, steps: int, samples_out: str | None = None) -> li
             if process.returncode != 0:
                 err.seek(0)
                 raise RuntimeError(f"{mode} run failed ({process.returncode}):\n{err.read()[-3000:]}")
+            samples[-1]["tool_processes_after"] = tool_processes()
         return samples
 
 
@@ -242,8 +262,8 @@ def main() -> None:
           f"{args.warmup:.0%} of the steps")
     print("| mode | steps | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth (MiB/100 steps) | anonymous RSS "
           "growth (MiB/100 steps) | threads (after warm-up → end) | open fds | child processes | server RSS / "
-          "anonymous RSS growth (MiB/100 steps) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "anonymous RSS growth (MiB/100 steps) | the tool's processes (most at a step; after the run) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         samples = run(mode, args.model, args.steps, args.samples_out)
         rest = [s for s in samples if s["step"] > args.warmup * args.steps]
@@ -254,7 +274,8 @@ def main() -> None:
               f"{slope_per_100(rest, 'rss_mib'):+.2f} | {slope_per_100(rest, 'anon_mib'):+.2f} | "
               f"{first['threads']} → {last['threads']} "
               f"(max {max(s['threads'] for s in rest)}) | {first['fds']} → {last['fds']} (max {max(s['fds'] for s in rest)}) "
-              f"| {first['children']} → {last['children']} (max {max(s['children'] for s in rest)}) | {server} |",
+              f"| {first['children']} → {last['children']} (max {max(s['children'] for s in rest)}) | {server} "
+              f"| {max(s['tool_processes'] for s in samples)}; {last['tool_processes_after']} |",
               flush=True)
 
 
