@@ -33,7 +33,8 @@ from covey.train.setup import builtin_reward_settings
 from tests.conftest import make_model
 
 TIMEOUT = 1.5
-MARGIN = 2.5  # start-up and clean-up beyond the timeout, generous for a busy machine
+MARGIN = 10.0  # start-up and clean-up beyond the timeout: what it bounds never ends on its own, so a wide
+# margin still shows the stop, and a machine busy with other work (CI, 2 cores) does not fail it
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-4, 4) == 0"
 CORRECT = "```python\ndef add(a, b):\n    return a + b\n```"
 INFINITE_LOOP = "def add(a, b):\n    while True:\n        pass\nadd(1, 2)"
@@ -190,10 +191,10 @@ def test_program_is_the_last_python_block_or_the_whole_text():
 
 def test_programs_of_a_batch_run_concurrently():
     reward = CodeTests(timeout=5.0, memory_limit_mb=256, workers=4)
-    sleeper = "import time\ntime.sleep(1.0)\ndef add(a, b):\n    return a + b"
+    sleeper = "import time\ntime.sleep(2.0)\ndef add(a, b):\n    return a + b"
     start = time.monotonic()
     assert reward([sleeper] * 4, [ADD_TESTS] * 4) == [1.0] * 4
-    assert time.monotonic() - start < 3.5  # one after another it takes over 4 s
+    assert time.monotonic() - start < 6.0  # one after another it takes over 8 s
 
 
 def test_settings_come_from_the_config():
