@@ -35,6 +35,28 @@ class Server:
     def __init__(self, process: subprocess.Popen, port: int, log: Path):
         self.process, self.port, self.log = process, port, log
 
+    @classmethod
+    def start(cls, model_folder: str, log: Path, *settings: str) -> "Server":
+        """``covey server --backend vllm`` on ``model_folder`` with ``settings``, once it answers."""
+        port = free_port()
+        command = [sys.executable, "-m", "covey", "server", "--backend", "vllm", "--port", str(port), "--model",
+                   model_folder, *settings]
+        with log.open("w") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+                                       start_new_session=True)  # its own process group, vLLM's children included
+        deadline = time.monotonic() + START_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"covey server --backend vllm exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                return cls(process, port, log)
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    pytest.fail(f"vLLM's server did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
+                time.sleep(2)
+
     def requests(self, endpoint: str) -> int:
         """How many requests to ``endpoint`` the server's access log shows so far."""
         return self.log.read_text(errors="replace").count(f'"POST {endpoint} HTTP')
@@ -51,26 +73,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, model_folder):
-    port, log = free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "covey", "server", "--backend", "vllm", "--port", str(port), "--model",
-               model_folder, "--vllm-gpu-memory-utilization", "0.03", "--max-prompt-length", "256",
-               "--max-completion-length", "256"]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
-                                   start_new_session=True)  # its own process group, vLLM's children included
-    deadline = time.monotonic() + START_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"covey server --backend vllm exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                os.killpg(process.pid, signal.SIGKILL)
-                pytest.fail(f"vLLM's server did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
-    server = Server(process, port, log)
+    server = Server.start(model_folder, tmp_path_factory.mktemp("server") / "server.log",
+                          "--vllm-gpu-memory-utilization", "0.03", "--max-prompt-length", "256",
+                          "--max-completion-length", "256")
     yield server
     server.kill()
 

@@ -6,12 +6,6 @@ tower's too). On a tiny Idefics3 (SmolVLM's architecture) saved to a folder, as 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -22,9 +16,8 @@ from covey.data.text import encode_prompts
 from covey.rollout import SamplingParams, ServerEngine, left_pad
 from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.vision import batch_images, placeholder_token_ids
-from tests.test_distributed import free_port
 from tests.tiny_vision import image, saved
-from tests.vllm.test_server_mode import START_S, Server
+from tests.vllm.test_server_mode import Server
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +27,8 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, folder):
-    port, log = free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "covey", "server", "--backend", "vllm", "--port", str(port), "--model", folder,
-               "--vllm-gpu-memory-utilization", "0.02", "--max-prompt-length", "128", "--max-completion-length", "64"]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
-                                   start_new_session=True)
-    deadline = time.monotonic() + START_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"covey server --backend vllm exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                os.killpg(process.pid, signal.SIGKILL)
-                pytest.fail(f"vLLM's server did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
-    server = Server(process, port, log)
+    server = Server.start(folder, tmp_path_factory.mktemp("server") / "server.log", "--vllm-gpu-memory-utilization",
+                          "0.02", "--max-prompt-length", "128", "--max-completion-length", "64")
     yield server
     server.kill()
 
