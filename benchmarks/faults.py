@@ -21,6 +21,10 @@ Faults:
 * ``server_restart``: sampling from ``covey server --backend fast`` under ``async_generation``; the
   server is SIGKILLed at a random moment and started again on its port after a random pause of up to
   3 s; the run goes on if it can, else it is resumed against the server started again.
+* ``vllm_server_restart``: the same against vLLM's server (``covey server --backend vllm``, run by
+  ``--vllm-python``, the environment ``make vllm-env`` builds) on the default model (vLLM's CPU kernels
+  take no head as small as the tiny model's), a checkpoint every 4 steps; vLLM's start-up takes minutes
+  on a CPU, which the run waits out (``vllm_server_timeout: 900``).
 
 The metrics that count the fault itself (``*/workers_lost``) are left out of the comparison, and a run
 whose fault was noticed and recovered from without a resume is listed as such. A run counts as **resumed bitwise** when the resumed run's weights and metrics equal the uninterrupted
@@ -30,6 +34,7 @@ checkpoint folder present before the fault and gone or unloadable after) is coun
 
     nice python -m benchmarks.faults --runs 4
     nice python -m benchmarks.faults --runs 2 --faults kill_sharded_checkpoint server_restart
+    nice python -m benchmarks.faults --runs 1 --faults vllm_server_restart
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ from benchmarks.common import machine, wait_for_server
 from benchmarks.soak import children
 
 FAULTS = ("kill", "kill_async", "kill_in_checkpoint", "disk_full", "reward_worker", "kill_sharded_checkpoint",
-          "server_restart")
+          "server_restart", "vllm_server_restart")
+SERVER_FAULTS = {"server_restart": "fast", "vllm_server_restart": "vllm"}  # the fault's server backend
+VLLM_PYTHON = [".venv-vllm/bin/python"]  # --vllm-python
 TIMING_KEYS = ("step_time", "time/", "tokens_per_second", "async/queue_depth")
 STEPS = 12
 FAULT_COUNTS = ("rewards/workers_lost", "tools/workers_lost")  # the record of the fault, not of the learning
-OWN_REFERENCE = ("kill_async", "kill_sharded_checkpoint", "server_restart")  # faults whose runs differ from "kill"
+OWN_REFERENCE = ("kill_async", "kill_sharded_checkpoint", *SERVER_FAULTS)  # faults whose runs differ from "kill"
 FULL_FSYNC = """
 import errno, os, sys
 calls, fail_at, real = [0], int(os.environ["FAULT_FSYNC_AT"]), os.fsync
@@ -95,15 +102,17 @@ def config(work: Path, fault: str, port: int = 0) -> Path:
               "reward_funcs": [f"{work / 'rewards.py'}:count_a"], "max_steps": STEPS, "save_steps": 2,
               "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 8,
               "learning_rate": 0.01, "save_total_limit": None, "log_completions": False}
-    if fault in ("kill_async", "server_restart"):
+    if fault in ("kill_async", *SERVER_FAULTS):
         values["async_generation"] = True
     if fault == "reward_worker":
         values["reward_num_workers"] = 2
     if fault == "kill_sharded_checkpoint":  # two processes of 4 rows: the batch of the others
         values.update(fsdp="full_shard", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"},
                       per_device_train_batch_size=4)
-    if fault == "server_restart":
+    if fault in SERVER_FAULTS:
         values.update(rollout_engine="vllm", vllm_mode="server", vllm_server_port=port, vllm_server_timeout=60)
+    if fault == "vllm_server_restart":
+        values.update(model=str(default_model()), vllm_server_timeout=900, save_steps=4, learning_rate=1e-5)
     path = work / f"{fault}-{port}.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
@@ -126,31 +135,45 @@ def start(work: Path, fault: str, out: Path, *extra: str, env: dict | None = Non
                             start_new_session=fault == "kill_sharded_checkpoint")  # its group: torchrun and its processes
 
 
-class Server:
-    """``covey server --backend fast`` on the tiny model, on a port of its own, that can be killed and started again."""
+def default_model() -> Path:
+    from covey.models.embedded import embedded_model_folder
 
-    def __init__(self, work: Path, port: int):
-        self.work, self.port, self.process, self.starts = work, port, None, 0
+    return embedded_model_folder()
+
+
+class Server:
+    """``covey server`` (``backend`` fast on the tiny model, or vllm on the default model), on a port of
+    its own, that can be killed (with the processes it started) and started again."""
+
+    def __init__(self, work: Path, port: int, backend: str = "fast"):
+        self.work, self.port, self.backend, self.process, self.starts = work, port, backend, None, 0
 
     def start(self) -> "Server":
         self.starts += 1
         log = self.work / f"server-{self.port}-{self.starts}.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "covey", "server", "--backend", "fast", "--port",
-                                         str(self.port), "--max-completion-length", "8", "--model", str(self.work / "tiny")],
+        if self.backend == "vllm":
+            command = [*VLLM_PYTHON, "-m", "covey", "server", "--backend", "vllm", "--model", str(default_model()),
+                       "--vllm-gpu-memory-utilization", "0.03", "--max-prompt-length", "64"]
+        else:
+            command = [sys.executable, "-m", "covey", "server", "--backend", "fast", "--model", str(self.work / "tiny")]
+        self.process = subprocess.Popen([*command, "--port", str(self.port), "--max-completion-length", "8"],
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-                                        stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        wait_for_server(self.process, self.port, lambda: log.read_text()[-3000:], poll_s=0.2)
+                                        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for_server(self.process, self.port, lambda: log.read_text()[-3000:], timeout_s=900, poll_s=0.2)
         return self
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)  # vLLM's engine processes with it
             self.process.wait()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=60)
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -188,7 +211,7 @@ def after_first_checkpoint(process: subprocess.Popen, out: Path) -> bool:
     """Wait until the run has written its first checkpoint (a fault before it has nothing to resume
     from: the run starts again); False if it ended first."""
     while process.poll() is None:
-        if (out / "checkpoints" / "checkpoint-2").exists():
+        if any((out / "checkpoints").glob("checkpoint-*")):  # whole: written under a hidden name, then renamed
             return True
         time.sleep(0.005)
     return False
@@ -219,7 +242,7 @@ def inject(fault: str, process: subprocess.Popen, out: Path, rng: random.Random,
             return "no reward worker was running"
         os.kill(rng.choice(workers), signal.SIGKILL)
         return f"SIGKILL of a reward worker {share:.0%} of a step after step {step}"
-    if fault == "server_restart":
+    if fault in SERVER_FAULTS:
         pause = rng.uniform(0.0, 3.0)
         server.kill()
         time.sleep(pause)
@@ -249,7 +272,7 @@ def kill_in_a_checkpoint(fault: str, process: subprocess.Popen, out: Path, rng: 
 def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random, span: float) -> dict:
     out = work / f"{fault}-{n}"
     env = {"FAULT_FSYNC_AT": str(rng.randint(1, 40))} if fault == "disk_full" else {}
-    server = Server(work, free_port()).start() if fault == "server_restart" else None
+    server = Server(work, free_port(), SERVER_FAULTS[fault]).start() if fault in SERVER_FAULTS else None
     port = server.port if server else 0
     try:
         process = start(work, fault, out, env=env, port=port)
@@ -292,7 +315,7 @@ def one_run(work: Path, fault: str, n: int, reference: Path, rng: random.Random,
 def reference_run(work: Path, kind: str) -> float:
     """The uninterrupted run of ``kind`` into ``reference-<kind>``; the seconds it trained after its first checkpoint."""
     out = work / f"reference-{kind}"
-    server = Server(work, free_port()).start() if kind == "server_restart" else None
+    server = Server(work, free_port(), SERVER_FAULTS[kind]).start() if kind in SERVER_FAULTS else None
     try:
         process = start(work, kind, out, port=server.port if server else 0)
         after_first_checkpoint(process, out)
@@ -315,7 +338,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4, help="runs per fault")
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=VLLM_PYTHON[0], help="the Python of vLLM's environment")
     args = parser.parse_args()
+    VLLM_PYTHON[0] = os.path.abspath(args.vllm_python)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         work = setup(Path(tmp))

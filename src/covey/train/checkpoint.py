@@ -278,7 +278,11 @@ def rng_states() -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value))
+    """``value`` as JSON, written as it is encoded: a long run's state (its metric history) is never made
+    whole as one string, a block that memory freed between checkpoints, cut by what was kept since,
+    could not hold (each checkpoint then grew the process by the state's size)."""
+    with path.open("w") as f:
+        json.dump(value, f)
 
 
 def _modes_as_umask_gives(root: Path) -> None:
