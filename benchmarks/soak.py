@@ -53,7 +53,8 @@ import yaml
 from benchmarks.common import machine, wait_for_server
 
 MODES = ("sync", "async", "tools", "server")
-TOOL_PROCESS = "soak-tool-process"  # in the command line of the processes the tool leaves running
+TOOL_PROCESS = "soak-tool-process-of"  # in the command line of the processes the tool leaves running, with
+# the soak's process id (the SOAK_PID the tool run is given): another soak's are not counted
 
 
 # ---- what is sampled ------------------------------------------------------------------------------------
@@ -72,11 +73,11 @@ def children(pid: int) -> list[int]:
 
 
 def tool_processes() -> int:
-    """The processes the tool task's tool started that are still running, wherever they are."""
-    found = 0
+    """The processes this soak's tool task's tool started that are still running, wherever they are."""
+    found, mark = 0, f"{TOOL_PROCESS}-{os.getpid()}".encode()
     for entry in Path("/proc").iterdir():
         try:
-            found += entry.name.isdigit() and TOOL_PROCESS.encode() in (entry / "cmdline").read_bytes()
+            found += entry.name.isdigit() and mark in (entry / "cmdline").read_bytes()
         except OSError:
             continue
     return found
@@ -152,7 +153,8 @@ def tools_run(out: str, steps: int) -> None:
         if a * b == 42:  # a quarter of the calls flood their output and leave a process running
             sys.stdout.write("x" * 2**20)
             sys.stdout.flush()
-            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", TOOL_PROCESS])
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                              f"{TOOL_PROCESS}-{os.environ['SOAK_PID']}"])
         return str(a * b)
 
     def hangs_on_some_batches(prompts, completions, **kwargs):
@@ -199,7 +201,7 @@ def run(mode: str, model: str, steps: int, samples_out: str | None = None) -> li
     run stopped midway keeps what it measured)."""
     with tempfile.TemporaryDirectory() as tmp:
         work, out = Path(tmp), Path(tmp) / "run"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "SOAK_PID": str(os.getpid())}
         with contextlib.ExitStack() as stack:
             port, server_pid = 0, None
             config = config_for(mode, model, steps, work, 0) if mode != "tools" else None
