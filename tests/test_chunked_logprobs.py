@@ -233,20 +233,30 @@ def test_a_second_backward_computes_again_what_the_first_used_up(entropy_grad):
         assert torch.allclose(first, second, atol=1e-6, rtol=1e-5), float((first - second).abs().max())
 
 
-class _NewLogits(TorchDispatchMode):
-    """Counts the new (not a view, not in place) tensors of two or more dimensions whose last is the vocabulary."""
+class _VocabularyTensors(TorchDispatchMode):
+    """The shape of each new (not a view, not in place: a view of an input, t, view...) strided tensor whose
+    last dimension is the vocabulary."""
 
     def __init__(self):
         super().__init__()
-        self.made = 0
+        self.shapes: list[torch.Size] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         aliases = any(r.alias_info is not None for r in func._schema.returns)
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V and not aliases:
-                self.made += 1
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == V and not aliases \
+                    and t.layout == torch.strided:
+                self.shapes.append(t.shape)
         return out
+
+    def logits_made(self) -> int:
+        """Those of two or more dimensions: logits of a chunk of tokens."""
+        return sum(len(shape) >= 2 for shape in self.shapes)
+
+    def most_rows(self) -> int:
+        """The most tokens any of them holds the vocabulary of."""
+        return max((shape.numel() // V for shape in self.shapes), default=0)
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -258,10 +268,10 @@ def test_the_backward_of_a_kept_chunk_makes_no_logits_of_its_own(entropy_grad):
     hidden = torch.randn(13, 32, generator=g, requires_grad=True)
     ids = torch.randint(0, V, (13,), generator=g)
     logp, entropy = head_logprobs(model, hidden, ids, 0.9, with_entropy=True, entropy_grad=entropy_grad, chunk=5)
-    spy = _NewLogits()
+    spy = _VocabularyTensors()
     with spy:
         (logp.sum() + (entropy.sum() if entropy_grad else 0)).backward()
-    assert spy.made == (3 if entropy_grad else 0)  # three chunks: 5, 5 and 3 tokens
+    assert spy.logits_made() == (3 if entropy_grad else 0)  # three chunks: 5, 5 and 3 tokens
 
 
 class _LiveLogits(TorchDispatchMode):
@@ -336,23 +346,6 @@ def test_the_backward_computes_again_only_the_logits_the_budget_did_not_keep(bud
     assert backward.rows == computed_again
 
 
-class _LargestLogits(TorchDispatchMode):
-    """Records the most rows of any new (not a view) tensor whose last dimension is the vocabulary."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        aliases = any(r.alias_info is not None for r in func._schema.returns)  # a view of an input (t, view...)
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == V and not aliases \
-                    and t.layout == torch.strided:
-                self.rows = max(self.rows, t.numel() // V)
-        return out
-
-
 @pytest.mark.parametrize("kind", ["tied", "softcap", "lora", "lora-head"])
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_no_more_than_a_chunk_of_tokens_has_logits_at_once(kind, share_prompt, monkeypatch):
@@ -362,12 +355,12 @@ def test_no_more_than_a_chunk_of_tokens_has_logits_at_once(kind, share_prompt, m
     model = tiny(kind).train()
     batch = batch_of(T=20)
     N = int(batch.completion_mask_BT.sum())
-    spy = _LargestLogits()
+    spy = _VocabularyTensors()
     with spy:
         logp, entropy = completion_logprobs(model, batch, 0.9, with_entropy=True, entropy_grad=True,
                                             share_prompt=share_prompt)
         (logp.sum() + entropy.sum()).backward()
-    assert N > 5 * CHUNK and 0 < spy.rows <= CHUNK
+    assert N > 5 * CHUNK and 0 < spy.most_rows() <= CHUNK
 
 
 def test_a_model_that_changes_its_logits_after_its_head_in_a_way_covey_does_not_know_is_refused():
