@@ -144,6 +144,7 @@ def test_cli_bad_divisibility_is_one_line_error(capsys):
     {"adam_epsilon": -1}, {"weight_decay": -1}, {"vllm_server_port": -5}, {"vllm_server_timeout": -1},
     {"overlong_max_length": -3}, {"overlong_cache_length": 0}, {"vllm_importance_sampling_clip_min": -2},
     {"save_steps": -1}, {"save_total_limit": 0}, {"reward_num_workers": -1}, {"report_to": ["tensorbored"]},
+    {"logprob_budget_mib": 0},
 ])
 def test_out_of_range_values_are_rejected_naming_the_field(values):
     (name, value), = values.items()

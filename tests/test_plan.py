@@ -302,6 +302,30 @@ def test_the_advice_makes_an_over_budget_run_fit(qwen_like):
     assert len(combined) == 1 and len(combined[0].changes) > 1
 
 
+def test_the_log_prob_budget_sizes_the_pass_and_the_plan_names_the_one_that_computes_no_logits_again(qwen_like):
+    from covey.plan.report import plan_text
+
+    args = GRPOConfig(**{**DEMO, "num_generations": 2}, model=str(qwen_like), max_completion_length=1024,
+                      per_device_train_batch_size=2)
+    default = make_plan(args, 1, small_device(64))
+    tokens = 2 * 1024  # the micro-batch's completion tokens, past the default's 220-token chunk
+    whole_mib = -(-tokens * 151936 * 4 // 2**20)  # 1187
+    assert default.settings.logprob_chunk == 220
+    assert f"logprob_budget_mib: {whole_mib} holds every logit" in plan_text(default)
+    whole = replan(default, logprob_budget_mib=whole_mib)
+    assert whole.settings.logprob_chunk >= tokens > replan(default, logprob_budget_mib=whole_mib - 1).settings.logprob_chunk
+    # one chunk of logits and a quarter of one as working rows, float32
+    assert whole.breakdown.logprob_pass == 4 * 151936 * (tokens + tokens // 4)
+    assert whole.breakdown.logprob_pass > 8 * default.breakdown.logprob_pass
+    assert "holds every logit" not in plan_text(whole)
+    assert "holds every logit" not in plan_text(replan(default, use_peft=True))  # a frozen head computes none again
+    # a run over the device with a budget above the default is offered the default; one at it, no budget
+    device = small_device((default.needed + whole.needed) / 2 / 2**30)
+    tight = make_plan(dataclasses.replace(args, logprob_budget_mib=whole_mib), 1, device)
+    assert not tight.fits and {"logprob_budget_mib": 128} in [s.changes for s in advice(tight)]
+    assert not any("logprob_budget_mib" in s.changes for s in advice(make_plan(args, 1, small_device(1))))
+
+
 def test_sharding_divides_the_state_over_processes(qwen_like):
     args = GRPOConfig(**DEMO, model=str(qwen_like), fsdp="full_shard")
     one, two = (make_plan(args, n, small_device(64)).breakdown for n in (1, 2))

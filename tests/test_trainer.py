@@ -81,6 +81,25 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
     assert AutoTokenizer.from_pretrained(run / "final_model").chat_template
 
 
+def test_every_log_prob_pass_of_a_run_takes_its_budget(tmp_path, tokenizer, tiny_model, monkeypatch):
+    """The training pass, the old policy's and the reference's all run the head within logprob_budget_mib."""
+    import covey.train.forward as forward
+
+    seen = []
+
+    def head_logprobs(*args, budget=None, **kwargs):
+        seen.append((budget, torch.is_grad_enabled()))
+        return original(*args, budget=budget, **kwargs)
+
+    original = forward.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs", head_logprobs)
+    args = small_args(tmp_path, beta=0.04, num_iterations=2, max_steps=2, logprob_budget_mib=3)
+    GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                processing_class=tokenizer, quiet=True).train()
+    assert {budget for budget, _ in seen} == {3 * 2**20}
+    assert {grad for _, grad in seen} == {True, False}  # passes that train and passes that do not
+
+
 def test_the_saved_tokenizer_pads_as_the_one_given(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 

@@ -202,6 +202,7 @@ class GRPOConfig:
     bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    logprob_budget_mib: int = _f(128, "MiB of float32 logits the log-prob pass makes at once and keeps for its backward: larger computes fewer logits twice (faster past it), smaller lowers the peak (docs/training.md)")
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     keep_freed_memory: bool = _f(True, "on Linux, the C library keeps freed CPU memory for reuse while training: half the page faults, a lower peak (process-wide)")
     memory_check: bool = _f(True, "before loading the model, estimate a step's peak memory (covey plan) and refuse a run estimated at over 1.5x the device's memory (false: train anyway)")

@@ -15,9 +15,10 @@ LOGPROB_CHUNK_TOKENS = 128
 """Rows of logits ``token_logprobs`` turns into float32 log-softmaxes at once (its working copies)."""
 
 LOGPROB_CHUNK_BYTES = 128 * 2**20
-"""The output head's budget in the log-prob pass (``covey.train.head``): the head runs on as many completion
-tokens at once as have float32 logits within it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of
-49,152, 220 of Qwen's 151,936), so a micro-batch that fits runs in one chunk; in a pass with a gradient the
+"""The output head's default budget in the log-prob pass (``covey.train.head``; a run sets its own with
+``logprob_budget_mib``): the head runs on as many completion tokens at once as have float32 logits within
+it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of 49,152, 220 of Qwen's 151,936), so a
+micro-batch that fits runs in one chunk; in a pass with a gradient the
 forward keeps, for the chunks that fit the same budget (the last), their float32 softmax in place of their
 logits, which the backward turns into the logits' gradient in place before it computes the other chunks'
 logits again. At the worst moment the pass holds one chunk's float32 logits and a float32 working copy of

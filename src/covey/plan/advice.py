@@ -1,15 +1,17 @@
 """Settings that would make an over-budget run fit, each estimated again.
 
-Each suggestion changes what the user can change in the config: the micro-batch (halved, with twice
-the gradient accumulation so the step trains on the same completions), gradient checkpointing, LoRA,
-FSDP2 sharding over the processes launched (or more of them), shorter completions, a smaller vLLM
-share. Single changes come first; where none fits alone, they are combined in that order.
+Each suggestion changes what the user can change in the config: a log-prob budget above the default back
+to it, the micro-batch (halved, with twice the gradient accumulation so the step trains on the same
+completions), gradient checkpointing, LoRA, FSDP2 sharding over the processes launched (or more of them),
+shorter completions, a smaller vLLM share. Single changes come first; where none fits alone, they are
+combined in that order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from covey.core import LOGPROB_CHUNK_BYTES
 from covey.errors import ConfigError
 
 
@@ -29,6 +31,8 @@ def candidate_changes(plan) -> list[tuple[dict, int]]:
     """(config changes, processes) worth trying for ``plan``, single changes in order of cost to the run."""
     args, s = plan.args, plan.settings
     out: list[tuple[dict, int]] = []
+    if args.logprob_budget_mib > LOGPROB_CHUNK_BYTES // 2**20:  # the default: slower, no change to the run
+        out.append(({"logprob_budget_mib": LOGPROB_CHUNK_BYTES // 2**20}, s.processes))
     if args.per_device_train_batch_size > 1:
         micro = args.per_device_train_batch_size
         for smaller in (micro // 2, micro // 4, 1):

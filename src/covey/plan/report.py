@@ -20,6 +20,16 @@ def advice_text(suggestions: list[Suggestion]) -> str:
     return "\n".join(lines)
 
 
+def whole_logits_budget_mib(s, vocab: int) -> int | None:
+    """The smallest ``logprob_budget_mib`` whose chunk holds a micro-batch's completion tokens, where the
+    budget is smaller and the head trains (its backward then computes the other chunks' logits again); else
+    None."""
+    tokens = s.micro_batch * s.completion_length
+    if s.trains_lora or s.logprob_chunk is None or tokens <= s.logprob_chunk:
+        return None
+    return -(-tokens * vocab * 4 // 2**20)
+
+
 def plan_text(plan, suggestions: list[Suggestion] | None = None) -> str:
     """The whole plan, as covey plan prints it."""
     shape, s, b, device = plan.shape, plan.settings, plan.breakdown, plan.device
@@ -41,11 +51,15 @@ def plan_text(plan, suggestions: list[Suggestion] | None = None) -> str:
     if device.runtime:
         lines.append(f"  {'runtime (python, torch)':<26}{gib(device.runtime):>12}")
     lines.append(f"  {'peak (' + b.phase + ')':<26}{gib(plan.needed):>12}")
-    if not s.gradient_checkpointing:
-        from covey.plan.planning import replan
+    from covey.plan.planning import replan
 
+    if not s.gradient_checkpointing:
         with_ckpt = replan(plan, gradient_checkpointing=True).breakdown.activations
         lines.append(f"  (activations with gradient checkpointing: {gib(with_ckpt)})")
+    whole = whole_logits_budget_mib(s, shape.vocab)
+    if whole is not None:
+        lines.append(f"  (logprob_budget_mib: {whole} holds every logit of a micro-batch and computes none again, "
+                     f"faster: peak {gib(replan(plan, logprob_budget_mib=whole).needed)})")
     lines += [f"  note: {note}" for note in b.notes]
     lines += ["", f"device: {device.name}: {gib(device.total)}, {gib(device.available)} available"]
     if plan.fits:

@@ -8,8 +8,9 @@ from the decoder's final hidden states, without ever holding the logits of all N
 Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
 the per-token logits processor (the temperature) is applied, one chunk at a time.
 
-A chunk is as many tokens as have float32 logits within ``core.LOGPROB_CHUNK_BYTES``, so a small micro-batch
-runs in one. A plain linear head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden
+A chunk is as many tokens as have float32 logits within the pass's budget (``logprob_budget_mib``, by
+default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. A plain linear head runs in
+``_ChunkedLinearHead``, an autograd function that keeps the hidden
 states, the head's weight, the results and, within the same budget, what the last chunks' backward starts
 from: their softmax in place of their logits where nothing comes between the head and the softmax (else the
 logits and their graph). Its backward turns those into their logits' gradient in place first, then computes
@@ -172,19 +173,21 @@ class _ChunkedLinearHead(torch.autograd.Function):
         for index, rows in enumerate(slices):
             if plain and frozen:  # the slopes from the chunk's log-softmax, in place of its logits
                 logp, entropy, chunk_slopes = _plain_slopes(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
-                                                            _scale(temperature), with_entropy, entropy_grad, weight)
+                                                            _scale(temperature), with_entropy, entropy_grad, weight,
+                                                            _working_rows(plan.size, 4))
                 for slope, chunk_slope in zip(slopes, chunk_slopes):
                     slope[rows] = chunk_slope
             elif plain:  # the softmax's own results, kept in place of the logits where asked
                 keep = None if index < first_kept else "log_p" if entropy_grad else "p"
                 logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
-                                                      _scale(temperature), with_entropy, keep)
+                                                      _scale(temperature), with_entropy, keep,
+                                                      _working_rows(plan.size, 4))
                 if held is not None:
                     ctx.kept.append(_Kept(keep, held))
             else:
                 graph = frozen or index >= first_kept
                 linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                      with_entropy, entropy_grad, graph)
+                                                      with_entropy, entropy_grad, graph, _working_rows(plan.size))
                 if frozen:
                     for slope, output in zip(slopes, (logp, entropy)):
                         (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
@@ -241,7 +244,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
                                                 entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
             else:  # computed again through the transform or the truncation: the entropy where it has a gradient
                 linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
-                                                      entropy_grad, True)
+                                                      entropy_grad, True, _working_rows(plan.size))
                 grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
             linear = logp = entropy = None
             with torch.autocast(hidden.device.type, enabled=False):
@@ -266,11 +269,11 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
-def _working_rows(vocab: int, share: int = 16) -> int:
-    """Rows turned into float32 (log-)softmaxes at once inside a chunk: those within a ``share``-th of the
-    budget, so the working copies stay small beside the chunk's logits (``core.token_logprobs`` makes
+def _working_rows(chunk: int, share: int = 16) -> int:
+    """Rows turned into float32 (log-)softmaxes at once inside a chunk of ``chunk`` rows: a ``share``-th of
+    them, so the working copies stay small beside the chunk's logits (``core.token_logprobs`` makes
     several at a time, a sixteenth each; ``_plain_logprobs`` one, a quarter: fewer and larger passes)."""
-    return logprob_chunk_tokens(vocab, LOGPROB_CHUNK_BYTES // share)
+    return max(1, chunk // share)
 
 
 def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
@@ -326,7 +329,7 @@ def _onehot_part(grad, ids_c, grad_logp_c, t: float) -> torch.Tensor:
     return grad.div_(t) if t != 1 else grad
 
 
-def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | None):
+def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | None, working: int):
     """(logp_c, entropy_c or empty, kept or None) of a chunk's logits x (``linear_cV``, made for this and
     overwritten) under log p = log_softmax(x / t), in float32, a few rows at a time:
 
@@ -334,13 +337,13 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
 
     ``keep``: what the backward of a kept chunk starts from, float32 [c, V], written over the logits where
     they are float32: "p" (the log-probs' gradient needs p alone) or "log_p" (the entropy's needs log p);
-    None keeps nothing."""
+    None keeps nothing. ``working``: rows made into float32 log-softmaxes at once."""
     c, V = linear_cV.shape
     kept = None if keep is None else linear_cV if linear_cV.dtype == torch.float32 else \
         torch.empty(c, V, dtype=torch.float32, device=linear_cV.device)
     logp_c = torch.empty(c, dtype=torch.float32, device=linear_cV.device)
     entropy_c = torch.empty(c if with_entropy else 0, dtype=torch.float32, device=linear_cV.device)
-    for rows in _chunks(c, _working_rows(V, 4)):
+    for rows in _chunks(c, working):
         z = linear_cV[rows].float()  # the logits' own memory where float32 (not needed after this)
         log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
         logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
@@ -356,11 +359,11 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
     return logp_c, entropy_c, kept
 
 
-def _plain_slopes(linear_cV, ids_c, t: float, with_entropy: bool, entropy_grad: bool, weight_VH):
+def _plain_slopes(linear_cV, ids_c, t: float, with_entropy: bool, entropy_grad: bool, weight_VH, working: int):
     """(logp_c, entropy_c, slopes) of a frozen head's chunk (``linear_cV`` made for this and overwritten):
     d logp_t / d hidden_t = (onehot(id) - p) W / t and, with the entropy's gradient, d H_t / d hidden_t =
     -(p (log p + H_t)) W / t, from the chunk's log-softmax; at most its p beside it."""
-    logp_c, entropy_c, log_p = _plain_logprobs(linear_cV, ids_c, t, with_entropy, "log_p")
+    logp_c, entropy_c, log_p = _plain_logprobs(linear_cV, ids_c, t, with_entropy, "log_p", working)
     with torch.autocast(log_p.device.type, enabled=False):
         p = log_p.exp() if entropy_grad else log_p.exp_()
         slopes = []
@@ -410,14 +413,15 @@ def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
         return torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
 
 
-def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad, graph: bool):
+def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad, graph: bool,
+                  working: int):
     """(linear, logp, entropy) of one chunk; with ``graph``, on an autograd graph from its pre-transform
     logits ``linear`` through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
     linear = _head_linear(head, hidden_cH, weight)
     linear.requires_grad_(graph)
     with torch.set_grad_enabled(graph), torch.autocast(hidden_cH.device.type, enabled=False):
         logits = linear if head.transform is None else head.transform(linear)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=working,
                                        entropy_grad=entropy_grad)
     return linear, logp, entropy
 
@@ -430,7 +434,7 @@ def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, tem
     def chunk_logprobs(hidden_cH: torch.Tensor, ids_c: torch.Tensor):
         logits = head(hidden_cH)
         logits = logits if transform is None else transform(logits)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(logits.shape[-1]),
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(chunk),
                                        entropy_grad=entropy_grad)
         return logp, entropy if with_entropy else logp.new_empty(0)
 
