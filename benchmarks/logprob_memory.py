@@ -13,7 +13,8 @@ resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer stat
 the median of the steps after the first (with ``--steps 1``, the one step).
 
     python -m benchmarks.logprob_memory --lengths 256 512 1024 --vocabularies 49152 151936 --group 2 \\
-        --trainers covey trl [--covey-before SRC] [--parallel 4]   # SRC: another covey's src folder
+        --trainers covey trl [--covey-before SRC] [--covey-budgets 1200] [--parallel 4]
+                                        # SRC: another covey's src folder; covey also at a budget of 1200 MiB
     python -m benchmarks.logprob_memory --pass-alone 3 --lengths 512 --group 2 --budgets 64 128   # head's time
     python -m benchmarks.logprob_memory --pass-memory --lengths 512 --group 2                     # head's memory
     python -m benchmarks.logprob_memory --worker covey --vocabularies 151936 --lengths 512 --group 2 --stages
@@ -83,13 +84,15 @@ def completion_length(completions, **kwargs):
 
 
 def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
-              checkpointing: bool = True) -> list[float]:
+              checkpointing: bool = True, budget_mib: int | None = None) -> list[float]:
     from covey import GRPOConfig, GRPOTrainer
+
+    budget = {} if budget_mib is None else {"logprob_budget_mib": budget_mib}  # None: the default (any version)
 
     args = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                       gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                       learning_rate=1e-6, temperature=1.0, eval_max_samples=0, log_completions=False, seed=0,
-                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing)
+                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing, **budget)
     GRPOTrainer(model=model, reward_funcs=completion_length, train_dataset=[{"prompt": PROMPT}] * 64,
                 processing_class=tokenizer, args=args, quiet=True, rollout_func=fixed_rollouts(length)).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -133,7 +136,7 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
 
 
 def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool,
-           stages: bool = False) -> None:
+           stages: bool = False, budget_mib: int | None = None) -> None:
     from covey.config import EMBEDDED_MODEL
     from covey.models import load_tokenizer
 
@@ -143,8 +146,9 @@ def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, c
     if peaks is not None:
         peaks.stage = "after the model is built"
     with tempfile.TemporaryDirectory() as out_dir:
-        run = run_trl if trainer == "trl" else run_covey
-        seconds = run(model, tokenizer, length, group, steps, os.path.join(out_dir, "run"), checkpointing)
+        out = os.path.join(out_dir, "run")
+        seconds = run_trl(model, tokenizer, length, group, steps, out, checkpointing) if trainer == "trl" else \
+            run_covey(model, tokenizer, length, group, steps, out, checkpointing, budget_mib)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if peaks is not None:
         print("STAGES " + json.dumps(peaks.peaks_mib), flush=True)
@@ -206,14 +210,16 @@ class StagePeaks:
 
 
 def measure(trainer: str, vocabulary: int, length: int, group: int, steps: int, source: str | None,
-            checkpointing: bool) -> dict:
-    """One configuration in a fresh process; ``source``: the covey src folder it imports (another version)."""
+            checkpointing: bool, budget_mib: int | None = None) -> dict:
+    """One configuration in a fresh process; ``source``: the covey src folder it imports (another version);
+    ``budget_mib``: covey's logprob_budget_mib (None: its default)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if source:
         env["PYTHONPATH"] = os.pathsep.join([source, os.getcwd()])
     out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_memory", "--worker", trainer,
                           "--vocabularies", str(vocabulary), "--lengths", str(length), "--group", str(group),
-                          "--steps", str(steps), "--gradient-checkpointing", "on" if checkpointing else "off"],
+                          "--steps", str(steps), "--gradient-checkpointing", "on" if checkpointing else "off",
+                          *(["--budget-mib", str(budget_mib)] if budget_mib else [])],
                          capture_output=True, text=True, env=env)
     line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
@@ -362,6 +368,9 @@ def main() -> None:
     parser.add_argument("--vocabularies", type=int, nargs="+", default=[49152, 151936], choices=list(SHAPES))
     parser.add_argument("--trainers", nargs="+", default=["covey", "trl"], choices=["covey", "trl"])
     parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
+    parser.add_argument("--covey-budgets", type=int, nargs="+", default=[], metavar="MIB",
+                        help="covey also with these logprob_budget_mib, each measured as 'covey N MiB'")
+    parser.add_argument("--budget-mib", type=int, help="with --worker covey: its logprob_budget_mib")
     parser.add_argument("--group", type=int, default=8, help="completions per step (one prompt's group)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
@@ -403,22 +412,24 @@ def main() -> None:
                 pass_alone(vocabulary, length * args.group, args.pass_alone, args.budgets, args.frozen_head)
         return
     if args.worker:
-        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing, args.stages)
+        worker(args.worker, args.vocabularies[0], args.lengths[0], args.group, args.steps, checkpointing, args.stages,
+               args.budget_mib)
         return
-    runs = [(name, name, None) for name in args.trainers]
+    runs = [(name, name, None, None) for name in args.trainers]  # (name, trainer, src folder, covey's budget)
     if args.covey_before:
-        runs.insert(1, ("covey before", "covey", args.covey_before))
+        runs.insert(1, ("covey before", "covey", args.covey_before, None))
+    runs[1:1] = [(f"covey {mib} MiB", "covey", None, mib) for mib in args.covey_budgets]
     jobs = [(vocabulary, length, run) for vocabulary in args.vocabularies for length in args.lengths for run in runs]
     # the largest first, so that the last to finish are short ones
     order = sorted(jobs, key=lambda job: -job[0] * job[1])
     def run(job):
-        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2], checkpointing)
+        result = measure(job[2][1], job[0], job[1], args.group, args.steps, job[2][2], checkpointing, job[2][3])
         print(f"measured {job[2][0]}, vocabulary {job[0]}, {job[1]} x {args.group} tokens: {result}", flush=True)
         return result
 
     with ThreadPoolExecutor(args.parallel) as pool:
         futures = {job: pool.submit(run, job) for job in order}
-    names = [name for name, _, _ in runs]
+    names = [run[0] for run in runs]
     print(f"| vocabulary | completion tokens | {' | '.join(f'{n} peak MiB' for n in names)} | "
           f"{' | '.join(f'{n} s/step' for n in names)} |")
     print("|---|---|" + "---|" * 2 * len(runs))
