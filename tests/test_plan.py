@@ -313,7 +313,8 @@ def test_the_log_prob_budget_sizes_the_pass_and_the_plan_names_the_one_that_comp
     assert default.settings.logprob_chunk == 220
     assert f"logprob_budget_mib: {whole_mib} holds every logit" in plan_text(default)
     whole = replan(default, logprob_budget_mib=whole_mib)
-    assert whole.settings.logprob_chunk >= tokens > replan(default, logprob_budget_mib=whole_mib - 1).settings.logprob_chunk
+    smaller = replan(default, logprob_budget_mib=whole_mib - 1)
+    assert whole.settings.logprob_chunk >= tokens > smaller.settings.logprob_chunk
     # one chunk of logits and a quarter of one as working rows, float32
     assert whole.breakdown.logprob_pass == 4 * 151936 * (tokens + tokens // 4)
     assert whole.breakdown.logprob_pass > 8 * default.breakdown.logprob_pass

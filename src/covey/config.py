@@ -295,6 +295,10 @@ class GRPOConfig:
         """'4bit' or '8bit' (load_in_4bit, load_in_8bit), else None."""
         return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
 
+    @property
+    def logprob_budget_bytes(self) -> int:
+        return self.logprob_budget_mib * 2**20
+
     def sample_in_bf16(self, device: Any) -> bool:
         """Whether the local engines sample in bfloat16 on ``device`` (see rollout_bf16)."""
         if self.rollout_bf16 is not None:

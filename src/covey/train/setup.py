@@ -317,7 +317,7 @@ def shard_run(args: GRPOConfig, sharding: Sharding, policy: torch.nn.Module, ref
     copy = None if one or own_engine or engine_name(args) not in ENGINES_IN_PROCESS else PolicyCopy(policy)  # first
 
     def wrapped(model: torch.nn.Module, trained: bool) -> torch.nn.Module:
-        logprob_pass = TrainingForward(model, args.logprob_budget_mib * 2**20)
+        logprob_pass = TrainingForward(model, args.logprob_budget_bytes)
         return logprob_pass if one else shard(logprob_pass, sharding, args.bf16, trained)
 
     frozen = None if reference is None else reference.frozen
