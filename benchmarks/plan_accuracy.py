@@ -54,6 +54,9 @@ CONFIGS = {
     "qwen3-full-64": ("qwen3-0.6b", 1, dict(max_completion_length=64)),
     "qwen2.5-accumulate2-64": ("qwen2.5-0.5b", 1, dict(max_completion_length=64, per_device_train_batch_size=4,
                                                        gradient_accumulation_steps=2)),
+    # a log-prob budget that holds the micro-batch's logits (8 x 256 tokens: 384 MiB at 49,152, 1,187 at 151,936)
+    "smollm2-budget400-256": ("smollm2-135m", 1, dict(max_completion_length=256, logprob_budget_mib=400)),
+    "qwen2.5-budget1200-256": ("qwen2.5-0.5b", 1, dict(max_completion_length=256, logprob_budget_mib=1200)),
     "smollm2-fsdp2x2-64": ("smollm2-135m", 2, dict(max_completion_length=64, fsdp="full_shard")),
     "qwen2.5-fsdp2x2-64": ("qwen2.5-0.5b", 2, dict(max_completion_length=64, fsdp="full_shard")),
 }
