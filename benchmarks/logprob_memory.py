@@ -429,7 +429,7 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.parallel) as pool:
         futures = {job: pool.submit(run, job) for job in order}
-    names = [run[0] for run in runs]
+    names = [name for name, *_ in runs]
     print(f"| vocabulary | completion tokens | {' | '.join(f'{n} peak MiB' for n in names)} | "
           f"{' | '.join(f'{n} s/step' for n in names)} |")
     print("|---|---|" + "---|" * 2 * len(runs))

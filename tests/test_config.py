@@ -152,6 +152,12 @@ def test_out_of_range_values_are_rejected_naming_the_field(values):
         GRPOConfig(**values)
 
 
+def test_the_log_prob_budget_defaults_to_the_pass_s_own():
+    from covey.core import LOGPROB_CHUNK_BYTES
+
+    assert GRPOConfig().logprob_budget_bytes == LOGPROB_CHUNK_BYTES
+
+
 def test_use_vllm_given_as_text_is_read_as_a_bool():
     assert GRPOConfig(use_vllm="false").rollout_engine == "fast"
     assert GRPOConfig(use_vllm="true").rollout_engine == "vllm"

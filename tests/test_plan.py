@@ -178,11 +178,12 @@ def test_the_backward_ends_with_the_embedding_gradient_beside_the_others(tied, a
     assert estimated == pytest.approx(measured, rel=0.1)
 
 
-@pytest.mark.parametrize("head", ["trained", "frozen"])
-def test_the_logprob_pass_allocates_what_the_plan_counts(head):
+@pytest.mark.parametrize("head, budget_mib", [("trained", 128), ("frozen", 128), ("trained", 512)])
+def test_the_logprob_pass_allocates_what_the_plan_counts(head, budget_mib):
     """The log-prob pass alone, forward and backward over two chunks (the last kept from the forward, the
     first computed again; a frozen head, as under LoRA, keeps per-token slopes instead), against
-    ``logprob_pass_bytes``; the head weight's own gradient is counted with the gradients, not here."""
+    ``logprob_pass_bytes``; the head weight's own gradient is counted with the gradients, not here. A budget
+    above the default makes larger chunks, not larger working copies."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from covey.core import logprob_chunk_tokens
@@ -194,13 +195,13 @@ def test_the_logprob_pass_allocates_what_the_plan_counts(head):
     model = AutoModelForCausalLM.from_config(config)
     model.lm_head.weight.requires_grad_(head == "trained")
     shape = dense_shape(config)
-    chunk = logprob_chunk_tokens(shape.vocab)
+    chunk = logprob_chunk_tokens(shape.vocab, budget_mib * 2**20)
     N = chunk + chunk // 2
     hidden = torch.randn(N, config.hidden_size, requires_grad=True)
     ids = torch.randint(0, config.vocab_size, (N,))
 
     def the_pass():
-        logp, _ = head_logprobs(model, hidden, ids)
+        logp, _ = head_logprobs(model, hidden, ids, budget=budget_mib * 2**20)
         (logp * torch.linspace(0.5, 1.5, N)).sum().backward()
 
     weight_gradient = shape.vocab * config.hidden_size * 4 if head == "trained" else 0
@@ -208,6 +209,9 @@ def test_the_logprob_pass_allocates_what_the_plan_counts(head):
     settings = Settings(micro_batch=1, generation_rows=1, num_generations=2, prompt_length=1, completion_length=N,
                         logprob_chunk=chunk, lora_targets=("q_proj",) if head == "frozen" else None)
     assert logprob_pass_bytes(shape, settings) == pytest.approx(measured, rel=0.1)
+    if head == "trained":  # one chunk's logits and working copies of a quarter of the default budget's chunk
+        working = logprob_chunk_tokens(shape.vocab) // 4
+        assert measured == pytest.approx(4 * shape.vocab * (chunk + working), rel=0.1)
 
 
 def _big_vocabulary(tied: bool):
@@ -315,9 +319,8 @@ def test_the_log_prob_budget_sizes_the_pass_and_the_plan_names_the_one_that_comp
     whole = replan(default, logprob_budget_mib=whole_mib)
     smaller = replan(default, logprob_budget_mib=whole_mib - 1)
     assert whole.settings.logprob_chunk >= tokens > smaller.settings.logprob_chunk
-    # one chunk of logits and a quarter of one as working rows, float32
-    assert whole.breakdown.logprob_pass == 4 * 151936 * (tokens + tokens // 4)
-    assert whole.breakdown.logprob_pass > 8 * default.breakdown.logprob_pass
+    # one chunk of logits and working rows of a quarter of the default's chunk (220 tokens), float32
+    assert whole.breakdown.logprob_pass == 4 * 151936 * (tokens + 220 // 4)
     assert "holds every logit" not in plan_text(whole)
     assert "holds every logit" not in plan_text(replan(default, use_peft=True))  # a frozen head computes none again
     # a run over the device with a budget above the default is offered the default; one at it, no budget

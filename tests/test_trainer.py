@@ -81,8 +81,10 @@ def test_trains_writes_the_run_folder_and_saves_a_loadable_model(tmp_path, token
     assert AutoTokenizer.from_pretrained(run / "final_model").chat_template
 
 
-def test_every_log_prob_pass_of_a_run_takes_its_budget(tmp_path, tokenizer, tiny_model, monkeypatch):
-    """The training pass, the old policy's and the reference's all run the head within logprob_budget_mib."""
+@pytest.mark.parametrize("fsdp", ["", "full_shard"])
+def test_every_log_prob_pass_of_a_run_takes_its_budget(tmp_path, tokenizer, tiny_model, monkeypatch, fsdp):
+    """The training pass, the old policy's and the reference's all run the head within logprob_budget_mib,
+    plain or as a sharded run's passes (``fsdp``, here in one process)."""
     import covey.train.forward as forward
 
     seen = []
@@ -93,7 +95,7 @@ def test_every_log_prob_pass_of_a_run_takes_its_budget(tmp_path, tokenizer, tiny
 
     original = forward.head_logprobs
     monkeypatch.setattr(forward, "head_logprobs", head_logprobs)
-    args = small_args(tmp_path, beta=0.04, num_iterations=2, max_steps=2, logprob_budget_mib=3)
+    args = small_args(tmp_path, beta=0.04, num_iterations=2, max_steps=2, logprob_budget_mib=3, fsdp=fsdp)
     GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=ROWS,
                 processing_class=tokenizer, quiet=True).train()
     assert {budget for budget, _ in seen} == {3 * 2**20}

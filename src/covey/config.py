@@ -297,6 +297,7 @@ class GRPOConfig:
 
     @property
     def logprob_budget_bytes(self) -> int:
+        """logprob_budget_mib in bytes."""
         return self.logprob_budget_mib * 2**20
 
     def sample_in_bf16(self, device: Any) -> bool:

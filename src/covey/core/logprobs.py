@@ -18,22 +18,29 @@ LOGPROB_CHUNK_BYTES = 128 * 2**20
 """The output head's default budget in the log-prob pass (``covey.train.head``; a run sets its own with
 ``logprob_budget_mib``): the head runs on as many completion tokens at once as have float32 logits within
 it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of 49,152, 220 of Qwen's 151,936), so a
-micro-batch that fits runs in one chunk; in a pass with a gradient the
-forward keeps, for the chunks that fit the same budget (the last), their float32 softmax in place of their
-logits, which the backward turns into the logits' gradient in place before it computes the other chunks'
-logits again. At the worst moment the pass holds one chunk's float32 logits and a float32 working copy of
-a quarter of the budget: 160 MiB whatever the vocabulary and the length (under bf16 autocast, or with the
-entropy bonus, up to twice the budget; with both, three times); beside them, per token, its hidden state
-and two float32 results, and one float32 V x H accumulator of the head weight's gradient where the weight
-trains. A frozen head (LoRA) keeps no chunk: per token, the slopes of its log-prob (and entropy) in the
-hidden state. A larger budget makes fewer and larger matrix products and computes fewer logits twice; a
-smaller one lowers the peak."""
+micro-batch that fits runs in one chunk; in a pass with a gradient the forward keeps, for the chunks that
+fit the same budget (the last), their float32 softmax in place of their logits, which the backward turns
+into the logits' gradient in place before it computes the other chunks' logits again. At the worst moment
+the pass holds one chunk's float32 logits and a float32 working copy of a quarter of a chunk (of the
+default budget's chunk at most, ``logprob_working_rows``): 160 MiB at the default, whatever the vocabulary
+and the length (under bf16 autocast, or with the entropy bonus, up to twice the budget; with both, three
+times); beside them, per token, its hidden state and two float32 results, and one float32 V x H
+accumulator of the head weight's gradient where the weight trains. A frozen head (LoRA) keeps no chunk:
+per token, the slopes of its log-prob (and entropy) in the hidden state. A larger budget makes fewer and
+larger matrix products and computes fewer logits twice; a smaller one lowers the peak."""
 
 
 def logprob_chunk_tokens(vocab: int, budget: int | None = None) -> int:
     """Completion tokens the output head runs on at once: those whose float32 logits fit ``budget`` bytes
     (``LOGPROB_CHUNK_BYTES``), at least one."""
     return max(1, (LOGPROB_CHUNK_BYTES if budget is None else budget) // (4 * vocab))
+
+
+def logprob_working_rows(chunk: int, vocab: int, share: int) -> int:
+    """Rows of a chunk of ``chunk`` tokens made into float32 (log-)softmaxes at once: a ``share``-th of the
+    chunk, and never more than a ``share``-th of the default budget's chunk (a larger budget holds more
+    logits, not larger working copies), at least one."""
+    return max(1, min(chunk, logprob_chunk_tokens(vocab)) // share)
 
 
 @dataclass(frozen=True)

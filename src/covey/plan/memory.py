@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from covey.core import logprob_working_rows
 from covey.plan.shapes import ModelShape
 
 GiB = 2 ** 30
@@ -239,7 +240,7 @@ def logprob_pass_bytes(shape: ModelShape, s: Settings) -> int:
     if s.logprob_chunk is None:
         return 2 * tokens * shape.vocab * logits_bytes(s)
     chunk = min(tokens, s.logprob_chunk)
-    working = min(chunk, max(1, s.logprob_chunk // 4))  # covey.train.head's working rows, a quarter of the budget
+    working = min(chunk, logprob_working_rows(s.logprob_chunk, shape.vocab, 4))  # covey.train.head's working rows
     cast_weight = shape.vocab * shape.hidden * 2 if logits_bytes(s) == 2 and s.weight_bytes == 4 else 0
     if logits_bytes(s) == 4:
         per_entry = 8 * chunk if s.entropy_bonus else 4 * chunk + 4 * working

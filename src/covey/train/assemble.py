@@ -134,9 +134,9 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
                       rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation,
                       processor)
     sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
-    trained = Policy(policy, reference, optimizer, scheduler, *sharded_passes,
-                     logprob_budget=args.logprob_budget_bytes)
-    parts = StepParts(args, world, trained, sampler, Prompts(train_rows, prompt_ids), rewards,
+    policy_parts = Policy(policy, reference, optimizer, scheduler, *sharded_passes,
+                          logprob_budget_bytes=args.logprob_budget_bytes)
+    parts = StepParts(args, world, policy_parts, sampler, Prompts(train_rows, prompt_ids), rewards,
                       setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)))
     if model is None or isinstance(model, str):
         model_name = model or args.model

@@ -65,22 +65,22 @@ class TrainingForward(torch.nn.Module):
     included). DistributedDataParallel sums the gradients of the training pass while the backward runs;
     under FSDP2 it is the root unit (``covey.train.sharding``), and every pass of the model goes through it."""
 
-    def __init__(self, model: torch.nn.Module, logprob_budget: int | None = None):
+    def __init__(self, model: torch.nn.Module, logprob_budget_bytes: int | None = None):
         super().__init__()
         self.model = model
-        self.logprob_budget = logprob_budget  # bytes of the head's chunk (None: core.LOGPROB_CHUNK_BYTES)
+        self.logprob_budget_bytes = logprob_budget_bytes  # the head's chunk (None: core.LOGPROB_CHUNK_BYTES)
 
     def forward(self, batch: SequenceBatch, temperature: float | TokenDistribution, with_entropy: bool = True,
                 entropy_grad: bool = False, router_aux_loss: bool = False) -> tuple[torch.Tensor, ...]:
         return completion_logprobs(self.model, batch, temperature, with_entropy=with_entropy,
                                    entropy_grad=entropy_grad, router_aux_loss=router_aux_loss,
-                                   logprob_budget=self.logprob_budget)
+                                   logprob_budget_bytes=self.logprob_budget_bytes)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float | TokenDistribution = 1.0,
                         with_entropy: bool = False, share_prompt: bool = True, pack: bool = True,
                         float32_attention: bool = True, entropy_grad: bool = False, router_aux_loss: bool = False,
-                        logprob_budget: int | None = None) -> tuple[torch.Tensor, ...]:
+                        logprob_budget_bytes: int | None = None) -> tuple[torch.Tensor, ...]:
     """(logp_BT, entropy_BT or None) of the completion tokens under ``temperature`` (a number, or the whole
     distribution sampled from: ``core.TokenDistribution``); 0 at padding positions. ``share_prompt``
     and ``pack`` (where the model allows it) only change the work done, not the numbers;
@@ -88,8 +88,8 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
     ``entropy_grad``: the entropy carries its gradient (for an entropy bonus); ``router_aux_loss``: a
     mixture-of-experts model's load-balancing loss over the rows comes third (every row then runs in full,
     the router seeing each prompt once per row, as in transformers' own forward). The output head runs on
-    a few tokens at a time (``covey.train.head``, as many as have float32 logits within ``logprob_budget``
-    bytes): the logits of all the tokens are never held at once."""
+    a few tokens at a time (``covey.train.head``, as many as have float32 logits within
+    ``logprob_budget_bytes``): the logits of all the tokens are never held at once."""
     device = next(model.parameters()).device
     pack = pack and _packable(model)
     # a checkpointed layer recomputes its forward in the backward, outside this call: the attention must be
@@ -107,7 +107,7 @@ def completion_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperatur
             hidden_NH, rows_N, cols_N = completion_hidden_states(model, batch, share_prompt, pack)
     ids_N = batch.completion_ids_BT[rows_N, cols_N].to(device)
     logp_N, entropy_N = head_logprobs(model, hidden_NH, ids_N, temperature, with_entropy, entropy_grad=entropy_grad,
-                                      budget=logprob_budget)
+                                      budget=logprob_budget_bytes)
     at = (rows_N.to(device), cols_N.to(device))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=device)
     return zeros_BT.index_put(at, logp_N), None if entropy_N is None else zeros_BT.index_put(at, entropy_N), *aux

@@ -9,18 +9,20 @@ Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.to
 the per-token logits processor (the temperature) is applied, one chunk at a time.
 
 A chunk is as many tokens as have float32 logits within the pass's budget (``logprob_budget_mib``, by
-default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. A plain linear head runs in
-``_ChunkedLinearHead``, an autograd function that keeps the hidden
-states, the head's weight, the results and, within the same budget, what the last chunks' backward starts
-from: their softmax in place of their logits where nothing comes between the head and the softmax (else the
-logits and their graph). Its backward turns those into their logits' gradient in place first, then computes
-the other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
-turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of the
-weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so the
-logits of a chunk computed again never sit beside them. Any other head
-(a LoRA adapter on it, or a copy that ``lora_modules_to_save`` trains) runs as the module it is, each
-chunk under ``torch.utils.checkpoint``.
-Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
+default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. Inside a chunk, a few rows at a
+time become float32 (log-)softmaxes (``core.logprob_working_rows``: ``core.token_logprobs`` makes several
+working copies at a time, a sixteenth of a chunk each; the plain softmax one, a quarter). A plain linear
+head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden states, the head's
+weight, the results and, within the same budget, what the last chunks' backward starts from: their
+softmax in place of their logits where nothing comes between the head and the softmax (else the logits
+and their graph). Its backward turns those into their logits' gradient in place first, then computes the
+other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
+turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of
+the weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so
+the logits of a chunk computed again never sit beside them. Any other head (a LoRA adapter on it, or a
+copy that ``lora_modules_to_save`` trains) runs as the module it is, each chunk under
+``torch.utils.checkpoint``. Both compose with autocast, DDP and FSDP2 (the head's parameters are those
+the caller's pass gathered).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from covey.core import LOGPROB_CHUNK_BYTES, TokenDistribution, logprob_chunk_tokens, token_logprobs
+from covey.core import (LOGPROB_CHUNK_BYTES, TokenDistribution, logprob_chunk_tokens, logprob_working_rows,
+                        token_logprobs)
 from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
 
@@ -174,20 +177,21 @@ class _ChunkedLinearHead(torch.autograd.Function):
             if plain and frozen:  # the slopes from the chunk's log-softmax, in place of its logits
                 logp, entropy, chunk_slopes = _plain_slopes(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
                                                             _scale(temperature), with_entropy, entropy_grad, weight,
-                                                            _working_rows(plan.size, 4))
+                                                            logprob_working_rows(plan.size, plan.vocab, 4))
                 for slope, chunk_slope in zip(slopes, chunk_slopes):
                     slope[rows] = chunk_slope
             elif plain:  # the softmax's own results, kept in place of the logits where asked
                 keep = None if index < first_kept else "log_p" if entropy_grad else "p"
                 logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
                                                       _scale(temperature), with_entropy, keep,
-                                                      _working_rows(plan.size, 4))
+                                                      logprob_working_rows(plan.size, plan.vocab, 4))
                 if held is not None:
                     ctx.kept.append(_Kept(keep, held))
             else:
                 graph = frozen or index >= first_kept
                 linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                      with_entropy, entropy_grad, graph, _working_rows(plan.size))
+                                                      with_entropy, entropy_grad, graph,
+                                                      logprob_working_rows(plan.size, plan.vocab, 16))
                 if frozen:
                     for slope, output in zip(slopes, (logp, entropy)):
                         (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
@@ -244,7 +248,8 @@ class _ChunkedLinearHead(torch.autograd.Function):
                                                 entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
             else:  # computed again through the transform or the truncation: the entropy where it has a gradient
                 linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
-                                                      entropy_grad, True, _working_rows(plan.size))
+                                                      entropy_grad, True,
+                                                      logprob_working_rows(plan.size, plan.vocab, 16))
                 grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
             linear = logp = entropy = None
             with torch.autocast(hidden.device.type, enabled=False):
@@ -267,13 +272,6 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
         return left @ right if total is None else total.addmm_(left, right)
     product = (left @ right).float()
     return product if total is None else total.add_(product)
-
-
-def _working_rows(chunk: int, share: int = 16) -> int:
-    """Rows turned into float32 (log-)softmaxes at once inside a chunk of ``chunk`` rows: a ``share``-th of
-    them, so the working copies stay small beside the chunk's logits (``core.token_logprobs`` makes
-    several at a time, a sixteenth each; ``_plain_logprobs`` one, a quarter: fewer and larger passes)."""
-    return max(1, chunk // share)
 
 
 def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
@@ -434,7 +432,8 @@ def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, tem
     def chunk_logprobs(hidden_cH: torch.Tensor, ids_c: torch.Tensor):
         logits = head(hidden_cH)
         logits = logits if transform is None else transform(logits)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=_working_rows(chunk),
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature,
+                                       chunk=logprob_working_rows(chunk, logits.shape[-1], 16),
                                        entropy_grad=entropy_grad)
         return logp, entropy if with_entropy else logp.new_empty(0)
 

@@ -37,7 +37,7 @@ class Policy:
     # theirs runs
     sharded_pass: torch.nn.Module | None = None
     sharded_reference_pass: torch.nn.Module | None = None
-    logprob_budget: int | None = None  # bytes of the log-prob pass's chunk (logprob_budget_mib)
+    logprob_budget_bytes: int | None = None  # the log-prob pass's chunk (logprob_budget_mib)
     summed_pass: torch.nn.Module | None = field(default=None, init=False)  # while train() runs (summing_gradients)
 
     @property
@@ -47,7 +47,7 @@ class Policy:
     def pass_for(self, model: torch.nn.Module) -> torch.nn.Module:
         """The pass that computes ``model``'s log-probs (the policy's or its reference's)."""
         sharded = (p for p in (self.sharded_pass, self.sharded_reference_pass) if p is not None and p.model is model)
-        return next(sharded, None) or TrainingForward(model, self.logprob_budget)
+        return next(sharded, None) or TrainingForward(model, self.logprob_budget_bytes)
 
     def training_pass(self, world: World) -> torch.nn.Module:
         """The pass whose backward gives the step's gradients."""
@@ -61,7 +61,7 @@ class Policy:
         FSDP2 reduces the gradients itself). It is released at the end, while the process group is still
         open: released after it is closed (at exit, say), gloo's teardown can deadlock against the thread
         that finishes its last transfers."""
-        self.summed_pass = self.sharded_pass or world.data_parallel(TrainingForward(self.model, self.logprob_budget),
+        self.summed_pass = self.sharded_pass or world.data_parallel(TrainingForward(self.model, self.logprob_budget_bytes),
                                                                     static_graph=gradient_checkpointing)
         try:
             yield
