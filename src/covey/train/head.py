@@ -132,6 +132,10 @@ class _Chunks:
         short = self.tokens % self.size
         return [slice(0, short)] * bool(short) + _chunks(self.tokens - short, self.size, short)
 
+    def working_rows(self, share: int) -> int:
+        """Rows of a chunk made into float32 (log-)softmaxes at once (``core.logprob_working_rows``)."""
+        return logprob_working_rows(self.size, self.vocab, share)
+
     @property
     def kept(self) -> int:
         held, kept = 0, 0
@@ -177,21 +181,19 @@ class _ChunkedLinearHead(torch.autograd.Function):
             if plain and frozen:  # the slopes from the chunk's log-softmax, in place of its logits
                 logp, entropy, chunk_slopes = _plain_slopes(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
                                                             _scale(temperature), with_entropy, entropy_grad, weight,
-                                                            logprob_working_rows(plan.size, plan.vocab, 4))
+                                                            plan.working_rows(4))
                 for slope, chunk_slope in zip(slopes, chunk_slopes):
                     slope[rows] = chunk_slope
             elif plain:  # the softmax's own results, kept in place of the logits where asked
                 keep = None if index < first_kept else "log_p" if entropy_grad else "p"
                 logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
-                                                      _scale(temperature), with_entropy, keep,
-                                                      logprob_working_rows(plan.size, plan.vocab, 4))
+                                                      _scale(temperature), with_entropy, keep, plan.working_rows(4))
                 if held is not None:
                     ctx.kept.append(_Kept(keep, held))
             else:
                 graph = frozen or index >= first_kept
                 linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                      with_entropy, entropy_grad, graph,
-                                                      logprob_working_rows(plan.size, plan.vocab, 16))
+                                                      with_entropy, entropy_grad, graph, plan.working_rows(16))
                 if frozen:
                     for slope, output in zip(slopes, (logp, entropy)):
                         (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
@@ -248,8 +250,7 @@ class _ChunkedLinearHead(torch.autograd.Function):
                                                 entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
             else:  # computed again through the transform or the truncation: the entropy where it has a gradient
                 linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
-                                                      entropy_grad, True,
-                                                      logprob_working_rows(plan.size, plan.vocab, 16))
+                                                      entropy_grad, True, plan.working_rows(16))
                 grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
             linear = logp = entropy = None
             with torch.autocast(hidden.device.type, enabled=False):
