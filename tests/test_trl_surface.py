@@ -28,12 +28,12 @@ def test_python_s_door_takes_every_training_argument_trl_does_and_refuses_others
     assert config.optim == "adamw_torch_fused" and config.do_eval is False  # read back as given
     assert GRPOConfig(eval_on_start=True, log_on_each_node=False, use_liger_kernel=False).eval_on_start is True
     with pytest.raises(ConfigError) as caught:
-        GRPOConfig(optim="adamw_8bit", dataloader_num_workers=4, lr=1e-5)
+        GRPOConfig(optim="adamw_8bit", dataloader_drop_last=True, lr=1e-5)
     assert caught.value.problems == [
         "optim: 'adamw_8bit' is a TRL setting covey does not support (covey works as optim: 'adamw_torch_fused' or "
         "'adamw_torch'); remove it",
-        "dataloader_num_workers: 4 is a TRL setting covey does not support (covey works as dataloader_num_workers: "
-        "0); remove it",
+        "dataloader_drop_last: True is a TRL setting covey does not support (covey works as dataloader_drop_last: "
+        "False); remove it",
         "unknown config key 'lr' (covey's name for it: learning_rate)"]
     assert GRPOConfig("runs/x").output_dir == "runs/x"  # TrainingArguments' one positional argument
 

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from covey.config import GRPOConfig, config_fields
+from covey.config import DEMO, GRPOConfig, config_fields
 from covey.trl_fields import suggest_field
 from covey.trl_fields import SAME_AS
 from covey.train.distributed import World
@@ -53,6 +53,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
             options.update(nargs="+", metavar="VALUE")
         elif kind.startswith("bool"):
             options.update(nargs="?", const="true", metavar="BOOL")
+        elif kind.startswith("dict"):
+            options["metavar"] = "JSON"
         else:
             options["metavar"] = kind.split(" ")[0].upper()
         if "choices" in f.metadata:
@@ -117,8 +119,13 @@ def _check_output_file(option: str, out: Path, overwrite: bool) -> None:
 
 
 def _load_config(config_path: str | None, overrides: dict[str, Any]) -> GRPOConfig:
+    """The config file's fields over TRL's defaults; without a file, the demo preset (said once)."""
     if config_path is None:
-        return GRPOConfig.from_dict(overrides, source="command line")
+        config = GRPOConfig.from_dict({**DEMO, **overrides}, source="command line")
+        if preset := {k: v for k, v in DEMO.items() if k not in overrides}:
+            print(f"no config file: the demo preset ({', '.join(f'{k}={v}' for k, v in preset.items())}); "
+                  "give a YAML file for a run of your own", file=sys.stderr)
+        return config
     return GRPOConfig.from_yaml(config_path, overrides)
 
 

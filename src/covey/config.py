@@ -3,10 +3,11 @@
 Field names follow TRL's ``GRPOConfig`` wherever TRL has the concept, so a TRL config moves across
 unchanged; on the command line the same names are written in dash-case (``--learning-rate``).
 Every field carries a one-line help text (shown by ``covey train --help``) and is used somewhere.
-The defaults are the built-in demo: the embedded SmolLM2-135M-Instruct on the ``arithmetic`` task,
-sized to finish in minutes on a laptop CPU.
+The defaults are TRL's (TRL 1.16) for every field TRL has; ``DEMO`` is the built-in demo's preset (the
+embedded SmolLM2-135M-Instruct on the ``arithmetic`` task, sized to finish in minutes on a laptop CPU),
+which the command line runs when it is given no config file.
 
-    >>> cfg = GRPOConfig(learning_rate=2e-5, max_steps=10)
+    >>> cfg = GRPOConfig(**DEMO, learning_rate=2e-5, max_steps=10)
     >>> cfg.generation_batch_size // cfg.num_generations   # prompts per step (of each process)
     2
 """
@@ -29,7 +30,7 @@ from covey import rules
 from covey.config_values import coerce, read_yaml_mapping
 from covey.errors import ConfigError, config_errors
 from covey.sources import EMBEDDED_MODEL
-from covey.trl_fields import AS_COVEY_DOES, covey_names
+from covey.trl_fields import AS_COVEY_DOES, covey_names, torch_cuda_bf16, trl_config_values
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -38,6 +39,15 @@ def _f(default: Any, help: str, **choices: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _script(default: Any, help: str, **choices: Any) -> Any:
+    """A setting TRL keeps outside its GRPOConfig, in ``ModelConfig`` or the script's ``ScriptArguments``:
+    ``GRPOConfig(...)``, YAML and covey's command line take it as any field, while an argument parser built
+    on dataclasses (TRL's ``TrlParser``) leaves it to those classes, which define the same option."""
+    made = _f(default, help, **choices)
+    made.init = False
+    return made
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -53,8 +63,14 @@ MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "revision": "mode
                      "attn_implementation": "attn_implementation", "trust_remote_code": "trust_remote_code"}
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-# the demo's data and rewards (covey train with no arguments): in Python, GRPOConfig(**DEMO, ...) asks for them
-DEMO = {"dataset": "arithmetic", "reward_funcs": ["answer_format", "answer_correct"]}
+# The demo preset: what `covey train` (verify, generate, plan, eval) runs when no config file is given, sized
+# to finish in minutes on a laptop CPU. In Python, GRPOConfig(**DEMO, ...) asks for it; GRPOConfig() alone has
+# TRL's defaults, and a config file starts from them too (with the demo's data and rewards where it names none).
+DEMO = {"dataset": "arithmetic", "reward_funcs": ["answer_format", "answer_correct"], "max_steps": 30,
+        "max_completion_length": 32, "learning_rate": 1e-5, "per_device_train_batch_size": 16,
+        "lr_scheduler_type": "constant", "gradient_checkpointing": False, "logging_steps": 1,
+        "log_completions": True, "num_completions_to_print": 4, "save_total_limit": 2,
+        "per_device_eval_batch_size": 32}
 # fields that say how a run continues, not what it trains: a resume may change them freely
 RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 
@@ -62,37 +78,37 @@ RESUME_FIELDS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 @dataclass
 class GRPOConfig:
     # --- model -------------------------------------------------------------------------------
-    model: str = _f(EMBEDDED_MODEL, "Hugging Face hub id, local model folder, or the embedded default model")
+    model: str = _script(EMBEDDED_MODEL, "Hugging Face hub id, local model folder, or the embedded default model")
     trust_remote_code: bool = _f(False, "allow model code from the hub or folder to run (off unless you trust it)")
-    model_revision: str = _f("main", "branch, tag or commit of the model on the hub")
-    dtype: str = _f("float32", "dtype the model's weights are loaded and trained in (auto: the checkpoint's own); see bf16 for autocast", choices=DTYPES)
-    attn_implementation: str | None = _f(None, "transformers' attention implementation: sdpa, eager, flash_attention_2, ... (None: transformers' choice)")
-    model_init_kwargs: dict | None = _f(None, "further keyword arguments of the model's from_pretrained (a model given by name only)")
-    load_in_4bit: bool = _f(False, "load the base model's weights in 4 bits through bitsandbytes (a LoRA policy only)")
-    load_in_8bit: bool = _f(False, "load the base model's weights in 8 bits through bitsandbytes (a LoRA policy only)")
-    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type of load_in_4bit", choices=("nf4", "fp4"))
-    use_bnb_nested_quant: bool = _f(False, "load_in_4bit: quantize the quantization constants too (a little less memory)")
+    model_revision: str = _script("main", "branch, tag or commit of the model on the hub")
+    dtype: str = _script("float32", "dtype the model's weights are loaded and trained in (auto: the checkpoint's own); see bf16 for autocast", choices=DTYPES)
+    attn_implementation: str | None = _script(None, "transformers' attention implementation: sdpa, eager, flash_attention_2, ... (None: transformers' choice)")
+    model_init_kwargs: dict[str, Any] | str | None = _f(None, "further keyword arguments of the model's from_pretrained (a model given by name only)")
+    load_in_4bit: bool = _script(False, "load the base model's weights in 4 bits through bitsandbytes (a LoRA policy only)")
+    load_in_8bit: bool = _script(False, "load the base model's weights in 8 bits through bitsandbytes (a LoRA policy only)")
+    bnb_4bit_quant_type: str = _script("nf4", "4-bit data type of load_in_4bit", choices=("nf4", "fp4"))
+    use_bnb_nested_quant: bool = _script(False, "load_in_4bit: quantize the quantization constants too (a little less memory)")
     cast_lm_head_to_fp32: bool = _f(False, "compute the output head (the logits) in float32 whatever dtype or autocast the rest runs in")
-    use_peft: bool = _f(False, "train a LoRA adapter instead of all weights")
-    lora_r: int = _f(16, "LoRA rank")
-    lora_alpha: int = _f(32, "LoRA scaling numerator (scale = lora_alpha / lora_r)")
-    lora_dropout: float = _f(0.05, "dropout on the LoRA input (TRL's default; disable_dropout turns it off)")
-    lora_target_modules: list | None = _f(None, "module names LoRA wraps ('all-linear' = every linear layer but the head; None: peft's default for the architecture)")
-    lora_modules_to_save: list | None = _f(None, "modules trained in full beside the adapter, and saved with it")
-    use_rslora: bool = _f(False, "rank-stabilised LoRA: scale = lora_alpha / sqrt(lora_r)")
-    use_dora: bool = _f(False, "DoRA: LoRA plus a trained magnitude per output (samples with rollout_engine: fast or hf)")
+    use_peft: bool = _script(False, "train a LoRA adapter instead of all weights")
+    lora_r: int = _script(16, "LoRA rank")
+    lora_alpha: int = _script(32, "LoRA scaling numerator (scale = lora_alpha / lora_r)")
+    lora_dropout: float = _script(0.05, "dropout on the LoRA input (TRL's default; disable_dropout turns it off)")
+    lora_target_modules: list[str] | None = _script(None, "module names LoRA wraps ('all-linear' = every linear layer but the head; None: peft's default for the architecture)")
+    lora_modules_to_save: list[str] | None = _script(None, "modules trained in full beside the adapter, and saved with it")
+    use_rslora: bool = _script(False, "rank-stabilised LoRA: scale = lora_alpha / sqrt(lora_r)")
+    use_dora: bool = _script(False, "DoRA: LoRA plus a trained magnitude per output (samples with rollout_engine: fast or hf)")
     train_vision_tower: bool = _f(False, "a vision-language model: train its vision tower and projector too (LoRA adapters on them, or their full weights); by default only the language model trains")
     # --- data --------------------------------------------------------------------------------
-    dataset: str = _f("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
-    dataset_config: str | None = _f(None, "configuration (subset) of a Hugging Face dataset id, such as gsm8k's main")
-    dataset_split: str = _f("train", "split to train on when `dataset` is a Hugging Face dataset id")
+    dataset: str = _script("arithmetic", "built-in task name, local JSONL/CSV/Parquet file, or Hugging Face dataset id")
+    dataset_config: str | None = _script(None, "configuration (subset) of a Hugging Face dataset id, such as gsm8k's main")
+    dataset_split: str = _script("train", "split to train on when `dataset` is a Hugging Face dataset id")
     eval_dataset: str | None = _f(None, "held-out data for the before/after evaluation (built-in tasks bring their own)")
     eval_split: str = _f("test", "split of eval_dataset when it is a built-in task or a Hugging Face dataset id (set train for one without a test split)")
-    chat_template_kwargs: dict | None = _f(None, "variables for the chat template, such as Qwen3's enable_thinking: false (every prompt and tool message is rendered with them)")
+    chat_template_kwargs: dict[str, Any] | str | None = _f(None, "variables for the chat template, such as Qwen3's enable_thinking: false (every prompt and tool message is rendered with them)")
     system_prompt: str | None = _f(None, "a system message put first in every prompt of the training and held-out data, instead of the one covey writes into built-in tasks and GSM8K-format rows (one your data has is an error)")
     eval_strategy: str = _f("no", "held-out evaluation during training too: no (before and after only), or every eval_steps optimizer steps", choices=("no", "steps"))
     eval_steps: int | None = _f(None, "optimizer steps between evaluations under eval_strategy: steps (None: logging_steps, as TRL)")
-    per_device_eval_batch_size: int = _f(32, "completions generated at a time in evaluation (of each process)")
+    per_device_eval_batch_size: int = _f(8, "completions generated at a time in evaluation (of each process)")
     num_generations_eval: int | None = _f(None, "evaluation samples this many completions per row as in training and averages them (None: one greedy completion)")
     eval_max_samples: int = _f(64, "held-out examples scored before and after training (0 = skip evaluation)")
     max_prompt_length: int = _f(512, "longest prompt in tokens (see prompt_overflow)")
@@ -100,8 +116,8 @@ class GRPOConfig:
     seed: int = _f(42, "seed for data order, sampling and initialisation")
     shuffle_dataset: bool = _f(True, "draw the training prompts in a new seeded order every pass (false: in the dataset's order)")
     # --- rewards -----------------------------------------------------------------------------
-    reward_funcs: list = _f(["answer_format", "answer_correct"], "built-in reward names, 'file.py:function' / 'package.module:function', or a reward model's hub id or folder")
-    reward_weights: list | None = _f(None, "one weight per reward function (default: all 1.0)")
+    reward_funcs: list[str] = _script(["answer_format", "answer_correct"], "built-in reward names, 'file.py:function' / 'package.module:function', or a reward model's hub id or folder")
+    reward_weights: list[float] | None = _f(None, "one weight per reward function (default: all 1.0)")
     reward_errors: str = _f("raise", "a reward function that raises or times out: stop the run, or score the sample None", choices=("raise", "skip"))
     reward_timeout: float | None = _f(None, "seconds one reward call may take before it counts as an error (None = no limit)")
     reward_num_workers: int = _f(0, "worker processes that run the (non-async) reward functions (0 = in the trainer's process)")
@@ -113,18 +129,18 @@ class GRPOConfig:
     overlong_cache_length: int | None = _f(None, "soft_overlong_penalty reward: length of the linear ramp before it (default: a quarter of the max)")
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
-    max_completion_length: int = _f(32, "most tokens generated per completion")
+    max_completion_length: int = _f(512, "most tokens generated per completion")
     temperature: float = _f(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest token set with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens (0 = off)")
     min_p: float | None = _f(None, "drop tokens less likely than min_p times the most likely one (None = off)")
     repetition_penalty: float = _f(1.0, "penalise tokens already in the prompt or the completion by this factor (1 = off)")
-    generation_kwargs: dict | None = _f(None, "further settings of the sampler (rollout_engine hf: GenerationConfig's; vllm: SamplingParams'), such as presence_penalty")
-    stop_strings: list | None = _f(None, "strings that end a completion (kept in it; fast and vllm engines)")
+    generation_kwargs: dict[str, Any] | str | None = _f(None, "further settings of the sampler (rollout_engine hf: GenerationConfig's; vllm: SamplingParams'), such as presence_penalty")
+    stop_strings: list[str] | None = _f(None, "strings that end a completion (kept in it; fast and vllm engines)")
     rollout_engine: str = _f("fast", "sampler: covey's KV-cache engine, transformers generate, or vLLM", choices=("fast", "hf", "vllm"))
     use_vllm: bool = _f(False, "TRL's switch for rollout_engine: vllm")
     vllm_mode: str = _f("colocate", "vLLM in the trainer's process, or a vLLM server (vllm serve, covey server) reached over HTTP", choices=("colocate", "server"))
-    vllm_server_host: str = _f("127.0.0.1", "host of the vLLM server (vllm_mode: server)")
+    vllm_server_host: str = _f("0.0.0.0", "host of the vLLM server (vllm_mode: server)")
     vllm_server_port: int = _f(8000, "port of the vLLM server (vllm_mode: server)")
     vllm_server_timeout: float = _f(240.0, "seconds to wait for the vLLM server to answer its health check "
                                            "(at start, and when lost mid-run)")
@@ -135,18 +151,18 @@ class GRPOConfig:
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and refill the batch from new prompts (DAPO)")
     dynamic_sampling_max_rounds: int = _f(4, "most extra generation rounds per step when refilling under dynamic_sampling")
     # --- agents: tools and environments (docs/agents.md) ---------------------------------------
-    tools: list = _f([], "tools the model may call over several turns: built-in names (calculate, run_python) or 'file.py:function' / 'package.module:function'")
+    tools: list[str] = _f([], "tools the model may call over several turns: built-in names (calculate, run_python) or 'file.py:function' / 'package.module:function'")
     environment_factory: str | None = _f(None, "an environment class in TRL's convention, as 'file.py:Class': one instance per episode, reset(**row), its methods are tools")
     max_tool_calling_iterations: int | None = _f(None, "rounds of tool calls an episode may make (None: until a turn makes none or the completion budget ends it), as in TRL")
     tool_call_parser: str = _f("hermes", "how tool calls are written in the model's text: <tool_call>{json}</tool_call> (Hermes, Qwen)", choices=("hermes",))
     tool_timeout: float = _f(10.0, "seconds one tool call may take before its result is an error message for the model")
     # --- optimisation ------------------------------------------------------------------------
-    learning_rate: float = _f(1e-5, "peak learning rate of AdamW")
-    per_device_train_batch_size: int = _f(16, "completions per forward/backward micro-batch (of each process, as in TRL)")
+    learning_rate: float = _f(1e-6, "peak learning rate of AdamW")
+    per_device_train_batch_size: int = _f(8, "completions per forward/backward micro-batch (of each process, as in TRL)")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     steps_per_generation: int | None = _f(None, "micro-batches per generation batch (default: gradient_accumulation_steps); a multiple gives several optimizer steps per generation")
-    max_steps: int = _f(30, "optimizer steps to train for; -1: num_train_epochs passes over the training prompts instead (as in TRL)")
-    num_train_epochs: float | None = _f(None, "with max_steps -1: passes over the training prompts to train for, in whole generation rounds (3 when unset, as in TRL)")
+    max_steps: int = _f(-1, "optimizer steps to train for; -1: num_train_epochs passes over the training prompts instead (as in TRL)")
+    num_train_epochs: float | None = _f(3.0, "with max_steps -1: passes over the training prompts to train for, in whole generation rounds")
     num_iterations: int = _f(1, "passes over each generation batch (PPO epochs, mu); each pass takes "
                                 "steps_per_generation / gradient_accumulation_steps optimizer steps (one by default)")
     loss_type: str = _f("dapo", "objective and token aggregation (see docs/algorithms.md)", choices=LOSS_TYPES)
@@ -190,18 +206,18 @@ class GRPOConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     fsdp: str = _f("", "shard the model, its gradients and AdamW's state over the processes with FSDP2, per transformer block (TRL's words): full_shard, or shard_grad_op (a block's parameters stay gathered from its forward to its backward); '' for none")
-    fsdp_config: dict | None = _f(None, "TRL's FSDP options: version (2), reshard_after_forward, transformer_layer_cls_to_wrap (the block classes; default: the model's decoder layers); others are refused unless at what covey does")
-    ddp_timeout: int = _f(3600, "several processes: seconds one waits for the others at a collective, such as while the first writes a large checkpoint (TRL's default: 1800)")
+    fsdp_config: dict[str, Any] | str | None = _f(None, "TRL's FSDP options: version (2), reshard_after_forward, transformer_layer_cls_to_wrap (the block classes; default: the model's decoder layers); others are refused unless at what covey does")
+    ddp_timeout: int = _f(1800, "several processes: seconds one waits for the others at a collective, such as while the first writes a large checkpoint")
     shard_optimizer_state: bool = _f(False, "several processes: each holds and updates the AdamW state of its share of the parameters only, then sends them to the others (ZeRO stage 1); no effect in one process")
     warmup_ratio: float = _f(0.0, "fraction of max_steps over which the learning rate rises linearly to its peak (the first of W warmup steps takes lr / (W + 1), never 0 as in transformers' schedules)")
     warmup_steps: float = _f(0.0, "the warmup as TRL names it: a whole number of optimizer steps, or below 1 a fraction of max_steps (instead of warmup_ratio)")
-    lr_scheduler_type: str = _f("constant", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
-    lr_scheduler_kwargs: dict | None = _f(None, "settings of the schedule, as transformers': cosine_with_min_lr takes min_lr_rate (a fraction of learning_rate) or min_lr")
+    lr_scheduler_type: str = _f("linear", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
+    lr_scheduler_kwargs: dict[str, Any] | str | None = _f(None, "settings of the schedule, as transformers': cosine_with_min_lr takes min_lr_rate (a fraction of learning_rate) or min_lr")
     router_aux_loss_coef: float | None = _f(None, "mixture-of-experts models: weight of the router's load-balancing loss added to the training loss (None: the architecture's own, as TRL; 0: none)")
     use_cpu: bool = _f(False, "keep the models on the CPU even where a CUDA GPU is (as TRL)")
-    bf16: bool = _f(False, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs)")
+    bf16: bool | None = _f(None, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs; None: on a CUDA GPU that has it, unless use_cpu, as TRL)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
     logprob_budget_mib: int = _f(128, "MiB of float32 logits the log-prob pass makes at once and keeps for its backward: larger computes fewer logits twice (faster past it), smaller lowers the peak (docs/training.md)")
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     keep_freed_memory: bool = _f(True, "on Linux, the C library keeps freed CPU memory for reuse while training: half the page faults, a lower peak (process-wide)")
@@ -210,18 +226,18 @@ class GRPOConfig:
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten "
                                       "unless overwrite_output_dir")
     overwrite_output_dir: bool = _f(False, "allow writing into an output_dir that already holds files")
-    logging_steps: int = _f(1, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
+    logging_steps: int = _f(10, "write metrics every this many optimizer steps, each the mean over those steps (as TRL)")
     logging_first_step: bool = _f(False, "also write the first optimizer step's metrics on their own, whatever logging_steps says (as TRL)")
     log_level: str = _f("passive", "what transformers prints while covey runs (passive: errors only)", choices=("passive", "debug", "info", "warning", "error", "critical"))
-    log_completions: bool = _f(True, "record sample completions (completions.jsonl and a console table)")
+    log_completions: bool = _f(False, "record sample completions (completions.jsonl and a console table)")
     log_completions_steps: int = _f(5, "record the completions of every this many steps (and of the first and last)")
-    num_completions_to_print: int | None = _f(4, "rows of the console completions table (None: all, as TRL)")
-    report_to: list = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
-    project: str | None = _f(None, "Trackio's project the run is logged under (None: TRACKIO_PROJECT, else covey; TRL's default: huggingface)")
+    num_completions_to_print: int | None = _f(None, "rows of the console completions table (None: all, as TRL)")
+    report_to: list[str] = _f(["none"], "trackers that also get the metrics: tensorboard, wandb, trackio, mlflow, or none")
+    project: str | None = _f("huggingface", "Trackio's project the run is logged under (None: TRACKIO_PROJECT, else covey)")
     run_name: str | None = _f(None, "the run's name in trackers (default: the run folder's name)")
     save_strategy: str = _f("steps", "when checkpoints are written: every save_steps optimizer steps, after each pass over the training prompts, or never (as TRL; the final model is always saved)", choices=SAVE_STRATEGIES)
     save_steps: int = _f(500, "save_strategy: steps writes a checkpoint every this many optimizer steps (0 = none)")
-    save_total_limit: int | None = _f(2, "keep only the newest this many checkpoints (None = keep all)")
+    save_total_limit: int | None = _f(None, "keep only the newest this many checkpoints (None = keep all)")
     save_only_model: bool = _f(False, "checkpoints of the model alone, without optimizer, scheduler and random states: smaller, but no run can resume from them (as TRL)")
     push_to_hub: bool = _f(False, "upload the final model, and the checkpoints as hub_strategy says, to the Hugging Face Hub (checked before training starts)")
     hub_model_id: str | None = _f(None, "the Hub repo to push to: 'name' (in your namespace) or 'org/name' (default: output_dir's folder name, as TRL)")
@@ -233,6 +249,15 @@ class GRPOConfig:
     resume_from_checkpoint: str | None = _f(None, "continue a run: 'auto' (newest checkpoint in output_dir) or a checkpoint folder")
 
     def __post_init__(self) -> None:
+        for name, value in self.__dict__.pop("script_settings", {}).items():  # given to GRPOConfig(...) by name
+            setattr(self, name, value)
+        # built by a dataclass's own __init__ (a subclass's, as TRL's parser builds it): no TRL names were
+        # translated, and what was given is told by what differs from the defaults
+        self.__dict__.setdefault("trl_settings", {})
+        self.__dict__.setdefault("fields_given", frozenset(
+            f.name for f in dataclasses.fields(self) if getattr(self, f.name) != _default(f)))
+        if self.bf16 is None:  # TRL's default: bfloat16 where a CUDA GPU computes in it, unless use_cpu
+            self.bf16 = not self.use_cpu and torch_cuda_bf16()
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         for name in ("eval_strategy", "save_strategy"):
@@ -246,7 +271,7 @@ class GRPOConfig:
         problems = []  # every bad value at once
         for f in dataclasses.fields(self):
             try:
-                setattr(self, f.name, coerce(f.name, getattr(self, f.name), _field_type(f)))
+                setattr(self, f.name, coerce(f.name, getattr(self, f.name), _field_type(type(self), f)))
             except ConfigError as e:
                 problems.append(str(e))
                 continue
@@ -276,7 +301,7 @@ class GRPOConfig:
             if getattr(self, name) not in (default, value):
                 problems.append(f"model_init_kwargs sets {key}={value!r} and {name}={getattr(self, name)!r}; give one")
             else:
-                setattr(self, name, coerce(name, value, _field_type(GRPOConfig.__dataclass_fields__[name])))
+                setattr(self, name, coerce(name, value, _field_type(GRPOConfig, GRPOConfig.__dataclass_fields__[name])))
         if problems:
             raise config_errors(problems)
         self.model_init_kwargs = kwargs or None
@@ -286,8 +311,11 @@ class GRPOConfig:
     def __getattr__(self, name: str) -> Any:
         """A TRL setting covey accepts as what it does (``optim``, ``do_eval``, ...) reads as given, or as
         TRL's default; scripts read them back."""
+        settings = self.__dict__.get("trl_settings", {})
+        if name in settings:  # a TRL setting accepted as what covey does, or a TRL subclass's own field
+            return settings[name]
         if name in AS_COVEY_DOES:
-            return self.__dict__.get("trl_settings", {}).get(name, AS_COVEY_DOES[name][0])
+            return AS_COVEY_DOES[name][0]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
@@ -338,6 +366,14 @@ class GRPOConfig:
         """Optimizer steps taken on each generation batch, over all its iterations."""
         return self.micro_batches_per_generation // self.gradient_accumulation_steps * self.num_iterations
 
+    def replace(self, **changes: Any) -> "GRPOConfig":
+        """A copy with ``changes``, checked as a new config is; what was set stays set. (``dataclasses.replace``
+        would leave out the settings TRL keeps in ModelConfig and ScriptArguments.)"""
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update({**self.__dict__, **changes, "fields_given": self.fields_given | set(changes)})
+        copy.__post_init__()
+        return copy
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -359,6 +395,17 @@ class GRPOConfig:
         return config
 
     @classmethod
+    def from_trl(cls, config: Any) -> "GRPOConfig":
+        """covey's config of a TRL ``GRPOConfig`` object (or of a subclass of it), read field by field with the
+        rules of ``GRPOConfig(...)``: every field covey cannot honour is named in one ConfigError. The
+        subclass's own fields are kept, and read back as attributes."""
+        values, own, changed = trl_config_values(config)
+        made = cls.from_dict(values, source=f"the {type(config).__name__} handed to the trainer")
+        made.__dict__["fields_given"] = frozenset(changed & made.fields_given)  # the data and rewards: the trainer's
+        made.trl_settings.update(own)
+        return made
+
+    @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
         """The config of the YAML file at ``path``, with ``overrides`` (the command line's) over its values."""
         return cls.from_dict({**read_yaml_mapping(path), **(overrides or {})}, source=str(path))
@@ -376,15 +423,21 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
             raise ConfigError("GRPOConfig takes one positional argument, output_dir (as TRL's); give the others "
                               "by name, such as GRPOConfig(output_dir='runs/a', learning_rate=1e-5)")
         values = {"output_dir": output_dir[0], **values}
-    fields, accepted, problems = covey_names(values, {f.name: f.default for f in dataclasses.fields(GRPOConfig)})
+    every = dataclasses.fields(GRPOConfig)
+    fields, accepted, problems = covey_names(values, {f.name: _default(f) for f in every})
+    parser_names = {f.name for f in every if f.init}
+    self.__dict__["trl_settings"] = accepted
+    if parser_names <= values.keys():  # every field at once, as an argument parser gives them: the set ones differ
+        self.__dict__["fields_given"] = frozenset(f.name for f in every if values.get(f.name, _default(f)) != _default(f))
+    else:
+        self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
+    self.__dict__["script_settings"] = {k: v for k, v in fields.items() if k not in parser_names}
     try:
-        _dataclass_init(self, **fields)
+        _dataclass_init(self, **{k: v for k, v in fields.items() if k in parser_names})
     except ConfigError as e:
         problems.extend(getattr(e, "problems", [str(e)]))
     if problems:
         raise config_errors(problems)
-    self.__dict__["trl_settings"] = accepted
-    self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
 
 
 _init_with_trl_names.__signature__ = inspect.signature(_dataclass_init).replace(  # for help() and editors
@@ -406,10 +459,14 @@ class AsyncGRPOConfig(GRPOConfig):
         self.__dict__["fields_given"] = self.fields_given - (set(self.DEFAULTS) - set(values))
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 @functools.cache  # resolving the annotations is slow, and every config resolves every field
-def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
-    """(base type, optional) of a field, from its annotation string."""
-    hint = typing.get_type_hints(GRPOConfig)[f.name]
+def _field_type(config_class: type, f: dataclasses.Field) -> tuple[type, bool]:
+    """(base type, optional) of a field of ``config_class`` (GRPOConfig or a subclass), from its annotation."""
+    hint = typing.get_type_hints(config_class)[f.name]
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint

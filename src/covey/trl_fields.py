@@ -8,13 +8,33 @@ describes what covey does anyway: those are accepted (and have nothing more to d
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import json
 import os
 import typing
 import warnings
 from typing import Any
 
+
+class _AnyValue:
+    """In ``AS_COVEY_DOES``: every value of the setting describes what covey does (it changes nothing covey
+    computes), so any is accepted."""
+
+    def __repr__(self) -> str:
+        return "any value"
+
+
+ANY_VALUE = _AnyValue()
+
+# transformers' AcceleratorConfig at its defaults (TRL's GRPOConfig fills accelerator_config with them)
+ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                        "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None,
+                        "use_configured_state": False}
+
+# the settings of a tracker, which change nothing while that tracker is not in report_to (as in TRL)
+TRACKER_SETTINGS = {"trackio_space_id": "trackio", "trackio_bucket_id": "trackio", "trackio_static_space_id": "trackio"}
 
 AS_COVEY_DOES = {
     "optim": ("adamw_torch_fused", "adamw_torch"),  # covey's optimizer is torch's AdamW
@@ -31,11 +51,13 @@ AS_COVEY_DOES = {
     "lora_task_type": ("CAUSAL_LM",), "dataset_streaming": (False,), "ignore_bias_buffers": (False,),
     # TrainingArguments at TRL's defaults, as a saved or full recipe lists them: features that are off,
     # or machinery covey does not have (a dataloader, DeepSpeed, accelerate), whose default changes nothing
-    "accelerator_config": (None,), "activation_checkpointing": (None, False), "activation_checkpointing_kwargs": (None,),
+    "accelerator_config": (None, ACCELERATOR_DEFAULTS), "activation_checkpointing": (None, False), "activation_checkpointing_kwargs": (None,),
     "auto_find_batch_size": (False,), "batch_eval_metrics": (False,), "cache_implementation": (None,),
-    "dataloader_drop_last": (False,), "dataloader_in_order": (True,), "dataloader_multiprocessing_context": (None,),
-    "dataloader_num_workers": (0,), "dataloader_persistent_workers": (False,), "dataloader_pin_memory": (True, False),
-    "dataloader_prefetch_factor": (None,), "debug": ("", []), "deepspeed": (None,), "ds3_gather_for_generation": (True,),
+    "dataloader_drop_last": (False,), "dataloader_in_order": (True,),
+    # how a data loader would fetch rows: covey reads its prompts in the trainer's process, whatever these say
+    "dataloader_multiprocessing_context": (None, ANY_VALUE), "dataloader_num_workers": (0, ANY_VALUE),
+    "dataloader_persistent_workers": (False, ANY_VALUE), "dataloader_pin_memory": (True, ANY_VALUE),
+    "dataloader_prefetch_factor": (None, ANY_VALUE), "debug": ("", []), "deepspeed": (None,), "ds3_gather_for_generation": (True,),
     "enable_jit_checkpoint": (False,), "eval_accumulation_steps": (None,), "eval_delay": (0, 0.0),
     "eval_do_concat_batches": (True,), "eval_use_gather_object": (False,),
     "full_determinism": (False,), "greater_is_better": (None,), "include_for_metrics": ([],),
@@ -52,7 +74,7 @@ AS_COVEY_DOES = {
     "vllm_max_model_length": (None,),  # covey sizes vLLM's context to max_prompt_length + max_completion_length
     "vllm_model_impl": ("vllm",), "vllm_structured_outputs_regex": (None,), "vllm_tensor_parallel_size": (1,),
     "use_cache": (False, True),  # only how generate is computed: covey's engines keep a KV cache, same numbers
-    "pad_to_multiple_of": ("auto", None),  # padding covey packs away (train/forward.py)
+    "pad_to_multiple_of": ("auto", ANY_VALUE),  # padding covey packs away (train/forward.py): no effect on a number
     # TRL's AsyncGRPOConfig: its own asynchronous machinery (a request queue, forks, a heartbeat); covey's
     # worker samples whole rounds and pushes the weights after each (docs/async.md)
     "fork_threshold_tokens": (1024,), "request_timeout": (600,), "token_budget": (None,),
@@ -100,12 +122,42 @@ NAMES_ELSEWHERE = {
 }
 
 
-def as_covey_does(name: str, value) -> bool:
-    """Whether TRL's setting ``name: value`` describes what covey does anyway."""
+def trl_config_values(config: Any) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """The settings of a TRL ``GRPOConfig`` object (or of a subclass of it), as covey reads a config: (TRL's
+    fields, the subclass's own fields, the names of those that differ from their defaults). Enumerations become their values; what TRL's ``__post_init__``
+    derived from another field (``activation_checkpointing`` from ``gradient_checkpointing``) is left to
+    that field; an empty ``report_to`` is TRL's "none"."""
+    values = {}
+    for f in dataclasses.fields(config):
+        if f.init:
+            value = getattr(config, f.name)
+            values[f.name] = value.value if isinstance(value, enum.Enum) else value
+    if values.get("activation_checkpointing") == values.get("gradient_checkpointing"):
+        values.pop("activation_checkpointing", None)
+    if values.get("report_to") in ([], None):
+        values["report_to"] = "none"
+    if dataclasses.is_dataclass(values.get("accelerator_config")):
+        values["accelerator_config"] = dataclasses.asdict(values["accelerator_config"])
+    own = {name: values.pop(name) for name in list(values) if name not in TRL_FIELDS}
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(config) if f.init}
+    changed = {name for name, value in values.items() if value != defaults.get(name, value)}
+    return values, own, changed
+
+
+def as_covey_does(name: str, value: Any, report_to: Any = "none") -> bool:
+    """Whether TRL's setting ``name: value`` describes what covey does anyway (with the trackers of
+    ``report_to``: a tracker's settings change nothing while it is off)."""
     allowed = AS_COVEY_DOES.get(name)
+    if allowed is None:
+        return False
+    if name in TRACKER_SETTINGS and TRACKER_SETTINGS[name] not in (report_to if isinstance(report_to, list) else [report_to]):
+        return True
     if isinstance(value, str):  # a boolean written as text
         value = {"true": True, "false": False, "none": None, "null": None}.get(value.lower(), value)
-    return allowed is not None and any(value == a and type(value) is type(a) for a in allowed)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # transformers' AcceleratorConfig object
+        value = dataclasses.asdict(value)
+    return ANY_VALUE in allowed or any(value == a and type(value) is type(a) for a in allowed)
 
 
 TRL_FIELDS = frozenset({
@@ -195,7 +247,7 @@ def covey_names(values: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[
         problems.extend(problem)
     if values.get("num_train_epochs") is not None and "max_steps" not in values:
         values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
-    elif values.get("num_train_epochs") is not None and str(values["max_steps"]).strip() != "-1":
+    elif values.get("num_train_epochs") not in (None, 3.0) and str(values["max_steps"]).strip() != "-1":  # 3: the default
         warnings.warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
                       f"{values['max_steps']} sets the run's length (as in TRL)", stacklevel=3)
         values = {**values, "num_train_epochs": None}
@@ -205,10 +257,11 @@ def covey_names(values: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[
             problems.append(f"config key {key!r} is not a name; keys are field names such as learning_rate")
         elif key in known:
             continue
-        elif as_covey_does(key, values[key]):
+        elif as_covey_does(key, values[key], values.get("report_to", "none")):
             accepted[key] = values[key]
         elif key in AS_COVEY_DOES:
-            problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support (covey works as "
+            tracker = f" while report_to includes {TRACKER_SETTINGS[key]}" if key in TRACKER_SETTINGS else ""
+            problems.append(f"{key}: {values[key]!r} is a TRL setting covey does not support{tracker} (covey works as "
                             f"{key}: {' or '.join(map(repr, AS_COVEY_DOES[key]))}); remove it")
         else:
             problems.append(f"unknown config key {key!r}{suggest_field(key, known)}")

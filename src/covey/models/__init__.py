@@ -15,7 +15,7 @@ Every name callers use is importable from ``covey.models`` itself.
 from covey.models.device import autocast, default_device, keep_freed_memory
 from covey.models.embedded import EMBEDDED_GGUF, cache_dir, embedded_model_folder, resolve_model_path
 from covey.models.loading import (ModelLoading, check_quantization, eos_token_ids, load_policy, load_processing,
-                                  load_tokenizer, prepare_tokenizer, tokenizer_as_loaded)
+                                  load_tokenizer, prepare_tokenizer, quantization_settings, tokenizer_as_loaded)
 from covey.models.merging import (QUANTIZED_PARAMETERS, adapted_shared_matrix, base_parameter_name, dequantized,
                                   lora_merge_blocker, merged_model, policy_weights)
 from covey.models.policy import (Float32Head, Reference, add_lora, cache_keyword, disable_dropout, head_in_float32,
@@ -30,6 +30,6 @@ __all__ = [
     "embedded_model_folder", "eos_token_ids", "gathered_parameters", "head_in_float32", "is_peft_model",
     "is_sharded", "keep_freed_memory", "load_policy", "load_processing", "load_tokenizer", "lora_merge_blocker",
     "merged_model",
-    "parameters_whole", "plain_model", "policy_weights", "prepare_tokenizer", "quiet_transformers",
+    "parameters_whole", "plain_model", "policy_weights", "prepare_tokenizer", "quantization_settings", "quiet_transformers",
     "resolve_model_path", "set_log_level", "tokenizer_as_loaded",
 ]

@@ -50,6 +50,35 @@ class ModelLoading:
         return kwargs
 
 
+# what a BitsAndBytesConfig handed to the trainer (TRL's quantization_config) may say beyond covey's fields: its
+# values here, at which covey loads the model alike (its compute dtype is the model's dtype, as TRL's scripts set it)
+BNB_AS_COVEY_LOADS = {"llm_int8_threshold": 6.0, "llm_int8_skip_modules": None, "llm_int8_enable_fp32_cpu_offload": False,
+                      "llm_int8_has_fp16_weight": False}
+
+
+def quantization_settings(quantization_config: Any, dtype: str) -> dict[str, Any]:
+    """TRL's ``quantization_config`` (a transformers ``BitsAndBytesConfig``, or None) as covey's config fields
+    (load_in_4bit, load_in_8bit, bnb_4bit_quant_type, use_bnb_nested_quant); a setting covey would not load
+    the model with is refused, each named."""
+    if quantization_config is None:
+        return {}
+    if not hasattr(quantization_config, "load_in_4bit"):
+        raise ConfigError(f"quantization_config must be a transformers BitsAndBytesConfig (or None), not "
+                          f"{type(quantization_config).__name__}; give BitsAndBytesConfig(load_in_4bit=True, ...)")
+    q = quantization_config
+    problems = [f"quantization_config.{name}={getattr(q, name)!r} (covey loads with {value!r})"
+                for name, value in BNB_AS_COVEY_LOADS.items() if getattr(q, name, value) != value]
+    compute = q.bnb_4bit_compute_dtype
+    if q.load_in_4bit and compute is not None and str(compute).removeprefix("torch.") not in (dtype, "float32"):
+        problems.append(f"quantization_config.bnb_4bit_compute_dtype={compute} (covey computes in the model's "
+                        f"dtype, {dtype}: set dtype to it)")
+    if problems:
+        raise ConfigError("the quantization_config handed to the trainer says what covey cannot honour: "
+                          + "; ".join(problems) + "; give load_in_4bit / load_in_8bit and the bnb settings covey takes")
+    return {"load_in_4bit": bool(q.load_in_4bit), "load_in_8bit": bool(q.load_in_8bit),
+            "bnb_4bit_quant_type": q.bnb_4bit_quant_type, "use_bnb_nested_quant": bool(q.bnb_4bit_use_double_quant)}
+
+
 def check_quantization(quantization: str | None) -> None:
     """bitsandbytes, which quantized loading needs, is installed and importable here."""
     if quantization is None:

@@ -102,7 +102,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent,
                                                                      processor)
     if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
-        args = dataclasses.replace(args, max_steps=args.steps_for_epochs(len(train_rows), world.size),
+        args = args.replace(max_steps=args.steps_for_epochs(len(train_rows), world.size),
                                    num_train_epochs=None)
         check_resumed_step(resume_from, args.max_steps)
 
@@ -125,8 +125,9 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if given_engine is not None or (world.size > 1 and engine.shared_by_processes):
         # whatever it holds, it samples from the policy: pushed before sampling (by the first process)
         engine.policy_changed(policy)
-    optimizer = setup.make_optimizer(args, policy, world)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
+    optimizer, scheduler = handed.optimizers  # the user's own (TRL's optimizers=), else covey's
+    optimizer = setup.make_optimizer(args, policy, world) if optimizer is None else setup.given_optimizer(optimizer, policy)
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
     # the prompts of every process, drawn together; each takes its share (World.share)
     prompt_sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
     sampler = Sampler(engine, tokenizer, eos_ids, picture_sampling(setup.sampling_params(args), policy),

@@ -44,6 +44,7 @@ class Handed:
     environment_factory: Any = None
     tool_call_format: Any = None
     callbacks: Any = None
+    optimizers: Any = (None, None)  # TRL's (optimizer, learning-rate scheduler), either None for covey's
     processes: int = 1  # launched (WORLD_SIZE)
 
     def has_tools(self, c: GRPOConfig) -> bool:
@@ -102,19 +103,39 @@ def model_and_adapter(c: GRPOConfig, h: Handed, need: Need) -> None:
     check_model_settings(c, h.model, h.peft_config)
 
 
+def optimizers(c: GRPOConfig, h: Handed, need: Need) -> None:
+    """TRL's ``optimizers=(optimizer, scheduler)``: a pair; an optimizer of the user's own holds every
+    parameter whole, so not under FSDP or shard_optimizer_state; a scheduler needs its optimizer."""
+    pair = h.optimizers
+    need(isinstance(pair, (tuple, list)) and len(pair) == 2,
+         f"optimizers must be a pair (optimizer, lr_scheduler), either None for covey's, not {pair!r}")
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2) or pair[0] is None:
+        need(not (isinstance(pair, (tuple, list)) and len(pair) == 2 and pair[1] is not None),
+             "optimizers=(None, scheduler): a learning-rate scheduler schedules its optimizer; give both, or neither")
+        return
+    need(hasattr(pair[0], "step") and hasattr(pair[0], "param_groups"),
+         f"optimizers[0] must be a torch optimizer, not {type(pair[0]).__name__}")
+    need(not c.fsdp, "optimizers=(optimizer, ...) with fsdp: a sharded model's parameters are made when it is "
+                     "sharded, after your optimizer; leave optimizers out (covey's AdamW takes the adam_* fields)")
+    need(not (c.shard_optimizer_state and h.processes > 1),
+         "optimizers=(optimizer, ...) with shard_optimizer_state: covey shards its own AdamW's state only; turn "
+         "shard_optimizer_state off, or leave optimizers out")
+
+
 def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     """A step covey's estimate puts clearly beyond the device's memory is refused, with the plan's advice
     (``covey.plan.check_fits``; memory_check: false trains anyway). A model handed over loaded is left out:
     it is in memory already. A config the estimate cannot read: the note that the check was skipped."""
     if h.model is None or isinstance(h.model, str):
         try:
-            check_fits(c if h.model is None else dataclasses.replace(c, model=h.model), h.processes)
+            check_fits(c if h.model is None else c.replace(model=h.model), h.processes)
         except MemoryCheckSkipped as skipped:
             return str(skipped)
     return None
 
 
-RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, vision_tower, fits_the_device)
+RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, optimizers, vision_tower,
+             fits_the_device)
 # on what the trainer was handed with its rows loaded (``Handed.train_dataset`` the rows), before any policy
 # weights load
 ROW_RULES = (pictures,)

@@ -343,6 +343,19 @@ def make_optimizer(args: GRPOConfig, model: torch.nn.Module, world: World) -> to
     return torch.optim.AdamW(trainable, **settings)
 
 
+def given_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The user's own optimizer (TRL's ``optimizers[0]``), once it is known to update the policy: every
+    parameter it holds is one of the policy's trained ones."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not held or any(id(p) not in trained for p in held):
+        raise ConfigError("optimizers[0] holds parameters the policy does not train (built on another model, or "
+                          "before covey added the LoRA adapter of peft_config / use_peft?); build it on "
+                          "[p for p in model.parameters() if p.requires_grad] of the model you hand over, already "
+                          "adapted, or leave optimizers out")
+    return optimizer
+
+
 def lr_schedule(args: GRPOConfig) -> Callable[[int], float]:
     """The learning rate's factor at each optimizer step: linear warmup (warmup_steps or warmup_ratio),
     then the chosen decay."""
@@ -482,10 +495,9 @@ def one_batch_settings(args: GRPOConfig, num_prompts: int, **changes: Any) -> GR
     epochs becomes one step."""
     if args.max_steps == -1:
         changes = {"max_steps": 1, "num_train_epochs": None, **changes}
-    settings = dataclasses.replace(args, output_dir=None, resume_from_checkpoint=None, eval_max_samples=0,
-                                   push_to_hub=False, gradient_accumulation_steps=1,
-                                   per_device_train_batch_size=num_prompts * args.num_generations,
-                                   steps_per_generation=None, **changes)
+    settings = args.replace(output_dir=None, resume_from_checkpoint=None, eval_max_samples=0, push_to_hub=False,
+                            gradient_accumulation_steps=1, per_device_train_batch_size=num_prompts * args.num_generations,
+                            steps_per_generation=None, **changes)
     # what the caller set stays told apart from covey's defaults (such as the engine of prompts with pictures)
     settings.__dict__["fields_given"] = args.fields_given | set(changes)
     return settings

@@ -11,6 +11,7 @@ run folder receives at the end is ``covey.train.run_outputs``'s. Under several p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Sequence
 from covey.agents import ToolCallFormat
 from covey.config import GRPOConfig
 from covey.errors import ConfigError
-from covey.models import keep_freed_memory
+from covey.models import keep_freed_memory, quantization_settings
 from covey.rewards import RewardFunc, TrainerState, reward_context
 from covey.rewards.stoppable import take_stop_counts
 from covey.rollout import RolloutEngine
@@ -26,6 +27,7 @@ from covey.telemetry.runlog import RunLog
 from covey.telemetry.tables import percent, print_summary
 from covey.telemetry.trackers import make_trackers
 from covey.train import between_steps, setup
+from covey.train.accelerator import ProcessView
 from covey.train.assemble import assemble
 from covey.train.asynchronous import AsyncGeneration, AsyncSchedule
 from covey.train.batch import Progress, Prompts
@@ -60,19 +62,23 @@ class GRPOTrainer(TRLSurface):
     """
 
     def __init__(self, model: Any = None, reward_funcs: Sequence[RewardFunc | str] | RewardFunc | None = None,
-                 args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 processing_class: Any = None, peft_config: Any = None, rollout_engine: RolloutEngine | None = None,
-                 quiet: bool = False, tools: Sequence[Callable | str] | None = None,
-                 environment_factory: Callable[[], Any] | None = None,
+                 args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Sequence[Any] | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None,
+                 tools: Sequence[Callable | str] | None = None,
                  rollout_func: Callable[[list, GRPOTrainer], dict] | None = None,
-                 tool_call_format: ToolCallFormat | None = None, reward_processing_classes: Any = None,
-                 callbacks: Sequence[Any] | None = None):
+                 environment_factory: Callable[[], Any] | None = None, *,
+                 rollout_engine: RolloutEngine | None = None, tool_call_format: ToolCallFormat | None = None,
+                 quiet: bool = False):
+        args = run_config(args, quantization_config)
         handed = Handed(model, train_dataset, reward_funcs, processing_class, peft_config, rollout_engine,
-                              rollout_func, tools, environment_factory, tool_call_format, callbacks,
-                              World.launched_size())
-        run = assemble(args or GRPOConfig(), handed, eval_dataset, reward_processing_classes,
+                        rollout_func, tools, environment_factory, tool_call_format, callbacks, optimizers,
+                        World.launched_size())
+        run = assemble(args, handed, eval_dataset, reward_processing_classes,
                        None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self.args, self.parts, self.world, self.sharding = run.args, run.parts, run.world, run.sharding
+        self.accelerator = ProcessView(self.world, next(self.parts.policy.model.parameters()).device)
         self.prompt_sampler = run.prompt_sampler
         self.run_dir, self.hub, self.resume_from, self.config_as_used = run.run_dir, run.hub, run.resume_from, run.config_as_used
         self.eval_rows, self.dataset_name, self.model_name = run.eval_rows, run.dataset_name, run.model_name
@@ -260,6 +266,19 @@ class GRPOTrainer(TRLSurface):
         with self.parts.sampler.from_policy(self.parts.policy, self.world):
             losses = self.world.gather(grpo_loss_on(self.parts, Prompts(train_rows, ids)))
         return sum(losses) / len(losses)
+
+
+def run_config(args: Any, quantization_config: Any = None) -> GRPOConfig:
+    """The config a trainer runs with: covey's own, checked again (a script may have set fields since it was
+    made, as TRL's set ``model_init_kwargs``), or a TRL ``GRPOConfig`` read field by field; with TRL's
+    ``quantization_config`` as covey's loading fields. A copy: changing ``args`` later changes no run."""
+    if args is None:
+        args = GRPOConfig()
+    elif not isinstance(args, GRPOConfig):
+        if not dataclasses.is_dataclass(args) or "num_generations" not in {f.name for f in dataclasses.fields(args)}:
+            raise ConfigError(f"args must be a GRPOConfig (covey's or TRL's), not {type(args).__name__}")
+        args = GRPOConfig.from_trl(args)
+    return args.replace(**quantization_settings(quantization_config, args.dtype))
 
 
 class AsyncGRPOTrainer(GRPOTrainer):

@@ -32,7 +32,7 @@ def with_picture_engine(c: GRPOConfig, rows: list[dict]) -> GRPOConfig:
     """The config a run samples with: rollout_engine hf where its rows show pictures and no engine was
     asked for (covey's default engine, fast, reads text only)."""
     if has_images(rows) and "rollout_engine" not in c.fields_given and c.rollout_engine == "fast":
-        return dataclasses.replace(c, rollout_engine="hf")
+        return c.replace(rollout_engine="hf")
     return c
 
 
