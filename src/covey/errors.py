@@ -1,4 +1,7 @@
-"""Errors covey reports to the user: each says what is wrong, where, and how to fix it."""
+"""Errors covey reports to the user: each says what is wrong, where, and how to fix it; and its warnings."""
+
+import logging
+import warnings
 
 
 class CoveyError(ValueError):
@@ -51,3 +54,29 @@ def config_errors(problems: list[str], source: str | None = None) -> ConfigError
     return error
 
 
+
+
+# the logger TRL's GRPO trainer warns through: covey's warnings reach it too, so that handlers and pytest's
+# caplog set up for TRL see them
+TRL_LOGGER = "trl.trainer.grpo_trainer"
+
+
+def warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """Warn the user once: through Python's ``warnings`` (``stacklevel`` counts from the caller, as there),
+    and to TRL's logger where a handler listens to it. Where such a handler shows the record and nothing
+    records warnings (pytest does, and ``warnings.catch_warnings(record=True)``), the warnings module's own
+    line is left out: one warning is printed once."""
+    logger = logging.getLogger(TRL_LOGGER)
+    if logger.isEnabledFor(logging.WARNING) and logger.hasHandlers():
+        logger.warning(message)
+        if not _warnings_recorded():
+            return
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def _warnings_recorded() -> bool:
+    """Whether warnings are being recorded rather than printed (a catch_warnings(record=True) block)."""
+    return getattr(warnings, "_showwarnmsg_impl", None) is not _PRINTED_BY
+
+
+_PRINTED_BY = getattr(warnings, "_showwarnmsg_impl", None)

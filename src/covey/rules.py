@@ -16,10 +16,9 @@ meant. This module stands beside the config and imports nothing of covey's but i
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
-from covey.errors import ConfigError, config_errors
+from covey.errors import ConfigError, config_errors, warn
 
 GRPOConfig = Any  # the rules read a covey.config.GRPOConfig (which imports this module)
 
@@ -69,7 +68,7 @@ def check(rules: tuple, *facts: Any, source: str | None = None) -> None:
     if problems := _collect(rules, *facts, notes=notes):
         raise config_errors(problems, source)
     for note in notes:
-        warnings.warn(note, stacklevel=2)
+        warn(note, stacklevel=2)
 
 
 # ---- phase 1: the config alone ----------------------------------------------------------------------
@@ -291,15 +290,15 @@ def evaluation_and_outputs(c: GRPOConfig, need: Need) -> None:
 def advise(c: GRPOConfig) -> None:
     """Settings that are allowed but rarely meant: a warning each."""
     if c.importance_sampling_level == "sequence" and c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.warn(f"importance_sampling_level: sequence with loss_type: {c.loss_type}, a sum over tokens, "
+        warn(f"importance_sampling_level: sequence with loss_type: {c.loss_type}, a sum over tokens, "
                       "weights each sequence by its completion length; GSPO's per-sequence objective is "
                       "loss_type: grpo (LUSPO's length weighting on purpose: luspo)", stacklevel=3)
     if c.loss_type == "luspo" and c.importance_sampling_level != "sequence":
-        warnings.warn("loss_type: luspo weights each sequence's loss by its length, which the paper does with "
+        warn("loss_type: luspo weights each sequence's loss by its length, which the paper does with "
                       "the sequence-level ratio; set importance_sampling_level: sequence", stacklevel=3)
     cap = c.epsilon if c.epsilon_high is None else c.epsilon_high
     if c.loss_type == "cispo" and cap <= 1:
-        warnings.warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
+        warn(f"loss_type: cispo caps each token's weight at epsilon_high={cap} itself (as TRL does), so "
                       "every weight is below the ratio 1 it starts at; the MiniMax-M1 cap is 1 + eps (TRL's docs "
                       "suggest epsilon_high: 5.0)", stacklevel=3)
 

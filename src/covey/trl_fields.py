@@ -14,8 +14,8 @@ import enum
 import json
 import os
 import typing
-import warnings
 from typing import Any
+from covey.errors import warn
 
 
 class _AnyValue:
@@ -248,7 +248,7 @@ def covey_names(values: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[
     if values.get("num_train_epochs") is not None and "max_steps" not in values:
         values = {**values, "max_steps": -1}  # TRL's rule: the epochs set the length unless max_steps is given
     elif values.get("num_train_epochs") not in (None, 3.0) and str(values["max_steps"]).strip() != "-1":  # 3: the default
-        warnings.warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
+        warn(f"num_train_epochs={values['num_train_epochs']} has no effect: max_steps="
                       f"{values['max_steps']} sets the run's length (as in TRL)", stacklevel=3)
         values = {**values, "num_train_epochs": None}
     accepted = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Iterator
 
+from covey.errors import DataError
+
 
 class PromptSampler:
     """Row indices in shuffled passes over the dataset (seeded; ``shuffle`` False: in the dataset's order),
@@ -51,11 +53,18 @@ class PromptSampler:
         left = shuffles * self.num_rows - drawn
         return max(shuffles - 1, 0) + (self.num_rows - left) / self.num_rows
 
+    def resumes_over(self, num_rows: int) -> bool:
+        """Whether a saved position fits a dataset of ``num_rows`` rows (every index still to come is in it)."""
+        return all(i < num_rows for i in self.order)
+
     def state_dict(self) -> dict:
         """The position in the data (JSON-able), for checkpoints."""
         return {"rng": self.rng.getstate(), "order": list(self.order), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
+        if "order" not in state:
+            raise DataError("the checkpoint was written by a run that streamed its training rows, and this run "
+                            "holds its dataset in memory; resume with the same kind of dataset")
         self.rng.setstate(python_random_state(state["rng"]))
         self.order, self.epoch = list(state["order"]), state["epoch"]
 

@@ -8,16 +8,18 @@ there ever after.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from covey.errors import ModelError
+from covey.errors import ModelError, warn
 from covey.models.verbosity import quiet_transformers
 from covey.sources import EMBEDDED_MODEL
 
@@ -78,5 +80,52 @@ def embedded_model_folder(name: str = EMBEDDED_MODEL) -> Path:
     return target
 
 
+# hub ids of the models covey embeds: where the hub cannot be reached and its cache lacks the model, the id
+# means the embedded copy (its GGUF file's weights, 4-bit Q4_1 dequantised, so close to but not the hub's own)
+HUB_COPIES = {"huggingfacetb/smollm2-135m-instruct": EMBEDDED_MODEL}
+HUB_ANSWER_S = 5  # seconds the hub is given to answer before its id means the embedded copy
+
+
 def resolve_model_path(name: str) -> str:
-    return str(embedded_model_folder(name)) if name in EMBEDDED_GGUF else name
+    """The folder or hub id a model name is loaded from: an embedded model's folder for its name, and for
+    its hub id where the hub cannot give it (said once)."""
+    if name in EMBEDDED_GGUF:
+        return str(embedded_model_folder(name))
+    copy = HUB_COPIES.get(name.lower()) if isinstance(name, str) else None
+    if copy is not None and not _hub_can_give(name):
+        _say_embedded_copy(name)
+        return str(embedded_model_folder(copy))
+    return name
+
+
+@functools.cache
+def _hub_can_give(hub_id: str) -> bool:
+    """Whether the hub's copy of ``hub_id`` can be loaded here: it is in the local cache, or the hub answers
+    (not under HF_HUB_OFFLINE, within a few seconds)."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        return False
+    answered: list[bool] = []
+
+    def ask() -> None:
+        try:
+            model_info(hub_id, timeout=HUB_ANSWER_S)
+            answered.append(True)
+        except Exception:  # no network, no answer, no such repo: the hub cannot give it
+            answered.append(False)
+
+    asking = threading.Thread(target=ask, daemon=True)  # a name lookup without network may hang past any timeout
+    asking.start()
+    asking.join(HUB_ANSWER_S)
+    return bool(answered and answered[0])
+
+
+@functools.cache
+def _say_embedded_copy(hub_id: str) -> None:
+    warn(f"{hub_id} could not be reached on the Hugging Face Hub and is not in its cache here, so covey loads the "
+         f"copy it embeds ({EMBEDDED_MODEL}: the same model, its weights dequantised from 4 bits); connect to the hub "
+         "or download the model for its own weights")

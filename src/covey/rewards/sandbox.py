@@ -28,12 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Iterator
 
 from covey.rewards import sandbox_boot
-from covey.errors import RewardError
+from covey.errors import RewardError, warn
 
 BOOT = Path(__file__).with_name("sandbox_boot.py")
 INTERPRETER = os.path.realpath(sys.executable)
@@ -336,7 +335,7 @@ def available_isolation() -> Isolation:
             continue
         if result.stdout == "ready\n":
             if level is not Isolation.NAMESPACES:
-                warnings.warn(f"code sandbox: namespaces as root are not available here, using "
+                warn(f"code sandbox: namespaces as root are not available here, using "
                               f"{level.value}: {level.gaps}. See docs/sandbox.md.", RuntimeWarning, stacklevel=2)
             return level
         failures.append(f"{level.value}: the test program ended with {result.status}: {result.stderr[-300:]}")

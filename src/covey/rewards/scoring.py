@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from covey.errors import RewardError
+from covey.errors import RewardError, warn
 from covey.rewards.answers import completion_text
 from covey.rewards.convention import (RewardFunc, TrainerState, check_reward_signature, reward_context, reward_name,
                                       without_logging)
@@ -24,7 +24,7 @@ from covey.rewards.stoppable import WorkerFault, call_in_child, call_in_thread, 
 
 def _logged_in_a_worker(*_: Any) -> None:
     """``log_metric`` / ``log_extra`` in a reward worker process, which cannot reach the trainer."""
-    warnings.warn("a reward function called log_metric or log_extra in a reward worker process, which cannot pass "
+    warn("a reward function called log_metric or log_extra in a reward worker process, which cannot pass "
                   "them to the trainer: not logged. Set reward_num_workers: 0 to log them", stacklevel=2)
 
 
@@ -172,7 +172,7 @@ def score_completions(
             if value is not None:
                 table[i, j] = reward_value(value, name, i)
     if reward_funcs and torch.isnan(table).all(1).any():  # one message, so that it is shown once
-        warnings.warn("All reward functions returned None for some completions: those get no reward and no "
+        warn("All reward functions returned None for some completions: those get no reward and no "
                       "advantage (metrics: reward is the mean of the others); make sure at least one reward function "
                       "scores every completion", stacklevel=2)
     return table

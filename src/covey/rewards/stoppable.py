@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import torch
+from covey.errors import warn
 
 KINDS = ("rewards", "tools")
 HOWS = ("stopped", "abandoned", "workers_lost")
@@ -77,7 +78,7 @@ def worker_lost(kind: str, how_it_ended: str, what_next: str) -> None:
     """A worker process of ``kind`` found ended without being told to: counted (``<kind>/workers_lost``)
     and warned about, with ``what_next`` (the call run again, the worker replaced)."""
     count(kind, "workers_lost")
-    warnings.warn(f"a {kind} worker process ended ({how_it_ended}) without being told to: killed from outside "
+    warn(f"a {kind} worker process ended ({how_it_ended}) without being told to: killed from outside "
                   f"(the out-of-memory killer?) or exited (os._exit in the function?); {what_next}. Counted in "
                   f"{kind}/workers_lost", RuntimeWarning, stacklevel=3)
 

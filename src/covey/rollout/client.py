@@ -11,13 +11,12 @@ import socket
 import time
 import urllib.error
 import urllib.request
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from covey.errors import ConfigError, CoveyError, ModelError
+from covey.errors import ConfigError, CoveyError, ModelError, warn
 from covey.models import policy_weights
 from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingParams, greedy_once
 from covey.rollout.vllm_engine import request_seeds, version_problem
@@ -187,7 +186,7 @@ class ServerEngine(OwnWeights):
 
     def _wait_for_return(self, lost: ServerLost) -> None:
         """Wait up to ``timeout`` seconds for a lost server to answer again; it has lost the transfer group."""
-        warnings.warn(f"{lost}; waiting up to {self.timeout:g} s (vllm_server_timeout) for it to answer again, "
+        warn(f"{lost}; waiting up to {self.timeout:g} s (vllm_server_timeout) for it to answer again, "
                       "then the policy is pushed to it again and the round sampled again", RuntimeWarning, stacklevel=3)
         self.sender = None
         try:

@@ -14,12 +14,11 @@ import netrc
 import os
 import re
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from covey.errors import ConfigError
+from covey.errors import ConfigError, warn
 
 PROJECT = "covey"  # the default project / experiment that runs are grouped under
 WANDB_OFFLINE_MODES = ("offline", "dryrun", "disabled")
@@ -97,7 +96,7 @@ class WandbTracker(_RunTracker):
         mode = None  # wandb reads WANDB_MODE itself
         if "WANDB_MODE" not in os.environ and not wandb_key_configured():
             mode = "offline"
-            warnings.warn(f"report_to wandb: no W&B API key is configured (WANDB_API_KEY or `wandb login`), so "
+            warn(f"report_to wandb: no W&B API key is configured (WANDB_API_KEY or `wandb login`), so "
                           f"the run is logged offline in {run_dir / 'wandb'}; upload it later with "
                           f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", stacklevel=2)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir),

@@ -15,7 +15,7 @@ import torch
 
 from covey.rules import check
 from covey.config import GRPOConfig
-from covey.data import PromptSampler
+from covey.data import PromptSampler, RowStream, StreamOrder, load_rows
 from covey.errors import ConfigError
 from covey.models import Reference, eos_token_ids, load_processing, prepare_tokenizer, set_log_level
 from covey.rewards import RewardPool
@@ -35,6 +35,10 @@ from covey.train.vision_run import picture_sampling, with_picture_engine
 from covey.vision import processor_of, text_tokenizer
 
 
+# a streamed dataset's rows held: those of this many rounds (each with its refills under dynamic sampling)
+STREAM_WINDOW_ROUNDS = 4
+
+
 @dataclass
 class Assembled:
     """A run, ready to train: its step's parts and what the trainer keeps beside them."""
@@ -43,7 +47,7 @@ class Assembled:
     parts: StepParts
     world: World
     sharding: Sharding | None  # None: not sharded
-    prompt_sampler: PromptSampler
+    prompt_sampler: PromptSampler | StreamOrder
     run_dir: Path
     hub: HubPush | None  # None but in the first process under push_to_hub
     resume_from: Path | None
@@ -129,7 +133,16 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     optimizer = setup.make_optimizer(args, policy, world) if optimizer is None else setup.given_optimizer(optimizer, policy)
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, setup.lr_schedule(args))
     # the prompts of every process, drawn together; each takes its share (World.share)
+    prompts = Prompts(train_rows, prompt_ids)
     prompt_sampler = PromptSampler(len(train_rows), args.prompts_per_round(world.size), args.seed, args.shuffle_dataset)
+    if rows.stream is not None:  # read as the rounds ask, from its first row; the rows checked above were its first
+        def prepare(chunk: list[dict]) -> tuple[list[dict], list[list[int]]]:
+            chunk = load_rows(chunk, system_prompt=args.system_prompt, prompts_from_environment=environment is not None)
+            return setup.encode_training_prompts(args, tokenizer, chunk, rows.source, agent, processor)[:2]
+
+        per_round = args.prompts_per_round(world.size)
+        stream = RowStream(rows.stream, prepare, STREAM_WINDOW_ROUNDS * per_round * (1 + args.dynamic_sampling_max_rounds))
+        prompts, prompt_sampler = Prompts(stream.rows, stream.ids), StreamOrder(stream, per_round)
     sampler = Sampler(engine, tokenizer, eos_ids, picture_sampling(setup.sampling_params(args), policy),
                       setup.engine_correction(args), agent,
                       rollout_func, None if sharded is None else sharded.policy_copy, args.async_generation,
@@ -137,7 +150,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
     policy_parts = Policy(policy, reference, optimizer, scheduler, *sharded_passes,
                           logprob_budget_bytes=args.logprob_budget_bytes)
-    parts = StepParts(args, world, policy_parts, sampler, Prompts(train_rows, prompt_ids), rewards,
+    parts = StepParts(args, world, policy_parts, sampler, prompts, rewards,
                       setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)))
     if model is None or isinstance(model, str):
         model_name = model or args.model

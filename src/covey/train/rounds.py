@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from covey.errors import warn
 from covey import core
 from covey.data import PromptSampler, extra_columns
 from covey.rewards import TrainerState, reward_context, score_completions
@@ -142,7 +142,7 @@ def score(parts: StepParts, rows: list[dict], completions: list, completion_ids:
         calls.warn = False
         name, index, reason = errors[0]
         where = "" if index is None else f" on completion {index}"
-        warnings.warn(f"reward function {name!r} {reason}{where}; scored None where it failed "
+        warn(f"reward function {name!r} {reason}{where}; scored None where it failed "
                       "(reward_errors: skip). Shown once; the count is logged as rewards/errors.", stacklevel=2)
     return rewards_BF, logged_columns
 

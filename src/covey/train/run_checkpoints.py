@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from covey.errors import CheckpointError
+from covey.errors import CheckpointError, warn
 from covey.models import tokenizer_as_loaded
 from covey.train import setup
 from covey.train.batch import Progress
@@ -108,14 +107,14 @@ def restore(trainer: GRPOTrainer, path: Path) -> None:
                               f"resume with {len(in_flight)} process(es), or from a checkpoint of a synchronous run")
     trainer.in_flight = None if in_flight is None or len(in_flight) != world.size else in_flight[world.rank]
     if in_flight is not None and not args.async_generation:
-        warnings.warn(f"{path} holds {len(in_flight[0]['rounds'])} round(s) sampled ahead under "
+        warn(f"{path} holds {len(in_flight[0]['rounds'])} round(s) sampled ahead under "
                       "async_generation, which this run (async_generation: false) does not train: the run does "
                       "not continue as it would have; resume with async_generation: true for that", stacklevel=3)
     if saved_processes != world.size:
-        warnings.warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
+        warn(f"{path} was written by a run of {saved_processes} process(es) and this one has "
                       f"{world.size}: each optimizer step now takes the prompts of {world.size}, so "
                       "the run does not continue as it would have", stacklevel=3)
-    if any(i >= len(parts.prompts.rows) for i in trainer.prompt_sampler.order):
+    if not trainer.prompt_sampler.resumes_over(len(parts.prompts.rows)):
         raise CheckpointError(f"{path} was written while training on a larger dataset than this run's "
                               f"{len(parts.prompts.rows)} rows; resume with the same dataset")
     # the learning rate is this run's config too (max_steps and the schedule already are)

@@ -6,12 +6,12 @@ sharded run's, the engine's interface...) are named here, so that this table lis
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from covey.config import GRPOConfig
+from covey.data import is_stream
 from covey.models import resolve_model_path
 from covey.plan import MemoryCheckSkipped, check_fits
 from covey.rollout.vllm_engine import check_vllm
@@ -70,7 +70,11 @@ def launch(c: GRPOConfig, h: Handed, need: Need) -> None:
 
 
 def data_and_rewards(c: GRPOConfig, h: Handed, need: Need) -> None:
-    """The data and rewards are given (an environment may bring either), and the trackers exist."""
+    """The data and rewards are given (an environment may bring either), and the trackers exist; a streamed
+    dataset has no length to count epochs by."""
+    need(not (is_stream(h.train_dataset) and c.max_steps == -1),
+         "train_dataset is a stream (an IterableDataset or an iterator), whose length is not known before it ends, "
+         "so num_train_epochs cannot set the run's length: set max_steps (as TRL asks for an IterableDataset)")
     funcs = [h.reward_funcs] if callable(h.reward_funcs) or isinstance(h.reward_funcs, str) else h.reward_funcs
     check_data_and_rewards_given(c, h.train_dataset, funcs, h.environment_factory)
     check_trackers(c.report_to)

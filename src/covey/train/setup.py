@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -18,9 +17,9 @@ from covey import core, rules
 from covey.agents import FORMATS, Agent, ToolCallFormat, load_tool
 from covey.agents.environments import Environments
 from covey.config import GRPOConfig
-from covey.data import EMPTY_PROMPT, extra_columns, heldout_rows, load_rows, shared_prompts
+from covey.data import EMPTY_PROMPT, extra_columns, first_rows, heldout_rows, is_stream, load_rows, shared_prompts
 from covey.data.text import encode_prompts
-from covey.errors import ConfigError, DataError
+from covey.errors import ConfigError, DataError, warn
 from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
                           disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
                           merged_model, plain_model, quiet_transformers, resolve_model_path)
@@ -121,8 +120,13 @@ class Rows:
     """The rows a run trains and evaluates on, checked against what its reward functions need."""
 
     source: str  # the dataset's name as the user gave it, or "an in-memory dataset"
-    train: list[dict]
+    train: list[dict]  # a streamed dataset's first rows, which the checks read
     heldout: list[dict] | None  # None: no before/after evaluation
+    stream: Any = None  # a dataset read as a stream (covey.data.stream), to train on from its first row
+
+
+# rows of a streamed dataset read before training, for the checks of its columns and rewards
+STREAM_CHECK_ROWS = 8
 
 
 def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, reward_funcs: list[RewardFunc],
@@ -133,6 +137,9 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     rewards columns of its own, so the first batch checks those."""
     dataset = train_dataset if train_dataset is not None else args.dataset
     source = dataset if isinstance(dataset, str) else "an in-memory dataset"
+    stream = None
+    if is_stream(dataset):  # checked on its first rows; trained on as it is read
+        (dataset, stream), source = first_rows(dataset, STREAM_CHECK_ROWS), "the training stream"
     if train_dataset is None and "dataset" not in args.fields_given:  # the environment owns the data, as in TRL
         dataset, source, train = None, "the environment's reset()", environment_owned_rows(args, processes)
     else:
@@ -155,12 +162,12 @@ def load_run_rows(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, rewar
     heldout = heldout_rows(dataset, eval_dataset if eval_dataset is not None else args.eval_dataset,
                            args.eval_max_samples, args.eval_split, args.system_prompt, args.dataset_config)
     if heldout and (shared := shared_prompts(train, heldout)):
-        warnings.warn(f"{shared} of the {len(heldout)} held-out prompts are training prompts too, so the "
+        warn(f"{shared} of the {len(heldout)} held-out prompts are training prompts too, so the "
                       "before/after accuracy is not held-out; give eval_dataset (or eval_split) data the run does "
                       "not train on", stacklevel=3)
     if heldout:
         check_reward_columns(heldout, reward_funcs, "eval_dataset", others_may_come=own_rollouts)
-    return Rows(source, train, heldout)
+    return Rows(source, train, heldout, stream)
 
 
 def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], source: str,
@@ -185,7 +192,7 @@ def encode_training_prompts(args: GRPOConfig, tokenizer: Any, rows: list[dict], 
     if overflowed:
         action = "dropped" if args.prompt_overflow == "drop" else "cut to their last tokens"
         row, longest = max(overflowed, key=lambda pair: pair[1])
-        warnings.warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
+        warn(f"{len(overflowed)} training prompts were longer than max_prompt_length="
                       f"{args.max_prompt_length} and were {action}: up to {longest - args.max_prompt_length} tokens "
                       f"over (row {row}, {longest} tokens; first: row {overflowed[0][0]}); raise max_prompt_length "
                       "to keep them whole", stacklevel=3)
@@ -281,15 +288,15 @@ def build_policy(args: GRPOConfig, model: Any, peft_config: Any) -> torch.nn.Mod
     if args.cast_lm_head_to_fp32:
         head_in_float32(policy)
     if shared := adapted_shared_matrix(policy):
-        warnings.warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
+        warn(f"the LoRA adapter on {shared} changes a matrix the input embedding and the output head "
                       "share: the adapter trains and saves exactly, and covey export gives a model with the two "
                       "untied, but peft's merge_and_unload changes both, and vLLM or a covey server (which hold "
                       f"them tied) cannot sample with it; leave {shared.rpartition('.')[2]} out of "
                       "lora_target_modules to avoid both", stacklevel=3)
     if args.disable_dropout:
         disable_dropout(policy)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:  # transformers' newer name where it has it
+        (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
     return policy
 
 

@@ -18,13 +18,12 @@ covey server receives the weights gathered block by block (``covey.models.policy
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
 
-from covey.errors import ConfigError
+from covey.errors import ConfigError, warn
 from covey.models import SHARDED_PASSES, gathered_parameters, is_sharded
 
 # TRL's (TrainingArguments') words for `fsdp` that covey does: full_shard; shard_grad_op (a block's parameters
@@ -85,7 +84,7 @@ class Sharding:
         if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
             problems.append(f"fsdp_config: state_dict_type={kind!r} is not SHARDED_STATE_DICT or FULL_STATE_DICT")
         if _flag(options.pop("cpu_ram_efficient_loading", False), "cpu_ram_efficient_loading", problems, False):
-            warnings.warn("fsdp_config: cpu_ram_efficient_loading (accelerate's default) asks that only the first "
+            warn("fsdp_config: cpu_ram_efficient_loading (accelerate's default) asks that only the first "
                           "process read the weights from disk; covey loads the model in every process, then gives "
                           "every one the first one's weights: the same start, without that saving of host memory at "
                           "load. Set it false in the accelerate config to silence this", stacklevel=3)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from covey.errors import ConfigError
+from covey.errors import ConfigError, warn
 
 
 def is_vision_config(config: Any) -> bool:
@@ -87,7 +86,7 @@ def save_processor(processor: Any | None, folder: Any) -> None:
     try:
         processor.save_pretrained(folder)
     except (AttributeError, TypeError, ValueError, OSError) as e:
-        warnings.warn(f"the model's processor ({type(processor).__name__}) could not be saved with it ({e}); save it "
+        warn(f"the model's processor ({type(processor).__name__}) could not be saved with it ({e}); save it "
                       "yourself beside the model (processor.save_pretrained)", stacklevel=2)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from covey.errors import warn
 
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -124,7 +125,7 @@ def _library() -> ctypes.CDLL | None:
     except _NoCompiler:  # the general products, without a word
         return None
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        warnings.warn(f"covey's decode kernel could not be built, so sampling uses the general matrix "
+        warn(f"covey's decode kernel could not be built, so sampling uses the general matrix "
                       f"products (slower at few rows): {error}", RuntimeWarning, stacklevel=3)
         return None
     function = library.covey_decode_linear
@@ -136,7 +137,7 @@ def _library() -> ctypes.CDLL | None:
                      _pointer, _pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int, ctypes.c_int]
     step.restype = ctypes.c_int
     if not _agrees_with_linear(library, torch.float32):
-        warnings.warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
+        warn("covey's decode kernel gave other products than F.linear on this machine, so sampling "
                       "uses the general matrix products; please report it", RuntimeWarning, stacklevel=3)
         return None
     return library
@@ -152,7 +153,7 @@ def _amx_library() -> ctypes.CDLL | None:
         return None
     library.covey_tile_bf16.argtypes = [_pointer, ctypes.c_int, ctypes.c_int, _pointer, ctypes.c_int]
     if not _agrees_with_linear(library, torch.bfloat16):
-        warnings.warn("covey's decode kernel gave other bfloat16 products than F.linear on this machine, so "
+        warn("covey's decode kernel gave other bfloat16 products than F.linear on this machine, so "
                       "sampling in bfloat16 uses the general matrix products; please report it", RuntimeWarning,
                       stacklevel=3)
         return None
