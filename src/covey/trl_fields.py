@@ -88,6 +88,25 @@ AS_COVEY_DOES = {
 }
 
 
+# covey's defaults that differ from TRL 1.16's, and why (docs/trl.md lists them; a run leaving one at covey's
+# default says so once): what covey does, and TRL's default
+DEFAULTS_DIFFER = {
+    "bf16": ("None: bfloat16 autocast only on a CUDA GPU that computes in it; float32 on a CPU",
+             "None: bfloat16 everywhere unless fp16"),
+    "vllm_group_port": ("0: a free port", "51216"),
+    "output_dir": ("None: a new runs/<date>-<time> folder, never written over", "None: trainer_output"),
+}
+
+
+def defaults_note(config: Any) -> str | None:
+    """The line a run prints once: covey's defaults it runs with that differ from TRL's (None: none); the
+    weight-transfer port only where a vLLM server is used."""
+    server = config.rollout_engine == "vllm" and config.vllm_mode == "server"
+    differ = [f"{name} {covey} (TRL: {trl})" for name, (covey, trl) in DEFAULTS_DIFFER.items()
+              if name not in config.fields_given and (server or name != "vllm_group_port")]
+    return "covey's defaults that differ from TRL's (docs/trl.md): " + "; ".join(differ) if differ else None
+
+
 # TRL's model and script arguments (trl.ModelConfig, trl.ScriptArguments) that are covey fields under
 # another name: a TRL recipe's YAML gives them beside the GRPOConfig fields
 SAME_AS = {

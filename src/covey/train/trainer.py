@@ -39,6 +39,7 @@ from covey.train.run_rules import Handed
 from covey.train.run_outputs import open_run_dir, save_final_model, write_model, write_summary
 from covey.train.rounds import generate_and_score
 from covey.train.step import grpo_step
+from covey.trl_fields import defaults_note
 from covey.train.trl_api import TRLSurface, TrainingClock, closing_entry, grpo_loss_on
 
 
@@ -159,6 +160,8 @@ class GRPOTrainer(TRLSurface):
               parts.policy.summing_gradients(self.world, args.gradient_checkpointing)):
             take_stop_counts()  # calls stopped before this run (another trainer's) are not its own
             callbacks.call("on_train_begin", self.global_step)
+            if note := defaults_note(args):
+                log.info(note)
             if self.resume_from is not None:
                 log.resume(self.history, self.global_step)
                 log.info(f"resumed from {self.resume_from} at step {self.global_step}")

@@ -22,6 +22,7 @@ from covey.errors import ConfigError
 from covey.rewards import RewardModel, check_reward_columns
 from covey.train import rounds, update
 from covey.train.batch import Prompts
+from covey.train.distributed import World
 
 
 class TrainingClock:
@@ -167,6 +168,11 @@ class TRLSurface:
                               "and reference hold the policy; build a new GRPOTrainer(model=...) instead")
 
     # ---- transformers' Trainer ----------------------------------------------------------------
+
+    def end(self) -> None:
+        """transformers' close of a run after train(): covey's trackers closed with train() already; the
+        process group this process started is left (``World.leave``)."""
+        World.leave()
 
     def is_world_process_zero(self) -> bool:
         return self.world.is_main
