@@ -17,7 +17,7 @@ from covey.rules import check
 from covey.config import GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import ConfigError
-from covey.models import Reference, eos_token_ids, load_processing, prepare_tokenizer, set_log_level
+from covey.models import Reference, eos_token_ids, load_processing, plain_model, prepare_tokenizer, set_log_level
 from covey.rewards import RewardPool
 from covey.train import setup
 from covey.train.batch import Prompts
@@ -33,6 +33,7 @@ from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 from covey.train.vision_run import picture_sampling, with_picture_engine
 from covey.vision import processor_of, text_tokenizer
+from covey.vision.fit import check_processor_fits
 
 
 @dataclass
@@ -108,6 +109,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
 
     model = handed.model
     policy = setup.build_policy(args, model, handed.peft_config)
+    if processor is not None:  # its image tokens and the vision tower's features agree (before the vocabularies)
+        check_processor_fits(plain_model(policy), processor, prompt_ids)
     setup.check_vocabulary(policy, tokenizer)
     world.check_device(next(policy.parameters()).device)
     world.broadcast_parameters(policy)
