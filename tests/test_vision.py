@@ -490,6 +490,48 @@ def test_a_run_described_by_its_config_alone_trains_on_pictures_named_in_a_data_
     assert type(AutoProcessor.from_pretrained(saved_model)).__name__ == "Idefics3Processor"
 
 
+# ---- the saved and the exported model ------------------------------------------------------------------------
+
+
+def logprobs_of(model, processor, completion: str = "ab c") -> torch.Tensor:
+    """The log-probs ``model`` gives one completion of each of two prompts with pictures, as ``processor`` encodes
+    them (the trainer's own pass)."""
+    from covey.rollout import left_pad
+
+    tokenizer, ids = encoded(processor, picture_rows(2))
+    tokens = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    prompt_BP, mask_BP = left_pad(ids, tokenizer.pad_token_id)
+    completion_BT = torch.tensor([tokens] * len(ids))
+    sequences = SequenceBatch(prompt_BP, mask_BP, completion_BT, torch.ones_like(completion_BT), batch_images(ids))
+    with torch.no_grad():
+        return completion_logprobs(model.eval(), sequences)[0]
+
+
+@pytest.mark.parametrize("name", ["idefics3", "llava", "gemma3"])
+def test_the_final_and_the_exported_model_load_whole_with_transformers_auto_classes(tmp_path, name):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from covey.train.export import export_model
+
+    base = saved(name, tmp_path / "base")
+    model, processor = AutoModelForImageTextToText.from_pretrained(base), AutoProcessor.from_pretrained(base)
+    before = logprobs_of(model, processor)
+    args = vision_args(tmp_path, use_peft=True, lora_r=4, lora_target_modules=["all-linear"], max_steps=1,
+                       gradient_accumulation_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(), args=args,
+                          processing_class=processor, quiet=True)
+    trainer.train()
+    trained = logprobs_of(trainer.model, processor)
+    assert float((trained - before).abs().max()) > 1e-4  # the adapter moved the model: the comparisons below see it
+    export_model(str(tmp_path / "run"), tmp_path / "exported")
+    for folder in (tmp_path / "run" / "final_model", tmp_path / "exported"):
+        # the LoRA adapter on its base (final_model/) or merged into it (exported), with the processor beside
+        loaded, loaded_processor = AutoModelForImageTextToText.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+        assert type(loaded_processor) is type(processor) and loaded_processor.chat_template == processor.chat_template
+        assert float((logprobs_of(loaded, loaded_processor) - trained).abs().max()) < 1e-5, folder.name
+    assert not (tmp_path / "exported" / "adapter_config.json").exists()  # merged: a plain model
+
+
 def test_vllm_is_given_each_picture_s_placeholder_as_the_chat_template_wrote_it():
     from covey.rollout.vllm_engine import vllm_prompt
     from covey.vision import with_images_of

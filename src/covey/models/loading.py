@@ -128,10 +128,7 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
     kwargs = loading.from_pretrained_kwargs()
     try:
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
-            from peft import AutoPeftModelForCausalLM
-
-            # trainable, as a policy is: training goes on from the saved adapter
-            model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
+            model = _adapter_on_base(path, kwargs)
         elif is_vision_folder(path):  # a vision-language model, as AutoModelForImageTextToText loads it
             model = load_vision_model(path, kwargs)
         else:
@@ -139,6 +136,17 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
     except (OSError, ValueError, TypeError) as e:  # TypeError: a model_init_kwargs key the model does not take
         raise _not_loaded(name_or_path, e) from e
     return model if loading.quantization else model.to(default_device(loading.use_cpu))
+
+
+def _adapter_on_base(path: str, kwargs: dict[str, Any]):
+    """A saved LoRA adapter on its base model, trainable as a policy is (training goes on from it); a
+    vision-language base loaded as ``AutoModelForImageTextToText`` loads it."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    if base and is_vision_folder(resolve_model_path(base)):
+        return PeftModel.from_pretrained(load_vision_model(base, kwargs), path, is_trainable=True)
+    return AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
 
 
 def _not_loaded(name_or_path: str, e: Exception) -> ModelError:

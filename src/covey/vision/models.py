@@ -65,9 +65,10 @@ def processor_of(processing_class: Any) -> Any | None:
 
 
 def load_processor(path: str, trust_remote_code: bool = False, revision: str = "main") -> Any | None:
-    """The processor of a vision-language model's folder or hub id; None for a model that is not one, or
-    whose processor does not load (its tokenizer alone is then used)."""
-    if not is_vision_folder(path):
+    """The processor of a vision-language model's folder or hub id (or of a folder a processor was saved in:
+    a LoRA adapter of such a model); None for a model that is not one, or whose processor does not load (its
+    tokenizer alone is then used)."""
+    if not is_vision_folder(path) and not (Path(path) / "processor_config.json").is_file():
         return None
     from transformers import AutoProcessor
 
