@@ -6,6 +6,7 @@ changed. On six families built tiny from configs (tests/tiny_vision.py): Qwen2-V
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -378,6 +379,31 @@ def test_a_trl_vision_script_runs_with_only_its_import_changed(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
+                    reason="the Qwen-VL processors load where torchvision is installed")
+def test_a_family_whose_processor_cannot_load_here_says_so_before_the_model_loads(tmp_path, monkeypatch):
+    import covey.models.loading
+    from covey.models import load_processing
+
+    model, processor = BUILDERS["qwen2_vl"]()
+    folder = tmp_path / "tiny-qwen2-vl"  # the processor's parts as a checkpoint holds them
+    model.save_pretrained(folder)
+    processor.tokenizer.save_pretrained(folder)
+    processor.image_processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(processor.chat_template)
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the processor's error")
+
+    monkeypatch.setattr(covey.models.loading, "load_vision_model", not_loaded)
+    with pytest.raises(ConfigError, match="the training prompts show pictures, and the processor of .* does not load "
+                                          r"\(Qwen2VLVideoProcessor requires the Torchvision library.*pip install torchvision"):
+        GRPOTrainer(args=vision_args(tmp_path, model=str(folder)), reward_funcs=length_reward,
+                    train_dataset=picture_rows(), quiet=True)
+    tokenizer, none = load_processing(str(folder))  # prompts of text alone need only its tokenizer
+    assert none is None and tokenizer.chat_template
 
 
 # ---- covey verify ----------------------------------------------------------------------------------------

@@ -67,14 +67,16 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
     return load_processing(name_or_path, trust_remote_code, revision)[0]
 
 
-def load_processing(name_or_path: str, trust_remote_code: bool = False, revision: str = "main") -> tuple[Any, Any]:
+def load_processing(name_or_path: str, trust_remote_code: bool = False, revision: str = "main",
+                    pictures: bool = False) -> tuple[Any, Any]:
     """(tokenizer, processor) of a model: a vision-language model's processor (which encodes prompts with
-    pictures) and its tokenizer, prepared for generation; for another model its tokenizer and None."""
+    pictures) and its tokenizer, prepared for generation; for another model its tokenizer and None.
+    ``pictures``: the prompts show some, and a vision-language model's processor that does not load is an error."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
+    processor = load_processor(path, trust_remote_code, revision, needed=pictures)
     try:
-        processor = load_processor(path, trust_remote_code, revision)
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             path, trust_remote_code=trust_remote_code, **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:

@@ -32,7 +32,7 @@ from covey.train.policy import Policy
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 from covey.train.vision_run import picture_sampling, with_picture_engine
-from covey.vision import processor_of, text_tokenizer
+from covey.vision import has_images, processor_of, text_tokenizer
 from covey.vision.fit import check_processor_fits
 
 
@@ -98,7 +98,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if tokenizer is not None:
         prepare_tokenizer(tokenizer)
     else:
-        tokenizer, processor = load_processing(handed.model_source(args), args.trust_remote_code, args.model_revision)
+        tokenizer, processor = load_processing(handed.model_source(args), args.trust_remote_code, args.model_revision,
+                                               pictures=has_images(rows.train))
     agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format, processor)
     train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent,
                                                                      processor)
