@@ -337,6 +337,27 @@ def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_
     assert isinstance(error, ConfigError) and "start vLLM's server with --enable-scale-out" in str(error)
 
 
+def test_a_prompt_s_pictures_are_encoded_once_per_run_through_a_server(monkeypatch):
+    from types import SimpleNamespace
+
+    from covey.rollout import wire
+    from covey.rollout.client import ServerEngine
+    from covey.vision import with_images_of
+
+    model, processor = BUILDERS["idefics3"]()
+    tokenizer, ids = encoded(processor, picture_rows(2))
+    encodings = []
+    png = wire.picture_url
+    monkeypatch.setattr(wire, "picture_url", lambda picture: encodings.append(picture) or png(picture))
+    engine = ServerEngine.__new__(ServerEngine)  # its own bookkeeping, without a server to reach
+    engine.info, engine.url, engine.encoded_pictures = SimpleNamespace(covey_server=False), "http://h:1", wire.PictureURLs()
+    rounds = [engine._picture_urls([p for p in ids for _ in range(2)]) for _ in range(3)]  # three rounds of G = 2
+    later = engine._picture_urls([with_images_of(ids[0], list(ids[0]) + [40, 41])])  # an episode's later turn
+    assert len(encodings) == 2  # one picture per prompt, each encoded once
+    assert rounds[0] == rounds[2] and list(later.values()) == [rounds[0][id(images_of(ids[0]))]]
+    assert rounds[0][id(images_of(ids[1]))] == [png(image(1))]
+
+
 # ---- a TRL script -------------------------------------------------------------------------------------
 
 SCRIPT = '''
