@@ -22,6 +22,7 @@ from covey.errors import ConfigError, DataError, ModelError
 from covey.rollout import HFEngine, SamplingParams
 from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
 from covey.vision import batch_images, image_label, images_of, model_inputs, placeholder_token_ids, text_tokenizer
+from covey.vision.fit import image_token_id
 from covey.vision.models import vision_parts
 from tests.conftest import scored_batch
 from tests.tiny_vision import BUILDERS, FAMILIES, image, saved
@@ -112,7 +113,7 @@ def test_the_processor_expands_each_picture_to_its_image_tokens(family):
                                          tokenize=False)
     want = processor(text=[text], images=[[image(0)]], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     assert ids[0] == want.tolist()
-    token = model.config.image_token_id
+    token = image_token_id(model.config)
     with torch.no_grad():
         features = model.get_image_features(**{k: v for k, v in pixel.tensors.items()})
     features = features.pooler_output if hasattr(features, "pooler_output") else features
@@ -577,6 +578,22 @@ def test_the_final_and_the_exported_model_load_whole_with_transformers_auto_clas
         assert type(loaded_processor) is type(processor) and loaded_processor.chat_template == processor.chat_template
         assert float((logprobs_of(loaded, loaded_processor) - trained).abs().max()) < 1e-5, folder.name
     assert not (tmp_path / "exported" / "adapter_config.json").exists()  # merged: a plain model
+
+
+def test_a_vision_language_model_named_by_hub_id_loads_with_its_processor(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from covey.models import load_policy, load_processing
+
+    commit = "0" * 40  # the hub's layout in the local cache, read offline
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-smolvlm"
+    saved("idefics3", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    tokenizer, processor = load_processing("tiny-org/tiny-smolvlm", pictures=True)
+    assert type(processor).__name__ == "Idefics3Processor" and tokenizer is processor.tokenizer
+    assert type(load_policy("tiny-org/tiny-smolvlm")).__name__ == "Idefics3ForConditionalGeneration"
 
 
 def test_vllm_is_given_each_picture_s_placeholder_as_the_chat_template_wrote_it():

@@ -15,7 +15,7 @@ from covey.models.device import default_device
 from covey.models.embedded import resolve_model_path
 from covey.models.verbosity import quiet_transformers
 from covey.sources import why_unloadable
-from covey.vision.models import is_vision_folder, load_processor, load_vision_model
+from covey.vision.models import is_vision_source, load_processor, load_vision_model
 
 @dataclass(frozen=True)
 class ModelLoading:
@@ -131,7 +131,7 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
     try:
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
             model = _adapter_on_base(path, kwargs)
-        elif is_vision_folder(path):  # a vision-language model, as AutoModelForImageTextToText loads it
+        elif is_vision_source(path, loading.revision):  # as AutoModelForImageTextToText loads it
             model = load_vision_model(path, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -146,7 +146,7 @@ def _adapter_on_base(path: str, kwargs: dict[str, Any]):
     from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
 
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
-    if base and is_vision_folder(resolve_model_path(base)):
+    if base and is_vision_source(resolve_model_path(base)):
         return PeftModel.from_pretrained(load_vision_model(base, kwargs), path, is_trainable=True)
     return AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
 

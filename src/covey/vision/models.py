@@ -27,14 +27,19 @@ def is_vision_config(config: Any) -> bool:
     return get("vision_config", None) is not None
 
 
-def is_vision_folder(path: str) -> bool:
-    """Whether a local model folder holds a vision-language model (its config.json has a vision config)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
+def is_vision_source(path: str, revision: str = "main") -> bool:
+    """Whether a model folder or hub id holds a vision-language model (its config.json has a vision config);
+    a hub id's config.json is read as transformers reads it (from the local cache, else downloaded)."""
+    config = Path(path).expanduser() / "config.json"
     try:
+        if not config.is_file():
+            if Path(path).expanduser().exists():  # a folder without config.json (a saved adapter)
+                return False
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(path, "config.json", revision=None if revision == "main" else revision))
         return is_vision_config(json.loads(config.read_text()))
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # no such model or file, offline without it cached: the loading says so
         return False
 
 
@@ -70,7 +75,7 @@ def load_processor(path: str, trust_remote_code: bool = False, revision: str = "
     a LoRA adapter of such a model); None for a model that is not one, or whose processor does not load (its
     tokenizer alone is then used, for prompts of text). ``needed`` (the prompts show pictures): a vision-language
     model's processor that does not load is an error saying why, raised before the model loads."""
-    if not is_vision_folder(path) and not (Path(path) / "processor_config.json").is_file():
+    if not is_vision_source(path, revision) and not (Path(path) / "processor_config.json").is_file():
         return None
     from transformers import AutoProcessor
 
