@@ -208,7 +208,8 @@ def test_a_short_lora_run_trains_the_language_model_only(tmp_path, family):
     trainer.train()
     moved = [n for n, p in trainer.model.named_parameters() if n in trained and not torch.equal(p, trained[n])]
     assert any("lora_B" in n for n in moved)
-    after = {n.removeprefix("base_model.model."): p for n, p in trainer.model.named_parameters() if n.startswith(vision)}
+    after = {n.removeprefix("base_model.model."): p
+             for n, p in trainer.model.named_parameters() if n.startswith(vision)}
     assert after.keys() == tower.keys() and all(torch.equal(after[n], tower[n]) for n in tower)  # the tower as it was
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     shown = {part["image"] for r in records for part in r["prompt"][0]["content"] if part["type"] == "image"}
@@ -351,7 +352,8 @@ def test_a_prompt_s_pictures_are_encoded_once_per_run_through_a_server(monkeypat
     png = wire.picture_url
     monkeypatch.setattr(wire, "picture_url", lambda picture: encodings.append(picture) or png(picture))
     engine = ServerEngine.__new__(ServerEngine)  # its own bookkeeping, without a server to reach
-    engine.info, engine.url, engine.encoded_pictures = SimpleNamespace(covey_server=False), "http://h:1", wire.PictureURLs()
+    engine.info, engine.url = SimpleNamespace(covey_server=False), "http://h:1"
+    engine.encoded_pictures = wire.PictureURLs()
     rounds = [engine._picture_urls([p for p in ids for _ in range(2)]) for _ in range(3)]  # three rounds of G = 2
     later = engine._picture_urls([with_images_of(ids[0], list(ids[0]) + [40, 41])])  # an episode's later turn
     assert len(encodings) == 2  # one picture per prompt, each encoded once
@@ -420,8 +422,9 @@ def test_a_family_whose_processor_cannot_load_here_says_so_before_the_model_load
         raise AssertionError("the model was loaded before the processor's error")
 
     monkeypatch.setattr(covey.models.loading, "load_vision_model", not_loaded)
-    with pytest.raises(ConfigError, match="the training prompts show pictures, and the processor of .* does not load "
-                                          r"\(Qwen2VLVideoProcessor requires the Torchvision library.*pip install torchvision"):
+    with pytest.raises(ConfigError, match=r"the training prompts show pictures, and the processor of .* does not "
+                                          r"load \(Qwen2VLVideoProcessor requires the Torchvision library.*"
+                                          "pip install torchvision"):
         GRPOTrainer(args=vision_args(tmp_path, model=str(folder)), reward_funcs=length_reward,
                     train_dataset=picture_rows(), quiet=True)
     tokenizer, none = load_processing(str(folder))  # prompts of text alone need only its tokenizer
@@ -574,7 +577,8 @@ def test_the_final_and_the_exported_model_load_whole_with_transformers_auto_clas
     export_model(str(tmp_path / "run"), tmp_path / "exported")
     for folder in (tmp_path / "run" / "final_model", tmp_path / "exported"):
         # the LoRA adapter on its base (final_model/) or merged into it (exported), with the processor beside
-        loaded, loaded_processor = AutoModelForImageTextToText.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+        loaded = AutoModelForImageTextToText.from_pretrained(folder)
+        loaded_processor = AutoProcessor.from_pretrained(folder)
         assert type(loaded_processor) is type(processor) and loaded_processor.chat_template == processor.chat_template
         assert float((logprobs_of(loaded, loaded_processor) - trained).abs().max()) < 1e-5, folder.name
     assert not (tmp_path / "exported" / "adapter_config.json").exists()  # merged: a plain model

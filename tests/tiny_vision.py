@@ -105,10 +105,10 @@ def qwen2_5_vl(seed: int = 0):
 def qwen3_vl(seed: int = 0):
     """(model, processor) of a tiny Qwen3-VL: 16-pixel patches, learned position embeddings in the vision tower,
     and a deep-stack layer whose features join the language model's first layers; interleaved 3-D positions."""
-    return _qwen_vl("qwen3_vl", seed, dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                                           out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[1]),
-                    patch_size=16, text=dict(head_dim=32, rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4],
-                                                                        "mrope_interleaved": True}))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[1])
+    rope = {"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True}
+    return _qwen_vl("qwen3_vl", seed, vision, patch_size=16, text=dict(head_dim=32, rope_scaling=rope))
 
 
 def idefics3(seed: int = 0):
@@ -155,8 +155,8 @@ def gemma3(seed: int = 0):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    tokenizer = _tokenizer([], "<start_of_image>", named={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                                        "image_token": "<image_soft_token>"})
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = _tokenizer([], "<start_of_image>", named=named)
     processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
                                 tokenizer=tokenizer, image_seq_length=4, chat_template=tokenizer.chat_template)
     config = Gemma3Config(

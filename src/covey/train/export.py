@@ -3,11 +3,11 @@
 ``covey export SOURCE OUT`` writes OUT, a folder that ``transformers.pipeline("text-generation",
 model=OUT)`` and ``AutoModelForCausalLM.from_pretrained(OUT)`` load: the weights, the config and
 the tokenizer; for a vision-language model also its processor and chat template, so that
-``AutoModelForImageTextToText`` and ``AutoProcessor`` load it. A LoRA adapter is merged into its base weights (``merged_model``): the same
-W + scale * B @ A that covey's rollout engines sample with. SOURCE is a run folder (its
-``final_model/``), a checkpoint folder (its ``model/``), or any model covey loads (a folder, a
-saved adapter, a hub id). OUT must not exist: nothing is overwritten, and it appears whole or not
-at all.
+``AutoModelForImageTextToText`` and ``AutoProcessor`` load it. A LoRA adapter is merged into its
+base weights (``merged_model``): the same W + scale * B @ A that covey's rollout engines sample
+with. SOURCE is a run folder (its ``final_model/``), a checkpoint folder (its ``model/``), or any
+model covey loads (a folder, a saved adapter, a hub id). OUT must not exist: nothing is
+overwritten, and it appears whole or not at all.
 
     covey export runs/gsm8k exported/gsm8k
     covey export runs/gsm8k/checkpoints/checkpoint-200 exported/step-200 --dtype bfloat16
