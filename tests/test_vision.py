@@ -469,6 +469,15 @@ def test_a_processor_of_another_family_is_named_before_anything_samples(tmp_path
                     args=vision_args(tmp_path), quiet=True)
 
 
+def test_qwen2_vl_s_and_qwen2_5_vl_s_processors_fit_each_other_s_model(tmp_path):
+    for name, other in (("qwen2_vl", "qwen2_5_vl"), ("qwen2_5_vl", "qwen2_vl")):  # the same inputs, written alike
+        model, _ = BUILDERS[name]()
+        _, processor = BUILDERS[other]()
+        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(),
+                              processing_class=processor, args=vision_args(tmp_path / name), quiet=True)
+        assert trainer.processing_class is processor  # taken, not refused
+
+
 def test_verify_names_a_processor_of_another_size_of_the_model(tmp_path):
     from covey.verify import verify
 
