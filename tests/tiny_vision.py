@@ -18,10 +18,10 @@ VISION_TEMPLATE = (
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}"
     "{% endfor %}{% endif %}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "gemma3")
+IDS = dict(bos_token_id=2, eos_token_id=3, pad_token_id=0)  # the tests' tokenizer's <s>, </s> and <pad>
 # the language model of every family: two layers, 64 wide
 TEXT = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            max_position_embeddings=512, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-IDS = dict(bos_token_id=2, eos_token_id=3, pad_token_id=0)
+            max_position_embeddings=512, **IDS)
 
 
 def image(seed: int = 0, size: tuple[int, int] = (40, 56)):
