@@ -1,7 +1,8 @@
 """Vision-language models, trained as TRL trains them: pictures in rows (an image / images column, image parts
 in chats), prompts encoded by the model's processor, the same pixel inputs for sampling and every log-prob
 pass, LoRA on the language model with the vision tower frozen, and a TRL script run with only its import
-changed. On two families built tiny from configs: Qwen2-VL and Idefics3 (SmolVLM's)."""
+changed. On six families built tiny from configs (tests/tiny_vision.py): Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3
+(SmolVLM's), LLaVA and Gemma 3."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import torch
 from covey import GRPOConfig, GRPOTrainer
 from covey.data import load_rows
 from covey.data.text import encode_prompts
-from covey.errors import ConfigError, DataError
+from covey.errors import ConfigError, DataError, ModelError
 from covey.rollout import HFEngine, SamplingParams
 from covey.train.forward import SequenceBatch, TrainingForward, completion_logprobs
 from covey.vision import batch_images, image_label, images_of, model_inputs, placeholder_token_ids, text_tokenizer
+from covey.vision.fit import image_token_id
 from covey.vision.models import vision_parts
 from tests.conftest import scored_batch
 from tests.tiny_vision import BUILDERS, FAMILIES, image, saved
@@ -34,8 +36,9 @@ def picture_rows(n: int = 4) -> list[dict]:
 
 
 def length_reward(completions, image, **kwargs):
+    """Longer completions, and some characters, score higher: completions cut at the same length still differ."""
     assert all(image_label(picture).startswith("image:") for picture in image)  # the column reaches rewards
-    return [len(c[0]["content"]) / 8 for c in completions]
+    return [(len(text) + sum(map(ord, text)) % 5) / 8 for text in (c[0]["content"] for c in completions)]
 
 
 def vision_args(tmp_path, **changes) -> GRPOConfig:
@@ -109,7 +112,7 @@ def test_the_processor_expands_each_picture_to_its_image_tokens(family):
                                          tokenize=False)
     want = processor(text=[text], images=[[image(0)]], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     assert ids[0] == want.tolist()
-    token = model.config.image_token_id
+    token = image_token_id(model.config)
     with torch.no_grad():
         features = model.get_image_features(**{k: v for k, v in pixel.tensors.items()})
     features = features.pooler_output if hasattr(features, "pooler_output") else features
@@ -192,16 +195,21 @@ def test_the_ratio_is_exactly_one_on_the_first_iteration(tmp_path, family):
 def test_a_short_lora_run_trains_the_language_model_only(tmp_path, family):
     name, model, processor = family
     args = vision_args(tmp_path, use_peft=True, lora_r=4, lora_target_modules=["all-linear"], beta=0.04,
-                       gradient_accumulation_steps=1, max_steps=1)
+                       gradient_accumulation_steps=1, max_steps=2)
+    parts = tuple(f"{part}." for part in vision_parts(model))
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(parts)}
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(), args=args,
                           processing_class=processor, quiet=True)
-    vision = tuple(f"base_model.model.{part}." for part in vision_parts(model))
+    vision = tuple(f"base_model.model.{part}" for part in parts)
     trained = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and not any(n.startswith(vision) for n in trained)  # no adapter on the vision tower
     assert not any(n.startswith(vision) and "lora" in n for n, _ in trainer.model.named_parameters())
     trainer.train()
     moved = [n for n, p in trainer.model.named_parameters() if n in trained and not torch.equal(p, trained[n])]
     assert any("lora_B" in n for n in moved)
+    after = {n.removeprefix("base_model.model."): p
+             for n, p in trainer.model.named_parameters() if n.startswith(vision)}
+    assert after.keys() == tower.keys() and all(torch.equal(after[n], tower[n]) for n in tower)  # the tower as it was
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     shown = {part["image"] for r in records for part in r["prompt"][0]["content"] if part["type"] == "image"}
     assert shown <= {image_label(image(i)) for i in range(4)} and shown  # which picture each completion answered
@@ -330,6 +338,28 @@ def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_
     assert isinstance(error, ConfigError) and "start vLLM's server with --enable-scale-out" in str(error)
 
 
+def test_a_prompt_s_pictures_are_encoded_once_per_run_through_a_server(monkeypatch):
+    from types import SimpleNamespace
+
+    from covey.rollout import wire
+    from covey.rollout.client import ServerEngine
+    from covey.vision import with_images_of
+
+    model, processor = BUILDERS["idefics3"]()
+    tokenizer, ids = encoded(processor, picture_rows(2))
+    encodings = []
+    png = wire.picture_url
+    monkeypatch.setattr(wire, "picture_url", lambda picture: encodings.append(picture) or png(picture))
+    engine = ServerEngine.__new__(ServerEngine)  # its own bookkeeping, without a server to reach
+    engine.info, engine.url = SimpleNamespace(covey_server=False), "http://h:1"
+    engine.encoded_pictures = wire.PictureURLs()
+    rounds = [engine._picture_urls([p for p in ids for _ in range(2)]) for _ in range(3)]  # three rounds of G = 2
+    later = engine._picture_urls([with_images_of(ids[0], list(ids[0]) + [40, 41])])  # an episode's later turn
+    assert len(encodings) == 2  # one picture per prompt, each encoded once
+    assert rounds[0] == rounds[2] and list(later.values()) == [rounds[0][id(images_of(ids[0]))]]
+    assert rounds[0][id(images_of(ids[1]))] == [png(image(1))]
+
+
 # ---- a TRL script -------------------------------------------------------------------------------------
 
 SCRIPT = '''
@@ -377,25 +407,61 @@ def test_a_trl_vision_script_runs_with_only_its_import_changed(tmp_path):
 # ---- covey verify ----------------------------------------------------------------------------------------
 
 
-def test_verify_checks_the_image_stage_and_fails_it_for_a_processor_of_another_model(tmp_path):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_verify_checks_the_image_stage(name):
     from covey.verify import verify
 
-    model, processor = BUILDERS["idefics3"]()
-    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=6)
+    model, processor = BUILDERS[name]()
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=6, max_steps=1,
+                      learning_rate=1e-3, logging_steps=1)
     report = verify(args, model=model, processing_class=processor, train_dataset=picture_rows(), reward_funcs=[
         lambda completions, **kwargs: [len(c[0]["content"]) / 8 for c in completions]])
     stage = {c.name: c for c in report.checks if c.stage == "images"}
     assert set(stage) == {"prompts are the processor's", "image tokens match the vision tower's features",
                           "log-probs equal a plain forward with the pictures", "the pictures change the log-probs"}
     assert report.first_failure is None, [c for c in report.checks if c.status == "FAIL"]
-    assert stage["image tokens match the vision tower's features"].value == "1 tokens / 1 features, 1 tokens / 1 features"
-    # a processor that writes two image tokens per picture, for a model whose tower gives one feature
+    import re
+
+    counts = re.findall(r"(\d+) tokens / (\d+) features", stage["image tokens match the vision tower's features"].value)
+    assert len(counts) == 2 and all(tokens == features != "0" for tokens, features in counts)
+
+
+# each family's model with a processor of another family: the tower cannot read its pixel inputs, or the image
+# tokens and the tower's features disagree in number
+MISMATCHED = {"qwen2_vl": "qwen3_vl", "qwen2_5_vl": "idefics3", "qwen3_vl": "qwen2_vl", "idefics3": "llava",
+              "llava": "gemma3", "gemma3": "llava"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_processor_of_another_family_is_named_before_anything_samples(tmp_path, name):
+    model, _ = BUILDERS[name]()
+    _, processor = BUILDERS[MISMATCHED[name]]()
+    with pytest.raises(ModelError, match=f"the processor {type(processor).__name__} does not belong to the model "
+                                         f"{type(model).__name__}: .*give the model's own processor"):
+        GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(), processing_class=processor,
+                    args=vision_args(tmp_path), quiet=True)
+
+
+def test_qwen2_vl_s_and_qwen2_5_vl_s_processors_fit_each_other_s_model(tmp_path):
+    for name, other in (("qwen2_vl", "qwen2_5_vl"), ("qwen2_5_vl", "qwen2_vl")):  # the same inputs, written alike
+        model, _ = BUILDERS[name]()
+        _, processor = BUILDERS[other]()
+        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=picture_rows(),
+                              processing_class=processor, args=vision_args(tmp_path / name), quiet=True)
+        assert trainer.processing_class is processor  # taken, not refused
+
+
+def test_verify_names_a_processor_of_another_size_of_the_model(tmp_path):
+    from covey.verify import verify
+
     model, processor = BUILDERS["idefics3"]()
-    processor.image_seq_len = 2
+    processor.image_seq_len = 2  # two image tokens per picture, for a tower that gives one feature
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, max_completion_length=6, max_steps=1)
     report = verify(args, model=model, processing_class=processor, train_dataset=picture_rows(), reward_funcs=[
         lambda completions, **kwargs: [1.0] * len(completions)])
     failed = [c for c in report.checks if c.status == "FAIL"]
-    assert report.first_failure == "engine" and "give the model's own processor" in failed[0].hint, failed
+    assert report.first_failure == "setup" and "holds 2 of the model's image tokens" in failed[0].hint, failed
+    assert "give the model's own processor" in failed[0].hint
 
 
 # ---- several turns, and a run described by its config alone ------------------------------------------------

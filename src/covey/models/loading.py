@@ -15,7 +15,7 @@ from covey.models.device import default_device
 from covey.models.embedded import resolve_model_path
 from covey.models.verbosity import quiet_transformers
 from covey.sources import why_unloadable
-from covey.vision.models import is_vision_folder, load_processor, load_vision_model
+from covey.vision.models import is_vision_source, load_processor, load_vision_model
 
 @dataclass(frozen=True)
 class ModelLoading:
@@ -96,14 +96,16 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
     return load_processing(name_or_path, trust_remote_code, revision)[0]
 
 
-def load_processing(name_or_path: str, trust_remote_code: bool = False, revision: str = "main") -> tuple[Any, Any]:
+def load_processing(name_or_path: str, trust_remote_code: bool = False, revision: str = "main",
+                    pictures: bool = False) -> tuple[Any, Any]:
     """(tokenizer, processor) of a model: a vision-language model's processor (which encodes prompts with
-    pictures) and its tokenizer, prepared for generation; for another model its tokenizer and None."""
+    pictures) and its tokenizer, prepared for generation; for another model its tokenizer and None.
+    ``pictures``: the prompts show some, and a vision-language model's processor that does not load is an error."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
+    processor = load_processor(path, trust_remote_code, revision, needed=pictures)
     try:
-        processor = load_processor(path, trust_remote_code, revision)
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             path, trust_remote_code=trust_remote_code, **({} if revision == "main" else {"revision": revision}))
     except (OSError, ValueError) as e:
@@ -157,17 +159,25 @@ def load_policy(name_or_path: str, loading: ModelLoading = ModelLoading()):
     kwargs = loading.from_pretrained_kwargs()
     try:
         if (Path(path) / "adapter_config.json").is_file():  # a saved LoRA adapter: base model + adapter
-            from peft import AutoPeftModelForCausalLM
-
-            # trainable, as a policy is: training goes on from the saved adapter
-            model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
-        elif is_vision_folder(path):  # a vision-language model, as AutoModelForImageTextToText loads it
+            model = _adapter_on_base(path, kwargs)
+        elif is_vision_source(path, loading.revision):  # as AutoModelForImageTextToText loads it
             model = load_vision_model(path, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, TypeError) as e:  # TypeError: a model_init_kwargs key the model does not take
         raise _not_loaded(name_or_path, e) from e
     return model if loading.quantization else model.to(default_device(loading.use_cpu))
+
+
+def _adapter_on_base(path: str, kwargs: dict[str, Any]):
+    """A saved LoRA adapter on its base model, trainable as a policy is (training goes on from it); a
+    vision-language base loaded as ``AutoModelForImageTextToText`` loads it."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    if base and is_vision_source(resolve_model_path(base)):
+        return PeftModel.from_pretrained(load_vision_model(base, kwargs), path, is_trainable=True)
+    return AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
 
 
 def _not_loaded(name_or_path: str, e: Exception) -> ModelError:

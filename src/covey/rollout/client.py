@@ -22,7 +22,7 @@ from covey.rollout.engine import EngineSettings, OwnWeights, Rollout, SamplingPa
 from covey.rollout.vllm_engine import request_seeds, version_problem
 from covey.rollout.weight_transfer import SENDERS, Sender
 from covey.rollout.wire import (GENERATE, PROCESSED, REQUEST_TIMEOUT, TOKEN_VARIABLE, ServerInfo, completion_request,
-                                generate_request, generated_choices, http_url, is_loopback, picture_url,
+                                PictureURLs, generate_request, generated_choices, http_url, is_loopback,
                                 rollout_from_choices, server_token)
 from covey.vision import images_of
 
@@ -162,6 +162,7 @@ class ServerEngine(OwnWeights):
         self.unsynced_policy = policy
         self.policy = policy  # the weights the server must hold, pushed again if it restarts
         self.pushes = True
+        self.encoded_pictures = PictureURLs()  # each prompt's pictures, encoded once for the run
 
     @classmethod
     def build(cls, settings: EngineSettings, policy: torch.nn.Module, tokenizer, eos_token_ids: list[int]) -> "ServerEngine":
@@ -226,7 +227,8 @@ class ServerEngine(OwnWeights):
         return not self.info.covey_server
 
     def _picture_urls(self, prompt_ids: list[list[int]]) -> dict[int, list[str]]:
-        """Each distinct prompt's pictures (by the identity of its ``PromptImages``) as the data URLs sent."""
+        """Each distinct prompt's pictures (by the identity of its ``PromptImages``) as the data URLs sent, encoded
+        at the prompt's first round only."""
         urls: dict[int, list[str]] = {}
         for ids in prompt_ids:
             images = images_of(ids)
@@ -235,7 +237,7 @@ class ServerEngine(OwnWeights):
             if not self.takes_images:
                 raise ConfigError(f"the prompts show pictures, and the server at {self.url} is covey server, whose "
                                   "fast engine reads token ids only: start the server with --backend vllm")
-            urls[id(images)] = [picture_url(picture) for picture in images.pictures]
+            urls[id(images)] = self.encoded_pictures(images)
         return urls
 
     def _request(self, ids: list[int], urls: dict[int, list[str]], n: int, params: SamplingParams,

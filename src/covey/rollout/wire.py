@@ -30,6 +30,7 @@ import base64
 import io
 import ipaddress
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,22 @@ def picture_url(picture: Any) -> str:
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class PictureURLs:
+    """Each prompt's pictures as the data URLs sent (``picture_url``'s), encoded the first time the prompt is
+    sent and kept while its ``PromptImages`` lives, which is the run: a prompt's pictures are encoded once per
+    run, not once per round."""
+
+    def __init__(self) -> None:
+        self._urls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, images: Any) -> list[str]:
+        """The data URLs of ``images`` (a prompt's ``PromptImages``), in order."""
+        urls = self._urls.get(images)
+        if urls is None:
+            urls = self._urls[images] = [picture_url(picture) for picture in images.pictures]
+        return urls
 
 
 def generate_request(model: str, prompt_ids: list[int], picture_urls: list[str], num_generations: int,

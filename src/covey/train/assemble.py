@@ -17,7 +17,7 @@ from covey.rules import check
 from covey.config import GRPOConfig
 from covey.data import PromptSampler, RowStream, StreamOrder, load_rows
 from covey.errors import ConfigError
-from covey.models import Reference, eos_token_ids, load_processing, prepare_tokenizer, set_log_level
+from covey.models import Reference, eos_token_ids, load_processing, plain_model, prepare_tokenizer, set_log_level
 from covey.rewards import RewardPool
 from covey.train import setup
 from covey.train.batch import Prompts
@@ -32,7 +32,8 @@ from covey.train.policy import Policy
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 from covey.train.vision_run import picture_sampling, with_picture_engine
-from covey.vision import processor_of, text_tokenizer
+from covey.vision import has_images, processor_of, text_tokenizer
+from covey.vision.fit import check_processor_fits
 
 
 # a streamed dataset's rows held: those of this many rounds (each with its refills under dynamic sampling)
@@ -101,7 +102,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if tokenizer is not None:
         prepare_tokenizer(tokenizer)
     else:
-        tokenizer, processor = load_processing(handed.model_source(args), args.trust_remote_code, args.model_revision)
+        tokenizer, processor = load_processing(handed.model_source(args), args.trust_remote_code, args.model_revision,
+                                               pictures=has_images(rows.train))
     agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format, processor)
     train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent,
                                                                      processor)
@@ -112,6 +114,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
 
     model = handed.model
     policy = setup.build_policy(args, model, handed.peft_config)
+    if processor is not None:  # its image tokens and the vision tower's features agree (before the vocabularies)
+        check_processor_fits(plain_model(policy), processor, prompt_ids)
     setup.check_vocabulary(policy, tokenizer)
     world.check_device(next(policy.parameters()).device)
     world.broadcast_parameters(policy)

@@ -2,11 +2,12 @@
 
 ``covey export SOURCE OUT`` writes OUT, a folder that ``transformers.pipeline("text-generation",
 model=OUT)`` and ``AutoModelForCausalLM.from_pretrained(OUT)`` load: the weights, the config and
-the tokenizer. A LoRA adapter is merged into its base weights (``merged_model``): the same
-W + scale * B @ A that covey's rollout engines sample with. SOURCE is a run folder (its
-``final_model/``), a checkpoint folder (its ``model/``), or any model covey loads (a folder, a
-saved adapter, a hub id). OUT must not exist: nothing is overwritten, and it appears whole or not
-at all.
+the tokenizer; for a vision-language model also its processor and chat template, so that
+``AutoModelForImageTextToText`` and ``AutoProcessor`` load it. A LoRA adapter is merged into its
+base weights (``merged_model``): the same W + scale * B @ A that covey's rollout engines sample
+with. SOURCE is a run folder (its ``final_model/``), a checkpoint folder (its ``model/``), or any
+model covey loads (a folder, a saved adapter, a hub id). OUT must not exist: nothing is
+overwritten, and it appears whole or not at all.
 
     covey export runs/gsm8k exported/gsm8k
     covey export runs/gsm8k/checkpoints/checkpoint-200 exported/step-200 --dtype bfloat16
@@ -19,8 +20,11 @@ from pathlib import Path
 import torch
 
 from covey.errors import ConfigError, ModelError
-from covey.models import ModelLoading, is_peft_model, load_policy, load_tokenizer, merged_model, quiet_transformers, tokenizer_as_loaded
+from covey.models import (ModelLoading, is_peft_model, load_policy, load_processing, merged_model, quiet_transformers,
+                          tokenizer_as_loaded)
 from covey.train.checkpoint import written_whole
+from covey.vision import is_vision_model
+from covey.vision.models import save_processor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,7 +44,7 @@ def model_source(source: str) -> str:
 
 def export_model(source: str, out: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
     """Write ``source`` (see the module's docstring) to the new folder ``out`` as a plain model with its
-    tokenizer, in ``dtype`` (a key of ``DTYPES``); the folder written."""
+    tokenizer (and processor), in ``dtype`` (a key of ``DTYPES``); the folder written."""
     out = Path(out).expanduser()
     if out.exists():
         raise ConfigError(f"{out} already exists; covey export writes a new folder and overwrites nothing: "
@@ -54,17 +58,20 @@ def export_model(source: str, out: str | Path, dtype: str = "float32", trust_rem
     model = load_policy(name, ModelLoading(trust_remote_code))
     folder = Path(name).expanduser()
     has_tokenizer = not folder.is_dir() or (folder / "tokenizer_config.json").is_file()
-    tokenizer = load_tokenizer(name if has_tokenizer else _base_model(model, name), trust_remote_code)
+    tokenizer, processor = load_processing(name if has_tokenizer else _base_model(model, name), trust_remote_code)
+    if processor is None and is_vision_model(model) and is_peft_model(model):  # an adapter saved without it
+        processor = load_processing(_base_model(model, name), trust_remote_code)[1]
     plain = merged_model(model).to(DTYPES[dtype]).eval()
     with written_whole(out, f"{out.name}-*") as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
+        save_processor(processor, tmp)  # a vision-language model's, with its chat template, before its tokenizer
         with tokenizer_as_loaded(tokenizer) as as_loaded:
             as_loaded.save_pretrained(tmp)
     return out
 
 
 def _base_model(model: torch.nn.Module, name: str) -> str:
-    """Where a saved adapter without a tokenizer of its own finds one: its base model."""
+    """Where a saved adapter without a tokenizer (or processor) of its own finds one: its base model."""
     if is_peft_model(model):
         return model.peft_config[model.active_adapter].base_model_name_or_path
     raise ModelError(f"{name} has no tokenizer (tokenizer_config.json); save the model's tokenizer beside it")

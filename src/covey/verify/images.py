@@ -15,6 +15,7 @@ from covey.train.forward import SequenceBatch
 from covey.train.parts import StepParts
 from covey.verify.report import Report
 from covey.vision import backbone, images_of, model_inputs
+from covey.vision.fit import feature_count, image_token_id
 
 
 def plain_inputs(model: torch.nn.Module, seq: SequenceBatch) -> dict[str, torch.Tensor]:
@@ -33,25 +34,13 @@ def plain_inputs(model: torch.nn.Module, seq: SequenceBatch) -> dict[str, torch.
     return {key: value.to(device) for key, value in inputs.items()}
 
 
-def feature_count(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """How many image features the vision tower (and projector) gives for one prompt's pixel inputs."""
-    inner = backbone(plain_model(model))
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        features = inner.get_image_features(**{key: value.to(device) for key, value in tensors.items()})
-    features = getattr(features, "pooler_output", features)
-    if isinstance(features, (list, tuple)):
-        return sum(int(f.shape[0]) for f in features)
-    return int(features.numel() // plain_model(model).config.get_text_config().hidden_size)
-
-
 def check_images(report: Report, parts: StepParts, batch: ScoredBatch, indices: list[int]) -> None:
     """The image stage, where the sampled prompts show pictures (nothing to check otherwise)."""
     seq = batch.samples.sequences
     if seq.images is None:
         return
     model, processor = parts.policy.model, parts.sampler.processor
-    token = _image_token(plain_model(model).config)
+    token = image_token_id(plain_model(model).config)
     rows = [parts.prompts.rows[i] for i in indices]
     again = encode_prompts(parts.sampler.tokenizer, [row["prompt"] for row in rows], 10**9, "verify",
                            processor=processor)
@@ -60,7 +49,7 @@ def check_images(report: Report, parts: StepParts, batch: ScoredBatch, indices: 
                f"{len(indices)} prompts re-encoded by {type(processor).__name__}",
                "the prompt ids differ from the processor's encoding of the same chat and pictures: see "
                "covey.vision.encode_image_prompt")
-    counts = [(list(ids).count(token), feature_count(model, images_of(ids).tensors))
+    counts = [(list(ids).count(token), feature_count(plain_model(model), images_of(ids).tensors))
               for ids in (parts.prompts.ids[i] for i in indices) if images_of(ids) is not None]
     report.add("images", "image tokens match the vision tower's features", all(t == f > 0 for t, f in counts),
                ", ".join(f"{t} tokens / {f} features" for t, f in counts),
@@ -85,8 +74,3 @@ def check_images(report: Report, parts: StepParts, batch: ScoredBatch, indices: 
 
 def _text_keys() -> set[str]:
     return {"input_ids", "attention_mask", "position_ids"}
-
-
-def _image_token(config: Any) -> int | None:
-    return next((getattr(config, name) for name in ("image_token_id", "image_token_index")
-                 if isinstance(getattr(config, name, None), int)), None)

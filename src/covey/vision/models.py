@@ -26,14 +26,19 @@ def is_vision_config(config: Any) -> bool:
     return get("vision_config", None) is not None
 
 
-def is_vision_folder(path: str) -> bool:
-    """Whether a local model folder holds a vision-language model (its config.json has a vision config)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
+def is_vision_source(path: str, revision: str = "main") -> bool:
+    """Whether a model folder or hub id holds a vision-language model (its config.json has a vision config);
+    a hub id's config.json is read as transformers reads it (from the local cache, else downloaded)."""
+    config = Path(path).expanduser() / "config.json"
     try:
+        if not config.is_file():
+            if Path(path).expanduser().exists():  # a folder without config.json (a saved adapter)
+                return False
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(path, "config.json", revision=None if revision == "main" else revision))
         return is_vision_config(json.loads(config.read_text()))
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # no such model or file, offline without it cached: the loading says so
         return False
 
 
@@ -63,19 +68,33 @@ def processor_of(processing_class: Any) -> Any | None:
     return processing_class if is_processor(processing_class) else None
 
 
-def load_processor(path: str, trust_remote_code: bool = False, revision: str = "main") -> Any | None:
-    """The processor of a vision-language model's folder or hub id; None for a model that is not one, or
-    whose processor does not load (its tokenizer alone is then used)."""
-    if not is_vision_folder(path):
+def load_processor(path: str, trust_remote_code: bool = False, revision: str = "main", needed: bool = False
+                   ) -> Any | None:
+    """The processor of a vision-language model's folder or hub id (or of a folder a processor was saved in:
+    a LoRA adapter of such a model); None for a model that is not one, or whose processor does not load (its
+    tokenizer alone is then used, for prompts of text). ``needed`` (the prompts show pictures): a vision-language
+    model's processor that does not load is an error saying why, raised before the model loads."""
+    if not is_vision_source(path, revision) and not (Path(path) / "processor_config.json").is_file():
         return None
     from transformers import AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code,
                                                   **({} if revision == "main" else {"revision": revision}))
-    except (OSError, ValueError, ImportError):
+    except (OSError, ValueError, ImportError) as e:
+        if needed:
+            raise ConfigError(_unloadable_processor(path, e)) from None
         return None
     return processor if is_processor(processor) else None
+
+
+def _unloadable_processor(path: str, e: Exception) -> str:
+    why = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    fix = ("install what it names (the video part of the Qwen-VL processors needs torchvision: pip install "
+           "torchvision)" if isinstance(e, ImportError) else
+           "save the model's processor in its folder (processor.save_pretrained)")
+    return (f"the training prompts show pictures, and the processor of {path} does not load ({why}): {fix}, or "
+            "give the processor as processing_class")
 
 
 def save_processor(processor: Any | None, folder: Any) -> None:
