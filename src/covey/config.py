@@ -251,11 +251,8 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for name, value in self.__dict__.pop("script_settings", {}).items():  # given to GRPOConfig(...) by name
             setattr(self, name, value)
-        # built by a dataclass's own __init__ (a subclass's, as TRL's parser builds it): no TRL names were
-        # translated, and what was given is told by what differs from the defaults
-        self.__dict__.setdefault("trl_settings", {})
-        self.__dict__.setdefault("fields_given", frozenset(
-            f.name for f in dataclasses.fields(self) if getattr(self, f.name) != _default(f)))
+        if "trl_settings" not in self.__dict__:  # built by a subclass's own dataclass __init__ (TRL's parser does)
+            self._read_as_given()
         if self.bf16 is None:  # TRL's default: bfloat16 where a CUDA GPU computes in it, unless use_cpu
             self.bf16 = not self.use_cpu and torch_cuda_bf16()
         if isinstance(self.report_to, str):
@@ -285,6 +282,20 @@ class GRPOConfig:
             self.rollout_engine = "vllm"
         rules.check(rules.CONFIG_RULES, self)
         rules.advise(self)
+
+    def _read_as_given(self) -> None:
+        """TRL's rules applied to the fields a subclass's own ``__init__`` set, as ``GRPOConfig(...)`` applies them
+        (``generation_kwargs`` lifted, ...); what was given is what differs from the defaults."""
+        every = dataclasses.fields(GRPOConfig)
+        given = {f.name: getattr(self, f.name) for f in every if getattr(self, f.name) != _default(f)}
+        fields, accepted, problems = covey_names(given, {f.name: _default(f) for f in every})
+        if problems:
+            raise config_errors(problems)
+        for name, value in fields.items():
+            setattr(self, name, value)
+        own = {f.name for f in dataclasses.fields(self)} - {f.name for f in every}
+        self.__dict__["trl_settings"] = accepted
+        self.__dict__["fields_given"] = frozenset(fields) | own
 
     def _lift_model_init_kwargs(self) -> None:
         """Settings of model_init_kwargs that are covey fields (TRL recipes give the dtype there) move into
@@ -424,13 +435,12 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
                               "by name, such as GRPOConfig(output_dir='runs/a', learning_rate=1e-5)")
         values = {"output_dir": output_dir[0], **values}
     every = dataclasses.fields(GRPOConfig)
-    fields, accepted, problems = covey_names(values, {f.name: _default(f) for f in every})
     parser_names = {f.name for f in every if f.init}
-    self.__dict__["trl_settings"] = accepted
     if parser_names <= values.keys():  # every field at once, as an argument parser gives them: the set ones differ
-        self.__dict__["fields_given"] = frozenset(f.name for f in every if values.get(f.name, _default(f)) != _default(f))
-    else:
-        self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
+        values = {k: v for k, v in values.items() if k not in parser_names or v != _default(GRPOConfig.__dataclass_fields__[k])}
+    fields, accepted, problems = covey_names(values, {f.name: _default(f) for f in every})
+    self.__dict__["trl_settings"] = accepted
+    self.__dict__["fields_given"] = frozenset(fields)  # what the caller set, not left at covey's default
     self.__dict__["script_settings"] = {k: v for k, v in fields.items() if k not in parser_names}
     try:
         _dataclass_init(self, **{k: v for k, v in fields.items() if k in parser_names})

@@ -42,7 +42,8 @@ AS_COVEY_DOES = {
     "remove_unused_columns": (False,),  # every column reaches the reward functions
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),  # transformers' default
     "fp16": (False,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None, False),
-    "torch_compile": (False,), "use_liger_kernel": (False,), "disable_tqdm": (None, False),
+    "torch_compile": (False,), "use_liger_kernel": (False,),
+    "disable_tqdm": (None, ANY_VALUE),  # covey draws no progress bar of transformers' (TRL sets it from the log level)
     "ignore_data_skip": (False,), "data_seed": (None,),
     # read by scripts, not by TRL's trainer
     "do_train": (False, True), "do_eval": (False, True), "do_predict": (False, True),
