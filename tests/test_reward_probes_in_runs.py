@@ -109,3 +109,16 @@ def test_covey_diagnose_reads_a_run_trl_s_own_trainer_wrote(tmp_path):
     # the same folder read after a copy, without its completions: the verdict rests on the metrics too
     shutil.copytree(TRL_RUN, tmp_path / "run", ignore=shutil.ignore_patterns("completions"))
     assert diagnose(read_run(tmp_path / "run")).verdict == GAMING
+
+
+def test_covey_verify_takes_accept_probe_before_or_after_the_json_option(capsys, tmp_path):
+    from covey.cli import _parse_command, _verify_output_options, main
+
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "--accept-probe NAME" in capsys.readouterr().out
+    output, rest = _verify_output_options(["--accept-probe", "judge:length", "--json", str(tmp_path / "v.json"),
+                                           "--accept-probe", "counts_tags"])
+    namespace, _ = _parse_command("covey verify", "", rest, probes=True)
+    assert output.json == str(tmp_path / "v.json")
+    assert namespace.accept_probe == ["judge:length", "counts_tags"]
