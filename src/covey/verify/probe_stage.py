@@ -44,8 +44,9 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
                                      f"{finding.reward}:{finding.probe}"), warn_only=known)
     for name, scores in result.scores.items():
         if name not in {f.reward for f in result.findings}:
+            probed = [key for key in scores if key != "yardstick" and not key.startswith("length_")]
             report.add("probes", f"{name} is not fooled by a probe", True,
-                       f"{len(scores) - 1} probes on {result.rows} rows against {result.yardstick}")
+                       f"{len(probed)} probes and length on {result.rows} rows against {result.yardstick}")
     for note in result.notes:
         report.add("probes", "reward probed", False, "not probed" if "not probed" in note else "partly", note,
                    warn_only=True)
