@@ -33,6 +33,7 @@ __all__ = ["BUILTIN_REWARD_FACTORIES", "BUILTIN_REWARDS", "SoftOverlongPenalty",
            "json_format", "reasoning_format", "TRAINER_REWARD_ARGS", "RewardFunc", "TrainerState",
            "check_reward_columns", "check_reward_signature", "required_columns", "reward_context", "reward_name",
            "without_logging", "NAMED_REWARDS", "load_reward_func", "reward_reference", "RewardPool", "ProbeFinding",
-           "ProbeReport", "probe_rewards", "RewardModel", "load_reward_model", "call_reward", "preflight_check", "returned_values", "score_completions",
+           "ProbeReport", "probe_rewards", "RewardModel", "load_reward_model", "call_reward", "preflight_check",
+           "returned_values", "score_completions",
            "accuracy_reward", "get_cosine_scaled_reward", "get_repetition_penalty_reward",
            "get_soft_overlong_punishment", "reasoning_accuracy_reward", "think_format_reward"]
