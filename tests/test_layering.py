@@ -41,7 +41,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "plan": {"vision", "errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights
     "cli": {"vision", "errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
             "agents", "train", "verify", "plan", "__init__"},  # __init__: the package's __version__ (covey --version, env)
-    "__init__": {"config", "errors", "train", "verify"},  # the package itself: its public names (verify_trl)
+    "__init__": {"config", "errors", "rewards", "train", "verify"},  # the package itself: its public names (verify_trl, probe_rewards)
     "__main__": {"cli"},
 }
 

@@ -533,7 +533,8 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
         log_extra("reward", ["never over covey's own"] * len(completions))
         return [n % 3 / 2 for n in lengths]
 
-    args = small_args(tmp_path, max_steps=2, eval_max_samples=0, log_completions_steps=1)
+    args = small_args(tmp_path, max_steps=2, eval_max_samples=0, log_completions_steps=1,
+                      reward_probes=False)  # the probes' calls: tests/test_reward_probes_in_runs.py
     GRPOTrainer(model=tiny_model, reward_funcs=[with_trl_extras], args=args, train_dataset=ROWS,
                 processing_class=tokenizer, quiet=True).train()
     # the optimizer steps taken, of max_steps, and the passes over the data done (8 rows, 2 prompts a round),

@@ -7,10 +7,11 @@
 
 from covey.config import AsyncGRPOConfig, GRPOConfig
 from covey.errors import ConfigError, CoveyError
+from covey.rewards.probes import probe_rewards
 from covey.train.trainer import AsyncGRPOTrainer, GRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer", "ConfigError", "CoveyError",
-           "verify_trl"]
+           "verify_trl", "probe_rewards"]
 __version__ = "0.1.0"
 
 

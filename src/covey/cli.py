@@ -89,13 +89,17 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
 
 
 def _parse_command(prog: str, description: str, argv: list[str], num_prompts_help: str | None = None,
-                   json_help: str | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
+                   json_help: str | None = None, probes: bool = False) -> tuple[argparse.Namespace, dict[str, Any]]:
     """Parse a command's options: [CONFIG], every config field, and optionally --num-prompts / --json
-    (with ``json_help``, what it writes)."""
+    (with ``json_help``, what it writes) / --accept-probe (``probes``)."""
     json_output = json_help is not None
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     if num_prompts_help:
         parser.add_argument("--num-prompts", type=int, default=2, help=num_prompts_help)
+    if probes:
+        parser.add_argument("--accept-probe", action="append", default=[], metavar="NAME",
+                            help="a known reward-probe finding that only warns: FUNCTION:PROBE, or FUNCTION for all "
+                                 "of its probes (repeatable; docs/verify.md)")
     if json_output:
         parser.add_argument("--json", metavar="FILE", help=json_help)
         parser.add_argument("--overwrite", action="store_true", help="replace the --json FILE if it exists")
@@ -199,11 +203,13 @@ def cmd_verify(argv: list[str]) -> int:
         "covey verify", "Run every stage of the pipeline on one small batch and check its invariant; "
         "exit 0 when every stage passed, 1 naming the first failing stage, 2 on bad settings (docs/verify.md).",
         argv, num_prompts_help="prompts in the checked batch",
-        json_help="also write the checks and the verdict as JSON to FILE, for CI (schema in docs/verify.md)")
+        json_help="also write the checks and the verdict as JSON to FILE, for CI (schema in docs/verify.md)",
+        probes=True)
     args = _load_config(namespace.config, overrides)
     from covey.verify import verify
 
-    return _print_verify_report(verify(args, num_prompts=namespace.num_prompts), output.json)
+    report = verify(args, num_prompts=namespace.num_prompts, probes=True, accepted_probes=namespace.accept_probe)
+    return _print_verify_report(report, output.json)
 
 
 def _print_verify_report(report, json_file: str | None) -> int:

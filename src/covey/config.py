@@ -121,6 +121,7 @@ class GRPOConfig:
     reward_errors: str = _f("raise", "a reward function that raises or times out: stop the run, or score the sample None", choices=("raise", "skip"))
     reward_timeout: float | None = _f(None, "seconds one reward call may take before it counts as an error (None = no limit)")
     reward_num_workers: int = _f(0, "worker processes that run the (non-async) reward functions (0 = in the trainer's process)")
+    reward_probes: bool = _f(True, "before the first step, warn of a reward that scores completions built to cheat it as high as a correct answer (docs/verify.md)")
     code_timeout: float = _f(5.0, "code_tests reward: wall-clock seconds one completion's program may run")
     code_memory_limit_mb: int = _f(512, "code_tests reward: memory limit of one completion's program in MiB")
     strip_reasoning: bool = _f(False, "hand rewards only the answer after a <think>...</think> block (unterminated: empty)")

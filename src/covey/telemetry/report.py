@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator
 from covey.config import RESUME_FIELDS, GRPOConfig
 from covey.data.text import prompt_text
 from covey.errors import ConfigError, DataError
+from covey.telemetry.probe_findings import probes_html
 from covey.telemetry.runlog import resumed_configs
 from covey.telemetry.tables import before_after_rows
 
@@ -482,7 +483,7 @@ def render_page(run: Run, plots: list[Plot]) -> str:
         f"<title>covey report: {_esc(run.path.name or run.path)}</title><style>{STYLE}</style></head><body>",
         f"<h1>covey run report</h1><p class=\"sub\">{_esc(run.path)}</p>", _facts(run),
         f'<h2>Notes on this run</h2><ul class="notes">{notes}</ul>' if notes else "",
-        "<h2>Held-out evaluation</h2>", _evaluation(run), _health(run),
+        "<h2>Held-out evaluation</h2>", _evaluation(run), _health(run), probes_html(run.path),
         "<h2>Training curves</h2>",
         f'<div class="plots">{"".join(_figure_html(p) for p in plots)}</div>',
         f'<p class="sub">Not logged in this run, so not plotted: {_esc(absent)}</p>' if absent else "",

@@ -18,7 +18,7 @@ from covey.config import GRPOConfig
 from covey.data import PromptSampler, RowStream, StreamOrder, load_rows
 from covey.errors import ConfigError
 from covey.models import Reference, eos_token_ids, load_processing, plain_model, prepare_tokenizer, set_log_level
-from covey.rewards import RewardPool
+from covey.rewards import ProbeReport, RewardPool
 from covey.train import setup
 from covey.train.batch import Prompts
 from covey.train.checkpoint import resolve_checkpoint, saved_step
@@ -29,6 +29,7 @@ from covey.train.run_rules import ENGINE_ROW_RULES, ENGINE_RULES, ROW_RULES, RUN
 from covey.train.sharding import Sharding
 from covey.train.parts import Rewards, StepParts
 from covey.train.policy import Policy
+from covey.train.reward_probing import probe_before_training
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
 from covey.train.vision_run import picture_sampling, with_picture_engine
@@ -57,6 +58,7 @@ class Assembled:
     dataset_name: str
     model_name: str
     prompt_overflow_count: int
+    reward_probes: ProbeReport | None  # None: not probed (reward_probes false, a rollout_func, not the first process)
 
 
 def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_processing_classes: Any,
@@ -71,6 +73,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if callable(reward_funcs) or isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
     funcs, weights = setup.load_rewards(args, reward_funcs, reward_processing_classes)
+    probed = list(funcs)  # an environment's own rewards (below) score its episodes: not probed
     environment = setup.load_environment(args, handed.environment_factory)
     if environment is not None:  # environments that score their episodes (get_reward) are rewards too (TRL's)
         scored = environment.reward_functions()
@@ -107,6 +110,8 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     agent = setup.build_agent(args, tokenizer, handed.tools, environment, handed.tool_call_format, processor)
     train_rows, prompt_ids, overflow = setup.encode_training_prompts(args, tokenizer, rows.train, rows.source, agent,
                                                                      processor)
+    probes = (probe_before_training(args, probed, train_rows, tokenizer)  # warns, never stops the run
+              if args.reward_probes and rollout_func is None and world.is_main else None)
     if args.max_steps == -1:  # num_train_epochs passes over the prompts kept, as a number of steps from here on
         args = args.replace(max_steps=args.steps_for_epochs(len(train_rows), world.size),
                                    num_train_epochs=None)
@@ -161,7 +166,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     else:
         model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "a model object"
     return Assembled(args, parts, world, sharding, prompt_sampler, run_dir, hub, resume_from, as_used, rows.heldout,
-                     rows.source, model_name, overflow)
+                     rows.source, model_name, overflow, probes)
 
 
 def check_resumed_step(resume_from: Path | None, max_steps: int) -> None:

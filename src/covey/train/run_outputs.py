@@ -15,6 +15,7 @@ from covey.telemetry.runlog import latest_run_config, write_json
 from covey.telemetry.tables import accuracy_change, model_card
 from covey.train.checkpoint import written_whole
 from covey.train.run_checkpoints import checkpoint_every_process, whole_model_state
+from covey.train.reward_probing import write_probe_findings
 from covey.train.run_folder import claim_run_dir, write_run_config
 from covey.vision.models import save_processor
 
@@ -33,6 +34,7 @@ def open_run_dir(trainer: GRPOTrainer) -> Path:
         run_dir = trainer.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_dir, trainer.config_as_used, trainer.resume_from is not None, trainer.global_step)
+    write_probe_findings(run_dir, trainer.reward_probes)
     return run_dir
 
 

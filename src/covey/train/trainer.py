@@ -84,6 +84,7 @@ class GRPOTrainer(TRLSurface):
         self.run_dir, self.hub, self.resume_from, self.config_as_used = run.run_dir, run.hub, run.resume_from, run.config_as_used
         self.eval_rows, self.dataset_name, self.model_name = run.eval_rows, run.dataset_name, run.model_name
         self.prompt_overflow_count = run.prompt_overflow_count
+        self.reward_probes = run.reward_probes  # what the reward probes found, for the run folder
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given (TRL's members)
         self.eos_ids = self.parts.sampler.eos_ids
         self.quiet = quiet or not self.world.is_main

@@ -9,6 +9,8 @@ FAIL names the broken stage:
     data        prompts, columns that rewards need, alignment of columns with completions
     decode      the text rewards receive: plain, complete and unterminated reasoning, no special tokens
     rewards     one value per completion, lined up with its completion, not constant, weights applied
+    probes      (probes=True, as covey verify runs) no reward scores a completion built to cheat it as high
+                as a correct answer, nor rises with length alone
     advantages  group sums ~0, order follows reward, eps small, constant groups zero
     logprobs    <= 0, equal to a plain log_softmax gather, padding out, EOS in
     loss        value equal to the formula on the first pass (ratio 1) and away from it (clipping
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from typing import Sequence
 
 from covey.config import GRPOConfig
 from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
@@ -36,6 +39,7 @@ from covey.train.update import fixed_logprobs
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages, step_stages
 from covey.verify.images import check_images
+from covey.verify.probe_stage import check_probes
 from covey.verify.report import STAGES, Check, Report, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
@@ -44,12 +48,14 @@ SETUP = "the model, its tokenizer and the settings load"
 
 def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=None, train_dataset=None,
            reward_funcs=None, tools=None, environment_factory=None, tool_call_format=None,
-           reward_processing_classes=None) -> Report:
+           reward_processing_classes=None, probes: bool = False, accepted_probes: Sequence[str] = ()) -> Report:
     """Check the pipeline ``args`` describes (or the given objects, as ``GRPOTrainer`` takes them) stage
-    by stage, on one batch that the step's own functions sample, score and train on."""
+    by stage, on one batch that the step's own functions sample, score and train on. ``probes``: also
+    probe the reward functions (covey.rewards.probes), ``accepted_probes`` naming the known findings
+    (``FUNCTION`` or ``FUNCTION:PROBE``) that only warn."""
     report = Report()
     settings = one_batch_settings(args, num_prompts, max_steps=1, log_completions=False, num_iterations=1,
-                                  dynamic_sampling=False)
+                                  dynamic_sampling=False, reward_probes=False)  # probed in a stage of their own
     try:
         trainer = GRPOTrainer(model=copy.deepcopy(model) if model is not None else None, reward_funcs=reward_funcs,
                               args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True,
@@ -82,6 +88,8 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     stages.check_episodes(report, parts, batch, eos_ids, engine.turns)
     stages.check_rewards(report, parts, batch, calls)
     stages.check_reward_probes(report, trainer.parts, calls)  # the functions as given (their columns)
+    if probes:
+        check_probes(report, trainer.parts, indices, calls, accepted_probes)
     step_stages.check_advantages(report, parts, batch)
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)

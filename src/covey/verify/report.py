@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("setup", "data", "decode", "episodes", "rewards", "advantages", "logprobs", "images", "loss", "engine", "async")
+STAGES = ("setup", "data", "decode", "episodes", "rewards", "probes", "advantages", "logprobs", "images", "loss", "engine", "async")
 
 
 @dataclass
