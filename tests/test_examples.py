@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from covey.cli import main
-from covey.config import GRPOConfig
+from covey.config import DEMO, GRPOConfig
 from covey.rewards import load_reward_func
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -20,7 +20,7 @@ SHORT = ["--max-steps", "1", "--num-generations", "2", "--per-device-train-batch
          "--log-completions", "false"]
 
 
-@pytest.mark.parametrize("name", ["gsm8k.yaml", "arithmetic_lora.yaml", "multiplication_tool.yaml"])
+@pytest.mark.parametrize("name", ["gsm8k.yaml", "demo.yaml", "arithmetic_lora.yaml", "multiplication_tool.yaml"])
 def test_each_example_config_trains_a_step(tmp_path, tiny_model_dir, name):
     """Every setting of the example runs; only the model, the size of the run and (for GSM8K, whose data is
     not shipped) the data files are replaced."""
@@ -38,6 +38,10 @@ def test_each_example_config_trains_a_step(tmp_path, tiny_model_dir, name):
     config = GRPOConfig.from_yaml(EXAMPLES / name)
     assert [name for name in logged[0] if name.startswith("rewards/") and name.endswith("/mean")] == [
         f"rewards/{Path(func).name.split(':')[-1]}/mean" for func in config.reward_funcs]
+
+
+def test_the_demo_example_is_the_command_line_s_preset():
+    assert GRPOConfig.from_yaml(EXAMPLES / "demo.yaml") == GRPOConfig.from_dict(DEMO)
 
 
 def test_example_rewards():
