@@ -84,14 +84,19 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     ``dropout``: on the attention weights, drawn from the torch random stream of each process;
     ``sampled``: the completions sampled by the configured engine instead of scripted."""
     tokenizer = make_tokenizer()
+    rows = ROWS
+    if overrides.pop("stream", False):  # a streamed dataset: each process reads it and takes its share of a round
+        import datasets
+
+        rows = datasets.IterableDataset.from_generator(lambda: iter(ROWS))
     if not sampled and overrides.get("async_generation"):  # the worker builds its own engine: scripted too
         with mock.patch.object(setup, "build_engine", lambda args, policy, tok, eos_ids: ScriptedEngine(tokenizer)):
-            return train(output_dir, processes, signalled, dropout, sampled=True, **overrides)
+            return train(output_dir, processes, signalled, dropout, sampled=True, stream=rows is not ROWS, **overrides)
     model = make_model(len(tokenizer), seed=1)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = dropout
     trainer = GRPOTrainer(model=model, reward_funcs=[count_a], args=settings(output_dir, processes, **overrides),
-                          train_dataset=ROWS, eval_dataset=HELD_OUT, processing_class=tokenizer,
+                          train_dataset=rows, eval_dataset=HELD_OUT, processing_class=tokenizer,
                           rollout_engine=None if sampled else ScriptedEngine(tokenizer), quiet=True)
     gradients, step = [], trainer.optimizer.step
 
@@ -187,6 +192,7 @@ def _metrics(run):
      "off_policy_mask_threshold": 0.5},
     # each process's worker samples its share of the next round while the trainers train, one round behind
     {"async_generation": True},
+    {"stream": True},  # the training rows read from a stream
 ])
 def test_two_processes_make_the_update_one_process_makes_on_the_whole_batch(tmp_path, overrides):
     one = train(tmp_path / "one", 1, **overrides)["gradients"]

@@ -43,6 +43,10 @@ class PromptSampler:
         """Whole passes over the data in the first ``draws`` draws (a pass ends with the draw of its last row)."""
         return draws * self.prompts_per_step // self.num_rows
 
+    def passes_begun_in(self, draws: int) -> int:
+        """The passes over the data the first ``draws`` draws begin (the last perhaps unfinished)."""
+        return -(-draws * self.prompts_per_step // self.num_rows)
+
     def progress_in(self, draws: int) -> float:
         """Passes over the data in the first ``draws`` draws, a fraction within the last (``progress`` after
         them, reckoned the same way)."""

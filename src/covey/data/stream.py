@@ -12,6 +12,7 @@ read again from its start (a new pass) where it can be (an ``IterableDataset`` c
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any, Callable, Iterable, Iterator
 
 from covey.errors import DataError
@@ -151,6 +152,11 @@ class StreamOrder:
     def passes_in(self, draws: int) -> int:
         length = self.stream.length
         return 0 if length is None else draws * self.prompts_per_step // length
+
+    def passes_begun_in(self, draws: int) -> int:
+        """As transformers counts the epochs of data without a length: as many as there may be."""
+        length = self.stream.length
+        return sys.maxsize if length is None else -(-draws * self.prompts_per_step // length)
 
     def progress_in(self, draws: int) -> float:
         length = self.stream.length

@@ -173,8 +173,7 @@ class Callbacks:
 
     def _epochs(self) -> int:
         """The passes over the training prompts that max_steps make, rounded up."""
-        rounds = math.ceil(self.args.max_steps / self.args.optimizer_steps_per_generation)
-        return math.ceil(rounds * self.sampler.prompts_per_step / self.sampler.num_rows)
+        return self.sampler.passes_begun_in(math.ceil(self.args.max_steps / self.args.optimizer_steps_per_generation))
 
     @property
     def control(self):
