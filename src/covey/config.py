@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -252,7 +253,9 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for name, value in self.__dict__.pop("script_settings", {}).items():  # given to GRPOConfig(...) by name
             setattr(self, name, value)
-        if "trl_settings" not in self.__dict__:  # built by a subclass's own dataclass __init__ (TRL's parser does)
+        if (source := _copied_by_replace()) is not None:
+            self._keep_what_replace_drops(source)
+        elif "trl_settings" not in self.__dict__:  # built by a subclass's own dataclass __init__ (TRL's parser does)
             self._read_as_given()
         if self.bf16 is None:  # TRL's default: bfloat16 where a CUDA GPU computes in it, unless use_cpu
             self.bf16 = not self.use_cpu and torch_cuda_bf16()
@@ -283,6 +286,17 @@ class GRPOConfig:
             self.rollout_engine = "vllm"
         rules.check(rules.CONFIG_RULES, self)
         rules.advise(self)
+
+    def _keep_what_replace_drops(self, source: GRPOConfig) -> None:
+        """A copy made by ``dataclasses.replace(source, ...)``: the settings the parser leaves to ModelConfig and
+        ScriptArguments are no ``__init__`` arguments, so replace would reset them; they are the source's, as
+        are what it accepted of TRL's and what was set (and now what the copy changed)."""
+        for f in dataclasses.fields(self):
+            if not f.init:
+                setattr(self, f.name, getattr(source, f.name))
+        changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(source, f.name)}
+        self.__dict__["trl_settings"] = dict(source.trl_settings)
+        self.__dict__["fields_given"] = source.fields_given | changed
 
     def _read_as_given(self) -> None:
         """TRL's rules applied to the fields a subclass's own ``__init__`` set, as ``GRPOConfig(...)`` applies them
@@ -379,8 +393,8 @@ class GRPOConfig:
         return self.micro_batches_per_generation // self.gradient_accumulation_steps * self.num_iterations
 
     def replace(self, **changes: Any) -> "GRPOConfig":
-        """A copy with ``changes``, checked as a new config is; what was set stays set. (``dataclasses.replace``
-        would leave out the settings TRL keeps in ModelConfig and ScriptArguments.)"""
+        """A copy with ``changes`` (any field, those TRL keeps in ModelConfig too, which ``dataclasses.replace``
+        cannot change), checked as a new config is; what was set stays set."""
         copy = type(self).__new__(type(self))
         copy.__dict__.update({**self.__dict__, **changes, "fields_given": self.fields_given | set(changes)})
         copy.__post_init__()
@@ -468,6 +482,18 @@ class AsyncGRPOConfig(GRPOConfig):
     def __init__(self, *output_dir: Any, **values: Any) -> None:
         super().__init__(*output_dir, **{**self.DEFAULTS, **values})
         self.__dict__["fields_given"] = self.fields_given - (set(self.DEFAULTS) - set(values))
+
+
+def _copied_by_replace() -> GRPOConfig | None:
+    """The config ``dataclasses.replace`` is copying, where it is what builds this one (None elsewhere)."""
+    frame = sys._getframe(2)
+    for _ in range(6):  # replace -> the __init__ (covey's, then the dataclass's) -> __post_init__ -> here
+        if frame is None:
+            return None
+        if frame.f_code.co_filename == dataclasses.__file__ and isinstance(frame.f_locals.get("obj"), GRPOConfig):
+            return frame.f_locals["obj"]
+        frame = frame.f_back
+    return None
 
 
 def _default(f: dataclasses.Field) -> Any:
