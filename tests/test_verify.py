@@ -24,7 +24,7 @@ from covey.agents import HermesFormat, ParsedTurn, ToolCall
 from covey.rollout import FastEngine
 from covey.rollout.engine import TurnByTurn, padded_rollout
 from covey.verify import STAGES, verify
-from tests.conftest import make_model
+from tests.conftest import loss_settings, make_model
 
 ROWS = [{"prompt": [{"role": "system", "content": "answer"}, {"role": "user", "content": f"what is {i} + {i}?"}],
          "answer": str(2 * i)} for i in range(6)]
@@ -76,7 +76,7 @@ def _without_eos(original):
 
 
 def _ratio_against_reference(original):
-    def loss(logp, old, adv, mask, counts, settings=core.LossSettings(), ref=None, *args, **kwargs):
+    def loss(logp, old, adv, mask, counts, settings, ref=None, *args, **kwargs):
         return original(logp, ref if ref is not None else old, adv, mask, counts, settings, ref, *args, **kwargs)
     return loss
 

@@ -24,7 +24,6 @@ from covey.verify.stages import whole_prompt_text, written_answer
 TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
                         "environments", "kwargs"}
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "label")
-LOSS_TYPES_CHECKED = ("grpo", "bnpo", "dr_grpo", "dapo")
 REASONING_FIELDS = {"reasoning_content", "thinking"}  # where a parsed message keeps the reasoning
 # where an error in TRL's scoring path shows which stage broke (a reward function's own error: rewards)
 FAILING_FUNCTION_STAGES = {"parse_response": "decode", "batch_decode": "decode", "recorded": "rewards",
