@@ -363,7 +363,7 @@ def test_top_entropy_quantile_trains_only_high_entropy_tokens():
     assert rel_err(loss, want) < TOL
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("mode", core.ENGINE_CORRECTION_MODES)
 def test_engine_importance_weights(mode):
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]], dtype=torch.float64)
     engine = torch.tensor([[-1.5, -1.0, -0.5], [-1.1, -0.9, 9.0]], dtype=torch.float64)
@@ -391,3 +391,34 @@ def test_k1_k2_k3_agree_at_zero_and_k3_is_nonnegative():
     for name, estimator in core.KL_ESTIMATORS.items():
         assert torch.equal(estimator(logp, logp), torch.zeros_like(logp)), name
     assert (core.KL_ESTIMATORS["k3"](logp, logp - torch.rand(3, 4, dtype=torch.float64)) >= 0).all()
+
+
+def test_every_loss_type_of_the_registry_is_known_everywhere():
+    """core.LOSS_TYPES is the one list of loss types: a variant missing from any layer that names them (the
+    config's choices, covey verify's written-out formulas, its checks of TRL's loss, the table of
+    docs/algorithms.md) fails here, and so does a name there that the registry lacks."""
+    import dataclasses
+    from pathlib import Path
+
+    from covey.config import GRPOConfig
+    from covey.verify import formulas, trl_training
+
+    choices = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["choices"]
+    algorithms = (Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
+    documented = {line.split("`")[1] for line in algorithms.splitlines() if line.startswith("| `")}
+    places = {"the config's choices": set(choices), "verify's objectives": set(formulas.OBJECTIVES_WRITTEN_OUT),
+              "verify's aggregations": set(formulas.AGGREGATIONS_WRITTEN_OUT),
+              "verify --trl's aggregations": set(trl_training.TRL_AGGREGATIONS)}
+    for name, (objective, aggregation) in core.LOSS_TYPES.items():
+        assert objective in core.POLICY_OBJECTIVES and aggregation in core.LOSS_NORMALISERS, name
+        missing = [where for where, names in {**places, "docs/algorithms.md": documented}.items() if name not in names]
+        assert not missing, f"loss_type {name} is missing from {', '.join(missing)}"
+    assert not {where: names - set(core.LOSS_TYPES) for where, names in places.items() if names - set(core.LOSS_TYPES)}
+
+
+def test_every_reward_scale_and_kl_estimator_is_written_out_again_in_verify():
+    """verify's independent formulas cover each entry of core's tables (whose keys are the config's choices)."""
+    from covey.verify import formulas
+
+    assert set(formulas.SPREADS_WRITTEN_OUT) == set(core.REWARD_SCALES)
+    assert set(formulas.KL_WRITTEN_OUT) == set(core.KL_ESTIMATORS)

@@ -9,13 +9,20 @@ from covey import core
 from covey.train.batch import ScoredBatch
 
 
+# Each reward scale of core.REWARD_SCALES written out: the (unbiased) std of the group, of the whole batch, or none.
+SPREADS_WRITTEN_OUT = {"group": lambda rewards_NG: rewards_NG.std(1, keepdim=True),
+                       "batch": lambda rewards_NG: rewards_NG.std(),
+                       "none": lambda rewards_NG: torch.tensor(1.0, dtype=torch.float64)}
+
+# Each KL estimator of core.KL_ESTIMATORS written out, from d = ref_logp - logp.
+KL_WRITTEN_OUT = {"k1": lambda d: -d, "k2": lambda d: 0.5 * d ** 2, "k3": lambda d: torch.exp(d) - d - 1}
+
+
 def advantages_written_out(rewards_NG: torch.Tensor, scale_rewards: str) -> torch.Tensor:
     """GRPO's advantages of G completions per row, each group centred on its mean and divided by its
-    (unbiased) std, the whole batch's, or nothing."""
-    spread = {"group": rewards_NG.std(1, keepdim=True), "batch": rewards_NG.std(),
-              "none": torch.tensor(1.0, dtype=torch.float64)}[scale_rewards]
+    spread (``SPREADS_WRITTEN_OUT``)."""
     eps = 0.0 if scale_rewards == "none" else core.ADVANTAGE_EPS
-    return (rewards_NG - rewards_NG.mean(1, keepdim=True)) / (spread + eps)
+    return (rewards_NG - rewards_NG.mean(1, keepdim=True)) / (SPREADS_WRITTEN_OUT[scale_rewards](rewards_NG) + eps)
 
 
 def formula_loss(batch: ScoredBatch, ref_logp_BT: torch.Tensor | None, logp_BT: torch.Tensor,
@@ -50,8 +57,7 @@ def formula_token_loss(s: core.LossSettings, logp_BT: torch.Tensor, old_logp_BT:
         drift = ((behaviour - logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         per_token = per_token * ~((adv < 0) & (drift > s.off_policy_mask_threshold))
     if s.beta > 0:
-        d = ref_logp_BT.double() - logp
-        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": torch.exp(d) - d - 1}[s.kl_estimator]
+        kl = KL_WRITTEN_OUT[s.kl_estimator](ref_logp_BT.double() - logp)
         per_token = per_token + s.beta * (kl * w if s.use_bias_correction_kl else kl)
     return per_token
 
