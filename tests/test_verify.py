@@ -24,7 +24,7 @@ from covey.agents import HermesFormat, ParsedTurn, ToolCall
 from covey.rollout import FastEngine
 from covey.rollout.engine import TurnByTurn, padded_rollout
 from covey.verify import STAGES, verify
-from tests.conftest import loss_settings, make_model
+from tests.conftest import make_model
 
 ROWS = [{"prompt": [{"role": "system", "content": "answer"}, {"role": "user", "content": f"what is {i} + {i}?"}],
          "answer": str(2 * i)} for i in range(6)]

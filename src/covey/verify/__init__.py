@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 
 from covey.config import GRPOConfig
-from covey.errors import CoveyError, DataError, RewardError
+from covey.errors import DataError, RewardError
 from covey.rewards import reward_name
 from covey.train.setup import build_engine, one_batch_settings
 from covey.train.parts import Rewards
@@ -36,7 +36,7 @@ from covey.train.update import fixed_logprobs
 from covey.train.trainer import GRPOTrainer
 from covey.verify import stages, step_stages
 from covey.verify.images import check_images
-from covey.verify.report import STAGES, Check, Report, error_place, print_report
+from covey.verify.report import STAGES, Check, Report, error_text, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
 SETUP = "the model, its tokenizer and the settings load"
@@ -116,8 +116,7 @@ def _failed(report: Report, error: Exception, stages: tuple) -> Report:
     (``stages``: (kinds, stage, check) in order, the last of them for any error); an error that is not
     covey's own says its kind and where it was raised."""
     kinds, stage, check = next(entry for entry in stages if isinstance(error, entry[0]))
-    message = str(error) if isinstance(error, CoveyError) else f"{type(error).__name__}: {error} (at {error_place(error)})"
-    report.add(stage, check, False, "error", message)
+    report.add(stage, check, False, "error", error_text(error))
     return report
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from covey.errors import CoveyError
+
 STAGES = ("setup", "data", "decode", "episodes", "rewards", "advantages", "logprobs", "images", "loss", "engine", "async")
 
 
@@ -37,7 +39,7 @@ class Report:
         try:
             return checks(*args)
         except Exception as e:
-            self.add(stage, f"the {stage} checks run to the end", False, f"{type(e).__name__}: {e} (at {error_place(e)})",
+            self.add(stage, f"the {stage} checks run to the end", False, error_text(e),
                      "the code this stage runs raised an error where the message says; an error raised in "
                      "covey/verify itself is covey's bug: please report it with this message")
             return None
@@ -46,6 +48,14 @@ class Report:
     def first_failure(self) -> str | None:
         failed = {c.stage for c in self.checks if c.status == "FAIL"}
         return next((s for s in self.stages if s in failed), None)
+
+
+def error_text(error: BaseException) -> str:
+    """What a report says of an error: covey's own message (it says what to do), or any other error's kind,
+    message and the place it was raised."""
+    if isinstance(error, CoveyError):
+        return str(error)
+    return f"{type(error).__name__}: {error} (at {error_place(error)})"
 
 
 def error_place(error: BaseException) -> str:
