@@ -271,3 +271,16 @@ def test_the_newer_losses_and_controls_take_trl_names_and_defaults(tmp_path):
     args = GRPOConfig.from_yaml(config)
     assert (args.vespo_k_pos, args.off_policy_mask_threshold, args.entropy_target) == (1.5, 0.5, 2.0)
     assert GRPOConfig(loss_type="sapo", sapo_temperature_pos=0.5).sapo_temperature_pos == 0.5
+
+
+def test_every_rollout_engine_the_config_can_ask_for_is_one_covey_builds_and_each_is_reachable():
+    """The config's rollout_engine and vllm_mode choices against covey.rollout.ENGINES, the one table of engines."""
+    import types
+
+    from covey.rollout import ENGINES
+    from covey.train.setup import engine_name
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(GRPOConfig) if f.name in ("rollout_engine", "vllm_mode")}
+    asked = {engine_name(types.SimpleNamespace(rollout_engine=engine, vllm_mode=mode))
+             for engine in choices["rollout_engine"] for mode in choices["vllm_mode"]}
+    assert asked == set(ENGINES)
