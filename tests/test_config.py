@@ -284,3 +284,23 @@ def test_every_rollout_engine_the_config_can_ask_for_is_one_covey_builds_and_eac
     asked = {engine_name(types.SimpleNamespace(rollout_engine=engine, vllm_mode=mode))
              for engine in choices["rollout_engine"] for mode in choices["vllm_mode"]}
     assert asked == set(ENGINES)
+
+
+def test_where_core_has_a_default_for_a_setting_of_the_config_it_is_the_configs():
+    """One default per setting: core's loss settings have none (the config owns them); the few defaults core
+    keeps for the entropy bonus, the engine correction and the advantages are the config's own."""
+    import inspect
+
+    from covey import core
+
+    c = GRPOConfig()
+    bonus = core.EntropyBonus()
+    assert (bonus.coef, bonus.adaptive, bonus.target, bonus.delta, bonus.coef_min, bonus.coef_max) == (
+        c.entropy_coef, c.use_adaptive_entropy, c.entropy_target, c.entropy_coef_delta, c.entropy_coef_min,
+        c.entropy_coef_max)
+    assert core.EngineCorrection() == core.EngineCorrection.from_mode(
+        c.vllm_importance_sampling_mode, c.vllm_importance_sampling_clip_max, c.vllm_importance_sampling_clip_min)
+    for function in (core.group_advantages, core.advantages_from_rewards):
+        assert inspect.signature(function).parameters["scale"].default == c.scale_rewards
+    assert inspect.signature(core.advantages_from_rewards).parameters["aggregation"].default == c.multi_objective_aggregation
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(core.LossSettings))

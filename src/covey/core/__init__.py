@@ -31,12 +31,13 @@ the maths through this namespace (``core.policy_loss``).
 
 from covey.core.advantages import (ADVANTAGE_EPS, REWARD_AGGREGATIONS, REWARD_SCALES, advantages_from_rewards,
                                    group_advantages, nanstd, weighted_reward_sum)
-from covey.core.corrections import ENGINE_CORRECTION_MODES, EngineCorrection, engine_importance_weights, high_entropy_mask, off_policy_mask
+from covey.core.corrections import (ENGINE_CORRECTION_MODES, EngineCorrection, engine_importance_weights, high_entropy_mask,
+                                    off_policy_mask)
 from covey.core.logprobs import (LOGPROB_CHUNK_BYTES, LOGPROB_CHUNK_TOKENS, TokenDistribution, completion_mask,
                                  length_mask, logprob_chunk_tokens, logprob_working_rows, token_logprobs,
                                  truncated_away)
-from covey.core.loss import (IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_NORMALISERS, LOSS_TYPES, LossStats, LossType, policy_loss,
-                             reported_metrics)
+from covey.core.loss import (IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_NORMALISERS, LOSS_TYPES, LossStats, LossType,
+                             policy_loss, reported_metrics)
 from covey.core.objectives import POLICY_OBJECTIVES, Objective, PolicyTerms, vespo_weights
 from covey.core.settings import BatchCounts, EntropyBonus, LossSettings
 

@@ -82,7 +82,7 @@ class LossType(NamedTuple):
 
 # The registry of loss types: the config's choices, covey verify's written-out formulas and its checks of
 # TRL's loss all read their names from here; a new variant is one entry here plus its formula in each
-# (tests/test_variants.py::test_every_loss_type_is_known_everywhere walks it).
+# (tests/test_variants.py::test_every_loss_type_of_the_registry_is_known_everywhere walks it).
 LOSS_TYPES: dict[str, LossType] = {
     "grpo": LossType("clipped", "sequence_mean"),
     "bnpo": LossType("clipped", "micro_batch_token_mean"),
