@@ -237,19 +237,18 @@ def trl_run(name: str, out: Path, steps: int) -> None:
     trainer.save_state()
 
 
-# the verdict each run must get, by what it was set up to do (not by what covey said)
-INTENDED = {"demo-default": "learning", "length": "gaming the reward", "tags": "gaming the reward",
-            "keyword": "gaming the reward", "composed": "gaming the reward", "healthy": "learning",
-            **{f"healthy-seed{seed}": "learning" for seed in HEALTHY_SEEDS},
-            "trl-learning": "learning", "trl-constant": "not learning",
-            "tiny-keyword": "gaming the reward", "tiny-healthy": "learning"}
+# the verdict each run must get, written by hand from what it was set up to do (not from what covey said), with why
+EXPECTATIONS = Path(__file__).parent.parent / "tests" / "data" / "hacking" / "expectations.json"
+INTENDED = {name: e["verdict"] for name, e in json.loads(EXPECTATIONS.read_text()).items()}
 KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
              "completions/mean_length", "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
 
 
 def record(name: str, out: Path, into: Path) -> None:
-    """Keep a run's history small in ``into``/NAME for the tests: the metrics the rules read, the completions
-    of the first and last three recorded steps, and the verdict the run was set up to get."""
+    """Keep a run's history small in ``into``/NAME for the tests: the metrics the rules read and the completions
+    of the first and last three recorded steps. What the run must get is written by hand in
+    tests/data/hacking/expectations.json, never from covey's own verdict: a run set up to learn that did not
+    learn is run again (another seed), not recorded."""
     import shutil
 
     from covey.telemetry.diagnose import diagnose, read_run
@@ -283,10 +282,8 @@ def record(name: str, out: Path, into: Path) -> None:
         for path in files[:3] + files[-3:]:
             shutil.copy(path, target / "completions" / path.name)
     found = diagnose(read_run(target))
-    warned = min((step for step, f in found.findings if f.kind != "note"), default=None)
-    (target / "expected.json").write_text(json.dumps({"verdict": INTENDED[name], "findings": sorted(
-        {f.key for _, f in found.findings}), "first_warning_step": warned}, indent=1) + "\n")
-    print(f"{name}: recorded; covey says {found.verdict}, set up to be {INTENDED[name]}")
+    intended = INTENDED.get(name, f"not written yet: add it to {EXPECTATIONS}")
+    print(f"{name}: recorded; covey says {found.verdict}, set up to be {intended}")
 
 
 def main() -> None:

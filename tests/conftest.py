@@ -34,6 +34,24 @@ CHAT_TEMPLATE = (
 )
 
 
+# The loss every loss test starts from, written out here (core.LossSettings has no defaults: the config owns
+# them): DAPO's clipped surrogate with the clip range 0.2 either way, no KL term (and, where a test turns one
+# on, the GRPO paper's plain KL: no importance weight on it), every token trained, nothing else on.
+PLAIN_LOSS = dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, delta=None, clip_ratio_c=None,
+                  importance_sampling_level="token", beta=0.0, kl_estimator="k3", use_bias_correction_kl=False,
+                  top_entropy_quantile=1.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                  vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask_threshold=None,
+                  router_aux_loss_coef=0.0)
+
+
+def loss_settings(**fields):
+    """``core.LossSettings`` of ``PLAIN_LOSS`` with ``fields`` over it (an entropy bonus off unless given)."""
+    from covey import core
+
+    bonus = core.EntropyBonus(coef=0.0, adaptive=False, target=0.2, delta=0.005, coef_min=0.0, coef_max=1.0)
+    return core.LossSettings(**{**PLAIN_LOSS, "entropy_bonus": bonus, **fields})
+
+
 def make_tokenizer():
     """Every printable character is a token; <s>/</s> frame chat turns; </s> is EOS."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

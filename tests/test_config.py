@@ -271,3 +271,36 @@ def test_the_newer_losses_and_controls_take_trl_names_and_defaults(tmp_path):
     args = GRPOConfig.from_yaml(config)
     assert (args.vespo_k_pos, args.off_policy_mask_threshold, args.entropy_target) == (1.5, 0.5, 2.0)
     assert GRPOConfig(loss_type="sapo", sapo_temperature_pos=0.5).sapo_temperature_pos == 0.5
+
+
+def test_every_rollout_engine_the_config_can_ask_for_is_one_covey_builds_and_each_is_reachable():
+    """The config's rollout_engine and vllm_mode choices against covey.rollout.ENGINES, the one table of engines."""
+    import types
+
+    from covey.rollout import ENGINES
+    from covey.train.setup import engine_name
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(GRPOConfig) if f.name in ("rollout_engine", "vllm_mode")}
+    asked = {engine_name(types.SimpleNamespace(rollout_engine=engine, vllm_mode=mode))
+             for engine in choices["rollout_engine"] for mode in choices["vllm_mode"]}
+    assert asked == set(ENGINES)
+
+
+def test_where_core_has_a_default_for_a_setting_of_the_config_it_is_the_configs():
+    """One default per setting: core's loss settings have none (the config owns them); the few defaults core
+    keeps for the entropy bonus, the engine correction and the advantages are the config's own."""
+    import inspect
+
+    from covey import core
+
+    c = GRPOConfig()
+    bonus = core.EntropyBonus()
+    assert (bonus.coef, bonus.adaptive, bonus.target, bonus.delta, bonus.coef_min, bonus.coef_max) == (
+        c.entropy_coef, c.use_adaptive_entropy, c.entropy_target, c.entropy_coef_delta, c.entropy_coef_min,
+        c.entropy_coef_max)
+    assert core.EngineCorrection() == core.EngineCorrection.from_mode(
+        c.vllm_importance_sampling_mode, c.vllm_importance_sampling_clip_max, c.vllm_importance_sampling_clip_min)
+    for function in (core.group_advantages, core.advantages_from_rewards):
+        assert inspect.signature(function).parameters["scale"].default == c.scale_rewards
+    assert inspect.signature(core.advantages_from_rewards).parameters["aggregation"].default == c.multi_objective_aggregation
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(core.LossSettings))

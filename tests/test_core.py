@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from covey import core
-from covey.core import BatchCounts, LossSettings, completion_mask, group_advantages, policy_loss
+from covey.core import BatchCounts, completion_mask, group_advantages, policy_loss
+from tests.conftest import loss_settings
 
 kl_k3 = core.KL_ESTIMATORS["k3"]
 
@@ -161,7 +162,7 @@ def _inputs(B=4, T=5, seed=0):
 def test_ratio_is_one_on_first_pass_and_loss_is_minus_mean_advantage():
     logp, _, adv, mask = _inputs()
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
-    loss, stats = policy_loss(logp, logp.detach(), adv, mask, counts, LossSettings(loss_type="grpo"))
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, counts, loss_settings(loss_type="grpo"))
     assert loss.item() == pytest.approx(-adv.mean().item())
     assert stats.clip_low_sum == 0 and stats.clip_high_sum == 0
 
@@ -170,7 +171,7 @@ def test_ratio_is_one_on_first_pass_and_loss_is_minus_mean_advantage():
 def test_each_loss_type_matches_its_formula(loss_type):
     logp, old, adv, mask = _inputs()
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=7)
-    loss, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28))
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28))
     ratio = torch.exp(logp - old)
     a = adv[:, None]
     per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.28) * a)
@@ -188,13 +189,13 @@ def test_each_loss_type_matches_its_formula(loss_type):
 def test_micro_batches_add_up_to_the_full_batch(loss_type):
     logp, old, adv, mask = _inputs(B=6, T=4, seed=1)
     counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=1, max_completion_length=4)
-    full, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type=loss_type, beta=0.1), old - 0.1)
+    full, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type=loss_type, beta=0.1), old - 0.1)
     full_grad, = torch.autograd.grad(full, logp)
     split_counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=2, max_completion_length=4)
     total, grad = 0.0, torch.zeros_like(logp)
     for rows in (slice(0, 3), slice(3, 6)):
         part, _ = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], split_counts,
-                              LossSettings(loss_type=loss_type, beta=0.1), old[rows] - 0.1)
+                              loss_settings(loss_type=loss_type, beta=0.1), old[rows] - 0.1)
         total += part.item()
         grad += torch.autograd.grad(part, logp)[0]
     if loss_type == "bnpo":  # token mean per micro-batch, by definition not the full-batch token mean
@@ -206,10 +207,10 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
 def test_padding_never_enters_the_loss():
     logp, old, adv, mask = _inputs()
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
-    loss, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="grpo"))
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="grpo"))
     garbage = old.clone()
     garbage[mask == 0] = 50.0  # absurd values where the mask is 0
-    loss2, _ = policy_loss(logp, garbage, adv, mask, counts, LossSettings(loss_type="grpo"))
+    loss2, _ = policy_loss(logp, garbage, adv, mask, counts, loss_settings(loss_type="grpo"))
     assert loss.item() == pytest.approx(loss2.item(), rel=1e-12)
     grad, = torch.autograd.grad(loss, logp)
     assert (grad[mask == 0] == 0).all()
@@ -220,7 +221,7 @@ def test_gradient_step_raises_positive_and_lowers_negative_advantage_logprobs():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.long)
     counts = BatchCounts(sequences=2, tokens=6, micro_batches=1, max_completion_length=3)
-    loss, _ = policy_loss(logp, logp.detach(), adv, mask, counts, LossSettings(loss_type="grpo"))
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, counts, loss_settings(loss_type="grpo"))
     grad, = torch.autograd.grad(loss, logp)
     assert (grad[0] < 0).all() and (grad[1] > 0).all()  # descent raises row 0, lowers row 1
 
@@ -229,13 +230,13 @@ def test_kl_penalty_adds_beta_times_k3_and_is_reported():
     logp, old, adv, mask = _inputs()
     ref = old - 0.2
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
-    base, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="dapo"))
-    with_kl, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="dapo", beta=0.5), ref)
+    base, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="dapo"))
+    with_kl, stats = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="dapo", beta=0.5), ref)
     kl = (kl_k3(logp, ref) * mask).sum()
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl.item() / mask.sum().item(), rel=1e-12)
     assert stats.kl_sum == pytest.approx(kl.item())
     with pytest.raises(ValueError):
-        policy_loss(logp, old, adv, mask, counts, LossSettings(beta=0.5))
+        policy_loss(logp, old, adv, mask, counts, loss_settings(beta=0.5))
 
 
 def test_clipping_stats_count_clipped_tokens():
@@ -244,7 +245,7 @@ def test_clipping_stats_count_clipped_tokens():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.ones(2, 2, dtype=torch.long)
     counts = BatchCounts(sequences=2, tokens=4, micro_batches=1, max_completion_length=2)
-    _, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(epsilon_low=0.2, epsilon_high=0.2))
+    _, stats = policy_loss(logp, old, adv, mask, counts, loss_settings(epsilon_low=0.2, epsilon_high=0.2))
     assert stats.clip_high_sum == 1 and stats.clip_low_sum == 1
 
 
@@ -252,5 +253,5 @@ def test_entropy_is_reported_over_masked_tokens():
     logp, old, adv, mask = _inputs()
     entropy = torch.rand(4, 5, dtype=torch.float64)
     counts = BatchCounts(sequences=4, tokens=int(mask.sum()), micro_batches=1, max_completion_length=5)
-    _, stats = policy_loss(logp, old, adv, mask, counts, entropy_BT=entropy)
+    _, stats = policy_loss(logp, old, adv, mask, counts, loss_settings(), entropy_BT=entropy)
     assert stats.entropy_sum == pytest.approx((entropy * mask).sum().item())

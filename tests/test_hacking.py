@@ -333,16 +333,23 @@ def test_diagnose_refuses_a_folder_that_is_no_run(tmp_path):
         read_run(tmp_path)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir()) if DATA.exists() else [])
+EXPECTATIONS = json.loads((DATA / "expectations.json").read_text())  # written by hand from how each run was set up
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if p.is_dir()))
 def test_recorded_runs_get_their_verdicts(name):
-    """Histories of real short runs (benchmarks/reward_hacking.py), kept small: each with its expected verdict."""
-    expected = json.loads((DATA / name / "expected.json").read_text())
+    """Histories of real short runs (benchmarks/reward_hacking.py), kept small: each gets the verdict it was set
+    up to get (tests/data/hacking/expectations.json, with why); a gamed one draws the finding its reward plants,
+    an honest one draws none."""
+    assert name in EXPECTATIONS, f"tests/data/hacking/{name} has no expectation in expectations.json: write one"
+    expected = EXPECTATIONS[name]
     result = diagnose(read_run(DATA / name))
     assert result.verdict == expected["verdict"], result.text()
-    assert sorted({f.key for _, f in result.findings}) == sorted(expected["findings"]), result.text()
-    if "first_warning_step" in expected:  # the step the live monitor would have warned at
-        warned = min((step for step, f in result.findings if f.kind != "note"), default=None)
-        assert warned == expected["first_warning_step"], result.text()
+    found = {f.key for _, f in result.findings}
+    if expected["verdict"] == GAMING:
+        assert set(expected["planted"]) <= found, result.text()
+    else:
+        assert found == set(), result.text()
 
 
 def test_a_long_history_is_thinned_keeping_its_ends_and_evaluations():

@@ -9,7 +9,7 @@ import random
 
 from covey.telemetry import endpoints, hacking, text_signals
 from covey.telemetry.diagnose import GAMING, LEARNING, NOT_LEARNING, diagnose, read_run
-from tests.test_hacking import DATA, history, keys, samples, healthy_text, write_covey, write_trl
+from tests.test_hacking import history, keys, samples, healthy_text, write_covey, write_trl
 
 
 SCATTER = random.Random(0)
@@ -48,15 +48,6 @@ def test_a_reward_rising_from_the_start_is_judged_as_before():
     assert keys(rows, samples(healthy_text)) == ["heldout_gap"]
 
 
-def test_the_recorded_seed1_healthy_run_draws_no_finding():
-    """The real run that raised the false alarm (held-out accuracy 0/16 at steps 4, 8 and 12, the reward rising
-    from step 10 on partial credit for untagged answers; 31% after training): no finding at any step."""
-    run = read_run(DATA / "healthy-seed1")
-    assert run.summary["after"]["accuracy"] > run.summary["before"]["accuracy"]
-    result = diagnose(run)
-    assert result.findings == [] and result.verdict != GAMING, result.text()
-
-
 def summary(before, after, n=1000):
     return {"steps": 24, "before": {"accuracy": before, "mean_reward": 0.3, "n": n, "checked": n},
             "after": {"accuracy": after, "mean_reward": 0.9, "n": n, "checked": n}}
@@ -69,10 +60,11 @@ def test_the_evaluation_after_training_is_the_final_held_out_point(tmp_path):
     folder = write_covey(tmp_path / "run", rows)
     assert [f.key for _, f in diagnose(read_run(folder)).findings] == []
     (folder / "summary.json").write_text(json.dumps(summary(0.3, 0.28)))
-    result = diagnose(read_run(folder))
+    run = read_run(folder)
+    result = diagnose(run)
     assert [(step, f.key) for step, f in result.findings] == [(24, "heldout_gap")], result.text()
     assert result.verdict == GAMING and "0.300 -> 0.290" in result.reason
-    assert rows[-1].get("eval/accuracy") is None  # the run's rows are not changed
+    assert "eval/accuracy" not in run.history[-1]  # diagnose judged the final point without changing the run's rows
 
 
 def test_a_held_out_gain_at_the_end_contradicts_a_gaming_finding(tmp_path, capsys):

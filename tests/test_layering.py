@@ -28,7 +28,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "core": set(),  # the maths import nothing of covey
     "config_values": {"errors"},
     "vision": {"errors"},  # pictures in rows and prompts, vision-language models: what data and models stand on
-    "config": {"errors", "sources", "trl_fields", "rules", "config_values"},
+    "config": {"errors", "sources", "trl_fields", "rules", "config_values", "core"},  # core: the variants' names
     "data": {"vision", "errors", "sources"},
     "models": {"vision", "errors", "sources"},
     "rewards": {"vision", "errors", "sources", "data"},  # rewards know no trainer

@@ -11,7 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from covey.core import BatchCounts, EntropyBonus, LossSettings, off_policy_mask, policy_loss
+from covey.core import BatchCounts, EntropyBonus, off_policy_mask, policy_loss
+from tests.conftest import loss_settings
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl is a dev dependency: pip install -e .[dev]")
 TOL = 1e-6
@@ -114,37 +115,37 @@ def compare(covey_settings, trl_kwargs, seed=0, entropy=None, sampling=None, eng
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_clipped_losses_match_trl(loss_type, beta):
-    compare(LossSettings(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta),
+    compare(loss_settings(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta),
             dict(loss_type=loss_type, eps_low=0.2, eps_high=0.28, beta=beta))
 
 
 def test_luspo_matches_trl():
     """LUSPO (arXiv:2602.05261): GSPO's sequence ratio, each sequence's loss times its length."""
-    compare(LossSettings(loss_type="luspo", epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
+    compare(loss_settings(loss_type="luspo", epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
             dict(loss_type="luspo", eps_low=3e-4, eps_high=4e-4, level="sequence"))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_gspo_sequence_level_matches_trl(loss_type):
-    compare(LossSettings(loss_type=loss_type, epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
+    compare(loss_settings(loss_type=loss_type, epsilon_low=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence"),
             dict(loss_type=loss_type, eps_low=3e-4, eps_high=4e-4, level="sequence"))
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_bias_corrected_kl_matches_trl(level):
-    """TRL multiplies the KL term by the importance ratio by default; covey does so only when asked.
+    """TRL multiplies the KL term by the importance ratio by default, and so does covey (use_bias_correction_kl).
     At sequence level the weight is the sequence's ratio, its gradient reaching every token."""
-    compare(LossSettings(loss_type="grpo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level=level),
+    compare(loss_settings(loss_type="grpo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level=level),
             dict(loss_type="grpo", eps_low=0.2, eps_high=0.2, beta=0.1, bias_correction_kl=True, level=level))
 
 
 def test_two_sided_delta_matches_trl():
-    compare(LossSettings(loss_type="dapo", delta=1.4), dict(loss_type="dapo", eps_low=0.2, eps_high=0.2, delta=1.4))
+    compare(loss_settings(loss_type="dapo", delta=1.4), dict(loss_type="dapo", eps_low=0.2, eps_high=0.2, delta=1.4))
 
 
 def test_top_entropy_quantile_matches_trl():
     entropy = torch.rand(8, 6, generator=torch.Generator().manual_seed(1))
-    compare(LossSettings(loss_type="dapo", top_entropy_quantile=0.2),
+    compare(loss_settings(loss_type="dapo", top_entropy_quantile=0.2),
             dict(loss_type="dapo", eps_low=0.2, eps_high=0.2, top_entropy_quantile=0.2), entropy=entropy)
 
 
@@ -152,21 +153,21 @@ def test_top_entropy_quantile_matches_trl():
 def test_cispo_matches_trl_with_the_same_epsilon_high(cap):
     """A TRL config means in covey what it means in TRL: the CISPO weight is capped at epsilon_high
     itself (MiniMax-M1's 1 + eps_high^IS): a TRL CISPO config (epsilon_high: 5.0) trains as in TRL."""
-    compare(LossSettings(loss_type="cispo", epsilon_high=cap), dict(loss_type="cispo", eps_low=0.2, eps_high=cap))
+    compare(loss_settings(loss_type="cispo", epsilon_high=cap), dict(loss_type="cispo", eps_low=0.2, eps_high=cap))
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("temperatures", [(1.0, 1.05), (0.5, 3.0)])
 def test_sapo_matches_trl(level, temperatures):
     pos, neg = temperatures
-    compare(LossSettings(loss_type="sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg, importance_sampling_level=level),
+    compare(loss_settings(loss_type="sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg, importance_sampling_level=level),
             dict(loss_type="sapo", eps_low=0.2, eps_high=0.2, level=level, sapo_temperature_pos=pos,
                  sapo_temperature_neg=neg))
 
 
 def test_sapo_with_kl_and_engine_weights_matches_trl():
     weights = torch.exp(0.1 * torch.randn(8, 1, generator=torch.Generator().manual_seed(2)))
-    compare(LossSettings(loss_type="sapo", beta=0.05, use_bias_correction_kl=True),
+    compare(loss_settings(loss_type="sapo", beta=0.05, use_bias_correction_kl=True),
             dict(loss_type="sapo", eps_low=0.2, eps_high=0.2, beta=0.05, bias_correction_kl=True, engine_ratio=True,
                  sapo_temperature_pos=1.0, sapo_temperature_neg=1.05), engine_weights=weights)
 
@@ -178,7 +179,7 @@ VESPO_DEFAULTS = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, ve
                                                           vespo_lambda_neg=1.0)])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_vespo_matches_trl(params, seed):
-    compare(LossSettings(loss_type="vespo", **params), dict(loss_type="vespo", eps_low=0.2, eps_high=0.2, **params),
+    compare(loss_settings(loss_type="vespo", **params), dict(loss_type="vespo", eps_low=0.2, eps_high=0.2, **params),
             seed=seed)
 
 
@@ -191,7 +192,7 @@ def test_vespo_folds_the_engine_weights_into_its_weight_as_trl(truncated):
     weights = weights.masked_fill(mask == 0, 1.0)  # padding: ratio 1, as both compute it
     if not truncated:
         weights[0, 0] = 0.0
-    compare(LossSettings(loss_type="vespo", beta=0.02), dict(loss_type="vespo", eps_low=0.2, eps_high=0.2, beta=0.02,
+    compare(loss_settings(loss_type="vespo", beta=0.02), dict(loss_type="vespo", eps_low=0.2, eps_high=0.2, beta=0.02,
                                                              engine_ratio=True, **VESPO_DEFAULTS),
             engine_weights=weights)
 
@@ -208,7 +209,7 @@ def test_off_policy_mask_matches_trl(loss_type, from_engine):
     assert 0 < int((kept == 0).sum()) < int((adv < 0).sum())  # some negative sequences dropped, not all
     extra = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05) if loss_type == "sapo" else {}
     eps_high = 5.0 if loss_type == "cispo" else 0.2
-    compare(LossSettings(loss_type=loss_type, epsilon_high=eps_high, off_policy_mask_threshold=threshold),
+    compare(loss_settings(loss_type=loss_type, epsilon_high=eps_high, off_policy_mask_threshold=threshold),
             dict(loss_type=loss_type, eps_low=0.2, eps_high=eps_high, off_policy_mask_threshold=threshold, **extra),
             sampling=sampling)
 
@@ -218,7 +219,7 @@ def test_off_policy_mask_matches_trl(loss_type, from_engine):
 def test_entropy_bonus_matches_trl(loss_type, top_entropy_quantile):
     entropy = (3 * torch.rand(8, 6, generator=torch.Generator().manual_seed(6))).requires_grad_(True)
     extra = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05) if loss_type == "sapo" else {}
-    compare(LossSettings(loss_type=loss_type, top_entropy_quantile=top_entropy_quantile,
+    compare(loss_settings(loss_type=loss_type, top_entropy_quantile=top_entropy_quantile,
                          entropy_bonus=EntropyBonus(coef=0.2)),
             dict(loss_type=loss_type, eps_low=0.2, eps_high=0.2, top_entropy_quantile=top_entropy_quantile,
                  entropy_coef=0.2, **extra), entropy=entropy, entropy_coef=0.2)
@@ -230,7 +231,7 @@ def test_adaptive_entropy_control_matches_trl_over_steps_of_two_micro_batches():
     control = dict(entropy_target=1.2, entropy_coef_delta=0.05, entropy_coef_min=0.0, entropy_coef_max=0.12)
     fake = trl_trainer("grpo", 0.2, 0.2, entropy_coef=0.03, use_adaptive_entropy=True, accumulation_steps=2, **control)
     bonus = EntropyBonus(coef=0.03, adaptive=True, target=1.2, delta=0.05, coef_min=0.0, coef_max=0.12)
-    settings = LossSettings(loss_type="grpo", entropy_bonus=bonus)
+    settings = loss_settings(loss_type="grpo", entropy_bonus=bonus)
     coef, last_entropy, seen = 0.03, None, set()
     for step in range(6):
         applied = bonus.applied(coef, last_entropy)

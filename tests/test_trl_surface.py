@@ -13,6 +13,7 @@ import torch
 from covey import GRPOConfig, GRPOTrainer
 from covey.errors import ConfigError
 from covey.train.trl_api import training_loss
+from tests.conftest import loss_settings
 from tests.test_trainer import ROWS, count_a, small_args
 
 
@@ -135,7 +136,7 @@ def test_luspo_weighs_each_sequence_s_loss_by_its_length():
     logp, old = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.2, 0.6, 0.1]])), torch.log(torch.full((2, 3), 0.4))
     mask, advantages = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), torch.tensor([1.0, -1.0])
     counts = core.BatchCounts(sequences=2, tokens=4.0, micro_batches=1, max_completion_length=3)
-    settings = core.LossSettings(loss_type="luspo", importance_sampling_level="sequence", epsilon_low=10.0,
+    settings = loss_settings(loss_type="luspo", importance_sampling_level="sequence", epsilon_low=10.0,
                                epsilon_high=10.0)
     loss, _ = core.policy_loss(logp, old, advantages, mask, counts, settings)
     # unclipped: sequence i's loss is -s_i A_i at each of its tokens; LUSPO sums them, then means over sequences
@@ -175,8 +176,8 @@ def test_the_router_loss_joins_the_policy_loss_as_its_mean_over_micro_batches():
     logp = torch.log(torch.tensor([[0.5, 0.4]]))
     mask, advantages = torch.ones(1, 2), torch.tensor([1.0])
     counts = core.BatchCounts(sequences=2, tokens=4.0, micro_batches=2, max_completion_length=2)
-    plain, _ = core.policy_loss(logp, logp.detach(), advantages, mask, counts)
-    settings = core.LossSettings(router_aux_loss_coef=0.1)
+    plain, _ = core.policy_loss(logp, logp.detach(), advantages, mask, counts, loss_settings())
+    settings = loss_settings(router_aux_loss_coef=0.1)
     with_router, stats = core.policy_loss(logp, logp.detach(), advantages, mask, counts, settings,
                                           router_aux_loss=torch.tensor(3.0))
     assert with_router.item() == pytest.approx(plain.item() + 0.1 * 3.0 / 2)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from covey import core
-from covey.core import BatchCounts, LossSettings, policy_loss, reported_metrics
+from covey.core import BatchCounts, policy_loss, reported_metrics
+from tests.conftest import loss_settings
 
 TOL = 1e-10
 
@@ -105,7 +106,7 @@ def reference_loss(logp, old, ref, adv, mask, loss_type, eps_low=0.2, eps_high=0
 
 def covey_loss(logp, old, ref, adv, mask, L, **settings):
     counts = BatchCounts(sequences=logp.shape[0], tokens=float(mask.sum()), micro_batches=1, max_completion_length=L)
-    loss, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(**settings),
+    loss, stats = policy_loss(logp, old, adv, mask, counts, loss_settings(**settings),
                               ref if settings.get("beta") else None)
     return loss, stats
 
@@ -170,7 +171,7 @@ def test_dual_clip_bounds_negative_advantage_objective():
     r = torch.tensor([[10.0]], dtype=torch.float64)
     counts = BatchCounts(1, 1.0, 1, 1)
     loss, _ = policy_loss(torch.log(r), torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
-                          torch.ones(1, 1), counts, LossSettings(loss_type="grpo", clip_ratio_c=3.0))
+                          torch.ones(1, 1), counts, loss_settings(loss_type="grpo", clip_ratio_c=3.0))
     assert loss.item() == pytest.approx(3.0)  # without dual-clip it would be 10
 
 
@@ -178,7 +179,7 @@ def test_delta_caps_the_unclipped_ratio():
     r = torch.tensor([[10.0]], dtype=torch.float64)
     counts = BatchCounts(1, 1.0, 1, 1)
     loss, _ = policy_loss(torch.log(r), torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
-                          torch.ones(1, 1), counts, LossSettings(loss_type="grpo", delta=4.0))
+                          torch.ones(1, 1), counts, loss_settings(loss_type="grpo", delta=4.0))
     assert loss.item() == pytest.approx(4.0)
 
 
@@ -190,7 +191,7 @@ def test_sapo_gate_is_the_policy_gradient_at_ratio_one_and_fades_smoothly_away_f
     weights = {}
     for a in (1.0, -1.0):
         logp = torch.log(r).requires_grad_(True)
-        settings = LossSettings(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+        settings = loss_settings(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
         loss, stats = policy_loss(logp, torch.zeros_like(r), torch.tensor([a], dtype=torch.float64), torch.ones(1, 4),
                                   counts, settings)
         grad, = torch.autograd.grad(loss, logp)
@@ -209,7 +210,7 @@ def test_vespo_weight_is_one_on_policy_and_reshapes_the_sequence_weight():
     normalisation), and the gradient per token is -phi(W) A / N whatever the ratio of that token."""
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.9]], dtype=torch.float64)).requires_grad_(True)
     counts = BatchCounts(1, 3.0, 1, 3)
-    settings = LossSettings(loss_type="vespo")
+    settings = loss_settings(loss_type="vespo")
     on_policy, stats = policy_loss(logp, logp.detach(), torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3), counts,
                                    settings)
     assert stats.vespo_phi_sum == pytest.approx(1.0)
@@ -229,7 +230,7 @@ def test_vespo_folds_token_engine_weights_into_its_sequence_weight():
     logp, old, ref, adv, mask = make_batch(4, 5, seed=7)
     engine_BT = torch.exp(0.2 * torch.randn(4, 5, generator=torch.Generator().manual_seed(8), dtype=torch.float64))
     counts = BatchCounts(4, float(mask.sum()), 1, 5)
-    loss, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="vespo"), engine_weights=engine_BT)
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="vespo"), engine_weights=engine_BT)
     grad, = torch.autograd.grad(loss, logp)
     engine_old = old - torch.log(engine_BT)  # pi_old * pi_engine / pi_old: the ratio the weights make
     want = reference_loss(logp, engine_old, ref, adv, mask, "vespo", L=5)
@@ -245,7 +246,7 @@ def test_off_policy_mask_drops_negative_sequences_that_drifted_past_the_threshol
     behaviour = logp.detach() + drift_scale_B1 * torch.rand(8, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     delta = 0.5
     counts = BatchCounts(8, float(mask.sum()), 1, 5)
-    loss, stats = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type=loss_type, off_policy_mask_threshold=delta),
+    loss, stats = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type=loss_type, off_policy_mask_threshold=delta),
                               behaviour_logp_BT=behaviour)
     grad, = torch.autograd.grad(loss, logp)
     dropped = [i for i in range(8) if adv[i] < 0 and
@@ -266,8 +267,8 @@ def test_entropy_bonus_is_the_coefficient_times_the_mean_entropy_of_the_trained_
     entropy = torch.rand(6, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64).requires_grad_(True)
     counts = BatchCounts(6, float(mask.sum()), 2, 5)  # one micro-batch of two
     settings = dict(loss_type=loss_type, top_entropy_quantile=top_entropy_quantile)
-    plain, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(**settings), entropy_BT=entropy.detach())
-    bonus = LossSettings(**settings, entropy_bonus=core.EntropyBonus(coef=0.3))
+    plain, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(**settings), entropy_BT=entropy.detach())
+    bonus = loss_settings(**settings, entropy_bonus=core.EntropyBonus(coef=0.3))
     loss, stats = policy_loss(logp, old, adv, mask, counts, bonus, entropy_BT=entropy, entropy_coef=0.3)
     grad, = torch.autograd.grad(loss, entropy)
     trained = mask.bool()
@@ -349,7 +350,7 @@ def test_top_entropy_quantile_trains_only_high_entropy_tokens():
     logp, old, ref, adv, mask = make_batch(4, 6, seed=1)
     entropy = torch.rand(4, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     counts = BatchCounts(4, float(mask.sum()), 1, 6)
-    loss, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="dapo", top_entropy_quantile=0.25),
+    loss, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="dapo", top_entropy_quantile=0.25),
                           entropy_BT=entropy)
     grad, = torch.autograd.grad(loss, logp)
     valid = sorted(entropy[mask == 1].tolist())
@@ -362,7 +363,7 @@ def test_top_entropy_quantile_trains_only_high_entropy_tokens():
     assert rel_err(loss, want) < TOL
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("mode", core.ENGINE_CORRECTION_MODES)
 def test_engine_importance_weights(mode):
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]], dtype=torch.float64)
     engine = torch.tensor([[-1.5, -1.0, -0.5], [-1.1, -0.9, 9.0]], dtype=torch.float64)
@@ -379,8 +380,8 @@ def test_engine_weights_multiply_the_policy_term():
     logp, old, ref, adv, mask = make_batch(4, 3, seed=2)
     counts = BatchCounts(4, float(mask.sum()), 1, 3)
     weights = torch.rand(4, 1, dtype=torch.float64)
-    plain, _ = policy_loss(logp, old, adv * weights.squeeze(1), mask, counts, LossSettings(loss_type="grpo", epsilon_low=9, epsilon_high=9))
-    weighted, _ = policy_loss(logp, old, adv, mask, counts, LossSettings(loss_type="grpo", epsilon_low=9, epsilon_high=9),
+    plain, _ = policy_loss(logp, old, adv * weights.squeeze(1), mask, counts, loss_settings(loss_type="grpo", epsilon_low=9, epsilon_high=9))
+    weighted, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type="grpo", epsilon_low=9, epsilon_high=9),
                               engine_weights=weights)
     assert rel_err(weighted, plain) < TOL  # with clipping out of reach, w * (r A) = r (w A)
 
@@ -390,3 +391,34 @@ def test_k1_k2_k3_agree_at_zero_and_k3_is_nonnegative():
     for name, estimator in core.KL_ESTIMATORS.items():
         assert torch.equal(estimator(logp, logp), torch.zeros_like(logp)), name
     assert (core.KL_ESTIMATORS["k3"](logp, logp - torch.rand(3, 4, dtype=torch.float64)) >= 0).all()
+
+
+def test_every_loss_type_of_the_registry_is_known_everywhere():
+    """core.LOSS_TYPES is the one list of loss types: a variant missing from any layer that names them (the
+    config's choices, covey verify's written-out formulas, its checks of TRL's loss, the table of
+    docs/algorithms.md) fails here, and so does a name there that the registry lacks."""
+    import dataclasses
+    from pathlib import Path
+
+    from covey.config import GRPOConfig
+    from covey.verify import formulas, trl_training
+
+    choices = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["choices"]
+    algorithms = (Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
+    documented = {line.split("`")[1] for line in algorithms.splitlines() if line.startswith("| `")}
+    places = {"the config's choices": set(choices), "verify's objectives": set(formulas.OBJECTIVES_WRITTEN_OUT),
+              "verify's aggregations": set(formulas.AGGREGATIONS_WRITTEN_OUT),
+              "verify --trl's aggregations": set(trl_training.TRL_AGGREGATIONS)}
+    for name, (objective, aggregation) in core.LOSS_TYPES.items():
+        assert objective in core.POLICY_OBJECTIVES and aggregation in core.LOSS_NORMALISERS, name
+        missing = [where for where, names in {**places, "docs/algorithms.md": documented}.items() if name not in names]
+        assert not missing, f"loss_type {name} is missing from {', '.join(missing)}"
+    assert not {where: names - set(core.LOSS_TYPES) for where, names in places.items() if names - set(core.LOSS_TYPES)}
+
+
+def test_every_reward_scale_and_kl_estimator_is_written_out_again_in_verify():
+    """verify's independent formulas cover each entry of core's tables (whose keys are the config's choices)."""
+    from covey.verify import formulas
+
+    assert set(formulas.SPREADS_WRITTEN_OUT) == set(core.REWARD_SCALES)
+    assert set(formulas.KL_WRITTEN_OUT) == set(core.KL_ESTIMATORS)

@@ -77,7 +77,7 @@ def _without_eos(original):
 
 
 def _ratio_against_reference(original):
-    def loss(logp, old, adv, mask, counts, settings=core.LossSettings(), ref=None, *args, **kwargs):
+    def loss(logp, old, adv, mask, counts, settings, ref=None, *args, **kwargs):
         return original(logp, ref if ref is not None else old, adv, mask, counts, settings, ref, *args, **kwargs)
     return loss
 
@@ -253,19 +253,22 @@ def test_healthy_pipelines_do_not_fail(tokenizer, settings, rewards):
 
 
 @pytest.mark.parametrize("settings", [
-    dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"), dict(loss_type="cispo", epsilon_high=1.2),
+    *[dict(loss_type=name) for name in core.LOSS_TYPES],  # every loss type of the registry
+    dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1),
+    dict(loss_type="cispo", epsilon_high=1.2),
     dict(epsilon=0.1, epsilon_high=0.3), dict(delta=1.5), dict(clip_ratio_c=1.5),
     dict(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1, loss_type="grpo"),
     dict(beta=0.1, kl_estimator="k2", use_bias_correction_kl=True),
     dict(beta=0.1, kl_estimator="k1", importance_sampling_level="sequence", use_bias_correction_kl=True),
-    dict(loss_type="sapo"), dict(loss_type="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=6.0, beta=0.1),
+    dict(loss_type="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=6.0, beta=0.1),
     dict(loss_type="sapo", importance_sampling_level="sequence"),
-    dict(loss_type="vespo"), dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.7, vespo_k_neg=4.0),
+    dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.7, vespo_k_neg=4.0),
     dict(off_policy_mask_threshold=0.05), dict(loss_type="vespo", off_policy_mask_threshold=0.05, beta=0.1),
     dict(entropy_coef=0.1),
 ])
 def test_every_loss_variant_equals_the_formula_away_from_ratio_one(tokenizer, settings):
-    args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3), **settings})
+    args = GRPOConfig(**{**dict(num_generations=4, max_completion_length=10, temperature=0.7, seed=3, beta=0.0,
+                                per_device_train_batch_size=8, learning_rate=1e-6, max_steps=1), **settings})
     report = verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
                     train_dataset=ROWS, reward_funcs=[variety])
     [check] = [c for c in report.checks if c.name == "value equals the formula away from ratio 1"]
@@ -454,3 +457,25 @@ def test_a_constant_reward_of_completions_cut_at_the_length_limit_is_said_so(tok
                     reward_funcs=[tagged, mentions_answer])
     check = next(c for c in report.checks if c.name == "tagged varies over the batch")
     assert check.status == "WARN" and "were cut at max_completion_length=2 before they could finish" in check.hint
+
+
+def test_an_error_raised_inside_a_stage_is_a_failure_of_that_stage_not_a_traceback(tokenizer, monkeypatch):
+    """An unexpected error in a stage's checks (here the loss formula's) ends as a FAIL of that stage naming
+    the error and its place; the stages after it still run."""
+    import covey.verify.step_stages as step_stages
+
+    def broken(*args, **kwargs):
+        raise KeyError("a loss type with no formula")
+
+    monkeypatch.setattr(step_stages, "formula_loss", broken)
+    args = GRPOConfig(num_generations=4, max_completion_length=10, temperature=0.7, seed=3, beta=0.0,
+                      per_device_train_batch_size=8, learning_rate=1e-6, max_steps=1)
+    report = verify(args, num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                    train_dataset=ROWS, reward_funcs=[variety])
+    failed = [c for c in report.checks if c.status == "FAIL"]
+    # both of the loss stage's checks run the formula, and each ends in its own failure
+    assert [(c.stage, c.name) for c in failed] == [("loss", "the loss checks run to the end")] * 2
+    assert report.first_failure == "loss"
+    assert all(c.value.startswith("KeyError: 'a loss type with no formula' (at ") and "in broken" in c.value
+               for c in failed)
+    assert any(c.stage == "engine" for c in report.checks)  # the stages after it ran

@@ -16,6 +16,7 @@ import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 
 from trl.chat_template_utils import parse_response as trl_parse_response  # noqa: E402
 
+from covey import core  # noqa: E402
 from covey.verify.trl import verify_trl  # noqa: E402
 
 
@@ -264,3 +265,10 @@ def test_a_reward_model_is_scored_row_by_row_through_trl(tmp_path, defect):
     lined_up = checks["tiny-reward-model: each value is its own completion's"]
     assert lined_up == ("FAIL" if defect else "PASS"), [(c.name, c.value) for c in report.checks]
     assert report.first_failure == ("rewards" if defect else None)
+
+
+@pytest.mark.parametrize("loss_type", list(core.LOSS_TYPES))
+def test_trls_loss_of_every_loss_type_of_the_registry_is_checked_against_its_formula(tmp_path, loss_type):
+    report = verify_trl(trl_trainer(tmp_path, loss_type=loss_type))
+    loss = [c for c in report.checks if c.stage == "loss" and c.name.startswith(f"TRL's {loss_type} loss")]
+    assert [c.status for c in loss] == ["PASS", "PASS"], [(c.name, c.value) for c in loss]

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from covey import rules
+from covey import core, rules
 from covey.config_values import coerce, read_yaml_mapping
 from covey.errors import ConfigError, config_errors
 from covey.sources import EMBEDDED_MODEL
@@ -52,12 +52,12 @@ def _script(default: Any, help: str, **choices: Any) -> Any:
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = tuple(core.LOSS_TYPES)
+SCALE_REWARDS = tuple(core.REWARD_SCALES)
+IMPORTANCE_SAMPLING_LEVELS = tuple(core.IMPORTANCE_LEVELS)
+KL_ESTIMATORS = tuple(core.KL_ESTIMATORS)
+REWARD_AGGREGATIONS = tuple(core.REWARD_AGGREGATIONS)
+ENGINE_IS_MODES = core.ENGINE_CORRECTION_MODES
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr")
 # model_init_kwargs keys that are covey fields (torch_dtype: transformers' older name of dtype)
 MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "revision": "model_revision",

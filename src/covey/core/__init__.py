@@ -13,8 +13,9 @@ T completion tokens, V vocabulary.
     aggregation how token losses are summed and divided                         LOSS_NORMALISERS
     extras      the off-policy sequence mask; the entropy bonus                   off_policy_mask, EntropyBonus
 
-Every variant is one entry of one of these tables; ``LOSS_TYPES`` names the (objective,
-aggregation) pairs that the config's ``loss_type`` selects. The papers: GRPO (DeepSeekMath,
+Every variant is one entry of one of these tables; ``LOSS_TYPES``, the registry of loss types, names
+the (objective, aggregation) pairs that the config's ``loss_type`` selects. The config's choices are
+these tables' keys. The papers: GRPO (DeepSeekMath,
 arXiv:2402.03300), Dr. GRPO (arXiv:2503.20783), DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071),
 CISPO (MiniMax-M1, arXiv:2506.13585), SAPO (arXiv:2511.20347), VESPO (arXiv:2602.10693), dual-clip
 PPO (arXiv:1912.09729), two-sided clipping (INTELLECT-2, arXiv:2505.07291), the off-policy mask
@@ -30,19 +31,20 @@ the maths through this namespace (``core.policy_loss``).
 
 from covey.core.advantages import (ADVANTAGE_EPS, REWARD_AGGREGATIONS, REWARD_SCALES, advantages_from_rewards,
                                    group_advantages, nanstd, weighted_reward_sum)
-from covey.core.corrections import EngineCorrection, engine_importance_weights, high_entropy_mask, off_policy_mask
+from covey.core.corrections import (ENGINE_CORRECTION_MODES, EngineCorrection, engine_importance_weights, high_entropy_mask,
+                                    off_policy_mask)
 from covey.core.logprobs import (LOGPROB_CHUNK_BYTES, LOGPROB_CHUNK_TOKENS, TokenDistribution, completion_mask,
                                  length_mask, logprob_chunk_tokens, logprob_working_rows, token_logprobs,
                                  truncated_away)
-from covey.core.loss import (IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_NORMALISERS, LOSS_TYPES, LossStats, policy_loss,
-                             reported_metrics)
+from covey.core.loss import (IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_NORMALISERS, LOSS_TYPES, LossStats, LossType,
+                             policy_loss, reported_metrics)
 from covey.core.objectives import POLICY_OBJECTIVES, Objective, PolicyTerms, vespo_weights
 from covey.core.settings import BatchCounts, EntropyBonus, LossSettings
 
 __all__ = [
-    "ADVANTAGE_EPS", "IMPORTANCE_LEVELS", "KL_ESTIMATORS", "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_TOKENS", "LOSS_NORMALISERS", "LOSS_TYPES",
+    "ADVANTAGE_EPS", "ENGINE_CORRECTION_MODES", "IMPORTANCE_LEVELS", "KL_ESTIMATORS", "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_TOKENS", "LOSS_NORMALISERS", "LOSS_TYPES",
     "POLICY_OBJECTIVES", "REWARD_AGGREGATIONS", "REWARD_SCALES", "BatchCounts", "EngineCorrection", "EntropyBonus",
-    "LossSettings", "LossStats", "Objective", "PolicyTerms", "TokenDistribution", "advantages_from_rewards",
+    "LossSettings", "LossStats", "LossType", "Objective", "PolicyTerms", "TokenDistribution", "advantages_from_rewards",
     "completion_mask", "engine_importance_weights", "group_advantages", "high_entropy_mask", "length_mask", "logprob_chunk_tokens", "logprob_working_rows",
     "nanstd", "off_policy_mask", "policy_loss", "reported_metrics", "token_logprobs", "truncated_away",
     "vespo_weights", "weighted_reward_sum",

@@ -18,6 +18,14 @@ def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, top_quant
     return ((entropy_BT >= threshold) & mask_BT.bool()).to(mask_BT.dtype)
 
 
+# The ways the engine/trainer importance weights are applied (the config's vllm_importance_sampling_mode):
+# per token or per completion, truncated to the clip range or zeroed outside it.
+ENGINE_CORRECTION_LEVELS = ("token", "sequence")
+ENGINE_CORRECTION_ACTIONS = ("truncate", "mask")
+ENGINE_CORRECTION_MODES = tuple(f"{level}_{action}" for level in ENGINE_CORRECTION_LEVELS
+                                for action in ENGINE_CORRECTION_ACTIONS)
+
+
 @dataclass(frozen=True)
 class EngineCorrection:
     """How the engine/trainer importance weights are applied (the config's vllm_importance_sampling_*)."""
@@ -29,7 +37,9 @@ class EngineCorrection:
 
     @classmethod
     def from_mode(cls, mode: str, clip_max: float, clip_min: float | None = None) -> "EngineCorrection":
-        """From a mode such as ``"token_truncate"`` (level, then action)."""
+        """From a mode of ``ENGINE_CORRECTION_MODES`` such as ``"token_truncate"`` (level, then action)."""
+        if mode not in ENGINE_CORRECTION_MODES:
+            raise ValueError(f"engine correction mode {mode!r} is not one of {', '.join(ENGINE_CORRECTION_MODES)}")
         level, action = mode.split("_")
         return cls(level, action, clip_max, clip_min)
 

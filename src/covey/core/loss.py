@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -73,16 +73,25 @@ LOSS_NORMALISERS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], 
     "sequence_sum": lambda loss_BT, mask_BT, n: (loss_BT * mask_BT).sum() / n.sequences,
 }
 
-# loss_type -> (objective, aggregation)
-LOSS_TYPES = {
-    "grpo": ("clipped", "sequence_mean"),
-    "bnpo": ("clipped", "micro_batch_token_mean"),
-    "dr_grpo": ("clipped", "constant"),
-    "dapo": ("clipped", "generation_token_mean"),
-    "cispo": ("cispo", "generation_token_mean"),
-    "sapo": ("sapo", "sequence_mean"),  # the SAPO paper's per-sequence mean, as TRL
-    "vespo": ("vespo", "generation_token_mean"),  # a token mean over the batch, as TRL (and the paper code's default)
-    "luspo": ("clipped", "sequence_sum"),  # with importance_sampling_level: sequence, as the paper and TRL
+class LossType(NamedTuple):
+    """What one ``loss_type`` is: an objective of ``POLICY_OBJECTIVES`` and an aggregation of ``LOSS_NORMALISERS``."""
+
+    objective: str
+    aggregation: str
+
+
+# The registry of loss types: the config's choices, covey verify's written-out formulas and its checks of
+# TRL's loss all read their names from here; a new variant is one entry here plus its formula in each
+# (tests/test_variants.py::test_every_loss_type_of_the_registry_is_known_everywhere walks it).
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType("clipped", "sequence_mean"),
+    "bnpo": LossType("clipped", "micro_batch_token_mean"),
+    "dr_grpo": LossType("clipped", "constant"),
+    "dapo": LossType("clipped", "generation_token_mean"),
+    "cispo": LossType("cispo", "generation_token_mean"),
+    "sapo": LossType("sapo", "sequence_mean"),  # the SAPO paper's per-sequence mean, as TRL
+    "vespo": LossType("vespo", "generation_token_mean"),  # a token mean over the batch, as TRL (and the paper code's default)
+    "luspo": LossType("clipped", "sequence_sum"),  # with importance_sampling_level: sequence, as the paper and TRL
 }
 
 # Estimators of KL(pi || pi_ref) per token from samples of pi; d = ref_logp - logp.
@@ -100,7 +109,7 @@ def policy_loss(
     advantages_B: torch.Tensor,
     mask_BT: torch.Tensor,
     counts: BatchCounts,
-    settings: LossSettings = LossSettings(),
+    settings: LossSettings,
     ref_logp_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
     engine_weights: torch.Tensor | None = None,
@@ -176,7 +185,7 @@ def reported_metrics(settings: LossSettings) -> frozenset[str]:
     """The loss statistics a run reports as metrics, chosen once from its settings: "kl" (beta > 0), the
     objective's own ("clip_ratio", "vespo_phi"), "off_policy_mask", "aux_loss", "entropy_coef" (the
     entropy bonus)."""
-    objective = POLICY_OBJECTIVES[LOSS_TYPES[settings.loss_type][0]]
+    objective = POLICY_OBJECTIVES[LOSS_TYPES[settings.loss_type].objective]
     chosen = {"kl": settings.beta > 0, "off_policy_mask": settings.off_policy_mask_threshold is not None,
               "aux_loss": bool(settings.router_aux_loss_coef), "entropy_coef": settings.entropy_bonus.enabled}
     return frozenset(objective.reports) | {name for name, on in chosen.items() if on}

@@ -42,27 +42,28 @@ class EntropyBonus:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The knobs of the policy loss (what the config's loss fields select)."""
+    """The knobs of the policy loss: what the config's loss fields select, so it has no defaults of its
+    own (the config's are the only ones; ``covey.train.setup.loss_settings`` builds it from a config)."""
 
-    loss_type: str = "dapo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None  # two-sided clipping: cap on the unclipped ratio (INTELLECT-2)
-    clip_ratio_c: float | None = None  # dual-clip: for A < 0 the objective never drops below c * A
-    importance_sampling_level: str = "token"  # "sequence" = GSPO
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    use_bias_correction_kl: bool = False  # multiply the KL term by the importance ratio
-    top_entropy_quantile: float = 1.0  # train only on the top fraction of tokens by entropy
-    sapo_temperature_pos: float = 1.0  # SAPO's gate temperature where A > 0
-    sapo_temperature_neg: float = 1.05  # and where A <= 0
-    vespo_k_pos: float = 2.0  # VESPO's kernel W^k e^(lambda (1 - W)) where A >= 0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0  # and where A < 0
-    vespo_lambda_neg: float = 2.0
-    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's delta (None: no off-policy mask)
-    entropy_bonus: EntropyBonus = EntropyBonus()
-    router_aux_loss_coef: float = 0.0  # mixture-of-experts models: weight of the router's load-balancing loss
+    loss_type: str  # a key of LOSS_TYPES
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None  # two-sided clipping: cap on the unclipped ratio (INTELLECT-2)
+    clip_ratio_c: float | None  # dual-clip: for A < 0 the objective never drops below c * A
+    importance_sampling_level: str  # "sequence" = GSPO
+    beta: float
+    kl_estimator: str
+    use_bias_correction_kl: bool  # multiply the KL term by the importance ratio
+    top_entropy_quantile: float  # train only on the top fraction of tokens by entropy
+    sapo_temperature_pos: float  # SAPO's gate temperature where A > 0
+    sapo_temperature_neg: float  # and where A <= 0
+    vespo_k_pos: float  # VESPO's kernel W^k e^(lambda (1 - W)) where A >= 0
+    vespo_lambda_pos: float
+    vespo_k_neg: float  # and where A < 0
+    vespo_lambda_neg: float
+    off_policy_mask_threshold: float | None  # DeepSeek-V3.2's delta (None: no off-policy mask)
+    entropy_bonus: EntropyBonus
+    router_aux_loss_coef: float  # mixture-of-experts models: weight of the router's load-balancing loss
 
 
 @dataclass(frozen=True)

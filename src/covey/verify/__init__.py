@@ -30,7 +30,7 @@ import inspect
 from typing import Sequence
 
 from covey.config import GRPOConfig
-from covey.errors import ConfigError, CoveyError, DataError, ModelError, RewardError
+from covey.errors import DataError, RewardError
 from covey.rewards import reward_name
 from covey.train.setup import build_engine, one_batch_settings
 from covey.train.parts import Rewards
@@ -40,7 +40,7 @@ from covey.train.trainer import GRPOTrainer
 from covey.verify import stages, step_stages
 from covey.verify.images import check_images
 from covey.verify.probe_stage import check_probes
-from covey.verify.report import STAGES, Check, Report, print_report
+from covey.verify.report import STAGES, Check, Report, error_text, print_report
 
 __all__ = ["STAGES", "Check", "Report", "print_report", "verify"]
 SETUP = "the model, its tokenizer and the settings load"
@@ -61,17 +61,17 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
                               args=settings, train_dataset=train_dataset, processing_class=processing_class, quiet=True,
                               tools=tools, environment_factory=environment_factory, tool_call_format=tool_call_format,
                               reward_processing_classes=reward_processing_classes)
-    except CoveyError as e:
+    except Exception as e:
         return _failed(report, e, ((DataError, "data", "dataset loads"),
                                    (RewardError, "rewards", "reward functions load"),
-                                   ((ModelError, ConfigError), "setup", SETUP)))
+                                   (Exception, "setup", SETUP)))
     parts = trainer.parts
     parameters = sum(p.numel() for p in parts.policy.model.parameters())
     report.add("setup", SETUP, True,
                f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
     eos_ids = parts.sampler.eos_ids
-    stages.check_data(report, parts)
-    stages.check_decode(report, parts, eos_ids)
+    report.run("data", stages.check_data, report, parts)
+    report.run("decode", stages.check_decode, report, parts, eos_ids)
     indices = list(range(min(num_prompts, len(parts.prompts.rows))))
     rewards, calls = _recording_calls(parts.rewards)
     engine = _Recording(parts.sampler.engine)
@@ -79,29 +79,30 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     try:
         batch = score_prompts(parts, indices)
         fixed = fixed_logprobs(parts, batch)
-    except CoveyError as e:
+    except Exception as e:
         return _failed(report, e, ((RewardError, "rewards", "reward functions run on a sampled batch"),
                                    (DataError, "data", "the prompts of a batch are sampled"),
-                                   (CoveyError, "engine", f"the {settings.rollout_engine} engine samples a batch")))
-    stages.check_columns(report, parts, indices, calls)
-    stages.check_rewarded_text(report, parts, batch, calls, engine.turns)
-    stages.check_episodes(report, parts, batch, eos_ids, engine.turns)
-    stages.check_rewards(report, parts, batch, calls)
-    stages.check_reward_probes(report, trainer.parts, calls)  # the functions as given (their columns)
+                                   (Exception, "engine", f"the {settings.rollout_engine} engine samples a batch")))
+    report.run("data", stages.check_columns, report, parts, indices, calls)
+    report.run("decode", stages.check_rewarded_text, report, parts, batch, calls, engine.turns)
+    report.run("episodes", stages.check_episodes, report, parts, batch, eos_ids, engine.turns)
+    report.run("rewards", stages.check_rewards, report, parts, batch, calls)
+    report.run("rewards", stages.check_reward_probes, report, trainer.parts, calls)  # the functions as given (their columns)
     if probes:
-        check_probes(report, trainer.parts, indices, calls, accepted_probes)
-    step_stages.check_advantages(report, parts, batch)
+        report.run("probes", check_probes, report, trainer.parts, indices, calls, accepted_probes)
+    report.run("advantages", step_stages.check_advantages, report, parts, batch)
     if fixed.ref_BT is not None:  # the reference moved away from the policy, so that its place in the loss shows
         fixed = dataclasses.replace(fixed, ref_BT=fixed.ref_BT - 0.1)
-    logp_BT = step_stages.check_logprobs(report, parts, batch, eos_ids, engine.turns)
-    check_images(report, parts, batch, indices)
-    step_stages.check_loss(report, parts, batch, fixed, logp_BT)
-    step_stages.check_loss_away_from_ratio_one(report, parts, batch, fixed, logp_BT)
-    step_stages.check_engine(report, parts, batch, logp_BT, engine.rollout)
-    _check_decode_kernel(report, engine.engine)
+    logp_BT = report.run("logprobs", step_stages.check_logprobs, report, parts, batch, eos_ids, engine.turns)
+    report.run("images", check_images, report, parts, batch, indices)
+    if logp_BT is not None:  # else the logprobs stage failed, and the stages on the log-probs cannot run
+        report.run("loss", step_stages.check_loss, report, parts, batch, fixed, logp_BT)
+        report.run("loss", step_stages.check_loss_away_from_ratio_one, report, parts, batch, fixed, logp_BT)
+        report.run("engine", step_stages.check_engine, report, parts, batch, logp_BT, engine.rollout)
+    report.run("engine", _check_decode_kernel, report, engine.engine)
     if settings.async_generation:
-        step_stages.check_async_correction(report, parts.sampling_with(engine.engine), indices,
-                                           lambda model: build_engine(settings, model, parts.sampler.tokenizer, eos_ids))
+        report.run("async", step_stages.check_async_correction, report, parts.sampling_with(engine.engine), indices,
+                   lambda model: build_engine(settings, model, parts.sampler.tokenizer, eos_ids))
     return report
 
 
@@ -118,14 +119,13 @@ def _check_decode_kernel(report: Report, engine) -> None:
                f"covey's decode kernel {decode_kernel.describe()}", warn_only=True)
 
 
-def _failed(report: Report, error: CoveyError, stages: tuple) -> Report:
+def _failed(report: Report, error: Exception, stages: tuple) -> Report:
     """``report`` with ``error`` as the failure of the first stage whose kinds of error it is one of
-    (``stages``: (kinds, stage, check) in order); an error of no such kind is raised as it is."""
-    for kinds, stage, check in stages:
-        if isinstance(error, kinds):
-            report.add(stage, check, False, "error", str(error))
-            return report
-    raise error
+    (``stages``: (kinds, stage, check) in order, the last of them for any error); an error that is not
+    covey's own says its kind and where it was raised."""
+    kinds, stage, check = next(entry for entry in stages if isinstance(error, entry[0]))
+    report.add(stage, check, False, "error", error_text(error))
+    return report
 
 
 def _recording_calls(rewards: Rewards) -> tuple[Rewards, list[dict]]:

@@ -3,7 +3,12 @@ failing stage in the order of the loop."""
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from covey.errors import CoveyError
 
 STAGES = ("setup", "data", "decode", "episodes", "rewards", "probes", "advantages", "logprobs", "images", "loss", "engine", "async")
 
@@ -27,10 +32,40 @@ class Report:
         self.checks.append(Check(stage, name, value, status, "" if ok else hint))
         return ok
 
+    def run(self, stage: str, checks: Callable, *args):
+        """``checks(*args)``, the checks of ``stage``; what it returns, or None where an error was raised on
+        the way (the code under check, or a check itself): then that error is a FAIL of ``stage`` that names
+        it and where it was raised, so that every stage ends in the report, never in a traceback."""
+        try:
+            return checks(*args)
+        except Exception as e:
+            self.add(stage, f"the {stage} checks run to the end", False, error_text(e),
+                     "the code this stage runs raised an error where the message says; an error raised in "
+                     "covey/verify itself is covey's bug: please report it with this message")
+            return None
+
     @property
     def first_failure(self) -> str | None:
         failed = {c.stage for c in self.checks if c.status == "FAIL"}
         return next((s for s in self.stages if s in failed), None)
+
+
+def error_text(error: BaseException) -> str:
+    """What a report says of an error: covey's own message (it says what to do), or any other error's kind,
+    message and the place it was raised."""
+    if isinstance(error, CoveyError):
+        return str(error)
+    return f"{type(error).__name__}: {error} (at {error_place(error)})"
+
+
+def error_place(error: BaseException) -> str:
+    """The innermost frame of an error, as file:line in function (the file from its package folder on)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "an unknown place"
+    path = Path(frames[-1].filename)
+    parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
+    return f"{'/'.join(parts)}:{frames[-1].lineno} in {frames[-1].name}"
 
 
 def exit_code(report: Report) -> int:

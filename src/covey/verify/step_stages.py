@@ -181,10 +181,11 @@ def check_loss_away_from_ratio_one(report: Report, parts: StepParts, batch: Scor
     expected = formula_loss(batch, fixed.ref_BT, logp, old, s, L)
     w = formula_ratio(logp, old, mask, s.importance_sampling_level)
     value = f"{float(loss):.9g} vs {float(expected):.9g}"
-    if s.loss_type in ("sapo", "vespo"):  # soft weights: no clip range to be outside of
+    objective = core.LOSS_TYPES[s.loss_type].objective
+    if objective in ("sapo", "vespo"):  # soft weights: no clip range to be outside of
         value += f", ratios from {float(w[mask == 1].min()):.3g} to {float(w[mask == 1].max()):.3g}"
     else:  # CISPO caps its weight from above only, at epsilon_high itself
-        outside = w > s.epsilon_high if s.loss_type == "cispo" else (w > 1 + s.epsilon_high) | (w < 1 - s.epsilon_low)
+        outside = w > s.epsilon_high if objective == "cispo" else (w > 1 + s.epsilon_high) | (w < 1 - s.epsilon_low)
         value += f", {float((outside * mask).sum() / mask.sum()):.0%} of ratios outside the clip range"
     report.add("loss", "value equals the formula away from ratio 1", abs(float(loss - expected)) <= 1e-9 * (1 + abs(float(expected))),
                value, "the ratio, its clipping or the KL weight is wrong: see core.POLICY_OBJECTIVES and "

@@ -79,10 +79,10 @@ def verify_trl(trainer: Any, num_prompts: int = 2) -> Report:
     report = Report(STAGES)
     check = Checks(trainer, report, num_prompts)
     with check.trainer_left_as_it_was():
-        check.setup()
+        check.guarded("setup", check.setup)
         if check.ready:
-            check.data()
-            batch = check.score()
+            check.guarded("data", check.data)
+            batch = check.guarded("data", check.score)
             if batch is not None:
                 check.guarded("decode", check.decode)
                 check.guarded("rewards", check.rewards)

@@ -11,20 +11,18 @@ import math
 import sys
 import traceback
 import types
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from covey.data.text import THINK_CLOSE, answer_after_reasoning
-from covey.verify.report import Report
+from covey.verify.report import Report, error_place
 from covey.verify.stages import whole_prompt_text, written_answer
 
 # what TRL passes every reward function besides the dataset's columns
 TRL_REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
                         "environments", "kwargs"}
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "label")
-LOSS_TYPES_CHECKED = ("grpo", "bnpo", "dr_grpo", "dapo")
 REASONING_FIELDS = {"reasoning_content", "thinking"}  # where a parsed message keeps the reasoning
 # where an error in TRL's scoring path shows which stage broke (a reward function's own error: rewards)
 FAILING_FUNCTION_STAGES = {"parse_response": "decode", "batch_decode": "decode", "recorded": "rewards",
@@ -53,7 +51,7 @@ class BatchChecks:
             return check(*args)
         except Exception as e:
             name = f"TRL's code runs through the {stage} check" if stage else "TRL scores a batch of chosen completions"
-            self.report.add(stage or _failed_stage(e), name, False, f"{type(e).__name__}: {e} (in {_where(e)})",
+            self.report.add(stage or _failed_stage(e), name, False, f"{type(e).__name__}: {e} (in {error_place(e)})",
                             "this part of TRL (or of the script) fails on a batch, so training would fail there too")
             return None
 
@@ -303,16 +301,6 @@ def _failed_stage(error: BaseException) -> str:
     """The stage of the innermost of TRL's functions that an error passed through."""
     names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
     return next((FAILING_FUNCTION_STAGES[f] for f in reversed(names) if f in FAILING_FUNCTION_STAGES), "rewards")
-
-
-def _where(error: BaseException) -> str:
-    """The innermost frame of an error, as file:line in function (the file from its package folder on)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return "an unknown place"
-    path = Path(frames[-1].filename)
-    parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
-    return f"{'/'.join(parts)}:{frames[-1].lineno} in {frames[-1].name}"
 
 
 def _text(completion) -> str:

@@ -7,7 +7,9 @@ import math
 
 import torch
 
-from covey.verify.trl_batch import LOSS_TYPES_CHECKED, BatchChecks, _short
+from covey import core
+from covey.verify.formulas import formula_token_loss
+from covey.verify.trl_batch import BatchChecks, _short
 
 
 class Checks(BatchChecks):
@@ -84,9 +86,9 @@ class Checks(BatchChecks):
     def loss(self, logp: torch.Tensor) -> None:
         t, out = self.trainer, self.out
         loss_type = getattr(t, "loss_type", t.args.loss_type)
-        if loss_type not in LOSS_TYPES_CHECKED:
+        if loss_type not in TRL_AGGREGATIONS:
             self.report.add("loss", f"loss_type {loss_type} against its formula", False, "not checked",
-                            f"covey checks TRL's {', '.join(LOSS_TYPES_CHECKED)}", warn_only=True)
+                            f"covey checks TRL's {', '.join(TRL_AGGREGATIONS)}", warn_only=True)
             return
         t.current_gradient_accumulation_steps = 1
         mask = out["completion_mask"].float()
@@ -169,24 +171,45 @@ class Checks(BatchChecks):
 
 
 def _formula(t, loss_type: str, logp, old, ref, adv, mask, out, beta: float) -> torch.Tensor:
-    """The clipped surrogate of TRL's loss types, written out (token-level importance sampling)."""
-    eps_low = float(getattr(t, "epsilon_low", t.args.epsilon))
-    eps_high = float(getattr(t, "epsilon_high", t.args.epsilon_high or t.args.epsilon))
-    ratio = torch.exp(logp - old)
-    A = adv.unsqueeze(1)
-    per_token = -torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
-    if ref is not None:
-        per_token = per_token + beta * _k3(ref, logp)
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    if loss_type == "bnpo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (mask.shape[0] * t.max_completion_length)
-    # dapo: over the generation batch's completion tokens, one accumulation window of them
-    window = out["num_items_in_batch"].clamp(min=1) / t.accelerator.num_processes / t.args.steps_per_generation
-    return (per_token * mask).sum() / window
+    """TRL's loss of ``loss_type`` written out: covey verify's token loss of that objective
+    (``covey.verify.formulas``) with TRL's settings, aggregated as TRL aggregates it."""
+    args = t.args
 
+    def field(name):  # a setting of TRL's config; None where this TRL has none (nor the loss type that reads it)
+        return getattr(args, name, None)
+
+    bonus = core.EntropyBonus(coef=0.0, adaptive=False, target=0.0, delta=0.0, coef_min=0.0, coef_max=0.0)
+    settings = core.LossSettings(
+        loss_type=loss_type, epsilon_low=float(getattr(t, "epsilon_low", args.epsilon)),
+        epsilon_high=float(getattr(t, "epsilon_high", args.epsilon_high or args.epsilon)), delta=field("delta"),
+        clip_ratio_c=None, importance_sampling_level=field("importance_sampling_level") or "token", beta=beta,
+        kl_estimator="k3", use_bias_correction_kl=bool(field("use_bias_correction_kl")), top_entropy_quantile=1.0,
+        sapo_temperature_pos=field("sapo_temperature_pos"), sapo_temperature_neg=field("sapo_temperature_neg"),
+        vespo_k_pos=field("vespo_k_pos"), vespo_lambda_pos=field("vespo_lambda_pos"), vespo_k_neg=field("vespo_k_neg"),
+        vespo_lambda_neg=field("vespo_lambda_neg"), off_policy_mask_threshold=getattr(t, "off_policy_mask_threshold", None),
+        entropy_bonus=bonus, router_aux_loss_coef=0.0)
+    per_token = formula_token_loss(settings, logp, old, adv, mask, ref)
+    return TRL_AGGREGATIONS[loss_type](per_token, mask.double(), t, out)
+
+
+def _window(t, out) -> float:
+    """TRL's token normaliser of one accumulation window: the generation batch's completion tokens, per
+    process and per step of the generation."""
+    return float(out["num_items_in_batch"].clamp(min=1)) / t.accelerator.num_processes / t.args.steps_per_generation
+
+
+# How TRL turns token losses into the loss of each loss type of covey's registry (core.LOSS_TYPES): the
+# loss of one micro-batch that is the whole accumulation window.
+TRL_AGGREGATIONS = {
+    "grpo": lambda loss, mask, t, out: ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean(),
+    "bnpo": lambda loss, mask, t, out: (loss * mask).sum() / mask.sum().clamp(min=1),
+    "dr_grpo": lambda loss, mask, t, out: (loss * mask).sum() / (mask.shape[0] * t.max_completion_length),
+    "dapo": lambda loss, mask, t, out: (loss * mask).sum() / _window(t, out),
+    "cispo": lambda loss, mask, t, out: (loss * mask).sum() / _window(t, out),
+    "sapo": lambda loss, mask, t, out: ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean(),
+    "vespo": lambda loss, mask, t, out: (loss * mask).sum() / _window(t, out),
+    "luspo": lambda loss, mask, t, out: (loss * mask).sum(1).mean(),
+}
 
 
 def _k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
