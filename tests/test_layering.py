@@ -24,7 +24,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "src" / "covey"
 
 # each part of covey, and the parts it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {
-    "errors": set(), "sources": set(), "trl_fields": set(), "rules": {"errors"},
+    "errors": set(), "sources": set(), "trl_fields": {"errors"}, "rules": {"errors"},
     "core": set(),  # the maths import nothing of covey
     "config_values": {"errors"},
     "vision": {"errors"},  # pictures in rows and prompts, vision-language models: what data and models stand on
@@ -35,7 +35,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rollout": {"vision", "errors", "core", "models"},  # engines know no rewards and no run config
     "telemetry": {"vision", "errors", "data", "config"},  # telemetry knows no loop
     "agents": {"vision", "errors", "sources", "data", "rewards"},  # tools, environments, episodes: no engine, no trainer
-    "train": {"vision", "errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
+    "train": {"vision", "errors", "sources", "trl_fields", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"vision", "errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
     "plan": {"vision", "errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights

@@ -126,7 +126,7 @@ def test_trl_s_warnings_are_given(tmp_path, tokenizer, tiny_model):
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=undefined_for_some, train_dataset=ROWS,
                           processing_class=tokenizer, args=small_args(tmp_path, max_steps=1, eval_max_samples=0),
                           quiet=True)
-    with pytest.warns(UserWarning, match="All reward functions returned None for some completions"):
+    with pytest.warns(UserWarning, match="All reward functions returned None for the following kwargs"):
         trainer.train()
 
 

@@ -172,9 +172,11 @@ def score_completions(
             if value is not None:
                 table[i, j] = reward_value(value, name, i)
     if reward_funcs and torch.isnan(table).all(1).any():  # one message, so that it is shown once
-        warn("All reward functions returned None for some completions: those get no reward and no "
-                      "advantage (metrics: reward is the mean of the others); make sure at least one reward function "
-                      "scores every completion", stacklevel=2)
+        unscored = int(torch.isnan(table).all(1).nonzero()[0])  # TRL's words, then the first such completion
+        warn("All reward functions returned None for the following kwargs: "
+             f"{ {k: v[unscored] for k, v in batch.items() if isinstance(v, list) and len(v) == B} }. Those "
+             "completions get no reward and no advantage (metrics: reward is the mean of the others); make sure at "
+             "least one reward function scores every completion", stacklevel=2)
     return table
 
 
