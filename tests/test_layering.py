@@ -191,6 +191,7 @@ REACHED_THROUGH = {
     "covey.telemetry.environment": "tests/test_output_for_logs.py::test_version_and_env_for_a_bug_report",
     "covey.telemetry.finding": "tests/test_hacking.py::test_reward_rising_while_held_out_accuracy_falls",
     "covey.telemetry.trends": "tests/test_hacking.py::test_reward_rising_while_held_out_accuracy_falls",
+    "covey.train.accelerator": "tests/test_trl_scripts.py::test_the_trainer_s_accelerator_answers_from_covey_s_process_group",
     "covey.train.between_steps": "tests/test_trainer.py::test_trains_writes_the_run_folder_and_saves_a_loadable_model",
     "covey.train.evaluation": "tests/test_trainer.py::test_held_out_evaluation_runs_under_the_training_settings",
     "covey.train.hub": "tests/test_lifecycle.py::test_a_failed_final_push_says_how_to_push_the_saved_model",
