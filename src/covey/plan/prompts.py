@@ -10,7 +10,7 @@ that fails, or the prompts show tools or come from an environment (known only on
 the plan takes every prompt at max_prompt_length and says why.
 
     >>> measure_prompts(GRPOConfig(dataset="arithmetic")).describe()      # doctest: +SKIP
-    'prompts measured from arithmetic: longest 71, median 62 tokens'
+    'prompts measured from arithmetic: longest 61, median 58 tokens'
 """
 
 from __future__ import annotations
