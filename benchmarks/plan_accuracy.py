@@ -9,8 +9,7 @@ folder's character-level tokenizer: every one is longer, so it takes them at max
 On a CPU the measured "device memory" is the process's RSS high-water mark (reset once the trainer is
 built, after what loading freed went back to the system); it includes the runtime of python, torch,
 transformers and covey, measured once in a fresh process (``baseline``) and subtracted: the table
-compares the estimated step (``Breakdown.peak``) with the
-measured peak less that baseline.
+compares the estimated step (``Breakdown.peak``) with the measured peak less that baseline.
 
     nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about an hour on 2 shared cores
     nice -n 10 python -m benchmarks.plan_accuracy --only smollm2-full-64
