@@ -150,3 +150,23 @@ def test_the_embedded_model_s_prompts_are_measured_without_its_weights(monkeypat
                      for row in load_rows("arithmetic"))
     assert lengths.source == "arithmetic" and lengths.rows == len(counted)
     assert (lengths.longest, lengths.median) == (counted[-1], round(statistics.median(counted)))
+
+
+def test_the_trainer_s_check_measures_the_rows_it_was_handed(model_folder, monkeypatch):
+    """A step that fits at the handed rows' lengths and not at max_prompt_length: refused only where the
+    rows are not measured."""
+    import covey.plan.planning
+    from covey.plan import MemoryPlanError
+    from covey.plan.prompts import PromptLengths
+    from covey.train.run_rules import Handed, fits_the_device
+
+    rows = [{"prompt": chat("h" * 7), "answer": "1"}]
+    args = GRPOConfig(**{**SIZES, "max_prompt_length": 20000}, model=str(model_folder))
+    short = make_plan(args, 1, DEVICE, prompts=measure_prompts(args, rows)).needed
+    long = make_plan(args, 1, DEVICE, prompts=PromptLengths(20000)).needed
+    between = int((short * long) ** 0.5)
+    assert short * 1.5 < between < long / 1.5
+    monkeypatch.setattr(covey.plan.planning, "this_device", lambda *a, **k: Device("d", "cpu", between, between))
+    assert fits_the_device(args, Handed(train_dataset=rows), lambda ok, message: None) is None
+    with pytest.raises(MemoryPlanError, match="cannot fit"):
+        fits_the_device(args, Handed(), lambda ok, message: None)
