@@ -11,6 +11,7 @@ from covey.plan.memory import estimate
 from covey.plan.planning import REFUSE_OVER, Plan, make_plan
 from covey.plan.prompts import measure_prompts
 from covey.plan.report import advice_text, gib
+from covey.plan.shapes import model_config
 
 
 class MemoryPlanError(ConfigError):
@@ -41,7 +42,8 @@ def check_fits(args: GRPOConfig, processes: int, train_dataset=None, tools: bool
     if not args.memory_check:
         return None
     try:
-        plan = make_plan(args, processes, prompts=measure_prompts(args, train_dataset, tools))
+        config = model_config(args.model, args.trust_remote_code, args.model_revision)  # before the data is read
+        plan = make_plan(args, processes, config=config, prompts=measure_prompts(args, train_dataset, tools))
     except Exception as e:  # a config the estimate cannot read: the trainer's own loading says what is wrong
         raise MemoryCheckSkipped(f"covey: the memory check was skipped: {e}") from e
     least = least_the_user_asked_for(plan)
