@@ -4,11 +4,12 @@ Each configuration trains two GRPO steps (the second has AdamW's state, as every
 random-weight model of a real model's shapes (its vocabulary, hidden size, heads and MLP width; few
 layers, so it runs on a CPU), in a fresh process (two under torchrun with gloo for FSDP2). Random
 weights almost never sample EOS, so every completion runs to max_completion_length, as the estimate
-assumes; prompts are cut to max_prompt_length. On a CPU the measured "device memory" is the process's
-RSS high-water mark (reset once the trainer is built, after what loading freed went back to the system);
-it includes the runtime of python, torch, transformers and covey, measured once in a fresh process
-(``baseline``) and subtracted: the table compares the estimated step (``Breakdown.peak``) with the
-measured peak less that baseline.
+assumes; prompts are cut to max_prompt_length (the plan measures the task's prompts through the
+folder's character-level tokenizer: every one is longer, so it takes them at max_prompt_length too).
+On a CPU the measured "device memory" is the process's RSS high-water mark (reset once the trainer is
+built, after what loading freed went back to the system); it includes the runtime of python, torch,
+transformers and covey, measured once in a fresh process (``baseline``) and subtracted: the table
+compares the estimated step (``Breakdown.peak``) with the measured peak less that baseline.
 
     nice -n 10 python -m benchmarks.plan_accuracy            # every configuration, about an hour on 2 shared cores
     nice -n 10 python -m benchmarks.plan_accuracy --only smollm2-full-64

@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": {"vision", "errors", "sources", "trl_fields", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents"},
     "verify": {"vision", "errors", "sources", "rules", "plan", "core", "config", "data", "models", "rewards", "rollout", "telemetry", "agents",
                "train"},
-    "plan": {"vision", "errors", "sources", "core", "config", "models", "rollout"},  # a model's config, never its weights
+    "plan": {"vision", "errors", "sources", "core", "config", "data", "models", "rollout"},  # a model's config and tokenizer, the data's prompts, never the weights
     "cli": {"vision", "errors", "sources", "trl_fields", "rules", "core", "config", "data", "models", "rewards", "rollout", "telemetry",
             "agents", "train", "verify", "plan", "__init__"},  # __init__: the package's __version__ (covey --version, env)
     "__init__": {"config", "errors", "rewards", "train", "verify"},  # the package itself: its public names (verify_trl, probe_rewards)

@@ -358,8 +358,9 @@ def cmd_export(argv: list[str]) -> int:
 def cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="covey plan", allow_abbrev=False,
-        description="Estimate the peak memory of a training step per device from the model's config alone (no "
-                    "weights are loaded): weights, gradients, optimizer state, activations, the log-prob pass, the "
+        description="Estimate the peak memory of a training step per device from the model's config and tokenizer "
+                    "and the prompts' measured lengths (no weights are loaded): weights, gradients, optimizer state, "
+                    "activations, the log-prob pass, the "
                     "reference and the engine; whether it fits this machine's GPU (or RAM), and settings that would "
                     "make it fit. covey train checks the same estimate before loading the model.")
     parser.add_argument("--processes", type=int, help="processes the run is launched with (default: WORLD_SIZE, or 1)")

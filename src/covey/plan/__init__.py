@@ -1,11 +1,12 @@
-"""Will it fit: the peak memory of a training step per device, estimated from a model's config alone
-before any weight is loaded (``covey plan``; ``covey train`` checks it first).
+"""Will it fit: the peak memory of a training step per device, estimated from a model's config and the
+prompts' measured lengths before any weight is loaded (``covey plan``; ``covey train`` checks it first).
 
     >>> plan = make_plan(GRPOConfig(max_completion_length=64))         # doctest: +SKIP
     >>> plan.breakdown.peak, plan.device.total, plan.fits                # doctest: +SKIP
 
-``covey.plan.shapes`` reads the model's sizes, ``covey.plan.memory`` does the arithmetic,
-``covey.plan.device`` says what the device holds, ``covey.plan.advice`` finds settings that fit.
+``covey.plan.shapes`` reads the model's sizes, ``covey.plan.prompts`` measures the prompts in the data,
+``covey.plan.memory`` does the arithmetic, ``covey.plan.device`` says what the device holds,
+``covey.plan.advice`` finds settings that fit.
 """
 
 from __future__ import annotations

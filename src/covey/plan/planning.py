@@ -1,5 +1,5 @@
-"""The plan of a run: its settings read from the config, the estimate, the device, and the same plan
-with other settings (``replan``)."""
+"""The plan of a run: its settings read from the config and the prompts' measured lengths, the estimate,
+the device, and the same plan with other settings (``replan``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from covey.config import GRPOConfig
 from covey.core import logprob_chunk_tokens
 from covey.plan.device import Device, this_device
 from covey.plan.memory import Breakdown, Settings, estimate
+from covey.plan.prompts import PromptLengths, measure_prompts
 from covey.plan.shapes import ModelShape, model_config, model_shape
 
 # covey train refuses a run whose estimate is over this many times the device's whole memory. The
@@ -46,14 +47,17 @@ def engine_kind(args: GRPOConfig) -> str:
     return args.rollout_engine
 
 
-def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes: int, device: Device) -> Settings:
-    """What the estimate needs of a run, read from its config."""
+def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes: int, device: Device,
+                         prompt_length: int | None = None) -> Settings:
+    """What the estimate needs of a run, read from its config; every prompt ``prompt_length`` tokens (the
+    longest measured, at most max_prompt_length; None: max_prompt_length)."""
     engine = engine_kind(args)
     rollout_bf16 = args.sample_in_bf16(device.kind)
     lora = args.use_peft or args.quantization is not None
     return Settings(
         micro_batch=args.per_device_train_batch_size, generation_rows=args.generation_batch_size,
-        num_generations=args.num_generations, prompt_length=args.max_prompt_length,
+        num_generations=args.num_generations,
+        prompt_length=args.max_prompt_length if prompt_length is None else min(prompt_length, args.max_prompt_length),
         completion_length=args.max_completion_length, weight_bytes=weight_bytes(args, config),
         bf16_autocast=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
         lora_targets=lora_targets(args, shape) if lora else None, lora_r=args.lora_r,
@@ -82,12 +86,13 @@ def _decode_kernel_runs() -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """The estimate of a run: the model's shape, the settings read, the breakdown, the device and whether
-    the step fits in it (with the runtime's own memory where the device is the CPU)."""
+    """The estimate of a run: the model's shape, the prompts' lengths, the settings read, the breakdown,
+    the device and whether the step fits in it (with the runtime's own memory where the device is the CPU)."""
 
     args: GRPOConfig
     config: object  # the model's transformers config
     shape: ModelShape
+    prompts: PromptLengths
     settings: Settings
     breakdown: Breakdown
     device: Device
@@ -106,19 +111,24 @@ class Plan:
         return self.needed > REFUSE_OVER * self.device.total
 
 
-def make_plan(args: GRPOConfig, processes: int | None = None, device: Device | None = None, config=None) -> Plan:
+def make_plan(args: GRPOConfig, processes: int | None = None, device: Device | None = None, config=None,
+              prompts: PromptLengths | None = None) -> Plan:
     """The plan of a run with ``args`` over ``processes`` processes (default: as launched) on ``device``
-    (default: this machine's). Reads the model's config only (``config``: one already read)."""
+    (default: this machine's). Reads the model's config and tokenizer, never its weights (``config``: one
+    already read), and the prompts' lengths where the data can be read (``prompts``: lengths measured
+    already, ``covey.plan.prompts.measure_prompts``)."""
     processes = processes or int(os.environ.get("WORLD_SIZE", "1") or 1)  # as the launcher started them
     device = device or this_device(args.use_cpu, processes)
     config = config if config is not None else model_config(args.model, args.trust_remote_code, args.model_revision)
     shape = model_shape(config)
-    settings = settings_from_config(args, shape, config, processes, device)
-    return Plan(args, config, shape, settings, estimate(shape, settings), device)
+    prompts = prompts if prompts is not None else measure_prompts(args)
+    settings = settings_from_config(args, shape, config, processes, device, prompts.peak_length)
+    return Plan(args, config, shape, prompts, settings, estimate(shape, settings), device)
 
 
 def replan(plan: Plan, processes: int | None = None, **changes) -> Plan:
     """``plan`` again with some config fields changed (and optionally over another number of processes)."""
     args = dataclasses.replace(plan.args, **changes)
-    settings = settings_from_config(args, plan.shape, plan.config, processes or plan.settings.processes, plan.device)
-    return Plan(args, plan.config, plan.shape, settings, estimate(plan.shape, settings), plan.device)
+    settings = settings_from_config(args, plan.shape, plan.config, processes or plan.settings.processes, plan.device,
+                                    plan.prompts.peak_length)
+    return Plan(args, plan.config, plan.shape, plan.prompts, settings, estimate(plan.shape, settings), plan.device)

@@ -43,6 +43,7 @@ def plan_text(plan, suggestions: list[Suggestion] | None = None) -> str:
         f"run: {training}, {dtype}, {over}; micro-batch {s.micro_batch} x ({s.prompt_length} prompt + "
         f"{s.completion_length} completion tokens); {s.generation_rows} completions sampled per round by the "
         f"{s.engine} engine" + ("; gradient checkpointing" if s.gradient_checkpointing else ""),
+        plan.prompts.describe(),
         "",
         "peak memory of a step, per device:",
     ]

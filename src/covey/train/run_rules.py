@@ -128,11 +128,13 @@ def optimizers(c: GRPOConfig, h: Handed, need: Need) -> None:
 
 def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     """A step covey's estimate puts clearly beyond the device's memory is refused, with the plan's advice
-    (``covey.plan.check_fits``; memory_check: false trains anyway). A model handed over loaded is left out:
+    (``covey.plan.check_fits``, with the prompts measured in the data handed over or named; memory_check: false
+    trains anyway). A model handed over loaded is left out:
     it is in memory already. A config the estimate cannot read: the note that the check was skipped."""
     if h.model is None or isinstance(h.model, str):
         try:
-            check_fits(c if h.model is None else c.replace(model=h.model), h.processes)
+            check_fits(c if h.model is None else c.replace(model=h.model), h.processes, h.train_dataset,
+                       h.has_tools(c))
         except MemoryCheckSkipped as skipped:
             return str(skipped)
     return None
