@@ -27,6 +27,12 @@ def pytest_collection_modifyitems(config, items):
         if Path(item.path).relative_to(root).as_posix() + item.nodeid[item.nodeid.index("::"):] in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
 
+# What the tests' small runs rely on beyond their sizes, which GRPOConfig() leaves at TRL's defaults: every step
+# logged, a constant learning rate, no recompute, completions recorded (the command line's demo preset does the
+# same); a test that is about one of these sets it itself
+SMALL_RUN = dict(logging_steps=1, lr_scheduler_type="constant", gradient_checkpointing=False, log_completions=True,
+                 num_completions_to_print=4, save_total_limit=2, per_device_eval_batch_size=32)
+
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -14,7 +14,7 @@ from covey.errors import ConfigError, DataError
 from covey.rollout import FastEngine, Rollout, SamplesWithPolicy, SamplingParams, left_pad
 from covey.rollout.engine import episodes_by_turns
 from covey.train.forward import SequenceBatch, completion_logprobs
-from tests.conftest import make_model, make_tokenizer, scored_batch
+from tests.conftest import SMALL_RUN, make_model, make_tokenizer, scored_batch
 
 ROWS = [{"prompt": [{"role": "user", "content": f"what is {a} * {b}?"}], "answer": str(a * b)}
         for a, b in ((6, 7), (3, 9), (8, 4), (5, 5))]
@@ -58,6 +58,7 @@ class ScriptedAgent(SamplesWithPolicy):
 def agent_args(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=2, per_device_train_batch_size=4,
                   max_completion_length=200, max_prompt_length=1024, learning_rate=1e-3, eval_max_samples=0)
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     return GRPOConfig(**{**values, **overrides})
 
 

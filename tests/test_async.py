@@ -10,7 +10,7 @@ import torch
 from covey import GRPOConfig, GRPOTrainer
 from covey.errors import ConfigError
 from covey.train.asynchronous import AsyncSchedule
-from tests.conftest import make_model, make_tokenizer
+from tests.conftest import SMALL_RUN, make_model, make_tokenizer
 from tests.test_trainer import ROWS, count_a
 
 
@@ -18,6 +18,7 @@ def async_args(tmp_path, name="run", **overrides):
     values = dict(output_dir=str(tmp_path / name), max_steps=4, num_generations=4, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, max_completion_length=8, learning_rate=1e-2, seed=3,
                   async_generation=True, eval_strategy="no")
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     values.update(overrides)
     return GRPOConfig(**values)
 

@@ -23,7 +23,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.errors import CheckpointError, ConfigError
 from covey.train import step
 from covey.train.checkpoint import checkpoint_dirs, written_whole
-from tests.conftest import make_model
+from tests.conftest import SMALL_RUN, make_model
 from tests.test_trainer import ROWS, count_a
 
 TIMING_KEYS = ("step_time", "time/", "tokens_per_second", "async/queue_depth")  # what timing decides
@@ -32,6 +32,7 @@ TIMING_KEYS = ("step_time", "time/", "tokens_per_second", "async/queue_depth")  
 def run_args(out: Path, **overrides) -> GRPOConfig:
     values = dict(output_dir=None if out is None else str(out), max_steps=6, save_steps=2, num_generations=4, per_device_train_batch_size=8,
                   max_completion_length=8, learning_rate=1e-2, eval_max_samples=0, log_completions_steps=1)
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     values.update(overrides)
     return GRPOConfig(**values)
 

@@ -30,7 +30,7 @@ from covey.train.distributed import World, sharded_part
 from covey.train.sharding import whole
 from covey.errors import CheckpointError, ConfigError, ModelError, TrainingInterrupted
 from covey.rollout import Rollout, SamplesWithPolicy
-from tests.conftest import make_model, make_tokenizer
+from tests.conftest import SMALL_RUN, make_model, make_tokenizer
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
 HELD_OUT = [{"prompt": [{"role": "user", "content": f"tell {c}"}], "answer": str(i)} for i, c in enumerate("vwxyz")]
@@ -73,6 +73,7 @@ def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
     values = dict(output_dir=str(output_dir), max_steps=2, num_generations=4, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2 // processes, max_completion_length=8, learning_rate=1e-3, beta=0.04,
                   eval_max_samples=5, log_completions=True, logging_steps=1, seed=3)
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     values.update(overrides)
     return GRPOConfig(**values)
 

@@ -15,7 +15,7 @@ from covey.telemetry.diagnose import GAMING, diagnose, read_run
 from covey.telemetry.report import write_report
 from covey.verify import verify
 from covey.verify.report import exit_code
-from tests.conftest import make_model
+from tests.conftest import SMALL_RUN, make_model
 from tests.test_reward_probes import ARITHMETIC, any_number_matches
 
 ROWS = ARITHMETIC[:24]
@@ -23,7 +23,7 @@ TRL_RUN = Path(__file__).parent / "data" / "trl-run"  # kept apart from data/hac
 
 
 def settings(tmp_path, **changes):
-    return GRPOConfig(**{**dict(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4,
+    return GRPOConfig(**{**SMALL_RUN, **dict(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4,
                                 per_device_train_batch_size=4, max_completion_length=24, learning_rate=1e-3,
                                 logging_steps=1, eval_max_samples=0, seed=3), **changes})
 

@@ -18,7 +18,7 @@ from covey.errors import ConfigError, DataError, ModelError, RewardError
 import covey.train.step as step_module
 from covey.train.setup import lr_schedule
 from covey.train.update import logprobs_no_grad
-from tests.conftest import make_model, make_tokenizer, optimize, scored_batch
+from tests.conftest import SMALL_RUN, make_model, make_tokenizer, optimize, scored_batch
 
 ROWS = [{"prompt": [{"role": "user", "content": f"say {c}"}], "answer": str(i)} for i, c in enumerate("abcdefgh")]
 
@@ -32,6 +32,7 @@ def count_a(completions, **kwargs):
 def small_args(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, max_completion_length=8, learning_rate=1e-3, eval_max_samples=4)
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     values.update(overrides)
     return GRPOConfig(**values)
 

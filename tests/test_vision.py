@@ -23,7 +23,7 @@ from covey.train.forward import SequenceBatch, TrainingForward, completion_logpr
 from covey.vision import batch_images, image_label, images_of, model_inputs, placeholder_token_ids, text_tokenizer
 from covey.vision.fit import image_token_id
 from covey.vision.models import vision_parts
-from tests.conftest import scored_batch
+from tests.conftest import SMALL_RUN, scored_batch
 from tests.tiny_vision import BUILDERS, FAMILIES, image, saved
 
 
@@ -45,6 +45,7 @@ def vision_args(tmp_path, **changes) -> GRPOConfig:
     values = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, max_completion_length=6, learning_rate=1e-2, eval_max_samples=0,
                   logging_steps=1)
+    values = {**SMALL_RUN, **values}  # what the run relies on beyond its sizes
     return GRPOConfig(**{**values, **changes})
 
 
