@@ -399,7 +399,8 @@ def cmd_server(argv: list[str]) -> int:
                     "served.")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm",
                         help="engine behind the server (default: vllm; fast runs anywhere, e.g. to try the setup)")
-    parser.add_argument("--host", help="address to listen on (default: vllm_server_host)")
+    parser.add_argument("--host", help="address to listen on (default: vllm_server_host where the config sets it, "
+                                       "else 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default: vllm_server_port)")
     parser.add_argument("--insecure", action="store_true",
                         help="listen beyond this machine where the weight endpoints are open (without "
@@ -410,7 +411,8 @@ def cmd_server(argv: list[str]) -> int:
     from covey.rollout.server import run_server
     from covey.train.setup import server_backend, vllm_serve
 
-    host = namespace.host or args.vllm_server_host
+    # the trainers' default, TRL's 0.0.0.0, reaches this machine; a server listens there only when told to
+    host = namespace.host or (args.vllm_server_host if "vllm_server_host" in args.fields_given else "127.0.0.1")
     port = args.vllm_server_port if namespace.port is None else namespace.port
     if namespace.backend == "fast":
         return run_server(lambda: server_backend(args), f"the fast engine over {args.model}", host, port,
