@@ -2,25 +2,25 @@
 from the decoder's final hidden states, without ever holding the logits of all N tokens.
 
     logits_c = transform(hidden_c @ W.T + b)           the chunk's logits, in the head's compute dtype
-    logp_c, H_c = core.token_logprobs(logits_c, ids_c)  after the temperature, in float32
+    logp_c, H_c = log_softmax(logits_c / t)[ids_c]     after the temperature (and truncation), in float32
 
 ``transform`` is what a model's own forward does after its head: Gemma's final-logit softcapping,
-Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
-the per-token logits processor (the temperature) is applied, one chunk at a time.
+Cohere's logit scale, Granite's logits scaling (``logits_transform``). Where there is no transform and no
+truncation of the distribution (a "plain" chunk) the head makes the softmax itself; else through
+``core.token_logprobs``. Both take their gradient from the one hand-written backward of the log-softmax,
+``core.softmax_backward``.
 
 A chunk is as many tokens as have float32 logits within the pass's budget (``logprob_budget_mib``, by
 default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. Inside a chunk, a few rows at a
-time become float32 (log-)softmaxes (``core.logprob_working_rows``: ``core.token_logprobs`` makes several
-working copies at a time, a sixteenth of a chunk each; the plain softmax one, a quarter). A plain linear
-head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden states, the head's
-weight, the results and, within the same budget, what the last chunks' backward starts from: their
-softmax in place of their logits where nothing comes between the head and the softmax (else the logits
-and their graph). Its backward turns those into their logits' gradient in place first, then computes the
-other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
-turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of
-the weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so
-the logits of a chunk computed again never sit beside them. Any other head (a LoRA adapter on it, or a
-copy that ``lora_modules_to_save`` trains) runs as the module it is, each chunk under
+time become float32 (log-)softmaxes (``PLAIN_WORKING_SHARE``, ``CORE_WORKING_SHARE``). A linear head runs
+in ``_ChunkedLinearHead``, an autograd function that saves the hidden states, the head's weight, the
+results and, within the same budget, what the last chunks' backward starts from (a plain chunk's softmax
+in place of its logits, any other chunk's logits); a frozen head, each token's slopes instead. Its
+backward makes the kept chunks' gradients first, then computes the other chunks' logits again in their
+memory, turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32
+sum of the weight's (and bias's) gradient. What each of these ways gains against the simpler one is
+measured by ``benchmarks/head_strategies.py`` (docs/training.md). Any other head (a LoRA adapter on it, or
+a copy that ``lora_modules_to_save`` trains) runs as the module it is, each chunk under
 ``torch.utils.checkpoint``. Both compose with autocast, DDP and FSDP2 (the head's parameters are those
 the caller's pass gathered).
 """
@@ -41,13 +41,15 @@ from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
 
 PLAIN_WORKING_SHARE = 4
-"""The plain softmax's working rows are a quarter of a chunk (``core.logprob_working_rows``): it holds one
-float32 log-softmax of them at a time beside the chunk's logits, so the pass's peak is a chunk and a quarter
-(the plan's ``logprob_pass_bytes`` counts the same)."""
+"""The plain softmax makes a quarter of a chunk's rows into a float32 log-softmax at once
+(``core.logprob_working_rows``), one such copy at a time beside the chunk's logits, so the pass's peak is
+a chunk and a quarter (the plan's ``logprob_pass_bytes`` counts the same)."""
 
 CORE_WORKING_SHARE = 16
 """Through ``core.token_logprobs`` (a transform after the head, or a truncated distribution) a sixteenth:
-it holds several float32 copies of its rows at once (TODO)."""
+it holds up to about eight float32-sized copies of its rows at once (counted on a top-k and top-p
+distribution: the scaled logits, the truncation's sort, its int64 order and masks, the log-softmax), and
+three for the temperature alone, so a sixteenth keeps them within about half a chunk."""
 
 
 @dataclass(frozen=True)
