@@ -13,16 +13,11 @@ truncation of the distribution (a "plain" chunk) the head makes the softmax itse
 A chunk is as many tokens as have float32 logits within the pass's budget (``logprob_budget_mib``, by
 default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. Inside a chunk, a few rows at a
 time become float32 (log-)softmaxes (``PLAIN_WORKING_SHARE``, ``CORE_WORKING_SHARE``). A linear head runs
-in ``_ChunkedLinearHead``, an autograd function that saves the hidden states, the head's weight, the
-results and, within the same budget, what the last chunks' backward starts from (a plain chunk's softmax
-in place of its logits, any other chunk's logits); a frozen head, each token's slopes instead. Its
-backward makes the kept chunks' gradients first, then computes the other chunks' logits again in their
-memory, turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32
-sum of the weight's (and bias's) gradient. What each of these ways gains against the simpler one is
-measured by ``benchmarks/head_strategies.py`` (docs/training.md). Any other head (a LoRA adapter on it, or
-a copy that ``lora_modules_to_save`` trains) runs as the module it is, each chunk under
-``torch.utils.checkpoint``. Both compose with autocast, DDP and FSDP2 (the head's parameters are those
-the caller's pass gathered).
+in ``_ChunkedLinearHead``, which keeps, within the same budget, what the last chunks' backward starts from
+and computes the others' logits again (what each of its ways gains against the simpler one:
+``benchmarks/head_strategies.py``, docs/training.md). Any other head (a LoRA adapter on it, or a copy that
+``lora_modules_to_save`` trains) runs as the module it is, each chunk under ``torch.utils.checkpoint``.
+Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
 """
 
 from __future__ import annotations
