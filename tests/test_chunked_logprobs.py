@@ -213,24 +213,33 @@ def test_hidden_state_weight_and_bias_gradients_of_the_head_alone(chunk, head, k
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_a_second_backward_computes_again_what_the_first_used_up(entropy_grad):
-    """The backward of a kept chunk works in place on what the forward kept; a second backward through the
-    same graph (retain_graph) computes the logits again and gives the same gradients."""
+def test_a_second_backward_is_refused_where_the_first_used_what_the_forward_kept(entropy_grad):
+    """The backward of a kept chunk writes its gradient over what the forward kept: a second backward through
+    the same graph (retain_graph) is refused with covey's error; a pass that kept nothing (budget 0) computes
+    every chunk again and gives the same gradients twice."""
     model = tiny("untied")
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(11, 32, generator=g, requires_grad=True)
     ids = torch.randint(0, V, (11,), generator=g)
-    logp, entropy = head_logprobs(model, hidden, ids, 0.7, with_entropy=True, entropy_grad=entropy_grad, chunk=4,
-                                  budget=8 * V * 4)
-    loss = (logp * torch.linspace(0.5, 1.5, 11)).sum() + (entropy.sum() if entropy_grad else 0)
-    grads = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        hidden.grad = None
-        loss.backward(retain_graph=True)
-        grads.append((hidden.grad.clone(), model.lm_head.weight.grad.clone()))
-    for first, second in zip(*grads):
-        assert torch.allclose(first, second, atol=1e-6, rtol=1e-5), float((first - second).abs().max())
+    for budget in (8 * V * 4, 0):
+        logp, entropy = head_logprobs(model, hidden, ids, 0.7, with_entropy=True, entropy_grad=entropy_grad,
+                                      chunk=4, budget=budget)
+        loss = (logp * torch.linspace(0.5, 1.5, 11)).sum() + (entropy.sum() if entropy_grad else 0)
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            hidden.grad = None
+            if budget and grads:
+                with pytest.raises(RuntimeError, match="second backward through covey's chunked log-prob pass"):
+                    loss.backward(retain_graph=True)
+                continue
+            loss.backward(retain_graph=True)
+            grads.append((hidden.grad.clone(), model.lm_head.weight.grad.clone()))
+        if budget:
+            kept = grads[0]
+        else:
+            for first, second, with_kept in zip(*grads, kept):
+                assert torch.equal(first, second) and torch.allclose(first, with_kept, atol=1e-6, rtol=1e-5)
 
 
 class _VocabularyTensors(TorchDispatchMode):

@@ -13,7 +13,6 @@ import torch
 import covey.core as core
 import covey.rollout.fast.engine as fast_rollout
 import covey.train.forward as logprobs
-import covey.train.head as output_head
 import covey.data.text as text
 import covey.train.generation as generation_module
 import covey.train.rounds as rounds_module
@@ -100,11 +99,9 @@ def _optimistic_clip(t, s):
 
 
 def _negated_logprobs(mp) -> None:
-    """The output head's log-probs with their sign flipped, in both of its ways (``core.token_logprobs`` behind a
-    transform or a truncation, ``_plain_logprobs`` for the plain softmax)."""
-    plain = output_head._plain_logprobs
-    mp.setattr(output_head, "token_logprobs", lambda *a, **k: (lambda lp, h: (-lp, h))(*core.token_logprobs(*a, **k)))
-    mp.setattr(output_head, "_plain_logprobs", lambda *a, **k: (lambda lp, h, kept: (-lp, h, kept))(*plain(*a, **k)))
+    """The log-probs with their sign flipped where both ways of the output head take them from the
+    log-softmax (``core.logprob_at``: ``core.token_logprobs`` and the head's own softmax)."""
+    _plant_in_core(mp, "logprob_at", lambda log_p, ids: -_ORIGINAL_LOGPROB_AT(log_p, ids))
 
 
 MUTATIONS = {
@@ -149,6 +146,7 @@ MUTATIONS = {
             out[0] * (0.5 if r.shape[0] > 4 else 1.0), out[1]))(_ORIGINAL_ADV(r, *a, **k)))),
 }
 _ORIGINAL_GROUP_ADV = core.group_advantages
+_ORIGINAL_LOGPROB_AT = core.logprob_at
 _ORIGINAL_ADV = core.advantages_from_rewards
 _ORIGINAL_LOGPROBS = logprobs.completion_logprobs
 _ORIGINAL_AFTER = text.answer_after_reasoning

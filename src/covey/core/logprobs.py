@@ -113,16 +113,10 @@ def token_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor, with_entropy: b
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """The log-softmax at the chosen ids, and optionally the entropy, with a hand-written backward:
-    for z = x / temperature (-inf where a truncation drops a token: p_j = 0 there, and no gradient)
-    and p = softmax(z),
-
-        d logp_id / dz_j = onehot(id)_j - p_j        d H / dz_j = -p_j (log p_j + H)
-
-    each divided by the temperature for the gradient in x. Autograd through logsumexp + gather would
-    keep float32 copies of every chunk for the backward and make several passes over them; this keeps
-    only the logits as given (and the entropy, one number a position) and recomputes the softmax chunk
-    by chunk when the gradient is asked for."""
+    """The log-softmax at the chosen ids, and optionally the entropy, with the hand-written backward
+    (``softmax_backward``). Autograd through logsumexp + gather would keep float32 copies of every chunk for
+    the backward and make several passes over them; this keeps only the logits as given (and the entropy,
+    one number a position) and makes the softmax again chunk by chunk when the gradient is asked for."""
 
     @staticmethod
     def forward(ctx, logits_NV, ids_N, distribution, with_entropy, chunk, entropy_grad):
@@ -131,10 +125,10 @@ class _TokenLogprobs(torch.autograd.Function):
         for first in range(0, len(ids_N), chunk):
             rows = slice(first, first + chunk)
             log_softmax = distribution.logits(logits_NV[rows], ids_N[rows]).log_softmax(-1)
-            logp_N[rows] = log_softmax.gather(-1, ids_N[rows, None]).squeeze(-1)
-            if with_entropy:  # H = -sum p log p, clamped against rounding below 0 (0 log 0 = 0)
+            logp_N[rows] = logprob_at(log_softmax, ids_N[rows])
+            if with_entropy:
                 log_p = _finite(log_softmax) if distribution.truncates else log_softmax
-                entropy_N[rows] = (-(log_softmax.exp() * log_p).sum(-1)).clamp(min=0)
+                entropy_N[rows] = entropy_of(log_softmax.exp(), log_p)
         if entropy_grad:
             ctx.save_for_backward(logits_NV, ids_N, entropy_N)
         else:
@@ -148,25 +142,70 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp_N, grad_entropy_N):
         logits_NV, ids_N, *entropy = ctx.saved_tensors
         grad_NV = torch.empty_like(logits_NV)
+        t = ctx.distribution.temperature
         for first in range(0, len(ids_N), ctx.chunk):
             rows = slice(first, first + ctx.chunk)
             scaled = ctx.distribution.logits(logits_NV[rows], ids_N[rows])
+            grad_logp = None if grad_logp_N is None else grad_logp_N[rows]
             if grad_entropy_N is None:  # log-probs only: one fused softmax
-                chunk_grad = scaled.softmax(-1).mul_(-grad_logp_N[rows, None])
-            else:  # -p_j (g_logp + g_H (log p_j + H)), then + g_logp at the id
-                log_p = scaled.log_softmax(-1)
-                p = log_p.exp()
-                if ctx.distribution.truncates:
-                    log_p.masked_fill_(p == 0, 0.0)  # 0 log 0 = 0 off the support
-                chunk_grad = log_p.add_(entropy[0][rows, None]).mul_(grad_entropy_N[rows, None])
-                if grad_logp_N is not None:
-                    chunk_grad.add_(grad_logp_N[rows, None])
-                chunk_grad.mul_(p).neg_()
-            if grad_logp_N is not None:
-                chunk_grad.scatter_add_(-1, ids_N[rows, None], grad_logp_N[rows, None])
-            temperature = ctx.distribution.temperature
-            grad_NV[rows] = chunk_grad / temperature if temperature != 1 else chunk_grad
+                grad_NV[rows] = softmax_backward(scaled.softmax(-1), ids_N[rows], grad_logp, t)
+            else:
+                grad_NV[rows] = log_softmax_backward(scaled.log_softmax(-1), ids_N[rows], grad_logp, t,
+                                                     entropy[0][rows], grad_entropy_N[rows],
+                                                     off_support=ctx.distribution.truncates)
         return grad_NV, None, None, None, None, None
+
+
+def logprob_at(log_p_NV: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
+    """log p at each row's id: the log-prob of the token sampled. [N]"""
+    return log_p_NV.gather(-1, ids_N[:, None]).squeeze(-1)
+
+
+def entropy_of(p_NV: torch.Tensor, log_p_NV: torch.Tensor) -> torch.Tensor:
+    """H = -sum_j p_j log p_j per row (log p: 0 where p is 0, as 0 log 0 = 0), clamped at 0 against rounding,
+    the product made in ``log_p_NV``'s memory (overwritten). A sum, whose pairwise float32 reduction is as exact
+    as the log-softmax; a batch of dot products (bmm) was up to 30x further from a float64 entropy over a real
+    vocabulary, and no faster. [N]"""
+    return log_p_NV.mul_(p_NV).sum(-1).neg_().clamp_(min=0)
+
+
+def softmax_backward(p_NV: torch.Tensor, ids_N: torch.Tensor, grad_logp_N: torch.Tensor | None,
+                     temperature: float = 1.0, log_p_NV: torch.Tensor | None = None,
+                     entropy_N: torch.Tensor | None = None, grad_entropy_N: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The gradient in the logits x of logp_id = log p_id and H = -sum_j p_j log p_j, p = softmax(x / t),
+    given theirs (``grad_logp_N``, ``grad_entropy_N``; either None where the loss does not use it): the one
+    hand-written backward of the log-softmax, which ``token_logprobs`` and the chunked output head use.
+
+        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
+
+    that is -p_j (g_logp + g_H (log p_j + H)), plus g_logp at the id, divided by t. ``p_NV`` float32; the
+    entropy's gradient needs its log ``log_p_NV`` too (0 where p is 0: no gradient off a truncation's support)
+    and ``entropy_N``. Made in place, in float32, in the memory of ``p_NV`` (log-probs only) or of ``log_p_NV``
+    (both overwritten)."""
+    if grad_entropy_N is None:  # -p_j g_logp
+        grad = p_NV.mul_(-grad_logp_N[:, None])
+    else:
+        grad = log_p_NV.add_(entropy_N[:, None]).mul_(grad_entropy_N[:, None])
+        if grad_logp_N is not None:
+            grad.add_(grad_logp_N[:, None])
+        grad.mul_(p_NV).neg_()
+    if grad_logp_N is not None:
+        grad.scatter_add_(-1, ids_N[:, None], grad_logp_N[:, None])
+    return grad.div_(temperature) if temperature != 1 else grad
+
+
+def log_softmax_backward(log_p_NV: torch.Tensor, ids_N: torch.Tensor, grad_logp_N: torch.Tensor | None,
+                         temperature: float = 1.0, entropy_N: torch.Tensor | None = None,
+                         grad_entropy_N: torch.Tensor | None = None, off_support: bool = False) -> torch.Tensor:
+    """``softmax_backward`` from log p alone (float32, overwritten): p made in its memory for the log-probs'
+    gradient, beside it for the entropy's. ``off_support``: log p may be -inf (a truncated distribution)."""
+    if grad_entropy_N is None:
+        return softmax_backward(log_p_NV.exp_(), ids_N, grad_logp_N, temperature)
+    p_NV = log_p_NV.exp()
+    if off_support:
+        log_p_NV.masked_fill_(p_NV == 0, 0.0)  # 0 log 0 = 0 off the support
+    return softmax_backward(p_NV, ids_N, grad_logp_N, temperature, log_p_NV, entropy_N, grad_entropy_N)
 
 
 def _finite(log_p: torch.Tensor) -> torch.Tensor:

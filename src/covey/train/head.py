@@ -2,27 +2,22 @@
 from the decoder's final hidden states, without ever holding the logits of all N tokens.
 
     logits_c = transform(hidden_c @ W.T + b)           the chunk's logits, in the head's compute dtype
-    logp_c, H_c = core.token_logprobs(logits_c, ids_c)  after the temperature, in float32
+    logp_c, H_c = log_softmax(logits_c / t)[ids_c]     after the temperature (and truncation), in float32
 
 ``transform`` is what a model's own forward does after its head: Gemma's final-logit softcapping,
-Cohere's logit scale, Granite's logits scaling (``logits_transform``). ``core.token_logprobs`` is where
-the per-token logits processor (the temperature) is applied, one chunk at a time.
+Cohere's logit scale, Granite's logits scaling (``logits_transform``). Where there is no transform and no
+truncation of the distribution (a "plain" chunk) the head makes the softmax itself; else through
+``core.token_logprobs``. Both take their gradient from the one hand-written backward of the log-softmax,
+``core.softmax_backward``.
 
 A chunk is as many tokens as have float32 logits within the pass's budget (``logprob_budget_mib``, by
 default ``core.LOGPROB_CHUNK_BYTES``), so a small micro-batch runs in one. Inside a chunk, a few rows at a
-time become float32 (log-)softmaxes (``core.logprob_working_rows``: ``core.token_logprobs`` makes several
-working copies at a time, a sixteenth of a chunk each; the plain softmax one, a quarter). A plain linear
-head runs in ``_ChunkedLinearHead``, an autograd function that keeps the hidden states, the head's
-weight, the results and, within the same budget, what the last chunks' backward starts from: their
-softmax in place of their logits where nothing comes between the head and the softmax (else the logits
-and their graph). Its backward turns those into their logits' gradient in place first, then computes the
-other chunks' logits again (their softmax from the forward's log-probs where nothing comes between),
-turns each chunk's gradient into its hidden-state gradient, and adds its share into the float32 sum of
-the weight's (and bias's) gradient. The kept chunks are the forward's last and the backward's first, so
-the logits of a chunk computed again never sit beside them. Any other head (a LoRA adapter on it, or a
-copy that ``lora_modules_to_save`` trains) runs as the module it is, each chunk under
-``torch.utils.checkpoint``. Both compose with autocast, DDP and FSDP2 (the head's parameters are those
-the caller's pass gathered).
+time become float32 (log-)softmaxes (``PLAIN_WORKING_SHARE``, ``CORE_WORKING_SHARE``). A linear head runs
+in ``_ChunkedLinearHead``, which keeps, within the same budget, what the last chunks' backward starts from
+and computes the others' logits again (what each of its ways gains against the simpler one:
+``benchmarks/head_strategies.py``, docs/training.md). Any other head (a LoRA adapter on it, or a copy that
+``lora_modules_to_save`` trains) runs as the module it is, each chunk under ``torch.utils.checkpoint``.
+Both compose with autocast, DDP and FSDP2 (the head's parameters are those the caller's pass gathered).
 """
 
 from __future__ import annotations
@@ -34,10 +29,23 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from covey import core
 from covey.core import (LOGPROB_CHUNK_BYTES, TokenDistribution, logprob_chunk_tokens, logprob_working_rows,
                         token_logprobs)
 from covey.errors import ModelError
 from covey.models import Float32Head, plain_model
+
+PLAIN_WORKING_SHARE = 4
+"""The plain softmax makes a quarter of a chunk's rows into a float32 log-softmax at once
+(``core.logprob_working_rows``), one such copy at a time beside the chunk's logits, so the pass's peak is
+a chunk and a quarter (the plan's ``logprob_pass_bytes`` counts the same)."""
+
+CORE_WORKING_SHARE = 16
+"""Through ``core.token_logprobs`` (a transform after the head, or a truncated distribution) a sixteenth:
+it holds up to about eight float32-sized copies of its rows at once (counted on a top-k and top-p
+distribution: the scaled logits, the truncation's sort, its int64 order and masks, the log-softmax), and
+three for the temperature alone, so a sixteenth keeps them within about half a chunk."""
+
 
 @dataclass(frozen=True)
 class LinearHead:
@@ -97,9 +105,12 @@ def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, ids_N: torch.
         linear = LinearHead(head.weight, head.bias, _compute_dtype(head, hidden_NH), transform)
         grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or head.weight.requires_grad
                                             or (head.bias is not None and head.bias.requires_grad))
-        plan = _Chunks(len(ids_N), chunk, budget if grad else 0, vocab)
-        logp_N, entropy_N = _ChunkedLinearHead.apply(hidden_NH, linear.weight, linear.bias, ids_N, linear,
-                                                    temperature, entropy, entropy_grad, plan)
+        frozen = grad and hidden_NH.requires_grad and not (head.weight.requires_grad or
+                                                           (head.bias is not None and head.bias.requires_grad))
+        distribution = temperature if isinstance(temperature, TokenDistribution) else TokenDistribution(temperature)
+        run = _Pass(linear, distribution, entropy, entropy_grad, _Chunks(len(ids_N), chunk, budget if grad else 0, vocab),
+                    frozen)
+        logp_N, entropy_N = _ChunkedLinearHead.apply(hidden_NH, linear.weight, linear.bias, ids_N, run)
     else:
         logp_N, entropy_N = _chunked_module_head(head, transform, hidden_NH, ids_N, temperature, entropy,
                                                  entropy_grad, chunk)
@@ -147,112 +158,119 @@ class _Chunks:
         return kept
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """What one chunked pass through a linear head is asked for, beside its tensors."""
+
+    head: LinearHead
+    distribution: TokenDistribution
+    with_entropy: bool  # the entropies are made
+    entropy_grad: bool  # and carry a gradient (the entropy bonus)
+    plan: _Chunks
+    frozen: bool  # only the hidden states take a gradient (a LoRA adapter elsewhere): the forward keeps slopes
+
+    @property
+    def plain(self) -> bool:
+        """No transform after the head and no truncation of the distribution: the softmax of logits / t,
+        made here; else through the transform and ``core.token_logprobs``."""
+        return self.head.transform is None and not self.distribution.truncates
+
+    @property
+    def t(self) -> float:
+        return self.distribution.temperature
+
+
 class _ChunkedLinearHead(torch.autograd.Function):
     """Log-probs (and entropies) through a linear head, chunk by chunk:
 
         d/d hidden_c = g_c @ W        d/d W = sum over chunks of g_c.T @ hidden_c        d/d b = sum of g_c
 
-    where g_c is the gradient of the chunk's (pre-transform) logits. As far as the budget allows (every chunk
-    where the micro-batch fits it), the forward keeps the last chunks' softmax p (log p for the entropy
-    bonus), float32, in place of their logits, whose gradient the backward then makes from it in place
-    (``_Kept``); through a transform or a truncation, it keeps their logits with their graph through the
-    transform and ``core.token_logprobs`` instead. Only the other chunks' logits are computed again. Where only
-    the hidden states take a gradient (a frozen head: LoRA), each token's log-prob depends on its own
-    hidden state only, so the forward keeps d logp_t / d hidden_t (and d H_t / d hidden_t for the entropy
-    bonus), H numbers a token, and the backward scales them by the incoming gradients: no logits kept,
-    none computed again."""
+    where g_c is the gradient of the chunk's (pre-transform) logits, made by ``core.softmax_backward``. For
+    the last chunks, as far as the budget allows (every chunk where the micro-batch fits it), the forward
+    saves what their backward starts from: a plain chunk's float32 softmax p (log p for the entropy bonus)
+    in place of its logits, which the backward turns into their gradient in place; any other chunk's logits
+    (the transform and the softmax are made again from them). The other chunks' logits are computed again,
+    in the memory of a kept chunk already used where there is one. A frozen head saves, per token, the
+    slopes d logp_t / d hidden_t (and d H_t / d hidden_t for the entropy bonus) instead, H numbers a token,
+    which the backward scales by the incoming gradients: no logits kept, none computed again.
+
+    Everything is saved with ``ctx.save_for_backward``, so saved-tensor hooks (offloading) see it. The
+    backward writes its gradients in the kept chunks' memory: a second backward through the same graph
+    (``retain_graph``) is refused where a chunk was kept."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, head: LinearHead, temperature, with_entropy,
-                entropy_grad, plan: _Chunks):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, run: _Pass):
         N = len(ids_N)
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
-        entropy_N = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden_NH.device)
-        weight = weight_VH.to(head.dtype)
-        frozen = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        entropy_N = torch.empty(N if run.with_entropy else 0, dtype=torch.float32, device=hidden_NH.device)
+        weight = weight_VH.to(run.head.dtype)
         # d logp / d hidden and d H / d hidden per token, for a frozen head
         slopes = [torch.empty(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
-                  for _ in range(1 + entropy_grad)] if frozen else []
-        slices = plan.slices
-        first_kept = len(slices) - (0 if frozen else plan.kept)
-        plain = _plain(head, temperature)
-        ctx.kept = []  # per kept chunk, from the first kept: what its backward starts from (``_Kept``)
+                  for _ in range(1 + run.entropy_grad)] if run.frozen else []
+        kept = []  # per kept chunk, from the first kept: what its backward starts from
+        slices = run.plan.slices
+        first_kept = len(slices) - (0 if run.frozen else run.plan.kept)
         for index, rows in enumerate(slices):
-            if plain and frozen:  # the slopes from the chunk's log-softmax, in place of its logits
-                logp, entropy, chunk_slopes = _plain_slopes(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
-                                                            _scale(temperature), with_entropy, entropy_grad, weight,
-                                                            plan.working_rows(4))
+            # the logits are handed on, not held here: they are the kept chunk's memory, or freed
+            if run.frozen:
+                logp, entropy, chunk_slopes = _slopes(run, _head_linear(run.head, hidden_NH[rows], weight),
+                                                      ids_N[rows], weight)
                 for slope, chunk_slope in zip(slopes, chunk_slopes):
                     slope[rows] = chunk_slope
-            elif plain:  # the softmax's own results, kept in place of the logits where asked
-                keep = None if index < first_kept else "log_p" if entropy_grad else "p"
-                logp, entropy, held = _plain_logprobs(_head_linear(head, hidden_NH[rows], weight), ids_N[rows],
-                                                      _scale(temperature), with_entropy, keep, plan.working_rows(4))
-                if held is not None:
-                    ctx.kept.append(_Kept(keep, held))
             else:
-                graph = frozen or index >= first_kept
-                linear, logp, entropy = _through_head(head, hidden_NH[rows], weight, ids_N[rows], temperature,
-                                                      with_entropy, entropy_grad, graph, plan.working_rows(16))
-                if frozen:
-                    for slope, output in zip(slopes, (logp, entropy)):
-                        (grad,) = torch.autograd.grad(output, linear, torch.ones_like(output), retain_graph=True)
-                        with torch.autocast(grad.device.type, enabled=False):
-                            slope[rows] = grad @ weight
-                elif graph:
-                    ctx.kept.append(_Kept("graph", linear, logp, entropy))
+                logp, entropy, start = _chunk_logprobs(run, _head_linear(run.head, hidden_NH[rows], weight),
+                                                       ids_N[rows], keep=index >= first_kept)
+                if start is not None:
+                    kept.append(start)
             logp_N[rows] = logp.detach()
-            if with_entropy:
+            if run.with_entropy:
                 entropy_N[rows] = entropy.detach()
-        ctx.frozen = frozen
-        if frozen:
+        if run.frozen:
             ctx.save_for_backward(*slopes)
         else:
-            ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N)
-        ctx.settings = head, temperature, with_entropy, entropy_grad, plan, hidden_NH.dtype
-        if not entropy_grad:
+            ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N, *kept)
+        ctx.run, ctx.hidden_dtype, ctx.used_kept = run, hidden_NH.dtype, False
+        if not run.entropy_grad:
             ctx.mark_non_differentiable(entropy_N)
         ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to add
         return logp_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
-        head, temperature, with_entropy, entropy_grad, plan, hidden_dtype = ctx.settings
-        kept, ctx.kept = ctx.kept, []  # used once: a second backward computes every chunk again
+        run = ctx.run
         if grad_logp_N is None and grad_entropy_N is None:
-            return (None,) * 9
-        if ctx.frozen:
+            return (None,) * 5
+        if run.frozen:
             grad_hidden = 0
             for slope, grad in zip(ctx.saved_tensors, (grad_logp_N, grad_entropy_N)):
                 if grad is not None:
                     grad_hidden = grad_hidden + slope * grad.unsqueeze(1)
-            return (grad_hidden.to(hidden_dtype),) + (None,) * 8
-        hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N = ctx.saved_tensors
+            return (grad_hidden.to(ctx.hidden_dtype),) + (None,) * 4
+        if ctx.used_kept:
+            raise RuntimeError("a second backward through covey's chunked log-prob pass: the first wrote its "
+                               "gradients over what the forward kept; run the forward again (or pass budget=0 to "
+                               "head_logprobs, which keeps nothing)")
+        hidden_NH, weight_VH, bias_V, ids_N, logp_N, entropy_N, *kept = ctx.saved_tensors
+        ctx.used_kept = bool(kept)
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        weight = weight_VH.to(head.dtype)
+        weight = weight_VH.to(run.head.dtype)
         grad_hidden = torch.empty_like(hidden_NH) if needs_hidden else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
-        slices = plan.slices
+        slices = run.plan.slices
         first_kept = len(slices) - len(kept)
-        # the kept chunks first, each freed once used, so that no logits computed again sit beside them
+        spare = None  # a kept chunk's memory, its gradient used: where the logits computed again are made
+        # the kept chunks first, so that the logits computed again can take their memory
         for index in [*range(first_kept, len(slices)), *range(first_kept)]:
             rows = slices[index]
-            hidden = hidden_NH[rows].to(head.dtype)
-            grad_logp, grad_entropy = _part(grad_logp_N, rows), _part(grad_entropy_N, rows) if entropy_grad else None
+            hidden = hidden_NH[rows].to(run.head.dtype)
             if index >= first_kept:
-                held, kept[index - first_kept] = kept[index - first_kept], None  # freed once used
-                grad_logits = held.gradient(ids_N[rows], _scale(temperature), entropy_N[rows] if entropy_grad else None,
-                                            grad_logp, grad_entropy, head.dtype)
-                held = None
-            elif _plain(head, temperature):  # computed again, its softmax from the forward's results
-                linear = _head_linear(head, hidden, weight)
-                grad_logits = _softmax_gradient(linear, ids_N[rows], _scale(temperature), logp_N[rows],
-                                                entropy_N[rows] if entropy_grad else None, grad_logp, grad_entropy)
-            else:  # computed again through the transform or the truncation: the entropy where it has a gradient
-                linear, logp, entropy = _through_head(head, hidden, weight, ids_N[rows], temperature, entropy_grad,
-                                                      entropy_grad, True, plan.working_rows(16))
-                grad_logits = _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy)
-            linear = logp = entropy = None
+                start = kept[index - first_kept]
+            else:
+                start = _head_linear(run.head, hidden, weight, _memory(spare, rows, run.head.dtype))
+            grad_logits = _logits_gradient(run, start, ids_N[rows], logp_N[rows], entropy_N[rows] if run.entropy_grad
+                                           else None, _part(grad_logp_N, rows),
+                                           _part(grad_entropy_N, rows) if run.entropy_grad else None,
+                                           computed_again=index < first_kept, spare=spare)
             with torch.autocast(hidden.device.type, enabled=False):
                 if needs_hidden:
                     grad_hidden[rows] = grad_logits @ weight
@@ -261,9 +279,56 @@ class _ChunkedLinearHead(torch.autograd.Function):
                 if needs_bias:
                     part = grad_logits.sum(0, dtype=torch.float32)
                     grad_bias = part if grad_bias is None else grad_bias.add_(part)
-            grad_logits = None  # freed before the next chunk's logits are made
+            if index >= first_kept:
+                spare = start
+            start = grad_logits = None  # freed before the next chunk's logits are made
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_VH.dtype),
-                None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None, None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias_V.dtype), None, None)
+
+
+def _chunk_logprobs(run: _Pass, linear_cV, ids_c, keep: bool):
+    """(logp_c, entropy_c, what the chunk's backward starts from where ``keep``, else None) of a chunk's
+    pre-transform logits ``linear_cV`` (made for this; a plain chunk's overwritten)."""
+    if run.plain:
+        return _plain_logprobs(linear_cV, ids_c, run.t, run.with_entropy,
+                               None if not keep else "log_p" if run.entropy_grad else "p",
+                               run.plan.working_rows(PLAIN_WORKING_SHARE))
+    _, logp, entropy = _through_head(run, linear_cV, ids_c, graph=False, with_entropy=run.with_entropy)
+    return logp, entropy, linear_cV if keep else None
+
+
+def _logits_gradient(run: _Pass, start, ids_c, logp_c, entropy_c, grad_logp_c, grad_entropy_c, computed_again: bool,
+                     spare) -> torch.Tensor:
+    """The gradient of a chunk's pre-transform logits, in the head's compute dtype, from what its backward
+    starts from (``start``, used up): a plain chunk's kept p (log p for the entropy bonus) or its logits
+    computed again (its log-softmax then made from the forward's log-probs, in ``spare`` where the logits are
+    not float32); any other chunk's logits, through the transform and ``core.token_logprobs`` again."""
+    if not run.plain:
+        return _graph_gradient(run, start, ids_c, grad_logp_c, grad_entropy_c)
+    if computed_again:
+        start = _log_p_again(start, ids_c, run.t, logp_c, _memory(spare, slice(0, len(ids_c)), torch.float32))
+    elif not run.entropy_grad:  # p kept
+        return core.softmax_backward(start, ids_c, grad_logp_c, run.t).to(run.head.dtype)
+    return core.log_softmax_backward(start, ids_c, grad_logp_c, run.t, entropy_c, grad_entropy_c).to(run.head.dtype)
+
+
+def _log_p_again(linear_cV, ids_c, t: float, logp_c, into: torch.Tensor | None) -> torch.Tensor:
+    """log p = log_softmax(x / t) of a chunk's logits x computed again, from the forward's log-probs: the
+    log-normaliser is x_id / t - logp_id, so one pass over the chunk makes it (no exp and sum); float32, in
+    the logits' memory where they are float32, else in ``into`` (or new)."""
+    z = linear_cV.float() if into is None or linear_cV.dtype == torch.float32 else into.copy_(linear_cV)
+    normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
+    log_p = z.div_(t) if t != 1 else z
+    return log_p.sub_(normaliser)
+
+
+def _memory(spare: torch.Tensor | None, rows: slice, dtype: torch.dtype) -> torch.Tensor | None:
+    """[rows, V] of ``dtype`` in the memory of ``spare`` (a kept chunk whose gradient is used, of a whole
+    chunk's rows), or None where there is none of that dtype."""
+    if spare is None or spare.dtype != dtype or not spare.is_contiguous():
+        return None
+    n = rows.stop - rows.start
+    return spare.view(-1)[:n * spare.shape[-1]].view(n, spare.shape[-1])
 
 
 def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -275,68 +340,61 @@ def _accumulate(total: torch.Tensor | None, left: torch.Tensor, right: torch.Ten
     return product if total is None else total.add_(product)
 
 
-def _graph_gradient(linear, logp, entropy, grad_logp, grad_entropy) -> torch.Tensor:
-    """The gradient of a chunk's pre-transform logits ``linear``, through the graph to its log-probs and
-    entropies, given theirs (either None where the loss does not use it)."""
+def _through_head(run: _Pass, linear_cV, ids_c, graph: bool, with_entropy: bool):
+    """(linear, logp, entropy) of one chunk's pre-transform logits through the transform and
+    ``core.token_logprobs``; with ``graph``, on an autograd graph from ``linear``, made a leaf for it."""
+    linear = linear_cV.detach().requires_grad_(graph)
+    with torch.set_grad_enabled(graph), torch.autocast(linear.device.type, enabled=False):
+        logits = linear if run.head.transform is None else run.head.transform(linear)
+        logp, entropy = token_logprobs(logits, ids_c, with_entropy, run.distribution,
+                                       chunk=run.plan.working_rows(CORE_WORKING_SHARE), entropy_grad=run.entropy_grad)
+    return linear, logp, entropy
+
+
+def _graph_gradient(run: _Pass, linear_cV, ids_c, grad_logp, grad_entropy) -> torch.Tensor:
+    """The gradient of a chunk's pre-transform logits through the transform and ``core.token_logprobs`` (whose
+    backward is ``core.softmax_backward``), given its log-probs' and entropies' (either None where unused)."""
+    linear, logp, entropy = _through_head(run, linear_cV, ids_c, graph=True, with_entropy=run.entropy_grad)
     pairs = [(logp, grad_logp), (entropy, grad_entropy)]
     outputs, grads = zip(*[(output, grad) for output, grad in pairs if grad is not None])
     return torch.autograd.grad(outputs, linear, grads)[0]
 
 
-def _plain(head: LinearHead, temperature) -> bool:
-    """No transform after the head and no truncation of the distribution: the softmax of logits / t."""
-    return head.transform is None and not (isinstance(temperature, TokenDistribution) and temperature.truncates)
-
-
-def _scale(temperature) -> float:
-    return float(temperature.temperature if isinstance(temperature, TokenDistribution) else temperature)
-
-
-def _softmax_gradient(linear_cV, ids_c, t: float, logp_c, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
-    """The gradient of logits x (``linear_cV``, made for this and overwritten) under log p = log_softmax(x / t),
-    from the forward's log-probs: the log-normaliser is x_id / t - logp_id (``_log_p_gradient``), in float32,
-    returned in the logits' dtype."""
-    z = linear_cV.float()
-    normaliser = z.gather(-1, ids_c[:, None]).div_(t).sub_(logp_c[:, None])
-    log_p = z.div_(t) if t != 1 else z
-    log_p.sub_(normaliser)
-    return _log_p_gradient(log_p, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c).to(linear_cV.dtype)
-
-
-def _log_p_gradient(log_p, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c) -> torch.Tensor:
-    """The gradient of the logits x from log p = log_softmax(x / t) (float32, overwritten), given the
-    gradients of the log-probs at ``ids_c`` and of the entropies ``entropy_c`` (either None where unused):
-
-        d logp_id / dx_j = (onehot(id)_j - p_j) / t        d H / dx_j = -p_j (log p_j + H) / t
-
-    in float32, a few passes over the chunk, in place."""
-    up = grad_logp_c if grad_logp_c is not None else torch.zeros(len(ids_c), device=log_p.device)
-    if grad_entropy_c is None:  # -p_j g_logp
-        grad = log_p.exp_().mul_(-up[:, None])
-    else:  # -p_j (g_logp + g_H (log p_j + H))
-        p = log_p.exp()
-        grad = log_p.add_(entropy_c[:, None]).mul_(grad_entropy_c[:, None]).add_(up[:, None]).mul_(p).neg_()
-        del p
-    return _onehot_part(grad, ids_c, grad_logp_c, t)
-
-
-def _onehot_part(grad, ids_c, grad_logp_c, t: float) -> torch.Tensor:
-    """``grad`` (the -p_j parts of the gradient in z = x / t) plus g_logp at each id, divided by t: the
-    gradient in x."""
-    if grad_logp_c is not None:
-        grad.scatter_add_(-1, ids_c[:, None], grad_logp_c[:, None])
-    return grad.div_(t) if t != 1 else grad
+def _slopes(run: _Pass, linear_cV, ids_c, weight_VH):
+    """(logp_c, entropy_c, slopes) of a frozen head's chunk (``linear_cV`` made for this): d logp_t / d hidden_t
+    = (onehot(id) - p) W / t and, for the entropy bonus, d H_t / d hidden_t = -(p (log p + H_t)) W / t: the
+    gradients of the logits at g_logp = 1 (g_H = 1) from ``core.softmax_backward``, times W."""
+    ones = torch.ones(len(ids_c), device=linear_cV.device)
+    if not run.plain:  # the gradients through the transform and core.token_logprobs, one output at a time
+        linear, logp, entropy = _through_head(run, linear_cV, ids_c, graph=True, with_entropy=run.with_entropy)
+        grads = [torch.autograd.grad(output, linear, ones, retain_graph=True)[0]
+                 for output in (logp, entropy)[:1 + run.entropy_grad]]
+        with torch.autocast(linear.device.type, enabled=False):
+            return logp, entropy, [grad @ weight_VH for grad in grads]
+    # from the chunk's log-softmax, with at most its p beside it
+    logp, entropy, log_p = _plain_logprobs(linear_cV, ids_c, run.t, run.with_entropy, "log_p",
+                                           run.plan.working_rows(PLAIN_WORKING_SHARE))
+    with torch.autocast(log_p.device.type, enabled=False):
+        p = log_p.exp() if run.entropy_grad else log_p.exp_()
+        slopes = []
+        if run.entropy_grad:
+            entropy_part = core.softmax_backward(p, ids_c, None, run.t, log_p, entropy, ones)
+            slopes.append(entropy_part.to(weight_VH.dtype) @ weight_VH)
+        log_p = entropy_part = None
+        logp_part = core.softmax_backward(p, ids_c, ones, run.t)
+        slopes.insert(0, logp_part.to(weight_VH.dtype) @ weight_VH)
+    return logp, entropy, slopes
 
 
 def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | None, working: int):
     """(logp_c, entropy_c or empty, kept or None) of a chunk's logits x (``linear_cV``, made for this and
-    overwritten) under log p = log_softmax(x / t), in float32, a few rows at a time:
+    overwritten) under log p = log_softmax(x / t), in float32, ``working`` rows at a time:
 
         logp_id = log p_id        H = -sum_j p_j log p_j (clamped at 0 against rounding)
 
     ``keep``: what the backward of a kept chunk starts from, float32 [c, V], written over the logits where
     they are float32: "p" (the log-probs' gradient needs p alone) or "log_p" (the entropy's needs log p);
-    None keeps nothing. ``working``: rows made into float32 log-softmaxes at once."""
+    None keeps nothing."""
     c, V = linear_cV.shape
     kept = None if keep is None else linear_cV if linear_cV.dtype == torch.float32 else \
         torch.empty(c, V, dtype=torch.float32, device=linear_cV.device)
@@ -345,84 +403,27 @@ def _plain_logprobs(linear_cV, ids_c, t: float, with_entropy: bool, keep: str | 
     for rows in _chunks(c, working):
         z = linear_cV[rows].float()  # the logits' own memory where float32 (not needed after this)
         log_p = (z.div_(t) if t != 1 else z).log_softmax(-1)
-        logp_c[rows] = log_p.gather(-1, ids_c[rows, None]).squeeze(-1)
+        logp_c[rows] = core.logprob_at(log_p, ids_c[rows])
         if keep == "log_p":
             kept[rows] = log_p
             if with_entropy:
-                entropy_c[rows] = _entropy(log_p.exp(), log_p)
+                entropy_c[rows] = core.entropy_of(log_p.exp(), log_p)
         elif keep == "p" or with_entropy:
             p = torch.exp(log_p, out=kept[rows] if keep == "p" else z)
             if with_entropy:
-                entropy_c[rows] = _entropy(p, log_p)
+                entropy_c[rows] = core.entropy_of(p, log_p)
         log_p = p = None  # freed before the next rows' working copy is made
     return logp_c, entropy_c, kept
 
 
-def _plain_slopes(linear_cV, ids_c, t: float, with_entropy: bool, entropy_grad: bool, weight_VH, working: int):
-    """(logp_c, entropy_c, slopes) of a frozen head's chunk (``linear_cV`` made for this and overwritten):
-    d logp_t / d hidden_t = (onehot(id) - p) W / t and, with the entropy's gradient, d H_t / d hidden_t =
-    -(p (log p + H_t)) W / t, from the chunk's log-softmax; at most its p beside it."""
-    logp_c, entropy_c, log_p = _plain_logprobs(linear_cV, ids_c, t, with_entropy, "log_p", working)
-    with torch.autocast(log_p.device.type, enabled=False):
-        p = log_p.exp() if entropy_grad else log_p.exp_()
-        slopes = []
-        if entropy_grad:
-            entropy_part = log_p.add_(entropy_c[:, None]).mul_(p).neg_()
-            slopes.append(_onehot_part(entropy_part, ids_c, None, t).to(weight_VH.dtype) @ weight_VH)
-        log_p = entropy_part = None
-        logp_part = _onehot_part(p.neg_(), ids_c, torch.ones(len(ids_c), device=p.device), t)
-        slopes.insert(0, logp_part.to(weight_VH.dtype) @ weight_VH)
-    return logp_c, entropy_c, slopes
-
-
-def _entropy(p_cV: torch.Tensor, log_p_cV: torch.Tensor) -> torch.Tensor:
-    """-sum_j p_j log p_j per row, the product made in ``log_p_cV``'s memory (overwritten). A sum, whose
-    pairwise float32 reduction is as exact as the log-softmax; a batch of dot products (bmm) was up to 30x
-    further from a float64 entropy over a real vocabulary, and no faster."""
-    return log_p_cV.mul_(p_cV).sum(-1).neg_().clamp_(min=0)
-
-
-@dataclass
-class _Kept:
-    """What the forward keeps of a kept chunk for its backward: "p" (the softmax), "log_p" (the log-softmax),
-    both float32 [c, V] after the temperature, or "graph" (``linear``, its log-probs and entropies, on an
-    autograd graph from its pre-transform logits ``linear``)."""
-
-    kind: str
-    held: torch.Tensor
-    logp: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-    def gradient(self, ids_c, t: float, entropy_c, grad_logp_c, grad_entropy_c, dtype: torch.dtype) -> torch.Tensor:
-        """The gradient of the chunk's pre-transform logits, in ``dtype``; uses up what was held."""
-        held, self.held = self.held, None
-        if self.kind == "graph":
-            return _graph_gradient(held, self.logp, self.entropy, grad_logp_c, grad_entropy_c)
-        if self.kind == "p":  # -p_j g_logp, + g_logp at the id
-            grad = _onehot_part(held.mul_(-grad_logp_c[:, None]), ids_c, grad_logp_c, t)
-        else:
-            grad = _log_p_gradient(held, ids_c, t, entropy_c, grad_logp_c, grad_entropy_c)
-        return grad.to(dtype)
-
-
-def _head_linear(head: LinearHead, hidden_cH, weight) -> torch.Tensor:
-    """hidden @ W.T (+ b) in the head's compute dtype, no graph."""
+def _head_linear(head: LinearHead, hidden_cH, weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden @ W.T (+ b) in the head's compute dtype, no graph; in ``out`` where given (the same product)."""
     with torch.no_grad(), torch.autocast(hidden_cH.device.type, enabled=False):
         bias = None if head.bias is None else head.bias.to(head.dtype)
-        return torch.nn.functional.linear(hidden_cH.to(head.dtype), weight, bias)
-
-
-def _through_head(head: LinearHead, hidden_cH, weight, ids_c, temperature, with_entropy, entropy_grad, graph: bool,
-                  working: int):
-    """(linear, logp, entropy) of one chunk; with ``graph``, on an autograd graph from its pre-transform
-    logits ``linear`` through the transform and ``core.token_logprobs`` (for the gradient of the logits)."""
-    linear = _head_linear(head, hidden_cH, weight)
-    linear.requires_grad_(graph)
-    with torch.set_grad_enabled(graph), torch.autocast(hidden_cH.device.type, enabled=False):
-        logits = linear if head.transform is None else head.transform(linear)
-        logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature, chunk=working,
-                                       entropy_grad=entropy_grad)
-    return linear, logp, entropy
+        hidden = hidden_cH.to(head.dtype)
+        if out is None:
+            return torch.nn.functional.linear(hidden, weight, bias)
+        return torch.mm(hidden, weight.T, out=out) if bias is None else torch.addmm(bias, hidden, weight.T, out=out)
 
 
 def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, temperature, with_entropy,
@@ -434,7 +435,7 @@ def _chunked_module_head(head: torch.nn.Module, transform, hidden_NH, ids_N, tem
         logits = head(hidden_cH)
         logits = logits if transform is None else transform(logits)
         logp, entropy = token_logprobs(logits, ids_c, with_entropy, temperature,
-                                       chunk=logprob_working_rows(chunk, logits.shape[-1], 16),
+                                       chunk=logprob_working_rows(chunk, logits.shape[-1], CORE_WORKING_SHARE),
                                        entropy_grad=entropy_grad)
         return logp, entropy if with_entropy else logp.new_empty(0)
 
