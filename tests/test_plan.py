@@ -293,7 +293,7 @@ def small_device(gib: float) -> Device:
 
 
 def test_the_advice_makes_an_over_budget_run_fit(qwen_like):
-    args = GRPOConfig(**DEMO, model=str(qwen_like), max_completion_length=1024, per_device_train_batch_size=16)
+    args = GRPOConfig(**{**DEMO, "max_completion_length": 1024, "per_device_train_batch_size": 16}, model=str(qwen_like))
     plan = make_plan(args, 1, small_device(6))
     assert not plan.fits
     suggestions = advice(plan)
@@ -309,8 +309,8 @@ def test_the_advice_makes_an_over_budget_run_fit(qwen_like):
 def test_the_log_prob_budget_sizes_the_pass_and_the_plan_names_the_one_that_computes_no_logits_again(qwen_like):
     from covey.plan.report import plan_text
 
-    args = GRPOConfig(**{**DEMO, "num_generations": 2}, model=str(qwen_like), max_completion_length=1024,
-                      per_device_train_batch_size=2)
+    args = GRPOConfig(**{**DEMO, "num_generations": 2, "max_completion_length": 1024, "per_device_train_batch_size": 2},
+                      model=str(qwen_like))
     default = make_plan(args, 1, small_device(64))
     tokens = 2 * 1024  # the micro-batch's completion tokens, past the default's 220-token chunk
     whole_mib = -(-tokens * 151936 * 4 // 2**20)  # 1187
@@ -417,11 +417,11 @@ def test_the_check_takes_covey_s_default_prompt_limit_at_its_least(qwen_like):
     refuses only what the completions, the micro-batch and the model (what the user asked for) need."""
     from covey.plan.check import least_the_user_asked_for
 
-    args = GRPOConfig(**DEMO, model=str(qwen_like), max_completion_length=16)
+    args = GRPOConfig(**{**DEMO, "max_completion_length": 16}, model=str(qwen_like))
     plan = make_plan(args, 1, small_device(64))
     least = least_the_user_asked_for(plan)
     assert least.settings.prompt_length == 0 and least.needed < plan.needed
-    given = make_plan(dataclasses.replace(args, max_prompt_length=512), 1, small_device(64))
+    given = make_plan(args.replace(max_prompt_length=512), 1, small_device(64))
     assert "max_prompt_length" in given.args.fields_given
     assert least_the_user_asked_for(given).needed == given.needed
 

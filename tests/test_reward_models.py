@@ -126,7 +126,8 @@ def test_a_run_trains_against_a_reward_model_and_saves_where_it_came_from(tmp_pa
         return [c[0]["content"].count("a") / 4 for c in completions]
 
     args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
-                      max_completion_length=6, learning_rate=1e-3, eval_max_samples=0, reward_num_workers=workers)
+                      max_completion_length=6, learning_rate=1e-3, eval_max_samples=0, reward_num_workers=workers,
+                      logging_steps=1)
     trainer = GRPOTrainer(model=tiny_model, reward_funcs=[str(classifier_dir), count_a], args=args,
                           train_dataset=CHATS, processing_class=tokenizer, quiet=True)
     reward_model = trainer.parts.rewards.funcs[0]

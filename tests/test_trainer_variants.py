@@ -336,8 +336,8 @@ def test_use_cpu_keeps_the_models_on_the_cpu_where_a_gpu_is(monkeypatch, tmp_pat
     assert default_device() == torch.device("cuda") and default_device(use_cpu=True) == torch.device("cpu")
     moved = []
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
-    build_policy(GRPOConfig(model=str(tiny_model_dir), use_cpu=True), None, None)
-    build_policy(GRPOConfig(model=str(tiny_model_dir)), None, None)
+    build_policy(GRPOConfig(model=str(tiny_model_dir), use_cpu=True, bf16=False), None, None)
+    build_policy(GRPOConfig(model=str(tiny_model_dir), bf16=False), None, None)  # the GPU here is make-believe
     assert moved == [(torch.device("cpu"),), (torch.device("cuda"),)]
 
 

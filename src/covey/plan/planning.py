@@ -128,7 +128,7 @@ def make_plan(args: GRPOConfig, processes: int | None = None, device: Device | N
 
 def replan(plan: Plan, processes: int | None = None, **changes) -> Plan:
     """``plan`` again with some config fields changed (and optionally over another number of processes)."""
-    args = dataclasses.replace(plan.args, **changes)
+    args = plan.args.replace(**changes)
     settings = settings_from_config(args, plan.shape, plan.config, processes or plan.settings.processes, plan.device,
                                     plan.prompts.peak_length)
     return Plan(args, plan.config, plan.shape, plan.prompts, settings, estimate(plan.shape, settings), plan.device)
