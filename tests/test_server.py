@@ -18,7 +18,7 @@ from covey.cli import main
 from covey.errors import ConfigError, ModelError
 from covey.models import add_lora
 from covey.rollout import SamplesWithPolicy, SamplingParams, ServerEngine
-from covey.rollout.engine import padded_rollout
+from covey.rollout.engine import greedy_once, padded_rollout
 from covey.rollout.fast.engine import FastEngine
 from covey.rollout.server import FastBackend, RolloutServer, vllm_serve_command
 from covey.rollout.vllm_engine import request_seeds
@@ -46,7 +46,9 @@ def connect(server: RolloutServer, tokenizer, **options) -> ServerEngine:
 
 
 class PerPrompt(SamplesWithPolicy):
-    """The fast engine sampling as a client of a server does: one call per prompt, each with its own seed."""
+    """The fast engine sampling as a client of a server does: one call per prompt, each with its own seed, and a
+    greedy completion sampled once and repeated (the rows of a batch may round a matrix product's sums apart
+    on some CPUs, so the same request is made here)."""
 
     def __init__(self, model, tokenizer):
         self.engine = FastEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer)
@@ -55,7 +57,7 @@ class PerPrompt(SamplesWithPolicy):
     def generate(self, prompt_ids, num_generations, params, seed=None):
         ids, logps, reasons = [], [], []
         for prompt, s in zip(prompt_ids, request_seeds(seed, len(prompt_ids))):
-            one = self.engine.generate([prompt], num_generations, params, s)
+            one = greedy_once(lambda n: self.engine.generate([prompt], n, params, s), num_generations, params)
             for row in range(num_generations):
                 n = int(one.lengths_B[row])
                 ids.append(one.completion_ids_BT[row, :n].tolist())
