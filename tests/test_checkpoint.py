@@ -339,7 +339,7 @@ def cli_run(tmp_path, tiny_model_dir):
         "def count_a(completions, **kw):\n"
         "    texts = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
         "    return [(len(set(t)) + t.count('a')) / 8 for t in texts]\n")
-    config = {"model": str(tiny_model_dir), "dataset": str(tmp_path / "data.jsonl"), "eval_max_samples": 0,
+    config = {**SMALL_RUN, "model": str(tiny_model_dir), "dataset": str(tmp_path / "data.jsonl"), "eval_max_samples": 0,
               "reward_funcs": [f"{tmp_path / 'rewards.py'}:count_a"], "max_steps": 16, "save_steps": 2,
               "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 8,
               "learning_rate": 0.01, "save_total_limit": None}

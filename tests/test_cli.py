@@ -27,6 +27,7 @@ def test_train_from_yaml_with_overrides_and_user_rewards_then_eval(tmp_path, tin
         max_completion_length: 6
         learning_rate: 1.0e-4
         max_steps: 5
+        logging_steps: 1
     """))
     run = tmp_path / "run"
     code = main(["train", str(config), "--max-steps", "2", "--learning-rate", "2e-5", "--output-dir", str(run),

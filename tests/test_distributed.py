@@ -601,6 +601,7 @@ def test_torchrun_trains_with_covey_train(tmp_path, tiny_model_dir, agents):
         max_steps: 2
         save_steps: 1
         log_completions: true
+        logging_steps: 1
         output_dir: {tmp_path / "run"}
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -29,9 +29,10 @@ HINTS = typing.get_type_hints(GRPOConfig)
 
 
 def declared_type(name: str) -> type:
-    """int for 'int', list for 'list | None', ..."""
+    """int for 'int', list for 'list[str] | None', dict for 'dict[str, Any] | str | None', ..."""
     hint = HINTS[name]
-    return next(a for a in typing.get_args(hint) if a is not type(None)) if isinstance(hint, types.UnionType) else hint
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if isinstance(hint, types.UnionType) else hint
+    return typing.get_origin(base) or base
 
 
 FIELDS_OF = {kind: [n for n in NAMES if declared_type(n) is kind] for kind in (bool, int, float, str, list)}

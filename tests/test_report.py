@@ -25,7 +25,8 @@ HOSTILE = "<script>document.title='pwned'</script><img src=x onerror=alert(1)>"
 def make_run(folder, steps=30, kl=True, summary=True, reward_slope=0.02):
     """A finished run folder as covey train writes it: config, metrics, completions (first and last step), summary."""
     folder.mkdir(parents=True)
-    GRPOConfig(output_dir=str(folder), max_steps=steps, beta=0.04 if kl else 0.0).save(folder / "config.yaml")
+    GRPOConfig(output_dir=str(folder), max_steps=steps, beta=0.04 if kl else 0.0, learning_rate=1e-5).save(
+        folder / "config.yaml")
     rng = np.random.default_rng(0)
     with open(folder / "metrics.jsonl", "w") as f:
         for step in range(1, steps + 1):
@@ -127,7 +128,7 @@ def test_a_run_resumed_with_changed_settings_says_what_changed_and_when(tmp_path
     run = make_run(tmp_path / "run", steps=12)
     GRPOConfig(output_dir=str(run), max_steps=12, beta=0.04, learning_rate=5e-6,
                resume_from_checkpoint="auto").save(run / "config.resumed-at-10.yaml")
-    GRPOConfig(output_dir=str(run), max_steps=12, beta=0.04).save(run / "config.resumed-at-4.yaml")
+    GRPOConfig(output_dir=str(run), max_steps=12, beta=0.04, learning_rate=1e-5).save(run / "config.resumed-at-4.yaml")
     text = write_report(run).read_text()
     first, second = text.index("resumed at step 4"), text.index("resumed at step 10")
     assert first < second  # in the order of the steps, not of the names

@@ -514,7 +514,7 @@ def test_trainer_keeps_running_through_hostile_completions(tmp_path, tokenizer, 
     rows = [{"prompt": f"write add {i}", "tests": ADD_TESTS} for i in range(4)]
     args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, per_device_train_batch_size=4,
                       gradient_accumulation_steps=2, max_completion_length=128, learning_rate=1e-3, eval_max_samples=0,
-                      code_timeout=1.0, code_memory_limit_mb=128)
+                      code_timeout=1.0, code_memory_limit_mb=128, logging_steps=1, log_completions=True)
     model = make_model(len(tokenizer))
     trainer = GRPOTrainer(model=model, reward_funcs=["code_tests"], args=args, train_dataset=rows,
                           processing_class=tokenizer, rollout_engine=ScriptedEngine(tokenizer, programs), quiet=True)
