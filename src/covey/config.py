@@ -467,6 +467,9 @@ def _init_with_trl_names(self: GRPOConfig, *output_dir: Any, **values: Any) -> N
 
 _init_with_trl_names.__signature__ = inspect.signature(_dataclass_init).replace(  # for help() and editors
     parameters=[*inspect.signature(_dataclass_init).parameters.values(),
+                *(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                    default=f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                  for f in dataclasses.fields(GRPOConfig) if not f.init),  # the settings a parser leaves to ModelConfig
                 inspect.Parameter("trl_settings", inspect.Parameter.VAR_KEYWORD)])
 GRPOConfig.__init__ = _init_with_trl_names
 
