@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import string
@@ -131,6 +132,7 @@ def optimize(trainer, batch, fixed):
     sampled); the loss statistics with the gradient norm. The trainer's progress moves on by the step."""
     from covey.train.update import optimizer_step
 
-    totals, grad_norm, trainer.progress = optimizer_step(trainer.parts, batch, fixed, slice(0, batch.samples.size),
-                                                         True, trainer.progress)
+    totals, grad_norm, progress = optimizer_step(trainer.parts, batch, fixed, slice(0, batch.samples.size), True,
+                                                 trainer.progress)
+    trainer.run_state = dataclasses.replace(trainer.run_state, progress=progress)
     return {**totals, "grad_norm": grad_norm}

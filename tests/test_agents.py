@@ -622,7 +622,7 @@ def test_an_environment_that_owns_the_data_needs_no_dataset(tmp_path, tokenizer)
     engine = ScriptedAgent(tokenizer, '<tool_call>{{"name": "note", "arguments": {{"text": "{a}"}}}}</tool_call>')
     trainer = GRPOTrainer(model=make_model(len(tokenizer)), args=agent_args(tmp_path), environment_factory=Quiz,
                           processing_class=tokenizer, rollout_engine=engine, quiet=True)  # max_steps given: 1
-    assert trainer.reward_func_names == ["Quiz"] and trainer.dataset_name == "the environment's reset()"
+    assert trainer.reward_func_names == ["Quiz"] and trainer.run.dataset_name == "the environment's reset()"
     samples = scored_batch(trainer, [0, 1])[0].samples
     assert samples.rewards_BF[:, 0].tolist() == [1.0] * 4  # each episode's note was counted
     assert all("what is 2 * 3?" in text for text, _ in engine.turns[:2])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -146,7 +145,7 @@ def test_a_stop_signal_in_the_last_step_lets_the_run_finish(tmp_path, tokenizer,
 
     def signalled_in_the_last_step(*a, **k):
         if trainer.global_step == 1:
-            trainer.stop_signal = signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
         return optimizer_step(*a, **k)
 
     monkeypatch.setattr(step, "optimizer_step", signalled_in_the_last_step)
@@ -224,7 +223,7 @@ def test_auto_resume_finds_a_relative_output_dir(tmp_path, tokenizer, monkeypatc
     monkeypatch.chdir(tmp_path)
     trainer_for(run_args(Path("runs/long"), max_steps=2), tokenizer).train()
     resumed = trainer_for(run_args(Path("runs/long"), max_steps=4, resume_from_checkpoint="auto"), tokenizer)
-    assert resumed.resume_from == (tmp_path / "runs/long/checkpoints/checkpoint-2")
+    assert resumed.run.resume_from == (tmp_path / "runs/long/checkpoints/checkpoint-2")
     resumed.train()
     assert [m["step"] for m in learned_metrics(tmp_path / "runs/long")] == [1, 2, 3, 4]
 
@@ -408,12 +407,10 @@ def test_a_resume_back_to_earlier_settings_is_recorded(tmp_path, tokenizer):
 
     trainer = trainer_for(run_args(tmp_path / "run", max_steps=6), tokenizer)
     trainer.run_dir.mkdir(parents=True)
-    first = dict(trainer.config_as_used)
+    first = dict(trainer.run.config_as_used)
     write_run_config(trainer.run_dir / "config.yaml", first)
     write_run_config(trainer.run_dir / "config.resumed-at-2.yaml", {**first, "learning_rate": 0.5})
-    trainer.resume_from = trainer.run_dir / "checkpoints" / "checkpoint-4"
-    trainer.progress = dataclasses.replace(trainer.progress, global_step=4)
-    save_config(trainer.run_dir, trainer.config_as_used, True, trainer.global_step)  # the first settings again
+    save_config(trainer.run_dir, first, True, 4)  # resumed at step 4 with the first settings again
     assert [step for step, _ in resumed_configs(trainer.run_dir)] == [2, 4]
 
 
@@ -505,7 +502,6 @@ def test_saved_weights_are_as_readable_as_the_other_files_the_umask_allows(tmp_p
 def test_the_signal_handler_says_what_it_does_without_the_console(tmp_path, capfd):
     """The handler runs wherever the main thread was, a print through the console (and the imports it makes
     on first use) included: it says what it does straight to standard error and records the stop."""
-    from types import SimpleNamespace
 
     from covey.telemetry.runlog import RunLog
     from covey.train.between_steps import stop_on_signals
@@ -516,9 +512,8 @@ def test_the_signal_handler_says_what_it_does_without_the_console(tmp_path, capf
 
     log = RunLog(tmp_path, 4)
     log.console = PrintingWhenSignalled()
-    trainer = SimpleNamespace(stop_signal=None, world=SimpleNamespace(size=1))
-    with stop_on_signals(trainer, log):
+    with stop_on_signals(log, 1) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs in this thread, between two bytecodes
-    assert trainer.stop_signal == signal.SIGTERM
+    assert stop.signal == signal.SIGTERM
     assert "SIGTERM received: saving a checkpoint after this step" in capfd.readouterr().err

@@ -81,7 +81,7 @@ def settings(output_dir, processes: int, **overrides) -> GRPOConfig:
 def train(output_dir, processes: int, signalled: bool = False, dropout: float = 0.0, sampled: bool = False,
           **overrides) -> dict:
     """Train; the summed gradient of every optimizer step (as the optimizer saw it), where the run
-    stands in the data, and the signal that stopped it. ``signalled``: as if sent SIGINT at the start;
+    stands in the data, and the signal that stopped it. ``signalled``: sent SIGINT in the first step;
     ``dropout``: on the attention weights, drawn from the torch random stream of each process;
     ``sampled``: the completions sampled by the configured engine instead of scripted."""
     tokenizer = make_tokenizer()
@@ -102,12 +102,12 @@ def train(output_dir, processes: int, signalled: bool = False, dropout: float = 
     gradients, step = [], trainer.optimizer.step
 
     def recording_step(*args, **kwargs):  # a sharded gradient is gathered whole (every process at once)
+        if signalled and not gradients:  # SIGINT in the first step
+            os.kill(os.getpid(), signal.SIGINT)
         gradients.append([whole(p.grad).clone() for p in model.parameters() if p.grad is not None])
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
-    if signalled:
-        trainer.stop_signal = signal.SIGINT
     stopped_by = None
     try:
         trainer.train()

@@ -197,6 +197,8 @@ REACHED_THROUGH = {
     "covey.train.hub": "tests/test_lifecycle.py::test_a_failed_final_push_says_how_to_push_the_saved_model",
     "covey.train.run_checkpoints":
         "tests/test_checkpoint.py::test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log",
+    "covey.train.run_state":
+        "tests/test_checkpoint.py::test_a_checkpoint_path_alone_continues_its_own_run_despite_a_cut_off_log",
     "covey.train.sampler": "tests/test_trainer.py::test_trains_writes_the_run_folder_and_saves_a_loadable_model",
     "covey.train.vision_run": "tests/test_vision.py::test_what_cannot_take_pictures_is_refused_before_anything_loads",
     "covey.verify.trl_batch": "tests/test_verify_trl.py::test_a_clean_trl_pipeline_passes_every_stage",

@@ -348,7 +348,7 @@ def test_prompt_overflow_policies(tmp_path, tokenizer, tiny_model, policy):
     with pytest.warns(UserWarning, match="1 training prompts were longer than max_prompt_length=40"):
         trainer = GRPOTrainer(model=tiny_model, reward_funcs=[count_a], args=args, train_dataset=rows,
                               processing_class=tokenizer)
-    assert trainer.prompt_overflow_count == 1
+    assert trainer.run.prompt_overflow_count == 1
     prompts = trainer.parts.prompts
     assert len(prompts.rows) == (3 if policy == "drop" else 4)
     assert max(len(ids) for ids in prompts.ids) <= 40
@@ -626,7 +626,7 @@ def test_evaluation_during_training_is_logged_at_its_steps(tmp_path, tokenizer, 
     assert [m["step"] for m in metrics] == [2, 3, 4, 5]
     assert [m["step"] for m in metrics if "eval/accuracy" in m] == [2, 4]
     assert all(0 <= m["eval/mean_reward"] for m in metrics if "eval/mean_reward" in m)
-    assert [m["eval/checked"] for m in metrics if "eval/accuracy" in m] == [trainer.before["checked"]] * 2
+    assert [m["eval/checked"] for m in metrics if "eval/accuracy" in m] == [trainer.run_state.before["checked"]] * 2
     run = load_run(tmp_path / "run")
     assert {"eval/accuracy", "eval/mean_reward"} <= {p.key for p in panels(run)}
     with pytest.raises(ConfigError, match="eval_strategy: steps evaluates on held-out data, and an in-memory dataset "

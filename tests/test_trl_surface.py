@@ -108,7 +108,7 @@ def test_data_and_rewards_are_needed_in_python_as_in_trl(tmp_path, tokenizer, ti
     # a config that names them (as a config file or the command line always does) fills them in
     trainer = GRPOTrainer(model=tiny_model, processing_class=tokenizer, quiet=True,
                           args=small_args(tmp_path, dataset="arithmetic", reward_funcs=["answer_format"]))
-    assert trainer.reward_func_names == ["answer_format"] and trainer.dataset_name == "arithmetic"
+    assert trainer.reward_func_names == ["answer_format"] and trainer.run.dataset_name == "arithmetic"
     assert GRPOConfig.from_dict({}).fields_given >= {"dataset", "reward_funcs"}
 
 

@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from covey.plan.report import gib
 from covey.train.trainer import GRPOTrainer
 
@@ -47,6 +49,17 @@ def measured_peak() -> tuple[int, str]:
         return 0, "nothing (no /proc here)"
 
 
+class StopAfter(TrainerCallback):
+    """Ends a run after ``steps`` optimizer steps, as a user's callback would (its schedule still the whole run's)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **_):
+        if state.global_step >= self.steps:
+            control.should_training_stop = True
+
+
 def probe(args) -> Probe:
     """Two steps of the run (one if it has one), with nothing written where the run would write: no
     evaluation, checkpoint or completion log, in a temporary folder."""
@@ -54,11 +67,10 @@ def probe(args) -> Probe:
         settings = dataclasses.replace(
             args, output_dir=str(Path(scratch) / "run"), overwrite_output_dir=False, resume_from_checkpoint=None,
             eval_max_samples=0, eval_strategy="no", save_strategy="no", log_completions=False, report_to=["none"],
-            push_to_hub=False, memory_check=False)
+            push_to_hub=False, memory_check=False, logging_steps=1)  # the last step logged on its own
         trainer = GRPOTrainer(args=settings, quiet=True)
         steps = trainer.args.max_steps  # the whole run's (max_steps: -1 resolved from the epochs)
-        trainer.args = dataclasses.replace(trainer.args, max_steps=min(2, steps))
-        trainer.parts = dataclasses.replace(trainer.parts, args=trainer.args)
+        trainer.add_callback(StopAfter(min(2, steps)))
         reset_peak()
         trainer.train()
         peak, how = measured_peak()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 

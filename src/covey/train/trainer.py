@@ -1,11 +1,12 @@
 """The GRPO trainer: a run assembled once, then its loop of steps.
 
 Each step is ``covey.train.step.grpo_step``: generate, score, advantages, log-probs, loss,
-optimizer step. The trainer assembles the run (``covey.train.assemble``: the rules checked, then the
-parts built), keeps where the run stands (``Progress``) between steps, and between them logs,
-evaluates and checkpoints (``covey.train.between_steps``, ``covey.train.run_checkpoints``); what the
-run folder receives at the end is ``covey.train.run_outputs``'s. Under several processes
-(``covey.train.distributed``) the first records the run.
+optimizer step. The trainer assembles the run once (``covey.train.assemble``: the rules checked, then
+the parts built: ``self.run``), and owns the run's state between steps (``covey.train.run_state``:
+``self.run_state``, replaced here and nowhere else). Between steps it logs, evaluates and checkpoints
+(``covey.train.between_steps``, ``covey.train.run_checkpoints``), each taking the state and
+returning the next; what the run folder receives at the end is ``covey.train.run_outputs``'s. Under
+several processes (``covey.train.distributed``) the first records the run.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ from covey.telemetry.tables import percent, print_summary
 from covey.telemetry.trackers import make_trackers
 from covey.train import between_steps, setup
 from covey.train.accelerator import ProcessView
-from covey.train.assemble import assemble
+from covey.train.assemble import Assembled, assemble
 from covey.train.asynchronous import AsyncGeneration, AsyncSchedule
-from covey.train.batch import Progress, Prompts
+from covey.train.batch import Prompts
+from covey.train.between_steps import StopRequest
 from covey.train.callbacks import CallbackArgs, Callbacks
 from covey.train.distributed import World
 from covey.train.evaluation import evaluate, merge_evaluations
 from covey.train.run_checkpoints import restore
 from covey.train.run_rules import Handed
 from covey.train.run_outputs import open_run_dir, save_final_model, write_model, write_summary
+from covey.train.run_state import RunState
 from covey.train.rounds import generate_and_score
 from covey.train.step import grpo_step
 from covey.trl_fields import defaults_note
@@ -76,27 +79,15 @@ class GRPOTrainer(TRLSurface):
         handed = Handed(model, train_dataset, reward_funcs, processing_class, peft_config, rollout_engine,
                         rollout_func, tools, environment_factory, tool_call_format, callbacks, optimizers,
                         World.launched_size())
-        run = assemble(args, handed, eval_dataset, reward_processing_classes,
-                       None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
-        self.args, self.parts, self.world, self.sharding = run.args, run.parts, run.world, run.sharding
-        self.accelerator = ProcessView(self.world, next(self.parts.policy.model.parameters()).device)
-        self.prompt_sampler = run.prompt_sampler
-        self.run_dir, self.hub, self.resume_from, self.config_as_used = run.run_dir, run.hub, run.resume_from, run.config_as_used
-        self.eval_rows, self.dataset_name, self.model_name = run.eval_rows, run.dataset_name, run.model_name
-        self.prompt_overflow_count = run.prompt_overflow_count
-        self.reward_probes = run.reward_probes  # what the reward probes found, for the run folder
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given (TRL's members)
-        self.eos_ids = self.parts.sampler.eos_ids
-        self.quiet = quiet or not self.world.is_main
-        self.progress = Progress(entropy_coef=self.args.entropy_coef)
-        self.before: dict | None = None  # the evaluation before training
+        self.run: Assembled = assemble(args, handed, eval_dataset, reward_processing_classes,
+                                       None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
+        # the run's state between steps: only this class replaces it (covey.train.run_state)
+        self.run_state = (RunState.start(self.args) if self.run.resume_from is None
+                          else restore(self.run, self.run.resume_from))
         self.summary: dict | None = None  # what train() wrote to summary.json
-        self.history: list[dict] = []  # logged metrics, restored on resume
-        self.unlogged_metrics: list[dict] = []  # the steps since the last logged one (averaged into the next)
-        self.stop_signal: int | None = None  # SIGINT/SIGTERM received: checkpoint and stop after this step
-        self.in_flight: dict | None = None  # async_generation: the rounds in flight a checkpoint resumed holds
-        if self.resume_from is not None:
-            restore(self, self.resume_from)
+        self.accelerator = ProcessView(self.world, next(self.parts.policy.model.parameters()).device)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given (TRL's members)
+        self.quiet = quiet or not self.world.is_main
         self.callback_handler = Callbacks(callbacks or [], CallbackArgs(self.args, self.run_dir, self.world), self.world,
                                           self.prompt_sampler, lambda: self.epochs_trained, lambda: self.history,
                                           model=self.model,
@@ -104,10 +95,17 @@ class GRPOTrainer(TRLSurface):
                                           lr_scheduler=self.scheduler)
         self.callback_handler.call("on_init_end", self.global_step)
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-        return self.progress.global_step
+    # the run, as assembled (covey.train.assemble.Assembled)
+    args = property(lambda self: self.run.args, doc="The config the run uses (max_steps resolved from the epochs).")
+    parts = property(lambda self: self.run.parts, doc="The step's parts (covey.train.parts.StepParts).")
+    world = property(lambda self: self.run.world, doc="The processes of the run (covey.train.distributed.World).")
+    prompt_sampler = property(lambda self: self.run.prompt_sampler, doc="The order the training prompts are drawn in.")
+    run_dir = property(lambda self: self.run.run_dir, doc="The run folder (claimed by train()).")
+    eval_rows = property(lambda self: self.run.eval_rows, doc="The held-out rows (None: none).")
+    # where the run stands (covey.train.run_state.RunState)
+    progress = property(lambda self: self.run_state.progress, doc="The run's counters (covey.train.batch.Progress).")
+    global_step = property(lambda self: self.run_state.global_step, doc="Optimizer steps taken so far.")
+    history = property(lambda self: list(self.run_state.history), doc="Each logged step's metrics.")
 
     # the run's parts, as the step holds them
     reference = property(lambda self: self.parts.policy.reference, doc="The reference model (None when beta == 0).")
@@ -142,70 +140,79 @@ class GRPOTrainer(TRLSurface):
         from transformers.trainer_utils import TrainOutput
 
         args = self.args
-        if resume_from_checkpoint not in (None, False) and self.resume_from is None:
+        if resume_from_checkpoint not in (None, False) and self.run.resume_from is None:
             raise ConfigError("train(resume_from_checkpoint=...) continues a run covey must restore before it "
                               "builds the policy: set GRPOConfig(resume_from_checkpoint=...) ('auto' or a folder) "
                               "and build the trainer with it")
         clock = TrainingClock(self.global_step)
         if args.keep_freed_memory:
             keep_freed_memory()
-        self.run_dir = self.world.on_main(lambda: open_run_dir(self))
-        callbacks = self.callback_handler
+        self.run = dataclasses.replace(self.run, run_dir=self.world.on_main(lambda: open_run_dir(self.run,
+                                                                                                  self.global_step)))
+        run, callbacks = self.run, self.callback_handler
         callbacks.args = CallbackArgs(args, self.run_dir, self.world)  # the folder as claimed
-        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, self.config_as_used,
+        trackers = make_trackers(args.report_to, self.run_dir, args.run_name or self.run_dir.name, run.config_as_used,
                                  first_step=self.global_step + 1, project=args.project) if self.world.is_main else []
         parts = self.parts
         with (parts.rewards.pool, parts.sampler.agent or contextlib.nullcontext(),  # its tool worker
               RunLog(self.run_dir, args.max_steps, quiet=self.quiet, trackers=trackers, record=self.world.is_main) as log,
-              between_steps.stop_on_signals(self, log), self.hub or contextlib.nullcontext(),
+              between_steps.stop_on_signals(log, self.world.size) as stop, run.hub or contextlib.nullcontext(),
               parts.policy.summing_gradients(self.world, args.gradient_checkpointing)):
             take_stop_counts()  # calls stopped before this run (another trainer's) are not its own
             callbacks.call("on_train_begin", self.global_step)
             if note := defaults_note(args):
                 log.info(note)
-            if self.resume_from is not None:
+            if run.resume_from is not None:
                 log.resume(self.history, self.global_step)
-                log.info(f"resumed from {self.resume_from} at step {self.global_step}")
+                log.info(f"resumed from {run.resume_from} at step {self.global_step}")
             elif self.eval_rows:
-                self.before = self.held_out_result()
-                log.info(f"held-out accuracy before training: {percent(self.before['accuracy'])} "
-                         f"(mean reward {self.before['mean_reward']:.3f}, n={self.before['n']})")
-            with parts.sampler.generating_ahead(self._worker_ahead()):
-                self.in_flight = None
-                while self.global_step < args.max_steps and not callbacks.stop_asked():
-                    steps_before, passes_before = self.global_step, self.passes_trained
-                    result = grpo_step(parts, self.prompt_sampler, self.progress, callbacks)
-                    self.progress = result.progress
-                    evaluation = between_steps.evaluate_if_due(self, log, steps_before)
-                    whole = between_steps.log_step(self, log, result, evaluation)
-                    between_steps.after_step(self, log, steps_before, passes_before, whole.records() if whole is not None else [])
-            if self.global_step < args.max_steps:  # only a callback ends the loop early
-                log.info(f"a callback stopped the training at step {self.global_step} of {args.max_steps}")
-            final = save_final_model(self)  # before anything else can fail
+                before = self.held_out_result()
+                self.run_state = dataclasses.replace(self.run_state, before=before)
+                log.info(f"held-out accuracy before training: {percent(before['accuracy'])} "
+                         f"(mean reward {before['mean_reward']:.3f}, n={before['n']})")
+            self._train_steps(log, stop)
+            final = save_final_model(run, self.run_state)  # before anything else can fail
             after = self.held_out_result() if self.eval_rows else None
-        self.summary = self.world.on_main(lambda: write_summary(self, final, self.before, after, log.history))
+        self.summary = self.world.on_main(lambda: write_summary(run, self.run_state, final, after))
         metrics = clock.closing_metrics(
             self.global_step, args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world.size,
             self.history)
         callbacks.log(self.global_step, closing_entry(self.history, self.global_step, metrics))
         callbacks.call("on_train_end", self.global_step)
-        if self.hub is not None:
+        if run.hub is not None:
             callbacks.call("on_push_begin", self.global_step)
-            for line in self.hub.push_final(final):
+            for line in run.hub.push_final(final):
                 log.info(line)
         if not self.quiet:
-            print_summary(log.console, self.before, after, self.run_dir)
+            print_summary(log.console, self.run_state.before, after, self.run_dir)
         return TrainOutput(self.global_step, metrics["train_loss"], metrics)
+
+    def _train_steps(self, log: RunLog, stop: StopRequest) -> None:
+        """The steps up to max_steps (or a callback's stop), each followed by what comes between steps."""
+        run, callbacks = self.run, self.callback_handler
+        with run.parts.sampler.generating_ahead(self._worker_ahead()):
+            self.run_state = dataclasses.replace(self.run_state, in_flight=None)  # the worker holds them now
+            while self.global_step < run.args.max_steps and not callbacks.stop_asked():
+                steps_before, passes_before = self.global_step, self.passes_trained
+                result = grpo_step(run.parts, run.prompt_sampler, self.progress, callbacks)
+                self.run_state = dataclasses.replace(self.run_state, progress=result.progress)
+                evaluation = between_steps.evaluate_if_due(run, self.run_state, callbacks, log, steps_before,
+                                                           self.held_out_result)
+                self.run_state, whole = between_steps.log_step(run, self.run_state, callbacks, log, result, evaluation)
+                between_steps.after_step(run, self.run_state, callbacks, log, stop, steps_before, passes_before,
+                                         whole.records() if whole is not None else [])
+        if self.global_step < run.args.max_steps:  # only a callback ends the loop early
+            log.info(f"a callback stopped the training at step {self.global_step} of {run.args.max_steps}")
 
     def _worker_ahead(self) -> AsyncGeneration | None:
         """Under async_generation, the worker that samples the next rounds (first those a resumed checkpoint
         held in flight), over an engine of its own or the run's shared one."""
         if not self.args.async_generation:
             return None
-        args, tokenizer, eos_ids = self.args, self.tokenizer, self.eos_ids
+        args, sampler = self.args, self.parts.sampler
         return AsyncGeneration(self.parts, self.prompt_sampler, AsyncSchedule.from_args(args),
-                               lambda model: setup.build_engine(args, model, tokenizer, eos_ids),
-                               generate_and_score, self.progress, self.in_flight)
+                               lambda model: setup.build_engine(args, model, sampler.tokenizer, sampler.eos_ids),
+                               generate_and_score, self.progress, self.run_state.in_flight)
 
     # ---- what TRL's scripts call after train() ------------------------------------------------
 
@@ -214,22 +221,22 @@ class GRPOTrainer(TRLSurface):
         means its final_model/, which train() wrote; another folder gets a copy, and must not hold files."""
         final = self.run_dir / "final_model"
         if output_dir is None or Path(output_dir).resolve() in (self.run_dir.resolve(), final.resolve()):
-            return final if final.is_dir() else save_final_model(self)
+            return final if final.is_dir() else save_final_model(self.run, self.run_state)
         target = Path(output_dir)
         if target.exists() and any(target.iterdir()):
             raise ConfigError(f"save_model: {target} already holds files, and covey overwrites nothing; give a new "
                               f"or empty folder (the model is also in {final})")
 
-        return write_model(self, target)
+        return write_model(self.run, target)
 
     def push_to_hub(self, commit_message: str | None = None, **_: Any) -> str:
         """The repo train() pushed the final model to (push_to_hub: true pushes at the end of train(), as
         TRL's scripts then ask again); without push_to_hub nothing was checked, so nothing is pushed now."""
-        if self.hub is None:
+        if self.run.hub is None:
             raise ConfigError("push_to_hub() pushes what train() sends to the Hub under push_to_hub: true, which "
                               "checks the token and the repo before any model loads; set push_to_hub: true, or "
                               f"upload {self.run_dir / 'final_model'} with `hf upload`")
-        return self.hub.url
+        return self.run.hub.url
 
     @property
     def passes_trained(self) -> int:

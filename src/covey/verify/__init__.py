@@ -68,7 +68,7 @@ def verify(args: GRPOConfig, num_prompts: int = 2, model=None, processing_class=
     parts = trainer.parts
     parameters = sum(p.numel() for p in parts.policy.model.parameters())
     report.add("setup", SETUP, True,
-               f"{trainer.model_name}: {parameters / 1e6:.1f}M parameters")
+               f"{trainer.run.model_name}: {parameters / 1e6:.1f}M parameters")
     eos_ids = parts.sampler.eos_ids
     report.run("data", stages.check_data, report, parts)
     report.run("decode", stages.check_decode, report, parts, eos_ids)
