@@ -42,13 +42,12 @@ def worker(variant: str, steps: int, out_dir: str, reward_latency: float, server
     import time
 
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     def remote_judge(completions, **kwargs):
         time.sleep(reward_latency)
         return [0.0] * len(completions)
 
-    args = GRPOConfig(**DEMO, num_generations=4, per_device_train_batch_size=8, max_completion_length=48, max_steps=steps,
+    args = GRPOConfig.demo(num_generations=4, per_device_train_batch_size=8, max_completion_length=48, max_steps=steps,
                       eval_max_samples=0, save_steps=0, log_completions=False, output_dir=out_dir,
                       async_generation=variant == "asynchronous", logging_steps=1,
                       **(dict(rollout_engine="vllm", vllm_mode="server", vllm_server_port=server_port)

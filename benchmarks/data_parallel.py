@@ -27,7 +27,6 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
     import torch.nn.parallel
 
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     torch.set_num_threads(1)
     class Bucketed(torch.nn.parallel.DistributedDataParallel):  # what covey builds, with this bucket size
@@ -35,7 +34,7 @@ def worker(variant: str, steps: int, out_dir: str) -> None:
             super().__init__(*args, bucket_cap_mb=VARIANTS[variant], **kwargs)
 
     torch.nn.parallel.DistributedDataParallel = Bucketed
-    args = GRPOConfig(**DEMO, num_generations=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    args = GRPOConfig.demo(num_generations=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       max_completion_length=32, max_steps=steps, eval_max_samples=0, save_steps=0,
                       log_completions=False, output_dir=out_dir)
     trainer = GRPOTrainer(args=args, quiet=True)

@@ -195,11 +195,10 @@ def check_vllm_server(tokens: int) -> None:
 def check_vllm_training(steps: int) -> None:
     """A short GRPO run of the default task sampling with colocated vLLM."""
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as folder:
-        trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=cuda, eval_max_samples=0,
+        trainer = GRPOTrainer(args=GRPOConfig.demo(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda, eval_max_samples=0,
                                               logging_steps=1, rollout_engine="vllm",
                                               vllm_gpu_memory_utilization=VLLM_MEMORY),
                               quiet=True)
@@ -216,7 +215,6 @@ def check_async(steps: int) -> None:
     """The default run synchronous and then asynchronous (one round ahead, the fast engine): the async
     run's staleness and losses are checked; step times and peak GPU memory are reported side by side."""
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     cuda = torch.cuda.is_available()
     seen = {}
@@ -224,7 +222,7 @@ def check_async(steps: int) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         with tempfile.TemporaryDirectory() as folder:
-            trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=cuda,
+            trainer = GRPOTrainer(args=GRPOConfig.demo(output_dir=f"{folder}/run", max_steps=steps, bf16=cuda,
                                                   eval_max_samples=0, logging_steps=1,
                                                   async_generation=variant == "asynchronous"), quiet=True)
             trainer.train()
@@ -275,14 +273,13 @@ def check_plan(quick: bool) -> None:
 
     from benchmarks.plan_accuracy import COMMON, CONFIGS, make_model_folder
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
     from covey.plan import make_plan
 
     with tempfile.TemporaryDirectory() as folder:
         for name in PLAN_CONFIGS[:2] if quick else PLAN_CONFIGS:
             shape, _, fields = CONFIGS[name]
             model = make_model_folder(shape, Path(folder))
-            settings = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=str(model), output_dir=f"{folder}/run-{name}")
+            settings = GRPOConfig.demo(**COMMON, **fields, model=str(model), output_dir=f"{folder}/run-{name}")
             plan = make_plan(settings, 1)
             gc.collect()
             torch.cuda.empty_cache()
@@ -348,11 +345,10 @@ def main() -> int:
                   f"tok/s, {rates['fast'] / rates['hf']:.2f}x", flush=True)
 
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     with tempfile.TemporaryDirectory() as folder:
         steps = 2 if args.quick else 5
-        trainer = GRPOTrainer(args=GRPOConfig(**DEMO, output_dir=f"{folder}/run", max_steps=steps, bf16=True, eval_max_samples=0,
+        trainer = GRPOTrainer(args=GRPOConfig.demo(output_dir=f"{folder}/run", max_steps=steps, bf16=True, eval_max_samples=0,
                                               logging_steps=1), quiet=True)
         trainer.train()
         summary = trainer.summary

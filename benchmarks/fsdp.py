@@ -49,10 +49,9 @@ def _peak_rss_mib() -> float:
 
 def worker(variant: str, steps: int, out_dir: str) -> None:
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     torch.set_num_threads(1)
-    args = GRPOConfig(**DEMO, num_generations=4, per_device_train_batch_size=4, max_completion_length=32, max_steps=steps,
+    args = GRPOConfig.demo(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, max_steps=steps,
                       eval_max_samples=0, save_steps=0, log_completions=False, output_dir=out_dir,
                       fsdp=VARIANTS[variant][1])
     trainer = GRPOTrainer(args=args, quiet=True)

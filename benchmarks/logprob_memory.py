@@ -289,7 +289,7 @@ def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
     from covey.train.head import head_logprobs
 
     model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
-    model.lm_head.weight.requires_grad_(not frozen_head)
+    model.lm_head.weight.requires_grad_(True)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)

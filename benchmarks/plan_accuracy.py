@@ -101,12 +101,11 @@ def worker(name: str, folder: str, out_dir: str) -> None:
     from transformers import TrainerCallback
 
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
     from covey.plan import make_plan
 
     torch.set_num_threads(1)
     shape, processes, fields = CONFIGS[name] if not name.startswith("baseline") else BASELINES[name]
-    args = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=folder, output_dir=out_dir)
+    args = GRPOConfig.demo(**{**COMMON, **fields}, model=folder, output_dir=out_dir)
     plan = make_plan(args, processes)
     peaks = []
 
@@ -148,7 +147,6 @@ def print_estimates(names: list[str]) -> None:
     from transformers import AutoConfig
 
     from covey import GRPOConfig
-    from covey.config import DEMO
     from covey.plan import make_plan
     from tests.conftest import make_tokenizer
 
@@ -160,7 +158,7 @@ def print_estimates(names: list[str]) -> None:
                 spec = dict(SHAPES[shape])
                 AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(folder)
                 make_tokenizer().save_pretrained(folder)
-            args = GRPOConfig(**DEMO, **{**COMMON, **fields}, model=str(folder), output_dir=str(Path(tmp) / "run"))
+            args = GRPOConfig.demo(**{**COMMON, **fields}, model=str(folder), output_dir=str(Path(tmp) / "run"))
             print(f"{name}: {make_plan(args, processes).breakdown.peak / 2**20:,.0f} MiB", flush=True)
 
 

@@ -25,11 +25,10 @@ VARIANTS = {"whole": False, "sharded": True}
 
 def worker(variant: str, steps: int, out_dir: str) -> None:
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
     from covey.train.distributed import sharded_part
 
     torch.set_num_threads(1)
-    args = GRPOConfig(**DEMO, num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,
+    args = GRPOConfig.demo(num_generations=4, per_device_train_batch_size=4, max_completion_length=32, beta=0.04,
                       max_steps=steps, eval_max_samples=0, save_steps=2, log_completions=False, output_dir=out_dir,
                       shard_optimizer_state=VARIANTS[variant])
     trainer = GRPOTrainer(args=args, quiet=True)

@@ -40,9 +40,8 @@ VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf
 
 def run_covey(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
-    args = GRPOConfig(**DEMO, **COMMON, max_steps=steps, eval_max_samples=0, output_dir=out_dir, log_completions=False,
+    args = GRPOConfig.demo(**COMMON, max_steps=steps, eval_max_samples=0, output_dir=out_dir, log_completions=False,
                       use_peft=mode == "lora", **settings)
     GRPOTrainer(args=args, quiet=True).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:

@@ -46,13 +46,12 @@ def rollout_rates(engines: dict, prompts, repeats: int) -> dict:
 
 def step_times(vllm_engine, bf16: bool, steps: int, repeats: int) -> dict:
     from covey import GRPOConfig, GRPOTrainer
-    from covey.config import DEMO
 
     runs: dict[str, list[dict]] = {"fast": [], "vllm": []}
     for _ in range(repeats):
         for name in runs:
             with tempfile.TemporaryDirectory() as folder:
-                args = GRPOConfig(**DEMO, **COMMON, max_steps=steps, eval_max_samples=0, output_dir=f"{folder}/run",
+                args = GRPOConfig.demo(**COMMON, max_steps=steps, eval_max_samples=0, output_dir=f"{folder}/run",
                                   log_completions=False, bf16=bf16, rollout_engine=name)
                 trainer = GRPOTrainer(args=args, rollout_engine=vllm_engine if name == "vllm" else None, quiet=True)
                 trainer.train()

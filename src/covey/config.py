@@ -7,7 +7,7 @@ The defaults are TRL's (TRL 1.16) for every field TRL has; ``DEMO`` is the built
 embedded SmolLM2-135M-Instruct on the ``arithmetic`` task, sized to finish in minutes on a laptop CPU),
 which the command line runs when it is given no config file.
 
-    >>> cfg = GRPOConfig(**DEMO, learning_rate=2e-5, max_steps=10)
+    >>> cfg = GRPOConfig.demo(learning_rate=2e-5, max_steps=10)
     >>> cfg.generation_batch_size // cfg.num_generations   # prompts per step (of each process)
     2
 """
@@ -65,7 +65,7 @@ MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "revision": "mode
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # The demo preset: what `covey train` (verify, generate, plan, eval) runs when no config file is given, sized
-# to finish in minutes on a laptop CPU. In Python, GRPOConfig(**DEMO, ...) asks for it; GRPOConfig() alone has
+# to finish in minutes on a laptop CPU. In Python, GRPOConfig.demo(...) asks for it; GRPOConfig() alone has
 # TRL's defaults, and a config file starts from them too (with the demo's data and rewards where it names none).
 DEMO = {"dataset": "arithmetic", "reward_funcs": ["answer_format", "answer_correct"], "max_steps": 30,
         "max_completion_length": 32, "learning_rate": 1e-5, "per_device_train_batch_size": 16,
@@ -419,6 +419,11 @@ class GRPOConfig:
         # a config file or command line is a whole run: its data and rewards default to the demo's
         config.__dict__["fields_given"] = config.fields_given | {"dataset", "reward_funcs"}
         return config
+
+    @classmethod
+    def demo(cls, **values: Any) -> "GRPOConfig":
+        """The demo preset (``DEMO``: its task, rewards and sizes) with ``values`` over it."""
+        return cls(**{**DEMO, **values})
 
     @classmethod
     def from_trl(cls, config: Any) -> "GRPOConfig":

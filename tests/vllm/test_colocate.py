@@ -10,17 +10,12 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.config import DEMO
 from covey.errors import ConfigError
 from covey.rollout import SamplingParams
 from covey.rollout.vllm_engine import check_vllm, model_problem
 from tests.conftest import trained_lora
 from tests.vllm.conftest import ENV_AT_START, GREEDY, PROCESS_GROUP_ENV, assert_greedy_of, completions, largest_logprob_gap
 
-
-def demo_config(**values):
-    """The demo preset (its data, rewards and sizes) with ``values`` over it."""
-    return GRPOConfig(**{**DEMO, **values})
 
 
 SAMPLED = SamplingParams(max_new_tokens=32, temperature=1.0)
@@ -85,7 +80,7 @@ def test_a_training_run_samples_with_vllm_and_keeps_it_up_to_date(colocated, mod
     """A short run on the default task, sampling with the colocated vLLM: every step's batch comes
     from it (the engine/trainer correction reads its log-probs), and at the end it holds the trained
     weights. That the default task is learned through vLLM is shown by the learning benchmark."""
-    args = demo_config(model=model_folder, output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4,
+    args = GRPOConfig.demo(model=model_folder, output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4,
                       per_device_train_batch_size=8, max_completion_length=48, learning_rate=2e-5,
                       eval_max_samples=4, rollout_engine="vllm", seed=0, log_completions=False)
     trainer = GRPOTrainer(args=args, rollout_engine=colocated, quiet=True)
@@ -104,7 +99,7 @@ def test_an_async_run_samples_ahead_with_vllm_and_leaves_it_holding_the_trained_
     """async_generation with the colocated vLLM: the worker samples each round one round behind, from
     its own thread, into the one vLLM; every row is corrected for the older policy; once training ends
     vLLM samples with the trained policy."""
-    args = demo_config(model=model_folder, output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4,
+    args = GRPOConfig.demo(model=model_folder, output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4,
                       per_device_train_batch_size=8, max_completion_length=32, learning_rate=2e-5,
                       eval_max_samples=0, rollout_engine="vllm", seed=0, log_completions=False,
                       async_generation=True)
@@ -139,7 +134,7 @@ def test_a_model_vllm_cannot_load_is_refused_before_the_run_starts(tmp_path, mod
     folder = tmp_path / "gpt-neo"
     GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2,
                                    attention_types=[[["global"], 2]], max_position_embeddings=64)).save_pretrained(folder)
-    args = demo_config(model=str(folder), output_dir=str(tmp_path / "run"), rollout_engine="vllm")
+    args = GRPOConfig.demo(model=str(folder), output_dir=str(tmp_path / "run"), rollout_engine="vllm")
     with pytest.raises(ConfigError, match=r"vLLM cannot load the model .*gpt-neo: its architecture "
                                           r"\(GPTNeoForCausalLM\).*use rollout_engine: fast"):
         GRPOTrainer(args=args, quiet=True)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.config import DEMO
 from covey.errors import ConfigError, ModelError
 from covey.models import load_policy
 from covey.rollout import SamplingParams, ServerEngine
@@ -28,10 +27,6 @@ from tests.test_distributed import as_launched, free_port, run_in_two_processes
 from tests.vllm.conftest import GREEDY, assert_greedy_of, completions, largest_logprob_gap
 from tests.vllm.test_colocate import SAMPLED, perturbed
 
-
-def demo_config(**values):
-    """The demo preset (its data, rewards and sizes) with ``values`` over it."""
-    return GRPOConfig(**{**DEMO, **values})
 
 
 START_S = 600  # vLLM's start compiles the model: minutes on two cores
@@ -119,7 +114,7 @@ def test_weights_pushed_to_the_server_take_effect(vllm_server, policy, prompts, 
 def _train_against(rank: int, port: int, server_port: int, model_folder: str, output_dir: str, results: str) -> None:
     as_launched(rank, port)
     torch.set_num_threads(1)
-    args = demo_config(model=model_folder, output_dir=output_dir, rollout_engine="vllm", vllm_mode="server",
+    args = GRPOConfig.demo(model=model_folder, output_dir=output_dir, rollout_engine="vllm", vllm_mode="server",
                       vllm_server_port=server_port, vllm_server_timeout=60, max_steps=2, num_generations=4,
                       per_device_train_batch_size=4, max_completion_length=16, learning_rate=1e-4, beta=0.0,
                       eval_max_samples=2, seed=1, log_completions=False)
@@ -152,7 +147,7 @@ def test_an_async_run_pushes_each_round_s_weights_and_leaves_the_server_holding_
     schedule names (one round behind: rounds 0 and 1 both from the start, so one push for the two); the
     evaluation after training samples with the trained policy."""
     updates = vllm_server.requests("/start_weight_update")
-    args = demo_config(model=model_folder, output_dir=str(tmp_path / "run"), rollout_engine="vllm", vllm_mode="server",
+    args = GRPOConfig.demo(model=model_folder, output_dir=str(tmp_path / "run"), rollout_engine="vllm", vllm_mode="server",
                       vllm_server_port=vllm_server.port, vllm_server_timeout=60, max_steps=3, num_generations=4,
                       per_device_train_batch_size=4, max_completion_length=16, learning_rate=1e-4, beta=0.0,
                       eval_max_samples=2, seed=1, log_completions=False, async_generation=True)

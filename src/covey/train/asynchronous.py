@@ -24,15 +24,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from covey.config import GRPOConfig
 from covey.data import PromptSampler
 from covey.errors import ConfigError
-from covey.rollout import OwnWeights
-from covey.train.batch import Progress
+from covey.rollout import OwnWeights, RolloutEngine
+from covey.train.batch import Generated, Progress
+from covey.train.parts import StepParts
 from covey.train.sharding import whole
 
 
@@ -57,7 +58,8 @@ class AsyncSchedule:
         return max(0, round_index - self.rounds_ahead)
 
 
-def check_async_run(args: GRPOConfig, processes: int, engine: Any, own_rollouts: bool, server: bool) -> None:
+def check_async_run(args: GRPOConfig, processes: int, engine: RolloutEngine | None, own_rollouts: bool,
+                    server: bool) -> None:
     """What asynchronous generation cannot do yet, refused before anything is loaded. ``server``: the
     run samples from a vLLM or covey server."""
     if not args.async_generation:
@@ -86,7 +88,7 @@ class InFlight:
     """A round the worker sampled: what generate_and_score gave, and the policy it sampled with."""
 
     version: int  # the optimizer step of the policy that sampled it
-    generated: Any  # covey.train.rounds.Generated
+    generated: Generated
     waited_for_weights: float  # seconds the worker waited for the snapshot it sampled with
 
 
@@ -98,8 +100,9 @@ class AsyncGeneration:
     its own copy of the weights (``OwnWeights``) is shared with the trainer (``shares_engine``): the
     trainer samples with it only while the worker is held (``engine_lent``)."""
 
-    def __init__(self, parts: Any, prompt_sampler: PromptSampler, schedule: AsyncSchedule,
-                 build_engine: Callable[[torch.nn.Module], Any], generate: Callable, progress: Progress,
+    def __init__(self, parts: StepParts, prompt_sampler: PromptSampler, schedule: AsyncSchedule,
+                 build_engine: Callable[[torch.nn.Module], RolloutEngine],
+                 generate: Callable[[StepParts, PromptSampler, Progress], Generated], progress: Progress,
                  restored: dict | None = None):
         self.schedule = schedule
         sampler = parts.sampler
@@ -169,7 +172,7 @@ class AsyncGeneration:
                                                              / args.optimizer_steps_per_generation)
             self.changed.notify_all()
 
-    def take(self, global_step: int) -> Any:
+    def take(self, global_step: int) -> Generated:
         """The next sampled round fresh enough to train at ``global_step`` (what generate_and_score gave),
         its timings joined by the async metrics: staleness, queue depth, the seconds the trainer waited for
         it, those the worker waited for weights, and the rows dropped as staler than max_staleness so far."""

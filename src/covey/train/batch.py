@@ -144,6 +144,18 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Generated:
+    """Steps 1-2 of one step: its samples, and what their generation rounds and reward calls counted."""
+
+    samples: Samples
+    rounds: int  # generation rounds drawn (more than one under dynamic sampling)
+    reward_errors: int  # reward calls that failed under reward_errors: skip, in this process
+    reward_metrics: dict[str, list[float]]  # what reward functions logged with log_metric
+    dynamic_sampling: dict[str, float]  # dynamic sampling's counts (empty when off)
+    timings: dict[str, float]  # time/generate, time/score
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one step produced: its batch, its optimizer steps, and where the run stands after them."""
 

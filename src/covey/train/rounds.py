@@ -17,22 +17,10 @@ from covey.data import PromptSampler, extra_columns
 from covey.rewards import TrainerState, reward_context, score_completions
 from covey.rollout import Rollout, left_pad
 from covey.train import generation
-from covey.train.batch import Progress, Samples, ScoredBatch
+from covey.train.batch import Generated, Progress, Samples, ScoredBatch
 from covey.train.forward import SequenceBatch
 from covey.train.parts import StepParts
 from covey.vision import batch_images
-
-
-@dataclass(frozen=True)
-class Generated:
-    """Steps 1-2 of one step: its samples, and what their generation rounds and reward calls counted."""
-
-    samples: Samples
-    rounds: int  # generation rounds drawn (more than one under dynamic sampling)
-    reward_errors: int  # reward calls that failed under reward_errors: skip, in this process
-    reward_metrics: dict[str, list[float]]  # what reward functions logged with log_metric
-    dynamic_sampling: dict[str, float]  # dynamic sampling's counts (empty when off)
-    timings: dict[str, float]  # time/generate, time/score
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -22,10 +22,21 @@ from covey.agents import Agent
 from covey.core import EngineCorrection
 from covey.models import policy_weights
 from covey.rollout import RolloutEngine, SamplingParams
-from covey.train.asynchronous import AsyncGeneration
+from covey.train.batch import Generated
 from covey.train.distributed import World
 from covey.train.policy import Policy
 from covey.train.sharding import PolicyCopy
+
+
+class RoundsAhead(Protocol):
+    """What the sampler asks of a worker that samples the training rounds ahead of the trainer
+    (``covey.train.asynchronous.AsyncGeneration``, which is built over the step's parts, these among them)."""
+
+    def __enter__(self) -> RoundsAhead: ...
+    def __exit__(self, *exc: Any) -> None: ...
+    def take(self, global_step: int) -> Generated: ...  # the next round fresh enough to train at global_step
+    def publish(self, model: torch.nn.Module, global_step: int) -> None: ...  # the weights later rounds sample with
+    def engine_lent(self) -> ContextManager[None]: ...  # the trainer samples with a shared engine meanwhile
 
 
 @dataclass
@@ -42,7 +53,7 @@ class Sampler:
     policy_copy: PolicyCopy | None = None  # under fsdp, the whole copy of the policy an engine here samples from
     async_generation: bool = False  # the rounds are sampled ahead, by an older policy
     processor: Any = None  # a vision-language model's processor, which writes the prompts with pictures (None: text)
-    ahead: AsyncGeneration | None = field(default=None, init=False)  # the worker, while train() runs
+    ahead: RoundsAhead | None = field(default=None, init=False)  # the worker, while train() runs
 
     @property
     def exact(self) -> bool:
@@ -57,7 +68,7 @@ class Sampler:
         """The engine/trainer correction the rounds get (None: turned off, or not needed)."""
         return None if self.exact else self.engine_correction
 
-    def round(self, policy: Policy, world: World, global_step: int, sample_now: Callable[[], Any]) -> Any:
+    def round(self, policy: Policy, world: World, global_step: int, sample_now: Callable[[], Generated]) -> Generated:
         """A training round's ``Generated``: the one the worker sampled ahead for ``global_step``, else
         ``sample_now()`` from the policy as it is."""
         if self.ahead is not None:
@@ -110,7 +121,7 @@ class Sampler:
         return self.policy_copy.model
 
     @contextlib.contextmanager
-    def generating_ahead(self, worker: AsyncGeneration | None) -> Iterator[None]:
+    def generating_ahead(self, worker: RoundsAhead | None) -> Iterator[None]:
         """While train() runs under async_generation, ``worker`` samples the next rounds (None: nothing)."""
         if worker is None:
             yield
