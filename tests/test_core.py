@@ -187,21 +187,32 @@ def test_each_loss_type_matches_its_formula(loss_type):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_micro_batches_add_up_to_the_full_batch(loss_type):
-    logp, old, adv, mask = _inputs(B=6, T=4, seed=1)
+    logp, old, adv, mask = _inputs(B=6, T=4, seed=1)  # rows 0-2 hold 8 tokens, rows 3-5 hold 12
     counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=1, max_completion_length=4)
     full, _ = policy_loss(logp, old, adv, mask, counts, loss_settings(loss_type=loss_type, beta=0.1), old - 0.1)
     full_grad, = torch.autograd.grad(full, logp)
     split_counts = BatchCounts(sequences=6, tokens=int(mask.sum()), micro_batches=2, max_completion_length=4)
+    halves = (slice(0, 3), slice(3, 6))
     total, grad = 0.0, torch.zeros_like(logp)
-    for rows in (slice(0, 3), slice(3, 6)):
+    for rows in halves:
         part, _ = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], split_counts,
                               loss_settings(loss_type=loss_type, beta=0.1), old[rows] - 0.1)
         total += part.item()
         grad += torch.autograd.grad(part, logp)[0]
-    if loss_type == "bnpo":  # token mean per micro-batch, by definition not the full-batch token mean
+    if loss_type != "bnpo":
+        assert total == pytest.approx(full.item(), rel=1e-12)
+        assert torch.allclose(grad, full_grad, rtol=1e-12)
         return
-    assert total == pytest.approx(full.item(), rel=1e-12)
-    assert torch.allclose(grad, full_grad, rtol=1e-12)
+    # bnpo: each micro-batch's own token mean, then the mean of the two, written out here; with 8 and 12
+    # tokens in the halves, not the full batch's token mean
+    ratio, a, d = torch.exp(logp - old), adv[:, None], (old - 0.1) - logp
+    per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a) + 0.1 * (torch.exp(d) - d - 1)
+    m = mask.double()
+    want = sum((per_token[rows] * m[rows]).sum() / m[rows].sum() for rows in halves) / 2
+    want_grad, = torch.autograd.grad(want, logp)
+    assert total == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(grad, want_grad, rtol=1e-12)
+    assert total != pytest.approx(full.item(), rel=1e-3)
 
 
 def test_padding_never_enters_the_loss():
