@@ -340,7 +340,10 @@ def test_normalize_then_sum_normalises_each_reward_before_weighting():
     std = math.sqrt(sum((x - mean) ** 2 for x in summed) / 7)
     assert rel_err(adv, [(x - mean) / (std + core.ADVANTAGE_EPS) for x in summed]) < TOL
     plain, _ = core.advantages_from_rewards(rewards, weights, G, aggregation="sum_then_normalize")
-    assert rel_err(plain, reference_advantages(core.weighted_reward_sum(rewards, weights).tolist(), G, "group")) < TOL
+    # the weighted sum first (sample 2's None left out of it), then one normalisation
+    weighted = [sum(w * float(rewards[i, f]) for f, w in enumerate([1.0, 2.0]) if not math.isnan(rewards[i, f]))
+                for i in range(8)]
+    assert rel_err(plain, reference_advantages(weighted, G, "group")) < TOL
 
 
 # ---- entropy masking and the engine correction --------------------------------------------------
