@@ -286,15 +286,22 @@ def test_no_network_not_even_loopback(reward, namespaces):
 
 def test_program_cannot_kill_the_trainer(reward, namespaces):
     me = os.getpid()
+    # a process of this user beside the trainer, which kill(-1) would reach if the program could signal ours
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     killer = (f"import os, signal\nfor attempt in (lambda: os.kill({me}, signal.SIGKILL),\n"
               f"                lambda: os.killpg(os.getpgid({me}), signal.SIGKILL),\n"
+              f"                lambda: os.kill({bystander.pid}, signal.SIGKILL),\n"
               f"                lambda: os.kill(-1, signal.SIGKILL)):\n"
               f"    try:\n        attempt()\n    except OSError as e:\n        print('refused', e)\n"
               f"killed = True\n")
-    result = run_python(killer, timeout=TIMEOUT, memory_limit_mb=256)
-    assert result.stdout.count("refused") == 3
-    assert reward([killer], ["assert killed"]) == [1.0]  # the program ran to its end; nothing of ours was hit
-    assert os.getpid() == me
+    try:
+        result = run_python(killer, timeout=TIMEOUT, memory_limit_mb=256)
+        assert result.stdout.count("refused") == 4
+        assert reward([killer], ["assert killed"]) == [1.0]  # the program ran to its end
+        assert bystander.poll() is None  # nothing of ours was hit
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_huge_output_is_capped_and_stopped(reward):
