@@ -82,6 +82,9 @@ def test_resume_with_pictures_is_bitwise_the_uninterrupted_run(tmp_path, variant
                           args=run_args(tmp_path / "resumed", save_steps=2, resume_from_checkpoint=str(checkpoint),
                                         **variant), quiet=True)
     assert resumed.global_step == 2
+    from transformers import AutoProcessor  # a checkpoint's model folder loads on its own, processor included
+
+    assert type(AutoProcessor.from_pretrained(checkpoint / "model")) is type(processor)
     resumed.train()
     assert_same_weights(tmp_path / "whole" / "final_model", tmp_path / "resumed" / "final_model")
     assert learned_metrics(tmp_path / "whole") == learned_metrics(tmp_path / "resumed")
