@@ -1,6 +1,6 @@
 """Prompts with pictures through the paths text runs take: asynchronous generation, resume from a checkpoint,
-two processes (DDP and FSDP2). On the cheapest family of tests/tiny_vision.py, Idefics3 (one image token
-per picture)."""
+two processes (DDP and FSDP2); and a picture a tool or an environment returns, refused. On the cheapest family
+of tests/tiny_vision.py, Idefics3 (one image token per picture)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
-from covey.agents import as_tool, call_tool
-from covey.agents.tools import CallResult
 from covey.errors import ConfigError
 from covey.rollout import HFEngine
+from covey.train.sharding import whole
 from covey.vision import image_label, images_of
 from tests.conftest import SMALL_RUN, scored_batch
 from tests.test_agents import ROWS as AGENT_ROWS, ScriptedAgent
-from covey.train.sharding import whole
 from tests.test_checkpoint import assert_same_weights, learned_metrics
 from tests.test_distributed import ScriptedEngine, as_launched, free_port, run_in_two_processes
 from tests.tiny_vision import BUILDERS, image
@@ -187,16 +185,3 @@ def test_a_tool_or_an_environment_that_returns_a_picture_stops_the_run_saying_so
                                           "environment's message to the conversation; return text"):
         scored_batch(trainer, [0, 1])
 
-
-def test_content_parts_of_text_alone_read_as_their_texts():
-    def describe() -> list:
-        """Describe the scene."""
-        return [{"type": "text", "text": "a cat "}, {"type": "text", "text": "on a mat"}]
-
-    assert call_tool(as_tool(describe), {}, 5.0) == CallResult("a cat on a mat", False)
-
-    def pets() -> list:
-        """List the pets."""
-        return [{"type": "cat", "name": "Tom"}]  # records, not content parts: read as JSON
-
-    assert call_tool(as_tool(pets), {}, 5.0) == CallResult('[{"type": "cat", "name": "Tom"}]', False)

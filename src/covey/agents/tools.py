@@ -2,10 +2,11 @@
 model by the JSON schema that transformers' ``get_json_schema`` reads from their type hints and
 Google-style docstring, and called with a time limit.
 
-A call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns something
-that is not text gives the model an error message as its result, and the failure is counted. Content
-parts of text alone (TRL's form of a message) read as their texts; a picture among them (TRL lets a
-tool show one) stops the run, as covey does not add the pictures of tool messages to the conversation.
+A failing call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns
+something that is not text gives the model an error message as its result, and the failure is counted.
+Content parts of text alone (TRL's form of a message) read as their texts; a picture among them (TRL
+lets a tool show one) is refused, stopping the run: covey does not add the pictures of tool messages
+to the conversation.
 
 A run's own tools (not an environment's) are called in a worker process forked for them
 (``ToolWorkers``), which is killed, with every process the tool started, when a call runs past
