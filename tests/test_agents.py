@@ -10,6 +10,7 @@ import torch
 from covey import GRPOConfig, GRPOTrainer
 from covey.agents import Agent, HermesFormat, ToolCall, as_tool, calculate, call_tool
 from covey.agents.chat import template_renders_tools, tool_message_ids, with_tools
+from covey.agents.tools import CallResult
 from covey.errors import ConfigError, DataError
 from covey.rollout import FastEngine, Rollout, SamplesWithPolicy, SamplingParams, left_pad
 from covey.rollout.engine import episodes_by_turns
@@ -233,6 +234,20 @@ def test_a_tool_that_fails_in_any_way_gives_the_model_an_error_message():
     assert call_tool(as_tool(calculate), "1+1", 1.0).failed  # arguments that are no object
     ok = call_tool(as_tool(calculate), {"expression": "2 * 3"}, 1.0)
     assert ok == type(ok)("6", False)
+
+
+def test_content_parts_of_text_alone_read_as_their_texts():
+    def describe() -> list:
+        """Describe the scene."""
+        return [{"type": "text", "text": "a cat "}, {"type": "text", "text": "on a mat"}]
+
+    assert call_tool(as_tool(describe), {}, 5.0) == CallResult("a cat on a mat", False)
+
+    def pets() -> list:
+        """List the pets."""
+        return [{"type": "cat", "name": "Tom"}]  # records, not content parts: read as JSON
+
+    assert call_tool(as_tool(pets), {}, 5.0) == CallResult('[{"type": "cat", "name": "Tom"}]', False)
 
 
 def test_a_tool_without_a_readable_schema_is_refused_by_name(tmp_path, tokenizer):

@@ -6,6 +6,7 @@ resume, covey's warnings reach TRL's logger once, and the README's hub id loads 
 import dataclasses
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,58 @@ def test_trl_s_own_grpo_script_runs_through_covey_with_only_its_imports_changed(
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     adapter = json.loads((run / "final_model" / "adapter_config.json").read_text())
     assert (adapter["r"], sorted(adapter["target_modules"])) == (4, ["q_proj", "v_proj"])  # ModelConfig's LoRA
+
+
+def trl_example(path: str) -> str:
+    """A script of TRL's repository that TRL's package does not ship (its examples/), read from the TRL checkout
+    named by COVEY_TRL_SOURCE (a work tree, or its git directory); the test skips without one."""
+    source = os.environ.get("COVEY_TRL_SOURCE")
+    if not source:
+        pytest.skip(f"TRL's {path} is not in TRL's package: set COVEY_TRL_SOURCE to a TRL checkout to run it")
+    if (Path(source) / path).is_file():
+        return (Path(source) / path).read_text()
+    shown = subprocess.run(["git", "--git-dir", source, "show", f"HEAD:{path}"], capture_output=True, text=True)
+    assert shown.returncode == 0, f"COVEY_TRL_SOURCE={source} holds no {path}: {shown.stderr}"
+    return shown.stdout
+
+
+def test_trl_s_vision_example_runs_with_only_its_import_model_data_and_scale_changed(tmp_path):
+    """examples/scripts/grpo_vlm.py: TrlParser, model_init_kwargs from ModelConfig, the model given by name (its
+    processor loaded with it), a dataset mapped and filtered on its pictures, TRL's think_format_reward and
+    accuracy_reward, peft_config=, trainer.save_model. On a tiny Idefics3 (SmolVLM's family: the script's SmolVLM2
+    and Qwen2.5-VL need torchvision for their processors' video part), with a local dataset of pictures."""
+    from datasets import Dataset, Image
+
+    from tests.tiny_vision import image, saved
+
+    source = trl_example("examples/scripts/grpo_vlm.py")
+    changed = source.replace("from trl import (\n    GRPOConfig,\n    GRPOTrainer,\n",
+                             "from covey import GRPOConfig, GRPOTrainer\nfrom trl import (\n")
+    data = tmp_path / "pictures.parquet"
+    changed = changed.replace('load_dataset("lmms-lab/multimodal-open-r1-8k-verified", split="train")',
+                              f'load_dataset("parquet", data_files={str(data)!r}, split="train")')
+    assert changed.count("from covey import") == 1 and changed.count(str(data)) == 1  # the import and the data only
+    (tmp_path / "grpo_vlm.py").write_text(changed)
+    # the script sets 100 rows apart for evaluation: 4 to train on
+    rows = [{"problem": f"What is {i % 7} + 1?", "solution": f"${i % 7 + 1}$", "image": image(i)} for i in range(104)]
+    Dataset.from_list(rows).cast_column("image", Image()).to_parquet(str(data))
+    model = saved("idefics3", tmp_path / "tiny-smolvlm")
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(tmp_path / "grpo_vlm.py"), "--model_name_or_path", model, "--output_dir",
+                           str(run), "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+                           "--max_completion_length", "8", "--learning_rate", "1e-5", "--logging_steps", "1",
+                           "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--log_completions",
+                           "--report_to", "none"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+                              [str(Path(__file__).parent.parent / "src"), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert {"rewards/think_format_reward/mean", "rewards/accuracy_reward/mean"} <= metrics[0].keys()
+    shown = [part["image"] for line in (run / "completions.jsonl").read_text().splitlines()
+             for part in json.loads(line)["prompt"][1]["content"] if part["type"] == "image"]
+    assert shown and all(label.startswith("image:") for label in shown)  # each prompt showed its picture
+    assert json.loads((run / "final_model" / "adapter_config.json").read_text())["r"] > 0
 
 
 def test_trl_s_parser_reads_covey_s_config_and_a_subclass_of_it():

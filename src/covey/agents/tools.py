@@ -2,8 +2,11 @@
 model by the JSON schema that transformers' ``get_json_schema`` reads from their type hints and
 Google-style docstring, and called with a time limit.
 
-A call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns something
-that is not text gives the model an error message as its result, and the failure is counted.
+A failing call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns
+something that is not text gives the model an error message as its result, and the failure is counted.
+Content parts of text alone (TRL's form of a message) read as their texts; a picture among them (TRL
+lets a tool show one) is refused, stopping the run: covey does not add the pictures of tool messages
+to the conversation.
 
 A run's own tools (not an environment's) are called in a worker process forked for them
 (``ToolWorkers``), which is killed, with every process the tool started, when a call runs past
@@ -118,6 +121,11 @@ def call_tool(tool: Tool, arguments: dict, timeout: float | None, workers: ToolW
         return CallResult(f"error: {tool.name} {e}", True)
     except (Exception, SystemExit) as e:  # the tool's own failure goes back to the model
         return CallResult(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
+    if shows_pictures(value):
+        raise ConfigError(f"the tool {tool.name} returned a picture ({{'type': 'image', ...}} among its content parts, "
+                          "as TRL lets a tool or an environment show one): covey does not add the pictures of a tool's "
+                          "or an environment's message to the conversation; return text (a description of the picture, "
+                          "or its text parts alone)")
     text = result_text(value)
     if text is None:
         return CallResult(f"error: {tool.name} returned a {type(value).__name__}, not text", True)
@@ -128,10 +136,33 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+# the kinds of content part (TRL's convention for a tool's message given as a list of parts) that show a picture
+PICTURE_PARTS = ("image", "image_url")
+
+
+def content_parts(value: Any) -> list[dict] | None:
+    """``value`` as TRL's content parts of a message (a list of ``{"type": "text", "text": ...}`` and
+    ``{"type": "image", "image": ...}``), None where it is not one."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(p, dict) and (p.get("type") in PICTURE_PARTS or
+                                    p.get("type") == "text" and isinstance(p.get("text"), str)) for p in value):
+        return value
+    return None
+
+
+def shows_pictures(value: Any) -> bool:
+    """Whether a tool's result is content parts that show a picture."""
+    return any(part["type"] in PICTURE_PARTS for part in content_parts(value) or ())
+
+
 def result_text(value: Any) -> str | None:
-    """A tool's result as the text the model reads, or None where it is not text-like."""
+    """A tool's result as the text the model reads, or None where it is not text-like: content parts of text
+    alone read as their texts, one after the other (as a chat template writes them)."""
     if isinstance(value, str):
         return value
+    if (parts := content_parts(value)) is not None and not shows_pictures(parts):
+        return "".join(part["text"] for part in parts)
     if isinstance(value, (bool, int, float)):
         return str(value)
     if isinstance(value, (dict, list)):

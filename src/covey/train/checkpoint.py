@@ -41,6 +41,7 @@ from covey.errors import CheckpointError, ConfigError
 from covey.models import is_peft_model
 from covey.train.distributed import sharded_part
 from covey.train.forward import TrainingForward
+from covey.vision.models import save_processor
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
@@ -101,7 +102,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
                     state: dict[str, Any], reference: torch.nn.Module | None = None,
                     total_limit: int | None = None, tokenizer: Any = None, other_processes_rng: list = (),
                     sharded: Path | None = None, model_state: dict | None = None, whole_model: bool = False,
-                    in_flight: list | None = None) -> Path:
+                    in_flight: list | None = None, processor: Any = None) -> Path:
     """Write checkpoint-<step> atomically and keep only the newest ``total_limit``; its path.
     ``optimizer_state``: the optimizer's ``state_dict()`` (whole, where it is sharded over processes),
     or None for a checkpoint of the model alone (save_only_model: ``state`` and the reference are then
@@ -112,7 +113,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
     moved in as ``sharded/``, with ``model/`` beside it only if ``whole_model``; ``model_state``: the whole
     state dict of a sharded model, for ``model/``; ``in_flight``: under async_generation, the rounds
     each process sampled ahead and had not trained yet (``in_flight.pt``, in process order), which a
-    resumed run trains next."""
+    resumed run trains next; ``processor``: a vision-language model's, saved beside the model with its tokenizer."""
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / f"{PREFIX}{step}"
     try:
@@ -124,6 +125,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer_
                     model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
             else:
                 model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
+                save_processor(processor, tmp / "model")  # before its tokenizer, as the final model's
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp / "model")
                 if optimizer_state is None:

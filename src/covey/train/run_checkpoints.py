@@ -72,7 +72,8 @@ def write_checkpoint_here(run: Assembled, state: RunState, other_processes_rng: 
         return save_checkpoint(run.run_dir, state.global_step, policy.model,
                                (optimizer_state or policy.optimizer.state_dict()) if whole and sharded is None else None,
                                saved, moving_reference(run), run.args.save_total_limit, tokenizer,
-                               other_processes_rng, sharded, model_state, whole_model, in_flight)
+                               other_processes_rng, sharded, model_state, whole_model, in_flight,
+                               run.parts.sampler.processor)
 
 
 def restore(run: Assembled, path: Path) -> RunState:
