@@ -152,10 +152,18 @@ def test_out_of_range_values_are_rejected_naming_the_field(values):
         GRPOConfig(**values)
 
 
-def test_the_log_prob_budget_defaults_to_the_pass_s_own():
+def test_the_log_prob_budget_holds_a_micro_batch_s_logits_where_a_quarter_of_the_free_memory_does():
     from covey.core import LOGPROB_CHUNK_BYTES
 
-    assert GRPOConfig().logprob_budget_bytes == LOGPROB_CHUNK_BYTES
+    config = GRPOConfig(per_device_train_batch_size=2, num_generations=2, max_completion_length=511)  # head: 2 x 512
+    whole = 2 * 512 * 151936 * 4  # 622 MB of float32 logits
+    assert config.logprob_budget_bytes(151936, 4 * whole) == whole
+    assert config.logprob_budget_bytes(151936, 4 * whole - 1) == LOGPROB_CHUNK_BYTES  # no room: the default's chunks
+    assert config.logprob_budget_bytes(151936, None) == LOGPROB_CHUNK_BYTES  # the free memory not known
+    assert config.logprob_budget_bytes(1000, 10**12) == LOGPROB_CHUNK_BYTES  # a micro-batch within one chunk
+    asked = GRPOConfig(per_device_train_batch_size=2, num_generations=2, max_completion_length=511,
+                       logprob_budget_mib=64)
+    assert asked.logprob_budget_bytes(151936, 10**12) == 64 * 2**20  # the user's, whatever the room
 
 
 def test_use_vllm_given_as_text_is_read_as_a_bool():

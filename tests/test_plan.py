@@ -311,10 +311,12 @@ def test_the_log_prob_budget_sizes_the_pass_and_the_plan_names_the_one_that_comp
 
     args = GRPOConfig(**{**DEMO, "num_generations": 2, "max_completion_length": 1024, "per_device_train_batch_size": 2},
                       model=str(qwen_like))
-    default = make_plan(args, 1, small_device(64))
+    default = make_plan(args, 1, small_device(4))  # a micro-batch's logits (1.2 GB) over a quarter of the memory
     tokens = 2 * 1024  # the micro-batch's completion tokens, past the default's 220-token chunk
     whole_mib = -(-tokens * 151936 * 4 // 2**20)  # 1187
     assert default.settings.logprob_chunk == 220
+    roomy = make_plan(args, 1, small_device(8))  # room for them: the budget left to covey holds them all
+    assert roomy.settings.logprob_chunk >= tokens and "holds every logit" not in plan_text(roomy)
     assert f"logprob_budget_mib: {whole_mib} holds every logit" in plan_text(default)
     whole = replan(default, logprob_budget_mib=whole_mib)
     smaller = replan(default, logprob_budget_mib=whole_mib - 1)

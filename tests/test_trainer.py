@@ -103,6 +103,25 @@ def test_every_log_prob_pass_of_a_run_takes_its_budget(tmp_path, tokenizer, tiny
     assert {grad for _, grad in seen} == {True, False}  # passes that train and passes that do not
 
 
+def test_a_budget_left_to_covey_holds_a_micro_batch_s_logits_where_the_memory_free_has_room(tmp_path, tokenizer,
+                                                                                            monkeypatch):
+    """logprob_budget_mib: None (the default): the passes get a micro-batch's whole logits where they take at most
+    a quarter of the memory free once the model is loaded, else the default chunks (made small here, so the tiny
+    model's logits are past them)."""
+    import covey.core.logprobs as logprobs
+    import covey.train.setup as setup
+    from covey.plan import Device
+
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK_BYTES", 4096)
+    args = small_args(tmp_path, max_steps=1, eval_max_samples=0)
+    whole = args.per_device_train_batch_size * (args.max_completion_length + 1) * len(tokenizer) * 4
+    for free, budget in ((4 * whole, whole), (4 * whole - 1, 4096)):
+        monkeypatch.setattr(setup, "this_device", lambda *a, **k: Device("test", "cpu", free, free))
+        trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], args=args, train_dataset=ROWS,
+                              processing_class=tokenizer, quiet=True)
+        assert trainer.parts.policy.logprob_budget_bytes == budget
+
+
 def test_the_saved_tokenizer_pads_as_the_one_given(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 

@@ -220,7 +220,7 @@ class GRPOConfig:
     bf16: bool | None = _f(None, "run forward passes under bfloat16 autocast (faster on recent CPUs and GPUs; None: on a CUDA GPU that has it, unless use_cpu, as TRL)")
     rollout_bf16: bool | None = _f(None, "sample in bfloat16 (fast, hf engines): faster on GPUs and AMX CPUs, log-probs then corrected (None = with bf16 or on a GPU)")
     gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
-    logprob_budget_mib: int = _f(128, "MiB of float32 logits the log-prob pass makes at once and keeps for its backward: larger computes fewer logits twice (faster past it), smaller lowers the peak (docs/training.md)")
+    logprob_budget_mib: int | None = _f(None, "MiB of float32 logits the log-prob pass makes at once and keeps for its backward: larger computes fewer logits twice (faster past it), smaller lowers the peak (None: a micro-batch's logits whole where they take at most a quarter of the memory free, else 128; docs/training.md)")
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
     keep_freed_memory: bool = _f(True, "on Linux, the C library keeps freed CPU memory for reuse while training: half the page faults, a lower peak (process-wide)")
     memory_check: bool = _f(True, "before loading the model, estimate a step's peak memory (covey plan) and refuse a run estimated at over 1.5x the device's memory (false: train anyway)")
@@ -349,11 +349,6 @@ class GRPOConfig:
         """'4bit' or '8bit' (load_in_4bit, load_in_8bit), else None."""
         return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
 
-    @property
-    def logprob_budget_bytes(self) -> int:
-        """logprob_budget_mib in bytes."""
-        return self.logprob_budget_mib * 2**20
-
     def sample_in_bf16(self, device: Any) -> bool:
         """Whether the local engines sample in bfloat16 on ``device`` (see rollout_bf16)."""
         if self.rollout_bf16 is not None:
@@ -402,6 +397,14 @@ class GRPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def logprob_budget_bytes(self, vocab: int, free_bytes: int | None) -> int:
+        """The log-prob pass's budget for a model of ``vocab`` tokens with ``free_bytes`` of memory free
+        (``core.logprob_budget``): the head runs on a micro-batch's completion tokens and its prompts' last
+        positions."""
+        return core.logprob_budget(self.logprob_budget_mib,
+                                   self.per_device_train_batch_size * (self.max_completion_length + 1), vocab,
+                                   free_bytes)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

@@ -221,7 +221,7 @@ def optimizer(c: GRPOConfig, need: Need) -> None:
     need(not (c.warmup_steps and c.warmup_ratio),
          f"warmup_steps={c.warmup_steps:g} and warmup_ratio={c.warmup_ratio} both set the warmup; keep one")
     need(c.max_grad_norm >= 0, f"max_grad_norm={c.max_grad_norm} must be >= 0")
-    need(c.logprob_budget_mib >= 1, f"logprob_budget_mib={c.logprob_budget_mib} must be at least 1 (MiB of the "
+    need(c.logprob_budget_mib is None or c.logprob_budget_mib >= 1, f"logprob_budget_mib={c.logprob_budget_mib} must be at least 1 (MiB of the "
          "log-prob pass's float32 logits)")
     need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1 and c.adam_epsilon > 0 and c.weight_decay >= 0,
          f"AdamW settings out of range: adam_beta1={c.adam_beta1}, adam_beta2={c.adam_beta2} (each in [0, 1)), "

@@ -34,7 +34,7 @@ from covey.core.advantages import (ADVANTAGE_EPS, REWARD_AGGREGATIONS, REWARD_SC
 from covey.core.corrections import (ENGINE_CORRECTION_MODES, EngineCorrection, engine_importance_weights, high_entropy_mask,
                                     off_policy_mask)
 from covey.core.logprobs import (LOGPROB_CHUNK_BYTES, LOGPROB_CHUNK_TOKENS, TokenDistribution, completion_mask,
-                                 entropy_of, length_mask, log_softmax_backward, logprob_at, logprob_chunk_tokens,
+                                 entropy_of, length_mask, log_softmax_backward, logprob_at, logprob_budget, logprob_chunk_tokens,
                                  logprob_working_rows, softmax_backward, token_logprobs, truncated_away)
 from covey.core.loss import (IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_NORMALISERS, LOSS_TYPES, LossStats, LossType,
                              policy_loss, reported_metrics)
@@ -45,7 +45,7 @@ __all__ = [
     "ADVANTAGE_EPS", "ENGINE_CORRECTION_MODES", "IMPORTANCE_LEVELS", "KL_ESTIMATORS", "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_TOKENS", "LOSS_NORMALISERS", "LOSS_TYPES",
     "POLICY_OBJECTIVES", "REWARD_AGGREGATIONS", "REWARD_SCALES", "BatchCounts", "EngineCorrection", "EntropyBonus",
     "LossSettings", "LossStats", "LossType", "Objective", "PolicyTerms", "TokenDistribution", "advantages_from_rewards",
-    "completion_mask", "engine_importance_weights", "entropy_of", "group_advantages", "high_entropy_mask", "length_mask", "log_softmax_backward", "logprob_at", "logprob_chunk_tokens", "logprob_working_rows",
+    "completion_mask", "engine_importance_weights", "entropy_of", "group_advantages", "high_entropy_mask", "length_mask", "log_softmax_backward", "logprob_at", "logprob_budget", "logprob_chunk_tokens", "logprob_working_rows",
     "nanstd", "off_policy_mask", "policy_loss", "reported_metrics", "softmax_backward", "token_logprobs", "truncated_away",
     "vespo_weights", "weighted_reward_sum",
 ]

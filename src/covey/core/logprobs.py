@@ -15,8 +15,8 @@ LOGPROB_CHUNK_TOKENS = 128
 """Rows of logits ``token_logprobs`` turns into float32 log-softmaxes at once (its working copies)."""
 
 LOGPROB_CHUNK_BYTES = 128 * 2**20
-"""The output head's default budget in the log-prob pass (``covey.train.head``; a run sets its own with
-``logprob_budget_mib``): the head runs on as many completion tokens at once as have float32 logits within
+"""The output head's budget in the log-prob pass (``covey.train.head``) where a micro-batch's logits do not
+fit a quarter of the free memory (``logprob_budget``; a run sets its own with ``logprob_budget_mib``): the head runs on as many completion tokens at once as have float32 logits within
 it (``logprob_chunk_tokens``: 682 tokens of a vocabulary of 49,152, 220 of Qwen's 151,936), so a
 micro-batch that fits runs in one chunk; in a pass with a gradient the forward keeps, for the chunks that
 fit the same budget (the last), their float32 softmax in place of their logits, which the backward turns
@@ -28,6 +28,19 @@ times); beside them, per token, its hidden state and two float32 results, and on
 accumulator of the head weight's gradient where the weight trains. A frozen head (LoRA) keeps no chunk:
 per token, the slopes of its log-prob (and entropy) in the hidden state. A larger budget makes fewer and
 larger matrix products and computes fewer logits twice; a smaller one lowers the peak."""
+
+
+def logprob_budget(asked_mib: int | None, head_tokens: int, vocab: int, free_bytes: int | None) -> int:
+    """The log-prob pass's budget in bytes: ``asked_mib`` (``logprob_budget_mib``) where given; else every
+    float32 logit of a micro-batch (``head_tokens`` x ``vocab``: computed once, none again in the backward)
+    where they take at most a quarter of ``free_bytes``, the memory free once the model is loaded (None:
+    not known), else ``LOGPROB_CHUNK_BYTES``."""
+    if asked_mib is not None:
+        return asked_mib * 2**20
+    whole = head_tokens * vocab * 4
+    if whole <= LOGPROB_CHUNK_BYTES or free_bytes is None or whole > free_bytes // 4:
+        return LOGPROB_CHUNK_BYTES
+    return whole
 
 
 def logprob_chunk_tokens(vocab: int, budget: int | None = None) -> int:

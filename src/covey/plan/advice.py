@@ -31,7 +31,7 @@ def candidate_changes(plan) -> list[tuple[dict, int]]:
     """(config changes, processes) worth trying for ``plan``, single changes in order of cost to the run."""
     args, s = plan.args, plan.settings
     out: list[tuple[dict, int]] = []
-    if args.logprob_budget_mib > LOGPROB_CHUNK_BYTES // 2**20:  # the default: slower, no change to the run
+    if args.logprob_budget_bytes(plan.shape.vocab, plan.device.available) > LOGPROB_CHUNK_BYTES:  # slower, same run
         out.append(({"logprob_budget_mib": LOGPROB_CHUNK_BYTES // 2**20}, s.processes))
     if args.per_device_train_batch_size > 1:
         micro = args.per_device_train_batch_size

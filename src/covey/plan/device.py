@@ -29,7 +29,7 @@ def this_device(use_cpu: bool = False, processes: int = 1) -> Device:
         free, total = torch.cuda.mem_get_info()
         return Device(torch.cuda.get_device_name(), "cuda", total, free)
     total, available = ram_bytes()
-    name = f"this machine's RAM" + (f", shared by {processes} processes" if processes > 1 else "")
+    name = "this machine's RAM" + (f", shared by {processes} processes" if processes > 1 else "")
     return Device(name, "cpu", total // processes, available // processes, resident_bytes())
 
 

@@ -3,7 +3,6 @@ the device, and the same plan with other settings (``replan``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -68,7 +67,7 @@ def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes:
         engine_copies_weights=engine == "fast" and device.kind == "cpu" and not _decode_kernel_runs(),
         vllm_share_bytes=int(args.vllm_gpu_memory_utilization * device.total) if engine == "vllm" else 0,
         eager_attention=args.attn_implementation == "eager", head_in_float32=args.cast_lm_head_to_fp32,
-        logprob_chunk=logprob_chunk_tokens(shape.vocab, args.logprob_budget_bytes),
+        logprob_chunk=logprob_chunk_tokens(shape.vocab, args.logprob_budget_bytes(shape.vocab, device.available)),
         accumulating=args.gradient_accumulation_steps > 1,
         entropy_bonus=args.entropy_coef > 0 or args.use_adaptive_entropy)
 

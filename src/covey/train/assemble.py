@@ -129,8 +129,9 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if agent is not None:  # a turn ends at any of the model's end tokens
         agent = dataclasses.replace(agent, eos_ids=eos_ids)
     given_engine = handed.rollout_engine
+    logprob_budget = setup.logprob_budget(args, policy, world)
     sharded = (None if sharding is None else
-               setup.shard_run(args, sharding, policy, reference, given_engine is not None, world))
+               setup.shard_run(args, sharding, policy, reference, given_engine is not None, world, logprob_budget))
     sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model
     engine = given_engine or setup.build_engine(args, sampled, tokenizer, eos_ids)
     check(ENGINE_RULES, args, engine, rollout_func is not None)
@@ -158,7 +159,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
                       processor)
     sharded_passes = () if sharded is None else (sharded.policy_pass, sharded.reference_pass)
     policy_parts = Policy(policy, reference, optimizer, scheduler, *sharded_passes,
-                          logprob_budget_bytes=args.logprob_budget_bytes)
+                          logprob_budget_bytes=logprob_budget)
     parts = StepParts(args, world, policy_parts, sampler, prompts, rewards,
                       setup.loss_settings(args, setup.router_aux_loss_coef(args, policy)))
     if model is None or isinstance(model, str):

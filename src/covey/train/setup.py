@@ -20,6 +20,7 @@ from covey.config import GRPOConfig
 from covey.data import EMPTY_PROMPT, extra_columns, first_rows, heldout_rows, is_stream, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError, warn
+from covey.plan import this_device
 from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
                           disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
                           merged_model, plain_model, quiet_transformers, resolve_model_path)
@@ -315,16 +316,24 @@ class ShardedRun:
     policy_copy: PolicyCopy | None
 
 
+def logprob_budget(args: GRPOConfig, policy: torch.nn.Module, world: World) -> int:
+    """The log-prob pass's budget in bytes (``GRPOConfig.logprob_budget_bytes``) for the policy's vocabulary, with
+    the memory its device has free now that it is loaded (each process's share of the CPU's)."""
+    vocab = plain_model(policy).get_output_embeddings().weight.shape[0]
+    return args.logprob_budget_bytes(vocab, this_device(args.use_cpu, world.size).available)
+
+
 def shard_run(args: GRPOConfig, sharding: Sharding, policy: torch.nn.Module, reference: Reference | None,
-              own_engine: bool, world: World) -> ShardedRun:
+              own_engine: bool, world: World, logprob_budget: int) -> ShardedRun:
     """The policy and the frozen reference sharded over the processes (each wrapped in the pass that runs
-    it, the root unit); ``own_engine``: the run brings its own engine (no copy is made for it). In one
-    process nothing is sharded, but the run is one (its checkpoints are shards, of one process)."""
+    it, the root unit, with ``logprob_budget``); ``own_engine``: the run brings its own engine (no copy is
+    made for it). In one process nothing is sharded, but the run is one (its checkpoints are shards, of one
+    process)."""
     one = world.size == 1
     copy = None if one or own_engine or engine_name(args) not in ENGINES_IN_PROCESS else PolicyCopy(policy)  # first
 
     def wrapped(model: torch.nn.Module, trained: bool) -> torch.nn.Module:
-        logprob_pass = TrainingForward(model, args.logprob_budget_bytes)
+        logprob_pass = TrainingForward(model, logprob_budget)
         return logprob_pass if one else shard(logprob_pass, sharding, args.bf16, trained)
 
     frozen = None if reference is None else reference.frozen
