@@ -41,7 +41,7 @@ from covey.vision.fit import check_processor_fits
 STREAM_WINDOW_ROUNDS = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class Assembled:
     """A run, ready to train: its step's parts and what the trainer keeps beside them."""
 
