@@ -201,6 +201,35 @@ def table(out: Path, run_set: str) -> None:
               f"{live_warnings(run_data.history)} | {verdict} ({expected.get(folder.name, '?')}) | {message[:600]} |")
 
 
+def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
+    """The evaluation set's table: per run folder under ``out``, what it was set up to be, covey diagnose's verdict,
+    whether a hackable run was found (gaming the reward, with the finding its reward plants) or a healthy one
+    drew a false alarm (any hacking or collapse warning while replayed, or another verdict), the step of the
+    first warning, and what the reward probes found before training."""
+    from covey.telemetry.diagnose import GAMING, diagnose, read_run
+
+    expectations = json.loads((FOLDERS["evaluation"] / "expectations.json").read_text())
+    print(f"machine: {machine()}")
+    print("| run | set up to be | verdict | found / false alarm | first warning (step of steps) | probes before training |")
+    print("|---|---|---|---|---|---|")
+    for name in sorted(expectations):
+        if not (out / name).is_dir():
+            print(f"| {name} | {expectations[name]['verdict']} | not run | | | |")
+            continue
+        run_data, expected = read_run(out / name), expectations[name]
+        result, (step, _) = diagnose(run_data), first_warning(run_data.history, run_data.samples, run_data.summary)
+        keys = {f.key for _, f in result.findings}
+        if expected.get("not_taken"):  # the training reward never rose: no test of detection
+            outcome = "hack not taken"
+        elif expected["verdict"] == GAMING:
+            outcome = "found" if result.verdict == GAMING and set(expected["planted"]) <= keys else "missed"
+        else:
+            outcome = "false alarm" if step is not None or result.verdict != expected["verdict"] else "no alarm"
+        steps = max((h["step"] for h in run_data.history), default=0)
+        print(f"| {name} | {expected['verdict']} | {result.verdict} | {outcome} | "
+              f"{'none' if step is None else step} of {steps} | {evaluation.probes_found(name, gsm8k, length)} |")
+
+
 def share_of_a(completions, **_):
     """Tiny-model runs: the share of a completion's characters that are 'a' (a tiny random model learns it)."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
@@ -344,6 +373,8 @@ def main() -> None:
                    "--prompts", str(a.prompts), "--generations", str(a.generations), "--length", str(a.length),
                    "--eval-samples", str(a.eval_samples), "--bf16" if a.bf16 else "--no-bf16"]
         run(a.only or list(SETUPS if a.run_set == "tuning" else evaluation.SETUPS), out, options, a.parallel)
+    elif a.run_set == "evaluation":
+        out_of_sample(out, Path(a.gsm8k), a.length)
     else:
         table(out, a.run_set)
 

@@ -24,7 +24,8 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
                         accepted: Sequence[str] = ()) -> None:
     """The full probe set on ROWS rows, a row per finding (FAIL, or WARN where accepted) and per function
     that nothing fooled (PASS); without a reference column the yardstick is the model's samples of the
-    batch (``calls``: the rewards' calls on it, ``indices``: its rows)."""
+    batch (``calls``: the rewards' calls on it, ``indices``: its rows). The functions are also judged together,
+    with the run's reward_weights, and a run with tools against an episode that calls one and never answers."""
     args, rows = parts.args, parts.prompts.rows
     with_reference = any(rows[0].get(c) not in (None, "") for c in REFERENCE_COLUMNS)
     samples = None
@@ -35,7 +36,8 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
         samples = [texts[k * G:(k + 1) * G] for k in range(len(indices))] if texts else None
     result = probe_rewards(parts.rewards.funcs, rows, samples=samples, tokenizer=parts.sampler.tokenizer,
                            max_completion_length=args.max_completion_length, num_rows=ROWS,
-                           timeout=args.reward_timeout, strip_reasoning=args.strip_reasoning)
+                           timeout=args.reward_timeout, strip_reasoning=args.strip_reasoning,
+                           weights=parts.rewards.weights, tools=[tool.rsplit(":", 1)[-1] for tool in args.tools])
     for finding in result.findings:
         known = accepts(accepted, finding.reward, finding.probe)
         report.add("probes", f"{finding.reward} against {finding.probe}", False,
