@@ -213,7 +213,7 @@ def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
     print("| run | set up to be | verdict | found / false alarm | first warning (step of steps) | probes before training |")
     print("|---|---|---|---|---|---|")
     for name in sorted(expectations):
-        if not (out / name).is_dir():
+        if not (out / name / "metrics.jsonl").exists():
             print(f"| {name} | {expectations[name]['verdict']} | not run | | | |")
             continue
         run_data, expected = read_run(out / name), expectations[name]
@@ -288,14 +288,16 @@ FOLDERS = {"tuning": DATA, "evaluation": DATA / "evaluation"}  # where each set'
 def intended(run_set: str) -> dict[str, str]:
     """The verdict each run of ``run_set`` was set up to get, from its expectations.json."""
     return {name: e["verdict"] for name, e in json.loads((FOLDERS[run_set] / "expectations.json").read_text()).items()}
+
+
 KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
              "completions/mean_length", "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
 
 
 def record(name: str, out: Path, run_set: str) -> None:
-    """Keep a run's history small in ``into``/NAME for the tests: the metrics the rules read and the completions
-    of the first and last three recorded steps. What the run must get is written by hand in
-    tests/data/hacking/expectations.json, never from covey's own verdict: a run set up to learn that did not
+    """Keep a run's history small in the set's folder (``FOLDERS``)/NAME for the tests: the metrics the rules read
+    and the completions of the first and last three recorded steps. What the run must get is written by hand in
+    the folder's expectations.json, never from covey's own verdict: a run set up to learn that did not
     learn is run again (another seed), not recorded."""
     import shutil
 

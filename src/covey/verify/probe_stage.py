@@ -26,7 +26,7 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
     that nothing fooled (PASS); without a reference column the yardstick is the model's samples of the
     batch (``calls``: the rewards' calls on it, ``indices``: its rows). The functions are also judged together,
     with the run's reward_weights, and a run with tools against an episode that calls one and never answers."""
-    args, rows = parts.args, parts.prompts.rows
+    args, rows, agent = parts.args, parts.prompts.rows, parts.sampler.agent
     with_reference = any(rows[0].get(c) not in (None, "") for c in REFERENCE_COLUMNS)
     samples = None
     if not with_reference:
@@ -37,7 +37,7 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
     result = probe_rewards(parts.rewards.funcs, rows, samples=samples, tokenizer=parts.sampler.tokenizer,
                            max_completion_length=args.max_completion_length, num_rows=ROWS,
                            timeout=args.reward_timeout, strip_reasoning=args.strip_reasoning,
-                           weights=parts.rewards.weights, tools=[tool.rsplit(":", 1)[-1] for tool in args.tools])
+                           weights=parts.rewards.weights, tools=[t.name for t in agent.tools] if agent else ())
     for finding in result.findings:
         known = accepts(accepted, finding.reward, finding.probe)
         report.add("probes", f"{finding.reward} against {finding.probe}", False,
