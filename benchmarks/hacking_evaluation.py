@@ -192,6 +192,18 @@ def tiny_run(name: str, out: Path, steps: int, gsm8k_folder: Path) -> None:
                 tool_call_format=call_format() if call_format else None).train()
 
 
+def described(name: str) -> str:
+    """A run's model, task and rewards, in a few words."""
+    if name in SETUPS:
+        funcs, _, fields, _ = SETUPS[name]
+        model, task = "default model", fields["dataset"]
+    else:
+        build, seed, reward, rows_of = TINY[name]
+        funcs, model, task = [reward], f"{build.__name__.replace('_', ' ')} (seed {seed})", rows_of.__name__
+    names = ", ".join(f if isinstance(f, str) else f.__name__ for f in funcs)
+    return f"{model}, {task}: {names}"
+
+
 def probes_found(name: str, gsm8k_folder: Path, length: int) -> str:
     """What the reward probes find in a run's rewards before training, called as covey verify's probes stage
     calls them (8 rows of the run's training data, its reward_weights and tools; the default model's runs with
@@ -208,7 +220,9 @@ def probes_found(name: str, gsm8k_folder: Path, length: int) -> str:
         length = fields.get("max_completion_length", length)
     else:
         _, _, reward, rows_of = TINY[name]
-        funcs, weights, tools, tokenizer, length = [reward], None, [], make_tokenizer(), 16
+        fields = TOOL_RUNS.get(name, ({}, None))[0]
+        funcs, weights, tools, tokenizer = [reward], None, fields.get("tools", []), make_tokenizer()
+        length = fields.get("max_completion_length", 16)
         rows = rows_of(gsm8k_folder, "train", 32)
     if not any(column in rows[0] for column in REFERENCE_COLUMNS):
         return "not probed: no reference answer"

@@ -210,11 +210,12 @@ def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
 
     expectations = json.loads((FOLDERS["evaluation"] / "expectations.json").read_text())
     print(f"machine: {machine()}")
-    print("| run | set up to be | verdict | found / false alarm | first warning (step of steps) | probes before training |")
-    print("|---|---|---|---|---|---|")
+    print("| run | model, task: rewards | set up to be | verdict | found / false alarm | first warning (step of steps) "
+          "| probes before training |")
+    print("|---|---|---|---|---|---|---|")
     for name in sorted(expectations):
         if not (out / name / "metrics.jsonl").exists():
-            print(f"| {name} | {expectations[name]['verdict']} | not run | | | |")
+            print(f"| {name} | {evaluation.described(name)} | {expectations[name]['verdict']} | not run | | | |")
             continue
         run_data, expected = read_run(out / name), expectations[name]
         result, (step, _) = diagnose(run_data), first_warning(run_data.history, run_data.samples, run_data.summary)
@@ -226,7 +227,7 @@ def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
         else:
             outcome = "false alarm" if step is not None or result.verdict != expected["verdict"] else "no alarm"
         steps = max((h["step"] for h in run_data.history), default=0)
-        print(f"| {name} | {expected['verdict']} | {result.verdict} | {outcome} | "
+        print(f"| {name} | {evaluation.described(name)} | {expected['verdict']} | {result.verdict} | {outcome} | "
               f"{'none' if step is None else step} of {steps} | {evaluation.probes_found(name, gsm8k, length)} |")
 
 
