@@ -82,26 +82,26 @@ SETUPS = {
 }
 
 
-def tiny_llama(vocab_size: int, seed: int, layers: int = 3):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny(family: str, vocab_size: int, seed: int, layers: int):
+    """A tiny random model of a transformers family ("Llama", "Qwen2"), as tests/conftest.py's, with room for
+    GSM8K's prompts."""
     import torch
+    import transformers
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=1024, bos_token_id=2, eos_token_id=3,
-                                        pad_token_id=0, tie_word_embeddings=True))
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+        tie_word_embeddings=True)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def tiny_llama(vocab_size: int, seed: int):
+    return _tiny("Llama", vocab_size, seed, layers=3)
 
 
 def tiny_qwen2(vocab_size: int, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    import torch
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=1024, bos_token_id=2, eos_token_id=3,
-                                        pad_token_id=0, tie_word_embeddings=True))
+    return _tiny("Qwen2", vocab_size, seed, layers=2)
 
 
 def gsm8k(folder: Path, split: str, n: int) -> list[dict]:
@@ -121,7 +121,7 @@ def arithmetic(_: Path, split: str, n: int) -> list[dict]:
 def multiplication(_: Path, split: str, n: int) -> list[dict]:
     from covey.data.tasks import multiplication as task
 
-    return task("train" if split == "train" else "test")[:n]
+    return task(split)[:n]
 
 
 def star_calls():
