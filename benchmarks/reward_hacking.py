@@ -204,9 +204,9 @@ def table(out: Path, run_set: str) -> None:
 def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
     """The evaluation set's table: per run folder under ``out``, what it was set up to be, covey diagnose's verdict,
     whether a hackable run was found (gaming the reward, with the finding its reward plants) or a healthy one
-    drew a false alarm (any hacking or collapse warning while replayed, or another verdict), the step of the
+    drew a false alarm (any hacking or collapse warning while replayed, or either verdict), the step of the
     first warning, and what the reward probes found before training."""
-    from covey.telemetry.diagnose import GAMING, diagnose, read_run
+    from covey.telemetry.diagnose import COLLAPSED, GAMING, diagnose, read_run
 
     expectations = json.loads((FOLDERS["evaluation"] / "expectations.json").read_text())
     print(f"machine: {machine()}")
@@ -225,7 +225,7 @@ def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
         elif expected["verdict"] == GAMING:
             outcome = "found" if result.verdict == GAMING and set(expected["planted"]) <= keys else "missed"
         else:
-            outcome = "false alarm" if step is not None or result.verdict != expected["verdict"] else "no alarm"
+            outcome = "false alarm" if step is not None or result.verdict in (GAMING, COLLAPSED) else "no alarm"
         steps = max((h["step"] for h in run_data.history), default=0)
         print(f"| {name} | {evaluation.described(name)} | {expected['verdict']} | {result.verdict} | {outcome} | "
               f"{'none' if step is None else step} of {steps} | {evaluation.probes_found(name, gsm8k, length)} |")
