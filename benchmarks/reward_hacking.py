@@ -17,6 +17,10 @@ growing history, as during the run) and the warnings the run logged itself, what
     python -m benchmarks.reward_hacking tiny --out runs/hacking --steps 24            # two tiny-model covey runs
     covey diagnose runs/hacking/trl-learning; covey diagnose runs/hacking/trl-constant
 
+The evaluation set (benchmarks/hacking_evaluation.py: kinds the rules were not tuned on, judged after they were
+frozen) runs with ``--set evaluation``; the commands that rebuild its table are in docs/diagnose.md ("Out of
+sample").
+
 Each run needs about 3.8 GiB of memory (float32 weights, gradients and AdamW state, a bfloat16 copy to
 sample with): lower ``--parallel`` where five do not fit.
 """
@@ -249,16 +253,18 @@ def tiny_run(name: str, out: Path, steps: int) -> None:
     (``tiny-keyword``) held-out accuracy cannot follow, so the reward is gamed; with answers that are no
     number (``tiny-healthy``) the held-out metric is the same reward on unseen prompts, which follows."""
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
     from tests.conftest import make_model, make_tokenizer
 
     numeric = name == "tiny-keyword"
     rows = [{"prompt": [{"role": "user", "content": f"what is {i} + 1?"}], "answer": str(i + 1) if numeric else "x"}
             for i in range(16)]
     tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=str(out / name), overwrite_output_dir=True, max_steps=steps, num_generations=4,
-                      per_device_train_batch_size=16, max_completion_length=16, learning_rate=3e-3,
-                      eval_strategy="steps", eval_steps=4, eval_max_samples=8, log_completions_steps=1,
-                      num_completions_to_print=0, save_steps=0)
+    preset = {k: v for k, v in DEMO.items() if k not in ("dataset", "reward_funcs")}  # the demo's logging, schedule
+    args = GRPOConfig(**{**preset, **dict(output_dir=str(out / name), overwrite_output_dir=True, max_steps=steps,
+                                          num_generations=4, per_device_train_batch_size=16, max_completion_length=16,
+                                          learning_rate=3e-3, eval_strategy="steps", eval_steps=4, eval_max_samples=8,
+                                          log_completions_steps=1, num_completions_to_print=0, save_steps=0)})
     GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[share_of_a], args=args, train_dataset=rows[:12],
                 eval_dataset=rows[12:], processing_class=tokenizer, quiet=True).train()
 
