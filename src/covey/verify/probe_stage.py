@@ -54,7 +54,7 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
                    warn_only=True)
     named = {reward_name(f) for f in parts.rewards.funcs}
     for name in accepted:
-        if name.split(":", 1)[0] not in named:
+        if not set(name.split(":", 1)[0].split("+")) <= named:  # a finding of functions together joins them by +
             report.add("probes", f"--accept-probe {name}", False, "no such reward function",
                        f"the reward functions are {', '.join(sorted(named))}: name one as FUNCTION or FUNCTION:PROBE",
                        warn_only=True)
