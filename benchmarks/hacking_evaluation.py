@@ -181,8 +181,7 @@ def tiny_run(name: str, out: Path, steps: int, gsm8k_folder: Path) -> None:
     tokenizer = make_tokenizer()
     sizes = dict(output_dir=str(out / name), overwrite_output_dir=True, max_steps=steps, num_generations=4,
                  per_device_train_batch_size=16, max_completion_length=16, max_prompt_length=1000, learning_rate=3e-3,
-                 seed=seed,
-                 eval_strategy="steps", eval_steps=4, eval_max_samples=8, log_completions_steps=1,
+                 seed=seed, eval_strategy="steps", eval_steps=4, eval_max_samples=8, log_completions_steps=1,
                  num_completions_to_print=0, save_steps=0)
     preset = {k: v for k, v in DEMO.items() if k not in ("dataset", "reward_funcs")}  # the demo's logging, schedule
     fields, call_format = TOOL_RUNS.get(name, ({}, None))
