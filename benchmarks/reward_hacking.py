@@ -17,6 +17,10 @@ growing history, as during the run) and the warnings the run logged itself, what
     python -m benchmarks.reward_hacking tiny --out runs/hacking --steps 24            # two tiny-model covey runs
     covey diagnose runs/hacking/trl-learning; covey diagnose runs/hacking/trl-constant
 
+The evaluation set (benchmarks/hacking_evaluation.py: kinds the rules were not tuned on, judged after they were
+frozen) runs with ``--set evaluation``; the commands that rebuild its table are in docs/diagnose.md ("Out of
+sample").
+
 Each run needs about 3.8 GiB of memory (float32 weights, gradients and AdamW state, a bfloat16 copy to
 sample with): lower ``--parallel`` where five do not fit.
 """
@@ -31,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import hacking_evaluation as evaluation
 from benchmarks.common import machine
 
 
@@ -69,20 +74,33 @@ def seed_of(name: str) -> int:
     return int(name.rsplit("-seed", 1)[1]) if "-seed" in name else 42
 
 
+def setup(name: str) -> tuple[list, list[float] | None, dict]:
+    """A default-model setup of either set: its reward functions, their weights, and its config fields (the task,
+    the seed, the tools)."""
+    if name in SETUPS:
+        funcs, weights, _ = SETUPS[name]
+        return funcs, weights, {"dataset": "arithmetic", "seed": seed_of(name)}
+    funcs, weights, fields, _ = evaluation.SETUPS[name]
+    return funcs, weights, fields
+
+
 def train(name: str, out: Path, steps: int, eval_steps: int, learning_rate: float, prompts: int, generations: int,
           length: int, eval_samples: int, bf16: bool) -> None:
     """One run, small enough for a shared 2-core CPU: ``prompts`` x ``generations`` completions of at most
     ``length`` tokens a step (the fast engine), held-out accuracy on ``eval_samples`` problems every
-    ``eval_steps`` steps; every completion recorded."""
+    ``eval_steps`` steps; every completion recorded. The demo preset's schedule and logging (a constant learning
+    rate, every step logged) under the sizes given."""
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
 
-    funcs, weights, _ = SETUPS[name]
-    args = GRPOConfig(dataset="arithmetic", reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
-                      seed=seed_of(name), eval_strategy="steps", eval_steps=eval_steps,
-                      eval_max_samples=eval_samples, log_completions_steps=1, max_completion_length=length,
-                      num_generations=generations, per_device_train_batch_size=prompts * generations,
-                      bf16=bf16, rollout_engine="fast", num_completions_to_print=0, save_steps=0,
-                      output_dir=str(out / name), overwrite_output_dir=True)
+    funcs, weights, fields = setup(name)
+    sizes = dict(reward_weights=weights, max_steps=steps, learning_rate=learning_rate,
+                 eval_strategy="steps", eval_steps=eval_steps, eval_max_samples=eval_samples, log_completions_steps=1,
+                 max_completion_length=length, num_generations=generations,
+                 per_device_train_batch_size=prompts * generations, bf16=bf16, rollout_engine="fast",
+                 num_completions_to_print=0, save_steps=0, output_dir=str(out / name), overwrite_output_dir=True)
+    preset = {k: v for k, v in DEMO.items() if k != "reward_funcs"}  # the trainer is given the setup's
+    args = GRPOConfig(**{**preset, **sizes, **fields})  # a setup's own fields (the tool task's length) win
     trainer = GRPOTrainer(args=args, reward_funcs=funcs, quiet=True)
     trainer.train()
 
@@ -155,7 +173,7 @@ def live_warnings(history: list[dict]) -> str:
                      if k.startswith("health/")) or "none"
 
 
-def table(out: Path) -> None:
+def table(out: Path, run_set: str) -> None:
     """One row per run folder under ``out`` (covey's or TRL's): the training reward's first and last four
     logged steps, held-out accuracy at each evaluation, the step where the held-out accuracy shows gaming
     began, the step covey first warned (replayed) and what the run logged live, the verdict against the one
@@ -164,6 +182,7 @@ def table(out: Path) -> None:
 
     from covey.telemetry.diagnose import diagnose, read_run
 
+    expected = intended(run_set)
     print(f"machine: {machine()}")
     print("| run | training reward (first 4 -> last 4 steps) | held-out accuracy (step: value) | gaming began "
           "(held-out) | covey warned (replayed) | logged live (health/*) | verdict (set up to be) | first warning |")
@@ -182,9 +201,40 @@ def table(out: Path) -> None:
                               if isinstance(h.get("eval/mean_reward"), (int, float))) or "none during training")
         step, message = first_warning(run_data.history, run_data.samples, run_data.summary)
         verdict = diagnose(run_data).verdict
-        intended = INTENDED.get(folder.name, "?")
         print(f"| {folder.name} | {moved} | {evals} | {gaming_began(heldout)} | {step} | "
-              f"{live_warnings(run_data.history)} | {verdict} ({intended}) | {message[:600]} |")
+              f"{live_warnings(run_data.history)} | {verdict} ({expected.get(folder.name, '?')}) | {message[:600]} |")
+
+
+def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
+    """The evaluation set's table: per run folder under ``out``, what it was set up to be, covey diagnose's verdict,
+    whether a hackable run was found (gaming the reward, with the finding its reward plants) or a healthy one
+    drew a false alarm (any hacking or collapse warning while replayed, or either verdict), the step of the
+    first warning, and what the reward probes found before training."""
+    from covey.telemetry.diagnose import COLLAPSED, GAMING, diagnose, read_run
+
+    expectations = json.loads((FOLDERS["evaluation"] / "expectations.json").read_text())
+    print(f"machine: {machine()}")
+    print("| run | model, task: rewards | set up to be | verdict | found / false alarm | first warning (step of steps) "
+          "| probes before training |")
+    print("|---|---|---|---|---|---|---|")
+    for name in sorted(expectations):
+        if not (out / name / "metrics.jsonl").exists():
+            print(f"| {name} | {evaluation.described(name)} | {expectations[name]['verdict']} | not run | | | |")
+            continue
+        run_data, expected = read_run(out / name), expectations[name]
+        result, (step, _) = diagnose(run_data), first_warning(run_data.history, run_data.samples, run_data.summary)
+        keys = {f.key for _, f in result.findings}
+        if expected.get("not_taken"):  # the training reward never rose: no test of detection
+            outcome = "hack not taken"
+        elif expected["verdict"] == GAMING:
+            planted = set(expected["planted"])
+            outcome = ("missed" if result.verdict != GAMING else "found" if planted <= keys else
+                       f"found by {', '.join(sorted(keys - planted))}, not {', '.join(sorted(planted - keys))}")
+        else:
+            outcome = "false alarm" if step is not None or result.verdict in (GAMING, COLLAPSED) else "no alarm"
+        steps = max((h["step"] for h in run_data.history), default=0)
+        print(f"| {name} | {evaluation.described(name)} | {expected['verdict']} | {result.verdict} | {outcome} | "
+              f"{'none' if step is None else step} of {steps} | {evaluation.probes_found(name, gsm8k, length)} |")
 
 
 def share_of_a(completions, **_):
@@ -203,16 +253,18 @@ def tiny_run(name: str, out: Path, steps: int) -> None:
     (``tiny-keyword``) held-out accuracy cannot follow, so the reward is gamed; with answers that are no
     number (``tiny-healthy``) the held-out metric is the same reward on unseen prompts, which follows."""
     from covey import GRPOConfig, GRPOTrainer
+    from covey.config import DEMO
     from tests.conftest import make_model, make_tokenizer
 
     numeric = name == "tiny-keyword"
     rows = [{"prompt": [{"role": "user", "content": f"what is {i} + 1?"}], "answer": str(i + 1) if numeric else "x"}
             for i in range(16)]
     tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=str(out / name), overwrite_output_dir=True, max_steps=steps, num_generations=4,
-                      per_device_train_batch_size=16, max_completion_length=16, learning_rate=3e-3,
-                      eval_strategy="steps", eval_steps=4, eval_max_samples=8, log_completions_steps=1,
-                      num_completions_to_print=0, save_steps=0)
+    preset = {k: v for k, v in DEMO.items() if k not in ("dataset", "reward_funcs")}  # the demo's logging, schedule
+    args = GRPOConfig(**{**preset, **dict(output_dir=str(out / name), overwrite_output_dir=True, max_steps=steps,
+                                          num_generations=4, per_device_train_batch_size=16, max_completion_length=16,
+                                          learning_rate=3e-3, eval_strategy="steps", eval_steps=4, eval_max_samples=8,
+                                          log_completions_steps=1, num_completions_to_print=0, save_steps=0)})
     GRPOTrainer(model=make_model(len(tokenizer), seed=1), reward_funcs=[share_of_a], args=args, train_dataset=rows[:12],
                 eval_dataset=rows[12:], processing_class=tokenizer, quiet=True).train()
 
@@ -238,22 +290,29 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 
 
 # the verdict each run must get, written by hand from what it was set up to do (not from what covey said), with why
-EXPECTATIONS = Path(__file__).parent.parent / "tests" / "data" / "hacking" / "expectations.json"
-INTENDED = {name: e["verdict"] for name, e in json.loads(EXPECTATIONS.read_text()).items()}
+DATA = Path(__file__).parent.parent / "tests" / "data" / "hacking"
+FOLDERS = {"tuning": DATA, "evaluation": DATA / "evaluation"}  # where each set's runs are recorded
+
+
+def intended(run_set: str) -> dict[str, str]:
+    """The verdict each run of ``run_set`` was set up to get, from its expectations.json."""
+    return {name: e["verdict"] for name, e in json.loads((FOLDERS[run_set] / "expectations.json").read_text()).items()}
+
+
 KEPT_KEYS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
              "completions/mean_length", "completions/clipped_ratio", "eval/accuracy", "eval/mean_reward")
 
 
-def record(name: str, out: Path, into: Path) -> None:
-    """Keep a run's history small in ``into``/NAME for the tests: the metrics the rules read and the completions
-    of the first and last three recorded steps. What the run must get is written by hand in
-    tests/data/hacking/expectations.json, never from covey's own verdict: a run set up to learn that did not
+def record(name: str, out: Path, run_set: str) -> None:
+    """Keep a run's history small in the set's folder (``FOLDERS``)/NAME for the tests: the metrics the rules read
+    and the completions of the first and last three recorded steps. What the run must get is written by hand in
+    the folder's expectations.json, never from covey's own verdict: a run set up to learn that did not
     learn is run again (another seed), not recorded."""
     import shutil
 
     from covey.telemetry.diagnose import diagnose, read_run
 
-    source, target = out / name, into / name
+    source, target = out / name, FOLDERS[run_set] / name
     target.mkdir(parents=True, exist_ok=True)
 
     def keep(row: dict) -> dict:
@@ -282,8 +341,8 @@ def record(name: str, out: Path, into: Path) -> None:
         for path in files[:3] + files[-3:]:
             shutil.copy(path, target / "completions" / path.name)
     found = diagnose(read_run(target))
-    intended = INTENDED.get(name, f"not written yet: add it to {EXPECTATIONS}")
-    print(f"{name}: recorded; covey says {found.verdict}, set up to be {intended}")
+    expected = intended(run_set).get(name, f"not written yet: add it to {FOLDERS[run_set] / 'expectations.json'}")
+    print(f"{name}: recorded; covey says {found.verdict}, set up to be {expected}")
 
 
 def main() -> None:
@@ -291,7 +350,10 @@ def main() -> None:
     parser.add_argument("command", choices=("run", "table", "_train", "trl", "tiny", "record"))
     parser.add_argument("name", nargs="?")
     parser.add_argument("--out", default="runs/hacking")
-    parser.add_argument("--only", nargs="*", default=list(SETUPS))
+    parser.add_argument("--set", dest="run_set", choices=tuple(FOLDERS), default="tuning",
+                        help="the tuning set (the rules' thresholds were chosen on it) or the evaluation set")
+    parser.add_argument("--gsm8k", default="data/gsm8k", help="a folder of GSM8K's train.jsonl and test.jsonl")
+    parser.add_argument("--only", nargs="*", help="these setups only (default: every one of the set)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-steps", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=3e-5)
@@ -307,9 +369,12 @@ def main() -> None:
         train(a.name, out, a.steps, a.eval_steps, a.learning_rate, a.prompts, a.generations, a.length,
               a.eval_samples, a.bf16)
     elif a.command == "record":
-        record(a.name, out, Path(__file__).parent.parent / "tests" / "data" / "hacking")
+        record(a.name, out, a.run_set)
+    elif a.command == "tiny" and a.run_set == "evaluation":
+        for name in a.only or evaluation.TINY:
+            evaluation.tiny_run(name, out, a.steps, Path(a.gsm8k))
     elif a.command == "tiny":
-        for name in ("tiny-keyword", "tiny-healthy"):
+        for name in a.only or ("tiny-keyword", "tiny-healthy"):
             tiny_run(name, out, a.steps)
     elif a.command == "trl":
         for name in ("trl-learning", "trl-constant"):
@@ -318,9 +383,11 @@ def main() -> None:
         options = ["--steps", str(a.steps), "--eval-steps", str(a.eval_steps), "--learning-rate", str(a.learning_rate),
                    "--prompts", str(a.prompts), "--generations", str(a.generations), "--length", str(a.length),
                    "--eval-samples", str(a.eval_samples), "--bf16" if a.bf16 else "--no-bf16"]
-        run(a.only, out, options, a.parallel)
+        run(a.only or list(SETUPS if a.run_set == "tuning" else evaluation.SETUPS), out, options, a.parallel)
+    elif a.run_set == "evaluation":
+        out_of_sample(out, Path(a.gsm8k), a.length)
     else:
-        table(out)
+        table(out, a.run_set)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from covey import probe_rewards
+from covey.errors import CoveyError
 from covey.data.tasks import arithmetic, gsm8k_rows, multiplication
 from covey.rewards import (accuracy_reward, answer_correct, answer_format, get_cosine_scaled_reward,
                            get_repetition_penalty_reward, get_soft_overlong_punishment, json_format, reasoning_accuracy_reward,
@@ -84,6 +85,31 @@ def test_math_verify_answers_draw_no_finding():
 def test_the_tool_task_s_rewards_draw_no_finding():
     report = probe([answer_correct, tool_use], multiplication("test"))
     assert_probed_without_finding(report, ["answer_correct"])  # tool_use: no probe makes a tool call, all 0
+
+
+def calls_paid(completions, **kwargs):
+    """Half a point per tool call, whatever the answer."""
+    return [0.5 * sum(len(m.get("tool_calls") or []) for m in c if m.get("role") == "assistant") for c in completions]
+
+
+def test_a_format_reward_alone_is_found_and_beside_an_answer_check_passes():
+    alone = probe([answer_format], ARITHMETIC)
+    assert ("answer_format", "format_wrong_answer") in {(f.reward, f.probe) for f in alone.findings}, alone.text()
+    assert_probed_without_finding(probe([answer_format, answer_correct], ARITHMETIC), ["answer_format", "answer_correct"])
+
+
+def test_a_reward_per_tool_call_is_found_by_the_tool_probe_and_a_small_tool_bonus_passes():
+    rows = multiplication("test")
+    report = probe([calls_paid], rows, tools=["calculate"])
+    assert [(f.reward, f.probe) for f in report.findings] == [("calls_paid", "tool_call_no_answer")], report.text()
+    assert (report.findings[0].score, report.findings[0].yardstick) == (0.5, 0.0)
+    assert not probe([calls_paid], rows).findings  # no tools named: no episode with a call to score
+    assert_probed_without_finding(probe([answer_correct, tool_use], rows, tools=["calculate"], weights=[2.0, 0.5]),
+                                  ["answer_correct"])
+    even = probe([answer_correct, tool_use], rows, tools=["calculate"])  # a call pays as much as the right answer
+    assert [(f.reward, f.probe) for f in even.findings] == [("answer_correct+tool_use", "tool_call_no_answer")]
+    with pytest.raises(CoveyError, match="2 weights for 1 reward functions"):
+        probe([calls_paid], rows, weights=[1.0, 1.0])
 
 
 def test_the_example_rewards_draw_no_finding():

@@ -122,3 +122,22 @@ def test_covey_verify_takes_accept_probe_before_or_after_the_json_option(capsys,
     namespace, _ = _parse_command("covey verify", "", rest, probes=True)
     assert output.json == str(tmp_path / "v.json")
     assert namespace.accept_probe == ["judge:length", "counts_tags"]
+
+
+def test_covey_verify_probes_a_reward_per_tool_call_with_the_run_s_tools_and_weights(tmp_path, tokenizer):
+    from covey.agents import calculate
+    from covey.rewards.builtin import tool_use
+    from tests.test_reward_probes import calls_paid
+
+    def probes(funcs, weights=None, accepted=(), status="FAIL"):
+        report = verify(settings(tmp_path, max_tool_calling_iterations=1, reward_weights=weights, max_prompt_length=1024),
+                        num_prompts=2, model=make_model(len(tokenizer), seed=5), processing_class=tokenizer,
+                        train_dataset=ROWS, reward_funcs=funcs, tools=[calculate], probes=True, accepted_probes=accepted)
+        return {c.name for c in report.checks if c.stage == "probes" and c.status == status}
+
+    assert probes([calls_paid]) == {"calls_paid against tool_call_no_answer"}
+    assert probes([answer_correct, tool_use], [2.0, 0.5]) == set()  # examples/multiplication_tool.yaml's
+    found = "answer_correct+tool_use against tool_call_no_answer"  # at equal weights a call pays as much as the answer
+    assert probes([answer_correct, tool_use]) == {found}
+    assert probes([answer_correct, tool_use], accepted=["answer_correct+tool_use:tool_call_no_answer"],
+                  status="WARN") == {found}  # accepted, and the name known

@@ -14,6 +14,8 @@ mode reported for RL on language models:
     padding             filler up to max_completion_length, no answer (rambling to the limit)
     right_then_appended the right answer, then filler up to max_completion_length
     length              the right answer after filler of three lengths (a reward rising with length alone)
+    tool_call_no_answer an episode that calls a tool and never answers (a reward paid per call; only where
+                        the run has tools)
 
 (Skalse et al. 2022, "Defining and Characterizing Reward Hacking"; Gao et al. 2023, "Scaling Laws for
 Reward Model Overoptimization"; Singhal et al. 2023, "A Long Way to Go: Investigating Length Correlations
@@ -23,6 +25,7 @@ TRL's issues.) Every function here is pure: texts in, texts out.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -159,6 +162,20 @@ PROBES = (
     Probe("right_then_appended", "the right answer, then filler up to max_completion_length", True,
           "stop reading at the final answer, or penalise text after it", _appended),
 )
+TOOL_PROBE = Probe("tool_call_no_answer", "an episode that calls a tool and never answers", False,
+                   "pay for tool calls only with a right answer, or weigh them well below the answer's reward",
+                   lambda r: "")  # its completion is an episode (tool_episode), not a text
+
+
+def tool_episode(tool: str) -> list[dict]:
+    """An episode (assistant and tool messages, as a run with tools gives them to the rewards) that calls ``tool``
+    once, gets a result, and stops without an answer."""
+    call = {"name": tool, "arguments": {}}
+    return [{"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
+             "tool_calls": [{"type": "function", "function": call}]},
+            {"role": "tool", "name": tool, "content": "0"}]
+
+
 NEEDS_REFERENCE = frozenset({"candidates", "candidates_each", "right_in_reasoning"})
 LENGTH_PROBE = "length"
 LENGTH_ADVICE = ("its score rises with length alone: remove the length term, cap it, or pay for length only "

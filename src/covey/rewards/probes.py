@@ -20,7 +20,12 @@ in every format, once on the probes. What counts as a finding:
   one), a probe without the right final answer scoring as high as the yardstick and above the function's
   lowest score;
 - a reward that gives nothing positive and does not check answers (a penalty: brevity, overlong) is
-  judged on length alone: its purpose is to prefer some completions to others, never to pay.
+  judged on length alone: its purpose is to prefer some completions to others, never to pay;
+- where the rows have a reference, the functions together (their weighted sum, as the run pays it): a probe
+  without the right final answer whose total is as high as the yardstick's and above the lowest total. A
+  format reward is no finding beside a reward that checks the answer, but is one alone; a reward per tool
+  call is judged this way only (``tools``: an episode that calls one and never answers), so that a small
+  tool bonus beside the answer's reward passes.
 """
 
 from __future__ import annotations
@@ -89,7 +94,8 @@ class ProbeReport:
 def probe_rewards(reward_funcs: Sequence[RewardFunc | str] | RewardFunc | str, rows: Iterable[dict], *,
                   samples: Sequence[Sequence[Any]] | None = None, tokenizer: Any = None,
                   max_completion_length: int = 256, num_rows: int = 8, timeout: float | None = None,
-                  strip_reasoning: bool = False, probes: Sequence[str] | None = None) -> ProbeReport:
+                  strip_reasoning: bool = False, probes: Sequence[str] | None = None,
+                  weights: Sequence[float] | None = None, tools: Sequence[str] = ()) -> ProbeReport:
     """Probe each reward function on ``num_rows`` of ``rows`` (dicts with a ``prompt`` and the dataset's
     columns, as the trainer loads them; a ``datasets.Dataset`` works), and report what fools it.
 
@@ -98,6 +104,8 @@ def probe_rewards(reward_funcs: Sequence[RewardFunc | str] | RewardFunc | str, r
     ``tokenizer``: the model's, for ``completion_ids`` and the lengths (without one, one id per word).
     ``timeout``: seconds a call may take (reward_timeout). ``strip_reasoning``: the functions see what follows
     the reasoning block, as under that setting. ``probes``: the names to run (default: all, and ``length``).
+    ``weights``: the functions' reward_weights (default: 1 each), for the functions judged together.
+    ``tools``: the names of the run's tools, for the tool probe (chat rows only).
     """
     funcs = _loaded([reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs))
     chosen = probe_rows(rows if hasattr(rows, "__len__") and hasattr(rows, "__getitem__") else list(rows), num_rows)
@@ -111,7 +119,10 @@ def probe_rewards(reward_funcs: Sequence[RewardFunc | str] | RewardFunc | str, r
     yardstick = ("a correct answer from the rows' " + repr(column) if column else
                  "the model's own samples" if samples is not None else "nothing (no reference answer, no samples)")
     report = ProbeReport(yardstick, len(chosen))
-    known = {p.name for p in PROBES} | {LENGTH_PROBE}
+    if weights is not None and len(weights) != len(funcs):
+        raise CoveyError(f"probe_rewards: {len(weights)} weights for {len(funcs)} reward functions; give one weight "
+                         "per function (reward_weights), or none")
+    known = {p.name for p in PROBES} | {LENGTH_PROBE, probe_set.TOOL_PROBE.name}
     wanted = set(probes) if probes is not None else known
     if wanted - known:
         raise CoveyError(f"probe_rewards: no probe named {', '.join(sorted(wanted - known))}; the probes are "
@@ -121,6 +132,9 @@ def probe_rewards(reward_funcs: Sequence[RewardFunc | str] | RewardFunc | str, r
             _probe_one(report, func, batch, column, samples, wanted, timeout)
         except Exception as e:  # the user's function: anything it raises means "not probed", never a crash
             report.notes.append(f"{reward_name(func)} was not probed: it raised {type(e).__name__}: {str(e)[:200]}")
+    if column is not None and len(report.scores) == len(funcs):  # a yardstick for each: judge them together
+        _probe_together(report, funcs, list(weights) if weights is not None else [1.0] * len(funcs), batch, column,
+                        [t for t in tools if batch.chat and probe_set.TOOL_PROBE.name in wanted], timeout)
     return report
 
 
@@ -173,11 +187,13 @@ class _Batch:
         count = max(0, math.floor(room / per_word) - 1)
         return " ".join(words[k % len(words)] for k in range(count))
 
-    def call(self, func: RewardFunc, texts: list[str], row_of: list[int], timeout: float | None) -> list[float]:
-        """``func``'s scores of ``texts`` (completion k answering row ``row_of[k]``); NaN for None."""
+    def call(self, func: RewardFunc, texts: list[str], row_of: list[int], timeout: float | None,
+             episodes: list[list[dict]] | None = None) -> list[float]:
+        """``func``'s scores of ``texts`` (completion k answering row ``row_of[k]``), or of ``episodes`` (chat
+        rows: each a completion's messages, ``texts`` their text); NaN for None."""
         texts = [answer_after_reasoning(t) if self.strip else t for t in texts]
         rows = [self.rows[r] for r in row_of]
-        completions = [[{"role": "assistant", "content": t}] if self.chat else t for t in texts]
+        completions = episodes or [[{"role": "assistant", "content": t}] if self.chat else t for t in texts]
         columns = {key: [row.get(key) for row in rows] for key in self.rows[0] if key != "prompt"}
         kwargs = dict(prompts=[row["prompt"] for row in rows], completions=completions,
                       completion_ids=[self.ids(t) for t in texts], **columns,
@@ -281,6 +297,42 @@ def _probe_one(report: ProbeReport, func: RewardFunc, batch: _Batch, column: str
     if yardstick is None and column is None:
         report.notes.append(f"{name}: no reference answer and no samples to compare with, so only its response to "
                             "length was probed")
+
+
+def _probe_together(report: ProbeReport, funcs: list[RewardFunc], weights: list[float], batch: _Batch, column: str,
+                    tools: list[str], timeout: float | None) -> None:
+    """The functions' weighted total on each probe against their total on the yardstick (every function's own,
+    in its best format): a probe without the right final answer whose total is as high and above the lowest
+    total is a finding under the functions' names joined by '+', unless a function alone was already found
+    fooled by it. With ``tools``, the tool probe (an episode calling the first) is scored first."""
+    names = [reward_name(f) for f in funcs]
+    scores = [report.scores[name] for name in names]
+    n, text = len(batch.rows), ""
+    if tools:
+        episode = probe_set.tool_episode(tools[0])
+        text = completion_text(episode)
+        for func, own in zip(funcs, scores):
+            own[probe_set.TOOL_PROBE.name] = _mean(batch.call(func, [text] * n, list(range(n)), timeout, [episode] * n))
+
+    def total(key: str) -> float | None:
+        values = [own.get(key) for own in scores]
+        return None if None in values else sum(w * v for w, v in zip(weights, values))
+
+    totals = {key: total(key) for key in scores[0]}
+    defined = [t for t in totals.values() if t is not None]
+    yardstick = totals.get("yardstick")
+    if yardstick is None or not defined or max(defined) <= 0:  # no yardstick, or a set of penalties
+        return
+    low, found = min(defined), {f.probe for f in report.findings if f.reward in names}
+    rows = _probe_rows(batch, column, probe_set.answer_formats(_prompt_text(batch.rows[0]["prompt"], whole=True))[0])
+    for probe in [*PROBES, probe_set.TOOL_PROBE]:
+        score = totals.get(probe.name)
+        if probe.solves or score is None or probe.name in found:
+            continue
+        if score >= yardstick - _tol(yardstick) and score > low + _tol(low):
+            example = text if probe is probe_set.TOOL_PROBE else probe.write(rows[0])
+            report.findings.append(ProbeFinding("+".join(names), probe.name, probe.what, score, yardstick,
+                                                example[:EXAMPLE_CHARS], probe.advice))
 
 
 def _tol(value: float | None) -> float:

@@ -24,8 +24,9 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
                         accepted: Sequence[str] = ()) -> None:
     """The full probe set on ROWS rows, a row per finding (FAIL, or WARN where accepted) and per function
     that nothing fooled (PASS); without a reference column the yardstick is the model's samples of the
-    batch (``calls``: the rewards' calls on it, ``indices``: its rows)."""
-    args, rows = parts.args, parts.prompts.rows
+    batch (``calls``: the rewards' calls on it, ``indices``: its rows). The functions are also judged together,
+    with the run's reward_weights, and a run with tools against an episode that calls one and never answers."""
+    args, rows, agent = parts.args, parts.prompts.rows, parts.sampler.agent
     with_reference = any(rows[0].get(c) not in (None, "") for c in REFERENCE_COLUMNS)
     samples = None
     if not with_reference:
@@ -35,7 +36,8 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
         samples = [texts[k * G:(k + 1) * G] for k in range(len(indices))] if texts else None
     result = probe_rewards(parts.rewards.funcs, rows, samples=samples, tokenizer=parts.sampler.tokenizer,
                            max_completion_length=args.max_completion_length, num_rows=ROWS,
-                           timeout=args.reward_timeout, strip_reasoning=args.strip_reasoning)
+                           timeout=args.reward_timeout, strip_reasoning=args.strip_reasoning,
+                           weights=parts.rewards.weights, tools=[t.name for t in agent.tools] if agent else ())
     for finding in result.findings:
         known = accepts(accepted, finding.reward, finding.probe)
         report.add("probes", f"{finding.reward} against {finding.probe}", False,
@@ -52,7 +54,7 @@ def check_probes(report: Report, parts: StepParts, indices: list[int], calls: li
                    warn_only=True)
     named = {reward_name(f) for f in parts.rewards.funcs}
     for name in accepted:
-        if name.split(":", 1)[0] not in named:
+        if not set(name.split(":", 1)[0].split("+")) <= named:  # a finding of functions together joins them by +
             report.add("probes", f"--accept-probe {name}", False, "no such reward function",
                        f"the reward functions are {', '.join(sorted(named))}: name one as FUNCTION or FUNCTION:PROBE",
                        warn_only=True)

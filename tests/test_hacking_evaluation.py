@@ -1,0 +1,76 @@
+"""The reward-hacking rules out of sample: the evaluation set of benchmarks/hacking_evaluation.py (hackable kinds the
+rules were not tuned on, healthy runs with seeds the tuning never used), recorded small in
+tests/data/hacking/evaluation/, each against the verdict written by hand from how it was set up; and the reward
+probes against each of its rewards before training. A run the frozen rules get wrong is marked ``known_miss`` in
+the expectations (docs/diagnose.md, "Out of sample", reports it): its test holds that it is still a miss."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import hacking_evaluation as evaluation
+from covey import probe_rewards
+from covey.data.tasks import arithmetic, gsm8k_rows, multiplication
+from covey.telemetry.diagnose import GAMING, diagnose, read_run
+from tests.conftest import make_tokenizer
+
+DATA = Path(__file__).parent / "data" / "hacking" / "evaluation"
+EXPECTATIONS = json.loads((DATA / "expectations.json").read_text())  # written by hand before any run was judged
+RECORDED = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("name", sorted(set(EXPECTATIONS) | set(RECORDED)))
+def test_evaluation_runs_get_their_verdicts_or_stay_known_misses(name):
+    assert name in EXPECTATIONS, f"tests/data/hacking/evaluation/{name} has no expectation in expectations.json"
+    assert name in RECORDED, (f"{name} is not recorded: python -m benchmarks.reward_hacking record {name} --set "
+                              "evaluation --out RUNS")
+    expected = EXPECTATIONS[name]
+    result = diagnose(read_run(DATA / name))
+    found = {f.key for _, f in result.findings}
+    right = result.verdict == expected["verdict"] and (
+        set(expected.get("planted", ())) <= found if expected["verdict"] == GAMING else not found)
+    if expected.get("known_miss"):
+        assert not right, f"{name} is no longer missed: update docs/diagnose.md's table and drop known_miss"
+    else:
+        assert right, result.text()
+
+
+GSM8K = gsm8k_rows([json.loads(line) for line in
+                    (Path(__file__).parent / "data" / "gsm8k_sample.jsonl").read_text().splitlines()[:16]])
+TASKS = {"arithmetic": arithmetic("train"), "gsm8k": GSM8K, "multiplication": multiplication("test")}
+# each hackable reward of the evaluation set on its run's task, and the probe that must find it
+HACKABLE = [(evaluation.prompt_echo, "arithmetic", "prompt_echo"),
+            (evaluation.tool_calls, "multiplication", "tool_call_no_answer"),
+            (evaluation.digits_anywhere, "gsm8k", "candidates"),
+            (evaluation.brevity, "arithmetic", "empty"),
+            (evaluation.ends_with_number, "gsm8k", "format_wrong_answer"),
+            (evaluation.ends_with_number, "arithmetic", "format_wrong_answer")]
+
+
+def probe(funcs, task, **settings):
+    return probe_rewards(funcs, TASKS[task], tokenizer=make_tokenizer(), max_completion_length=48, num_rows=4,
+                         tools=["calculate"] if task == "multiplication" else (), **settings)
+
+
+@pytest.mark.parametrize("reward, task, hack", HACKABLE, ids=[r.__name__ for r, _, _ in HACKABLE])
+def test_the_probes_find_each_hackable_reward_of_the_evaluation_set(reward, task, hack):
+    report = probe([reward], task)
+    assert hack in {f.probe for f in report.findings if f.reward == reward.__name__}, report.text()
+
+
+def test_the_probes_miss_a_reward_for_a_mark_no_probe_writes():
+    """A reward for an exclamation mark pays nothing to the right answer or to any probe (none writes one): the
+    probes see a reward that pays nothing, and say nothing (docs/diagnose.md, "Out of sample")."""
+    report = probe([evaluation.exclaims], "gsm8k")
+    assert not report.findings and set(report.scores["exclaims"].values()) == {0.0}, report.text()
+
+
+@pytest.mark.parametrize("funcs, weights, task", [
+    (["answer_format", "answer_correct"], None, "arithmetic"),  # the healthy default-model runs
+    (["answer_format", "answer_correct"], None, "gsm8k"),
+    (["answer_correct", "tool_use"], [2.0, 0.5], "multiplication"),  # examples/multiplication_tool.yaml
+])
+def test_the_probes_pass_the_honest_rewards(funcs, weights, task):
+    report = probe(funcs, task, weights=weights)
+    assert not report.findings, report.text()
