@@ -12,7 +12,7 @@ policy's merged weights; sharded models' parameters whole; where models live.
 Every name callers use is importable from ``covey.models`` itself.
 """
 
-from covey.models.device import autocast, default_device, keep_freed_memory
+from covey.models.device import autocast, cpu_multiplies_bfloat16, default_device, keep_freed_memory
 from covey.models.embedded import EMBEDDED_GGUF, cache_dir, embedded_model_folder, resolve_model_path
 from covey.models.loading import (ModelLoading, check_quantization, eos_token_ids, load_policy, load_processing,
                                   load_tokenizer, prepare_tokenizer, quantization_settings, tokenizer_as_loaded)
@@ -26,7 +26,7 @@ from covey.models.verbosity import LIBRARY_LOG_LEVEL, quiet_transformers, set_lo
 __all__ = [
     "EMBEDDED_GGUF", "LIBRARY_LOG_LEVEL", "QUANTIZED_PARAMETERS", "SHARDED_PASSES", "Float32Head", "ModelLoading",
     "Reference", "adapted_shared_matrix", "add_lora", "autocast", "base_parameter_name", "cache_dir",
-    "cache_keyword", "check_quantization", "default_device", "dequantized", "disable_dropout",
+    "cache_keyword", "check_quantization", "cpu_multiplies_bfloat16", "default_device", "dequantized", "disable_dropout",
     "embedded_model_folder", "eos_token_ids", "gathered_parameters", "head_in_float32", "is_peft_model",
     "is_sharded", "keep_freed_memory", "load_policy", "load_processing", "load_tokenizer", "lora_merge_blocker",
     "merged_model",

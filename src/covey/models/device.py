@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,20 @@ def keep_freed_memory() -> bool:
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>; musl's mallopt accepts nothing and returns 0
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
+
+
+def cpu_multiplies_bfloat16() -> bool | None:
+    """Whether this CPU has bfloat16 instructions (x86: AVX-512 BF16 or AMX; Arm: BF16), as /proc/cpuinfo
+    says; None where it says nothing. Without them torch multiplies bfloat16 in software: on an AVX2 CPU
+    about 80 times slower than float32 (a 1024 x 1024 product: 0.9 against 76 GFLOP/s)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(("flags", "Features")):
+            return bool(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16", "bf16"})
+    return None
 
 
 def autocast(device: torch.device, enabled: bool):

@@ -12,7 +12,7 @@ from typing import Any
 
 from covey.config import GRPOConfig
 from covey.data import is_stream
-from covey.models import resolve_model_path
+from covey.models import cpu_multiplies_bfloat16, default_device, resolve_model_path
 from covey.plan import MemoryCheckSkipped, check_fits
 from covey.rollout.vllm_engine import check_vllm
 from covey.rules import VESPO_SEQUENCE_CORRECTION, Need
@@ -140,8 +140,20 @@ def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     return None
 
 
+def bfloat16_on_this_cpu(c: GRPOConfig, h: Handed, need: Need) -> str | None:
+    """A note where a run on the CPU asks for bfloat16 (bf16, rollout_bf16) and the CPU has no bfloat16
+    instructions: allowed, and far slower than float32 there."""
+    if default_device(c.use_cpu).type != "cpu" or not (c.bf16 or c.sample_in_bf16("cpu")):
+        return None
+    if cpu_multiplies_bfloat16() is False:
+        return ("covey: this CPU has no bfloat16 instructions (AVX-512 BF16, AMX or Arm's BF16), so torch multiplies "
+                "bfloat16 in software, many times slower than float32 (a training step about 10x on an AVX2 CPU); set bf16: "
+                "false and rollout_bf16: false")
+    return None
+
+
 RUN_RULES = (launch, data_and_rewards, generation_source, model_and_adapter, optimizers, vision_tower,
-             fits_the_device)
+             fits_the_device, bfloat16_on_this_cpu)
 # on what the trainer was handed with its rows loaded (``Handed.train_dataset`` the rows), before any policy
 # weights load
 ROW_RULES = (pictures,)
