@@ -109,14 +109,14 @@ def test_a_budget_left_to_covey_holds_a_micro_batch_s_logits_where_the_memory_fr
     a quarter of the memory free once the model is loaded, else the default chunks (made small here, so the tiny
     model's logits are past them)."""
     import covey.core.logprobs as logprobs
-    import covey.train.setup as setup
+    import covey.train.policy as policy
     from covey.plan import Device
 
     monkeypatch.setattr(logprobs, "LOGPROB_CHUNK_BYTES", 4096)
     args = small_args(tmp_path, max_steps=1, eval_max_samples=0)
     whole = args.per_device_train_batch_size * (args.max_completion_length + 1) * len(tokenizer) * 4
     for free, budget in ((4 * whole, whole), (4 * whole - 1, 4096)):
-        monkeypatch.setattr(setup, "this_device", lambda *a, **k: Device("test", "cpu", free, free))
+        monkeypatch.setattr(policy, "this_device", lambda *a, **k: Device("test", "cpu", free, free))
         trainer = GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], args=args, train_dataset=ROWS,
                               processing_class=tokenizer, quiet=True)
         assert trainer.parts.policy.logprob_budget_bytes == budget

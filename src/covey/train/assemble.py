@@ -28,7 +28,7 @@ from covey.train.run_folder import config_as_used, make_run_dir
 from covey.train.run_rules import ENGINE_ROW_RULES, ENGINE_RULES, ROW_RULES, RUN_RULES, Handed
 from covey.train.sharding import Sharding
 from covey.train.parts import Rewards, StepParts
-from covey.train.policy import Policy
+from covey.train.policy import Policy, logprob_budget_for
 from covey.train.reward_probing import probe_before_training
 from covey.train.sampler import Sampler
 from covey.train.trl_api import named_eval_sets
@@ -129,7 +129,7 @@ def assemble(args: GRPOConfig, handed: Handed, eval_dataset: Any, reward_process
     if agent is not None:  # a turn ends at any of the model's end tokens
         agent = dataclasses.replace(agent, eos_ids=eos_ids)
     given_engine = handed.rollout_engine
-    logprob_budget = setup.logprob_budget(args, policy, world)
+    logprob_budget = logprob_budget_for(args, policy, world)
     sharded = (None if sharding is None else
                setup.shard_run(args, sharding, policy, reference, given_engine is not None, world, logprob_budget))
     sampled = policy if sharded is None or sharded.policy_copy is None else sharded.policy_copy.model

@@ -18,7 +18,9 @@ from typing import Iterator
 
 import torch
 
-from covey.models import Reference
+from covey.config import GRPOConfig
+from covey.models import Reference, plain_model
+from covey.plan import this_device
 from covey.train.batch import Progress
 from covey.train.distributed import World
 from covey.train.forward import TrainingForward
@@ -89,3 +91,10 @@ class Policy:
         """TR-DPO's moving reference: towards the policy every ``sync_steps`` optimizer steps (None: never)."""
         if self.reference is not None and sync_steps and global_step % sync_steps == 0:
             self.reference.sync(alpha)
+
+
+def logprob_budget_for(args: GRPOConfig, policy: torch.nn.Module, world: World) -> int:
+    """The log-prob pass's budget in bytes (``GRPOConfig.logprob_budget_bytes``) for the policy's vocabulary, with
+    the memory its device has free now that it is loaded (each process's share of the CPU's)."""
+    vocab = plain_model(policy).get_output_embeddings().weight.shape[0]
+    return args.logprob_budget_bytes(vocab, this_device(args.use_cpu, world.size).available)

@@ -20,7 +20,6 @@ from covey.config import GRPOConfig
 from covey.data import EMPTY_PROMPT, extra_columns, first_rows, heldout_rows, is_stream, load_rows, shared_prompts
 from covey.data.text import encode_prompts
 from covey.errors import ConfigError, DataError, warn
-from covey.plan import this_device
 from covey.models import (ModelLoading, Reference, adapted_shared_matrix, add_lora, check_quantization, default_device,
                           disable_dropout, eos_token_ids, head_in_float32, is_peft_model, load_policy, load_tokenizer,
                           merged_model, plain_model, quiet_transformers, resolve_model_path)
@@ -314,13 +313,6 @@ class ShardedRun:
     policy_pass: torch.nn.Module
     reference_pass: torch.nn.Module | None
     policy_copy: PolicyCopy | None
-
-
-def logprob_budget(args: GRPOConfig, policy: torch.nn.Module, world: World) -> int:
-    """The log-prob pass's budget in bytes (``GRPOConfig.logprob_budget_bytes``) for the policy's vocabulary, with
-    the memory its device has free now that it is loaded (each process's share of the CPU's)."""
-    vocab = plain_model(policy).get_output_embeddings().weight.shape[0]
-    return args.logprob_budget_bytes(vocab, this_device(args.use_cpu, world.size).available)
 
 
 def shard_run(args: GRPOConfig, sharding: Sharding, policy: torch.nn.Module, reference: Reference | None,
