@@ -86,7 +86,7 @@ def matrix_products_seconds(model: torch.nn.Module, rows: int, dtype: torch.dtyp
 
 
 def load_default():
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.models import eos_token_ids, load_policy, load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)

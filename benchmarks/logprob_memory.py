@@ -137,7 +137,7 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
 
 def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, checkpointing: bool,
            stages: bool = False, budget_mib: int | None = None) -> None:
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.models import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
@@ -239,7 +239,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     weight takes no gradient (as under LoRA), only the hidden states."""
     import torch
 
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.core import logprob_chunk_tokens, token_logprobs
     from covey.models import load_tokenizer
     from covey.train.head import head_logprobs
@@ -283,7 +283,7 @@ def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
     the model already there)."""
     import torch
 
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.core import token_logprobs
     from covey.models import load_tokenizer
     from covey.train.head import head_logprobs

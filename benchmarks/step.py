@@ -55,7 +55,7 @@ def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.models import embedded_model_folder
     from covey.rewards import answer_correct, answer_format
     from covey.data.tasks import arithmetic

@@ -312,3 +312,16 @@ def test_where_core_has_a_default_for_a_setting_of_the_config_it_is_the_configs(
         assert inspect.signature(function).parameters["scale"].default == c.scale_rewards
     assert inspect.signature(core.advantages_from_rewards).parameters["aggregation"].default == c.multi_objective_aggregation
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(core.LossSettings))
+
+
+def test_the_settings_are_the_config_fields_and_follow_without_checks():
+    """RunSettings is what the config is made of (every field, the same defaults) and what the rules read;
+    the sizes derived from the fields need no checking to be computed."""
+    from covey.config_fields import RunSettings
+
+    assert [f.name for f in dataclasses.fields(RunSettings)] == [f.name for f in dataclasses.fields(GRPOConfig)]
+    assert issubclass(GRPOConfig, RunSettings)
+    raw = RunSettings(per_device_train_batch_size=6, num_generations=4)  # 6 / 4 prompts: refused by the rules
+    assert raw.generation_batch_size == 6 and raw.optimizer_steps_per_generation == 1
+    with pytest.raises(ConfigError, match="num_generations"):
+        GRPOConfig(per_device_train_batch_size=6, num_generations=4)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from covey.config import EMBEDDED_MODEL
+from covey.sources import EMBEDDED_MODEL
 from covey.models import eos_token_ids, load_policy, load_tokenizer
 from covey.rollout import HFEngine, SamplingParams
 from covey.data.tasks import arithmetic

@@ -208,7 +208,7 @@ def test_seeded_sampling_is_reproducible(tokenizer, tiny_model):
 
 
 def test_fast_greedy_matches_transformers_on_the_default_model():
-    from covey.config import EMBEDDED_MODEL
+    from covey.sources import EMBEDDED_MODEL
     from covey.models import eos_token_ids, load_policy, load_tokenizer
     from covey.data.tasks import arithmetic
     from covey.data.text import encode_prompts

@@ -11,7 +11,9 @@ inside a function hides a cycle rather than removing it). The layers, from the t
     rewards | rollout | telemetry  independent of one another
     data | models | config       what those stand on
     vision                       pictures in rows and prompts, vision-language models (below data and models)
-    core | errors | sources | trl_fields | rules | config_values   the maths (nothing of covey), and leaves
+    rules                        the table of refused settings (read by config and train)
+    config_fields                the run's settings and what follows from them alone (read by rules)
+    core | errors | sources | trl_fields | config_values   the maths (nothing of covey), and leaves
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ SOURCE = Path(__file__).resolve().parent.parent / "src" / "covey"
 
 # each part of covey, and the parts it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {
-    "errors": set(), "sources": set(), "trl_fields": {"errors"}, "rules": {"errors"},
+    "errors": set(), "sources": set(), "trl_fields": {"errors"}, "rules": {"errors", "config_fields"},
+    "config_fields": {"core", "sources"},  # the fields alone: their choices are the core's names
     "core": set(),  # the maths import nothing of covey
     "config_values": {"errors"},
     "vision": {"errors"},  # pictures in rows and prompts, vision-language models: what data and models stand on
-    "config": {"errors", "sources", "trl_fields", "rules", "config_values", "core"},  # core: the variants' names
+    "config": {"errors", "sources", "trl_fields", "rules", "config_values", "config_fields"},
     "data": {"vision", "errors", "sources"},
     "models": {"vision", "errors", "sources"},
     "rewards": {"vision", "errors", "sources", "data"},  # rewards know no trainer
@@ -136,6 +139,22 @@ def test_no_import_cycles():
 
 def test_every_import_runs_down_the_layers():
     assert against_the_layers(import_graph()) == []
+
+
+def names_standing_as_any(root: Path = SOURCE) -> list[str]:
+    """Module-level names bound to ``typing.Any`` (``GRPOTrainer = Any``): a class stood in for, an import dodged."""
+    return sorted(f"{path.relative_to(root)}: {target.id}" for path in root.rglob("*.py")
+                  for node in ast.parse(path.read_text()).body
+                  if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Name | ast.Attribute)
+                  and (getattr(node.value, "id", None) or getattr(node.value, "attr", None)) == "Any"
+                  for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                  if isinstance(target, ast.Name))
+
+
+def test_no_name_stands_for_a_class_as_any(tmp_path):
+    assert names_standing_as_any() == []
+    (tmp_path / "rules.py").write_text("from typing import Any\n\nGRPOConfig = Any  # dodging an import\n")
+    assert names_standing_as_any(tmp_path) == ["rules.py: GRPOConfig"]
 
 
 def test_the_checks_catch_a_cycle_an_upward_import_and_a_hidden_one(tmp_path):

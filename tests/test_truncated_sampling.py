@@ -5,7 +5,6 @@ in float32, not the probability mass the truncation kept (TRL issue 6789)."""
 import pytest
 import torch
 
-from covey import core
 from covey.core import TokenDistribution, token_logprobs, truncated_away
 from covey.rollout import HFEngine, SamplingParams, left_pad
 from covey.rollout.fast.engine import FastEngine, process_logits

@@ -11,16 +11,19 @@ every problem of a phase is said at once, in one ``ConfigError`` (``check``). A 
 (a string: something allowed but worth saying, such as a check it could not make), which ``check`` shows
 as a warning once the phase passes; a rule itself writes nothing. A rule is written once, whichever door
 the setting came through. ``advise`` warns about settings that are allowed but rarely
-meant. This module stands beside the config and imports nothing of covey's but its errors.
+meant.
+
+Who owns what: ``covey.config.GRPOConfig`` runs ``CONFIG_RULES`` on itself when it is made, so it imports
+this module; the rules read a config's fields, which are ``covey.config_fields.RunSettings`` (the class
+``GRPOConfig`` is made of). This module imports those fields and covey's errors, nothing else of covey's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from covey.config_fields import RunSettings
 from covey.errors import ConfigError, config_errors, warn
-
-GRPOConfig = Any  # the rules read a covey.config.GRPOConfig (which imports this module)
 
 Need = Callable[[bool, str], None]
 
@@ -73,7 +76,7 @@ def check(rules: tuple, *facts: Any, source: str | None = None) -> None:
 
 # ---- phase 1: the config alone ----------------------------------------------------------------------
 
-def batch_shape(c: GRPOConfig, need: Need) -> None:
+def batch_shape(c: RunSettings, need: Need) -> None:
     """Groups, micro-batches and the run's length."""
     need(c.num_generations >= 2, f"num_generations={c.num_generations}: a group needs at least 2 completions")
     spg = c.micro_batches_per_generation
@@ -99,7 +102,7 @@ def batch_shape(c: GRPOConfig, need: Need) -> None:
     need(abs(c.seed) < 2**62, f"seed={c.seed} is too large: give a seed below 2**62")
 
 
-def clipping_and_loss(c: GRPOConfig, need: Need) -> None:
+def clipping_and_loss(c: RunSettings, need: Need) -> None:
     """The clip, the KL and the objectives that replace the clipped surrogate, and the entropy bonus:
     each in range, none given where nothing would read it."""
     if c.delta is not None:
@@ -151,14 +154,14 @@ def clipping_and_loss(c: GRPOConfig, need: Need) -> None:
                  f"{name}={value} has an effect only with {needs}; set that, or remove {name}")
 
 
-def reference_model(c: GRPOConfig, need: Need) -> None:
+def reference_model(c: RunSettings, need: Need) -> None:
     """The reference model and its syncing."""
     need(0 <= c.ref_model_mixup_alpha <= 1, f"ref_model_mixup_alpha={c.ref_model_mixup_alpha} must be in [0, 1]")
     need(not c.sync_ref_model or c.beta > 0,
          "sync_ref_model needs beta > 0: with beta 0 there is no reference model to sync")
 
 
-def asynchronous_generation(c: GRPOConfig, need: Need) -> None:
+def asynchronous_generation(c: RunSettings, need: Need) -> None:
     """Generation ahead of training (docs/async.md)."""
     if c.async_generation:
         steps = c.optimizer_steps_per_generation
@@ -172,12 +175,12 @@ def asynchronous_generation(c: GRPOConfig, need: Need) -> None:
              "vllm_enable_sleep_mode: false")
 
 
-def vllm_seed(c: GRPOConfig, need: Need) -> None:
+def vllm_seed(c: RunSettings, need: Need) -> None:
     """vLLM seeds numpy with the seed, which takes 0 to 2**32 - 1 only (a colocated engine, a vLLM server)."""
     need(0 <= c.seed < 2**32, VLLM_SEED.format(seed=c.seed))
 
 
-def sampling(c: GRPOConfig, need: Need) -> None:
+def sampling(c: RunSettings, need: Need) -> None:
     """How the training rounds sample."""
     need(c.temperature > 0, f"temperature={c.temperature} must be positive (use a small value for near-greedy)")
     need(0 < c.top_p <= 1, f"top_p={c.top_p} must be in (0, 1]")
@@ -195,7 +198,7 @@ def sampling(c: GRPOConfig, need: Need) -> None:
          "default with generation_kwargs), or remove them")
 
 
-def engines(c: GRPOConfig, need: Need) -> None:
+def engines(c: RunSettings, need: Need) -> None:
     """The rollout engines' own settings."""
     need(c.vllm_importance_sampling_clip_max > 0, "vllm_importance_sampling_clip_max must be positive")
     if c.rollout_engine == "vllm":
@@ -212,7 +215,7 @@ def engines(c: GRPOConfig, need: Need) -> None:
     need(0 < c.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
 
 
-def optimizer(c: GRPOConfig, need: Need) -> None:
+def optimizer(c: RunSettings, need: Need) -> None:
     """AdamW, the gradient clip, the log-prob pass's budget and the learning-rate schedule."""
     need(c.learning_rate > 0, f"learning_rate={c.learning_rate} must be positive")
     need(0 <= c.warmup_ratio < 1, f"warmup_ratio={c.warmup_ratio} must be in [0, 1)")
@@ -238,7 +241,7 @@ def optimizer(c: GRPOConfig, need: Need) -> None:
                          f"{c.lr_scheduler_type}; remove it")
 
 
-def model_loading(c: GRPOConfig, need: Need) -> None:
+def model_loading(c: RunSettings, need: Need) -> None:
     """LoRA, quantization and what model_init_kwargs may hold."""
     need(c.lora_r >= 1 and c.lora_alpha > 0 and 0 <= c.lora_dropout < 1,
          f"LoRA settings out of range: lora_r={c.lora_r} (>= 1), lora_alpha={c.lora_alpha} (> 0), "
@@ -252,7 +255,7 @@ def model_loading(c: GRPOConfig, need: Need) -> None:
                                                         "remove it from model_init_kwargs")
 
 
-def rewards_and_tools(c: GRPOConfig, need: Need) -> None:
+def rewards_and_tools(c: RunSettings, need: Need) -> None:
     """Reward functions, their time limits and workers, and tools."""
     need(c.reward_timeout is None or c.reward_timeout > 0, f"reward_timeout={c.reward_timeout} must be positive")
     need((c.overlong_max_length is None or c.overlong_max_length >= 1)
@@ -267,7 +270,7 @@ def rewards_and_tools(c: GRPOConfig, need: Need) -> None:
     need(len(c.reward_funcs) >= 1, "reward_funcs is empty: name at least one reward function")
 
 
-def evaluation_and_outputs(c: GRPOConfig, need: Need) -> None:
+def evaluation_and_outputs(c: RunSettings, need: Need) -> None:
     """Held-out evaluation, checkpoints, logs, trackers and the process group."""
     need(c.eval_max_samples >= 0, f"eval_max_samples={c.eval_max_samples} must be >= 0")
     need(c.per_device_eval_batch_size >= 1 and (c.num_generations_eval or 1) >= 1,
@@ -287,7 +290,7 @@ def evaluation_and_outputs(c: GRPOConfig, need: Need) -> None:
     need(c.ddp_timeout >= 1, f"ddp_timeout={c.ddp_timeout} must be at least 1 second")
 
 
-def advise(c: GRPOConfig) -> None:
+def advise(c: RunSettings) -> None:
     """Settings that are allowed but rarely meant: a warning each."""
     if c.importance_sampling_level == "sequence" and c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         warn(f"importance_sampling_level: sequence with loss_type: {c.loss_type}, a sum over tokens, "

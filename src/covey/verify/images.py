@@ -4,7 +4,6 @@ forward of the model with the pictures."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
