@@ -59,11 +59,13 @@ def test_the_probes_find_each_hackable_reward_of_the_evaluation_set(reward, task
     assert hack in {f.probe for f in report.findings if f.reward == reward.__name__}, report.text()
 
 
-def test_the_probes_miss_a_reward_for_a_mark_no_probe_writes():
-    """A reward for an exclamation mark pays nothing to the right answer or to any probe (none writes one): the
-    probes see a reward that pays nothing, and say nothing (docs/diagnose.md, "Out of sample")."""
+def test_a_reward_for_an_exclamation_mark_is_found_by_the_dressed_wrong_answer_alone():
+    """The probes missed the reward for an exclamation mark until the ``dressed_wrong`` probe (format biases of
+    reward models) was added after that miss: this reward no longer counts as out of sample for the probes
+    (docs/diagnose.md, "Out of sample"). Every other probe still scores nothing, the right answer included."""
     report = probe([evaluation.exclaims], "gsm8k")
-    assert not report.findings and set(report.scores["exclaims"].values()) == {0.0}, report.text()
+    assert {f.probe for f in report.findings} == {"dressed_wrong"}, report.text()
+    assert {k for k, v in report.scores["exclaims"].items() if v} == {"dressed_wrong"}, report.scores
 
 
 @pytest.mark.parametrize("funcs, weights, task", [
