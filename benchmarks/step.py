@@ -11,6 +11,10 @@ Variants: ``covey`` (float32), ``covey-rollout-bf16`` (float32 training, bfloat1
 ``covey-freed-memory-returned`` (float32, keep_freed_memory: false),
 ``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default, bf16 mixed precision). Each covey
 variant is compared with each TRL variant of the same run, and with the first covey variant listed.
+Where each step's time goes is printed after, per phase (``PHASES``): covey's from its own timings
+(``time/generate``, ``time/score``, ``time/logprobs``, ``time/train`` in metrics.jsonl), TRL's by timing its trainer's methods
+(``_generate``, ``_calculate_rewards``, the rest of ``_generate_and_score_completions``: the log-probs of
+the sampling policy and the reference; and the rest of the step: the loss, backward and optimizer step).
 
     pip install -e .[bench]          # trl
     python -m benchmarks.step --repeats 2 --steps 4 --variants covey covey-rollout-bf16 trl
@@ -30,6 +34,9 @@ import time
 
 COMMON = dict(num_generations=8, per_device_train_batch_size=16, max_completion_length=64, beta=0.04,
               learning_rate=1e-6, seed=42)
+# a step's phases: sampling, the rewards, the log-probs taken before the update (the old policy's and the
+# reference's), the update (forward with the loss, backward, optimizer step)
+PHASES = ("generate", "score", "logprobs", "update")
 
 
 VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf16": {"bf16": True},
@@ -46,7 +53,9 @@ def run_covey(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]
     GRPOTrainer(args=args, quiet=True).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    return [{"seconds": m["step_time"], "tokens": m["completions/mean_length"] * 16} for m in metrics]
+    return [{"seconds": m["step_time"], "tokens": m["completions/mean_length"] * 16,
+             "phases": {"generate": m["time/generate"], "score": m["time/score"], "logprobs": m["time/logprobs"],
+                        "update": m["time/train"]}} for m in metrics]
 
 
 def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
@@ -65,10 +74,21 @@ def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
             self.records, self.start, self.length = [], 0.0, None
 
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            self.start, self.phases = time.perf_counter(), dict.fromkeys(PHASES, 0.0)
 
         def on_step_end(self, *a, **k):
-            self.records.append({"seconds": time.perf_counter() - self.start})
+            seconds = time.perf_counter() - self.start
+            phases = {**self.phases, "logprobs": self.phases["logprobs"] - self.phases["generate"] - self.phases["score"]}
+            self.records.append({"seconds": seconds, "phases": {**phases, "update": seconds - sum(phases.values())}})
+
+        def timed(self, phase, method):
+            def run(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return method(*a, **k)
+                finally:
+                    self.phases[phase] += time.perf_counter() - start
+            return run
 
         def on_log(self, args, state, control, logs=None, **k):
             if logs and "completions/mean_length" in logs and self.records:
@@ -81,6 +101,9 @@ def run_trl(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]:
     timer = Timer()
     trainer = GRPOTrainer(model=str(embedded_model_folder(EMBEDDED_MODEL)), reward_funcs=[answer_format, answer_correct],
                           args=config, train_dataset=rows, peft_config=lora, callbacks=[timer])
+    for phase, name in (("generate", "_generate"), ("score", "_calculate_rewards"),
+                        ("logprobs", "_generate_and_score_completions")):  # logprobs: less the two inside it
+        setattr(trainer, name, timer.timed(phase, getattr(trainer, name)))
     trainer.train()
     return timer.records
 
@@ -104,6 +127,7 @@ def measure(variant: str, mode: str, steps: int) -> dict:
     timed = result["records"][1:]  # the first step warms caches up
     result["seconds"] = statistics.median(r["seconds"] for r in timed)
     result["tokens_per_second"] = statistics.median(r["tokens"] / r["seconds"] for r in timed if "tokens" in r)
+    result["phases"] = {p: statistics.median(r["phases"].get(p, 0.0) for r in timed) for p in PHASES}
     return result
 
 
@@ -136,6 +160,11 @@ def main() -> None:
                 ratios = [c["tokens_per_second"] / t["tokens_per_second"] for c, t in zip(runs[ours], runs[theirs])]
                 print(f"| {mode} | {ours} / {theirs} | | {statistics.median(ratios):.2f}x (per pair: "
                       f"{', '.join(f'{r:.2f}' for r in ratios)}) | |", flush=True)
+        print(f"\n| {mode}: seconds per step | {' | '.join(PHASES)} | whole step |\n|---|" + "---|" * (len(PHASES) + 1))
+        for variant, results in runs.items():  # the median over runs of each run's median step
+            phases = [statistics.median(r["phases"][p] for r in results) for p in PHASES]
+            print(f"| {variant} | {' | '.join(f'{t:.2f}' for t in phases)} | "
+                  f"{statistics.median(r['seconds'] for r in results):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

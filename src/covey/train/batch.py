@@ -125,7 +125,7 @@ class Update:
     grad_norm: float  # before clipping; NaN or inf for a step that was skipped
     learning_rate: float  # for the next step (after this one's schedule step)
     bad_steps: int  # steps skipped for NaN/inf gradients in the run so far
-    timings: dict[str, float]  # time/generate, time/score (its round's, on the round's first step), time/train
+    timings: dict[str, float]  # time/generate, time/score, time/logprobs (its round's, on the round's first step), time/train
     step_time: float  # seconds since the previous step ended (for the first, since its round began)
     round_time: float  # seconds since its round began
 

@@ -58,9 +58,10 @@ def grpo_step(parts: StepParts, prompt_sampler: PromptSampler, progress: Progres
     progress = dataclasses.replace(progress, rounds_sampled=progress.rounds_sampled + generated.rounds,
                                    reward_errors=progress.reward_errors + reward_errors)
     # 4. the log-probs held fixed over the batch's optimizer steps
+    t_logprobs = time.perf_counter()
     fixed = fixed_logprobs(parts, batch)
     # 5-6. the loss over each window of micro-batches, and an optimizer step
-    updates, timings = [], dict(generated.timings)
+    updates, timings = [], {**generated.timings, "time/logprobs": time.perf_counter() - t_logprobs}
     for window, policy_unchanged in optimizer_windows(parts, batch.samples.size, progress.global_step):
         if events is not None and updates:
             events.step_begin(progress.global_step)
@@ -72,7 +73,7 @@ def grpo_step(parts: StepParts, prompt_sampler: PromptSampler, progress: Progres
         now = time.perf_counter()
         updates.append(Update(progress.global_step, totals, grad_norm, policy.scheduler.get_last_lr()[0],
                               progress.bad_steps, {**timings, "time/train": now - t_train}, now - last, now - started))
-        timings, last = {"time/generate": 0.0, "time/score": 0.0}, now
+        timings, last = {"time/generate": 0.0, "time/score": 0.0, "time/logprobs": 0.0}, now
         stop = events is not None and events.step_end(updates[-1])
         if stop or progress.consecutive_bad_steps >= args.max_consecutive_bad_steps:
             break
