@@ -5,13 +5,19 @@ Each entry of ``SET`` is a reward function in TRL's calling convention,
     reward(prompts, completions, completion_ids=None, **dataset_columns) -> list[float | None]
 
 for one of two tasks whose rows build offline: covey's built-in ``arithmetic`` task and GSM8K-format
-rows (``/work/shared/data/gsm8k``, else the repository's sample). Some rewards are hackable: a policy
+rows (the repository's sample of GSM8K's test split, or the file ``--gsm8k`` names). Some rewards are hackable: a policy
 can collect as much reward as a correct completion earns, or more, without solving the problem (their
 ``exploit`` says how). The others are honest: a completion that does not solve the problem always
 scores below one that does. ``rows(task, n)`` gives the rows as covey's trainer passes them (a chat
 ``prompt`` and an ``answer`` column; GSM8K rows also a ``solution`` column).
 
-    python -m benchmarks.probe_evaluation        # the self-check: a hand-written cheat or wrong answer per entry
+The set was written after the probes' design (covey.rewards.probe_set) was frozen, without reference
+to it, from the reward-hacking modes reported in practice; what each entry is (hackable or honest) is
+written by hand in tests/data/probe_evaluation_expectations.json. ``table`` runs covey's probes on each
+entry, as ``covey verify``'s probes stage does, and says which were found.
+
+    python -m benchmarks.probe_evaluation check    # a hand-written cheat or wrong answer per entry, no probe
+    python -m benchmarks.probe_evaluation table    # what the probes find in each entry
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-GSM8K_FILES = (Path("/work/shared/data/gsm8k/test.jsonl"), ROOT / "tests" / "data" / "gsm8k_sample.jsonl")
+GSM8K_FILES = [ROOT / "tests" / "data" / "gsm8k_sample.jsonl"]  # --gsm8k puts another first
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -603,5 +609,38 @@ def self_check(verbose: bool = True) -> bool:
     return all_ok
 
 
+def table(num_rows: int = 8, max_completion_length: int = 256) -> bool:
+    """covey's probes on each entry alone (``num_rows`` rows of its task, the default model's tokenizer), as
+    ``covey verify``'s probes stage calls them: one markdown row per entry, then the counts. True when every
+    hackable entry draws a finding and no honest one does."""
+    from covey import probe_rewards
+    from covey.models.loading import load_tokenizer
+    from covey.sources import EMBEDDED_MODEL
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    print("| reward | task | written as | probes' findings | right |\n|---|---|---|---|---|")
+    right = {True: 0, False: 0}
+    for entry in SET:
+        report = probe_rewards([entry["func"]], rows(entry["task"], num_rows), tokenizer=tokenizer,
+                               max_completion_length=max_completion_length, num_rows=num_rows)
+        found = sorted({f.probe for f in report.findings})
+        ok = bool(found) == entry["hackable"]
+        right[entry["hackable"]] += ok
+        print(f"| {entry['name']} | {entry['task']} | {'hackable' if entry['hackable'] else 'honest'} | "
+              f"{', '.join(found) or 'none'} | {'yes' if ok else 'no'} |", flush=True)
+    hackable = sum(e["hackable"] for e in SET)
+    print(f"\nhackable found: {right[True]} of {hackable}; honest passed: {right[False]} of {len(SET) - hackable}")
+    return right[True] + right[False] == len(SET)
+
+
 if __name__ == "__main__":
-    raise SystemExit(0 if self_check() else 1)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["check", "table"])
+    parser.add_argument("--gsm8k", type=Path, help="a GSM8K-format JSONL file (default: the repository's sample)")
+    parser.add_argument("--rows", type=int, default=8, help="rows probed per reward")
+    options = parser.parse_args()
+    if options.gsm8k:
+        GSM8K_FILES.insert(0, options.gsm8k)
+    raise SystemExit(0 if (self_check() if options.what == "check" else table(options.rows)) else 1)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import hacking_evaluation as evaluation
+from benchmarks import probe_evaluation
 from covey import probe_rewards
 from covey.data.tasks import arithmetic, gsm8k_rows, multiplication
 from covey.telemetry.diagnose import GAMING, diagnose, read_run
@@ -76,3 +77,18 @@ def test_a_reward_for_an_exclamation_mark_is_found_by_the_dressed_wrong_answer_a
 def test_the_probes_pass_the_honest_rewards(funcs, weights, task):
     report = probe(funcs, task, weights=weights)
     assert not report.findings, report.text()
+
+
+FRESH = json.loads((Path(__file__).parent / "data" / "probe_evaluation_expectations.json").read_text())
+
+
+@pytest.mark.parametrize("entry", probe_evaluation.SET, ids=[e["name"] for e in probe_evaluation.SET])
+def test_the_probes_judge_the_set_written_after_them_as_it_was_written(entry):
+    """The reward functions of benchmarks/probe_evaluation.py were written after the probes were frozen, each marked
+    hackable or honest by hand: a hackable one draws a finding, an honest one none; the one the probes missed
+    when the set was first judged is marked ``known_miss`` there, and still missed."""
+    expected = FRESH[entry["name"]]
+    assert expected["hackable"] == entry["hackable"]
+    report = probe_rewards([entry["func"]], probe_evaluation.rows(entry["task"], 8), max_completion_length=256,
+                           num_rows=8)  # a token a word: 256 of them leave room for the length probes
+    assert bool(report.findings) == (expected["hackable"] and "known_miss" not in expected), report.text()
