@@ -21,11 +21,13 @@ and the share of the roofline's least step time that the kernel's products alone
 built on them can reach a larger share.
 
     python -m benchmarks.rollout --repeats 3
+    python -m benchmarks.rollout --repeats 3 --float32-only   # a CPU without bfloat16 instructions
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -56,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--float32-only", action="store_true",
+                        help="leave out the bfloat16 engines (where the CPU multiplies bfloat16 in software)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer, eos = load_default()
@@ -64,6 +68,8 @@ def main() -> None:
                "fast oneDNN": FastEngine(model, pad, eos, tokenizer, multiply="prepacked"),
                "hf bf16": HFEngine(model, pad, eos, bf16=True), "fast bf16": FastEngine(model, pad, eos, tokenizer, bf16=True),
                "fast bf16 oneDNN": FastEngine(model, pad, eos, tokenizer, bf16=True, multiply="prepacked")}
+    if args.float32_only:
+        engines = {name: engine for name, engine in engines.items() if "bf16" not in name}
     weights = weights_per_step(model)
     print(f"machine: {machine()}\n")
     rows = arithmetic("train")
@@ -71,7 +77,8 @@ def main() -> None:
     speed, measured, limits_seen = [], [], []
     for n_prompts, G in ((1, 8), (1, 16), (2, 8), (2, 16)):
         # the machine's limits, measured before each row: its pace moves within a run
-        limits_seen.append((matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16), copy_gbps()))
+        limits_seen.append((matmul_gflops(torch.float32),
+                            float("nan") if args.float32_only else matmul_gflops(torch.bfloat16), copy_gbps()))
         prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[:n_prompts]], 512)
         for engine in engines.values():  # warm-up
             engine.generate(prompts, G, SamplingParams(max_new_tokens=4), seed=0)
@@ -82,10 +89,11 @@ def main() -> None:
                 seconds, lengths_B = run(engine, prompts, G, params, seed=rep)
                 rates[name].append(float(lengths_B.sum()) / seconds)
                 lengths[name].append(lengths_B)
-        median = {name: statistics.median(r) for name, r in rates.items()}
-        ratio = {pair: statistics.median(f / h for f, h in zip(rates[pair[0]], rates[pair[1]]))
-                 for pair in (("fast", "hf"), ("fast", "fast oneDNN"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"),
-                              ("fast bf16", "fast bf16 oneDNN"))}
+        median = collections.defaultdict(lambda: float("nan"), {name: statistics.median(r) for name, r in rates.items()})
+        ratio = collections.defaultdict(lambda: float("nan"), {
+            pair: statistics.median(f / h for f, h in zip(rates[pair[0]], rates[pair[1]]))
+            for pair in (("fast", "hf"), ("fast", "fast oneDNN"), ("fast bf16", "hf bf16"), ("fast bf16", "hf"),
+                         ("fast bf16", "fast bf16 oneDNN")) if pair[0] in rates})
         mean_length = statistics.mean(float(length.float().mean()) for ls in lengths.values() for length in ls)
         speed.append(f"| {n_prompts} x {G} | {median['hf']:.0f} | {median['fast']:.0f} | {ratio['fast', 'hf']:.2f}x | "
                      f"{median['fast oneDNN']:.0f} | {ratio['fast', 'fast oneDNN']:.2f}x | "
@@ -108,6 +116,9 @@ def main() -> None:
     for label, rates, lengths in measured:
         cells = []
         for name, limit, as_sampled in bounds:
+            if name not in rates:
+                cells.append("- | -")
+                continue
             tokens_per_second = [roofline(weights, ls, limit, as_sampled) for ls in lengths[name]]
             fraction = statistics.median(r / b for r, b in zip(rates[name], tokens_per_second))
             cells.append(f"{statistics.median(tokens_per_second):.0f} | {fraction:.0%}")
@@ -123,13 +134,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(roof))
     print("\n| rows | float32, F.linear | float32, oneDNN | float32, covey's kernel | kernel / best other "
-          "| kernel, share of the roofline | bfloat16, F.linear | bfloat16, oneDNN prepacked | bfloat16, covey's kernel "
-          "| kernel / best other | kernel, share of the stream alone |")
+          "| products alone, share of the roofline | bfloat16, F.linear | bfloat16, oneDNN prepacked "
+          "| bfloat16, covey's kernel | kernel / best other | products alone, share of the stream alone |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     # the least time of a decode step at the run's limits, as in the roofline above: the products alone
-    # already take this share of it, which bounds the share any whole rollout on them can reach
+    # already take this share of it, which bounds the share any whole rollout on them can reach (the
+    # kernel's products where it runs here, else the faster of the other two ways)
+    from covey.rollout.fast import decode_kernel
+
     least = {torch.float32: fp32, torch.bfloat16: bf16_stream}
-    arms = {dtype: ("plain", "prepacked", "kernel") for dtype in (torch.float32, torch.bfloat16)}
+    arms = {dtype: ("plain", "prepacked", *(("kernel",) if decode_kernel.available(dtype) else ()))
+            for dtype in ((torch.float32,) if args.float32_only else (torch.float32, torch.bfloat16))}
     for n in (1, 2, 4, 8, 16, 24, 32):
         cells = []
         for dtype, ways in arms.items():
@@ -137,13 +152,14 @@ def main() -> None:
             for _ in range(3):  # alternating, so the ratios are taken side by side
                 for name in ways:
                     seconds[name].append(matrix_products_seconds(model, n, dtype, multiply=name))
-            best_other = [min(pair) for pair in zip(*(seconds[name] for name in ways[:-1]))]
-            ratio = statistics.median(a / b for a, b in zip(best_other, seconds[ways[-1]]))
-            share = decode_step_seconds(weights, n, *least[dtype]) / statistics.median(seconds[ways[-1]])
-            cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" for name in ways)
-                         + f" | {ratio:.2f}x | {share:.0%}")
+            best_other = [min(pair) for pair in zip(seconds["plain"], seconds["prepacked"])]
+            used = seconds["kernel"] if "kernel" in ways else best_other
+            ratio = (f"{statistics.median(a / b for a, b in zip(best_other, used)):.2f}x" if "kernel" in ways
+                     else "- (the kernel does not run here)")
+            share = decode_step_seconds(weights, n, *least[dtype]) / statistics.median(used)
+            cells.append(" | ".join(f"{statistics.median(seconds[name]) * 1e3:.1f} ms" if name in seconds else "-"
+                                    for name in ("plain", "prepacked", "kernel")) + f" | {ratio} | {share:.0%}")
         print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
-
 
 if __name__ == "__main__":
     main()
