@@ -235,17 +235,20 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     the ways alternating: the whole [N, V] logits at once (the pass before chunking, kept here only as
     the baseline: ``core.token_logprobs`` on ``lm_head``'s output), 128-token chunks with every chunk's
     logits computed again in the backward (as the first chunked pass did), and ``covey.train.head.head_logprobs``
-    under each budget; the median time of each, and its ratio to the whole logits. ``frozen_head``: the head's
-    weight takes no gradient (as under LoRA), only the hidden states."""
+    under each budget and under the budget left to covey (``logprob_budget_mib: null``: the whole logits where
+    they take at most a quarter of the memory free here); the median time of each, and its ratio to the whole
+    logits. ``frozen_head``: the head's weight takes no gradient (as under LoRA), only the hidden states."""
     import torch
 
     from covey.sources import EMBEDDED_MODEL
-    from covey.core import logprob_chunk_tokens, token_logprobs
+    from covey.core import logprob_budget, logprob_chunk_tokens, token_logprobs
     from covey.models import load_tokenizer
+    from covey.plan.device import this_device
     from covey.train.head import head_logprobs
 
     model = random_model(vocabulary, load_tokenizer(EMBEDDED_MODEL))
     model.lm_head.weight.requires_grad_(not frozen_head)
+    left_to_covey = logprob_budget(None, tokens, vocabulary, this_device(True).available)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
     ids = torch.randint(0, vocabulary, (tokens,), generator=g)
@@ -253,6 +256,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
             "128 tokens, none kept": lambda: head_logprobs(model, hidden, ids, with_entropy=True, chunk=128, budget=0)}
     for mib in budgets_mib:
         ways[f"{mib} MiB"] = lambda mib=mib: head_logprobs(model, hidden, ids, with_entropy=True, budget=mib * 2**20)
+    ways["left to covey"] = lambda: head_logprobs(model, hidden, ids, with_entropy=True, budget=left_to_covey)
     times: dict[str, list[float]] = {name: [] for name in ways}
     cpu: dict[str, list[float]] = {name: [] for name in ways}  # the process's CPU time: less moved by other work
     for _ in range(repeats):
@@ -271,6 +275,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
     cells = " | ".join(f"{seconds:.2f} ({seconds / whole:.2f}); CPU {cpu_medians[name]:.2f} "
                        f"({cpu_medians[name] / whole_cpu:.2f})" for name, seconds in medians.items())
     chunks = ", ".join(f"{mib} MiB: {logprob_chunk_tokens(vocabulary, mib * 2**20)}" for mib in budgets_mib)
+    chunks += f"; left to covey: {left_to_covey / 2**20:.0f} MiB, {logprob_chunk_tokens(vocabulary, left_to_covey)}"
     print(f"| {vocabulary:,} | {tokens:,} | {cells} | {chunks} |", flush=True)
 
 
@@ -403,7 +408,7 @@ def main() -> None:
                 pass_memory(vocabulary, length * args.group)
         return
     if args.pass_alone:
-        ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets]
+        ways = ["whole logits", "128 tokens, none kept"] + [f"budget {mib} MiB" for mib in args.budgets] + ["left to covey"]
         print(f"| vocabulary | tokens | {' | '.join(f'{w} s (/ whole); CPU s (/ whole)' for w in ways)} | "
               "tokens per chunk |")
         print("|---|---|" + "---|" * (len(ways) + 1))
