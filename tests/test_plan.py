@@ -458,3 +458,13 @@ def test_the_probe_says_the_run_time_and_its_measured_peak_against_the_estimate(
     assert "120 steps: about 1.0 min of training" in minutes and "measured peak 1 MiB" in minutes
     peak, how = measured_peak()
     assert peak > 2 ** 20 and how  # this process holds torch: over a MiB, whichever way it was measured
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_on_a_cpu_the_plan_says_the_memory_the_c_library_keeps_is_not_counted(qwen_like, keep):
+    from covey.plan.report import KEPT_MEMORY_NOTE, plan_text
+
+    args = GRPOConfig(model=str(qwen_like), max_completion_length=64, keep_freed_memory=keep, use_cpu=True)
+    plan = make_plan(args)
+    assert plan.device.kind == "cpu"
+    assert (KEPT_MEMORY_NOTE in plan_text(plan)) == keep

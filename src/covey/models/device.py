@@ -20,9 +20,11 @@ def keep_freed_memory() -> bool:
     large block back to the system at free and take it again (zeroed page by page) at the next
     allocation, as glibc does by default for blocks over 32 MB or so: on CPU each training step
     allocates and frees its activations, gradients and vocabulary-wide logits. Measured on the
-    default step (BENCHMARKS.md): half the page faults, a third less system time and a slightly
-    lower peak; the step time moved within the machine's noise. Process-wide; the process's memory
-    then stays near its peak instead of shrinking between passes. True where applied (Linux with
+    default step (docs/benchmark-history.md): half the page faults, a third less system time and a
+    slightly lower peak; the step time moved within the machine's noise. But where a later phase
+    cannot reuse the blocks an earlier one freed, they stay held: examples/gsm8k.yaml's step peaked
+    18% higher (BENCHMARKS.md). Process-wide; the process's memory then stays near its peak instead
+    of shrinking between passes. True where applied (Linux with
     glibc), False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
