@@ -16,6 +16,7 @@ from typing import Any
 from covey import core
 from covey.sources import EMBEDDED_MODEL
 
+
 def _f(default: Any, help: str, **choices: Any) -> Any:
     """A config field with its one-line help (and, optionally, the allowed values)."""
     meta = {"help": help, **choices}
