@@ -24,8 +24,7 @@ def keep_freed_memory() -> bool:
     slightly lower peak; the step time moved within the machine's noise. But where a later phase
     cannot reuse the blocks an earlier one freed, they stay held: examples/gsm8k.yaml's step peaked
     18% higher (BENCHMARKS.md). Process-wide; the process's memory then stays near its peak instead
-    of shrinking between passes. True where applied (Linux with
-    glibc), False elsewhere."""
+    of shrinking between passes. True where applied (Linux with glibc), False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
     try:

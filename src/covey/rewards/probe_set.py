@@ -23,8 +23,9 @@ mode reported for RL on language models:
 (Skalse et al. 2022, "Defining and Characterizing Reward Hacking"; Gao et al. 2023, "Scaling Laws for
 Reward Model Overoptimization"; Singhal et al. 2023, "A Long Way to Go: Investigating Length Correlations
 in RLHF"; Zhang et al. 2024, "From Lists to Emojis: How Format Bias Affects Model Alignment"; the
-reflection-word and self-verification rewards of R1-style replications; the format and multiple-answer exploits reported against rule-based math rewards in open-r1 and
-TRL's issues.) Every function here is pure: texts in, texts out.
+reflection-word and self-verification rewards of R1-style replications; the format and multiple-answer
+exploits reported against rule-based math rewards in open-r1 and TRL's issues.) Every function here is
+pure: texts in, texts out.
 """
 
 from __future__ import annotations
