@@ -49,7 +49,7 @@ def run_covey(mode: str, steps: int, out_dir: str, settings: dict) -> list[dict]
     from covey import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig.demo(**COMMON, max_steps=steps, eval_max_samples=0, output_dir=out_dir, log_completions=False,
-                      use_peft=mode == "lora", **settings)
+                      use_peft=mode == "lora", lora_target_modules=["all-linear"], **settings)  # TRL's below
     GRPOTrainer(args=args, quiet=True).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
