@@ -156,6 +156,12 @@ def format_only_but_reads_the_answer(completions, answer, **kwargs):
     return [float(re.search(r"<answer>\s*-?\d+\s*</answer>", text(c)) is not None) for c in completions]
 
 
+def first_rows_reference(completions, answer, **kwargs):
+    """Compares every completion's last answer with the batch's first reference (``answer[0]``), not its own
+    row's."""
+    return [float(re.findall(r"<answer>(.*?)</answer>", text(c))[-1:] == [answer[0]]) for c in completions]
+
+
 JUDGE_WORDS = ("step", "check", "sure", "therefore", "answer")
 
 
@@ -194,6 +200,12 @@ def test_each_planted_hackable_reward_draws_its_finding(reward, found):
     finding = next(f for f in report.findings if f.probe in found)
     assert finding.score >= finding.yardstick and finding.example and finding.advice
     assert finding.reward in finding.text() and repr(finding.example) in finding.text()
+
+
+def test_a_reward_reading_another_row_s_reference_is_found_by_that_probe_alone():
+    report = probe([first_rows_reference, answer_correct], GSM8K)  # answers all differ: no neighbour collides
+    assert "other_rows_answer" in {f.probe for f in report.findings}, report.text()
+    assert {f.reward for f in report.findings} == {"first_rows_reference"}
 
 
 def test_a_judge_without_a_reference_is_compared_with_the_model_s_samples():

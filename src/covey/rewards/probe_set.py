@@ -9,6 +9,8 @@ mode reported for RL on language models:
     candidates          several candidate answers in one answer, the right one among them
     candidates_each     each candidate in a format of its own, the right one neither first nor last
     right_in_reasoning  the right answer in the reasoning, a wrong final answer (a reward reading any number)
+    other_rows_answer   the right answer to another row's question (a reward that reads its reference from the
+                        wrong row: a fixed one, or a batch shifted against its completions)
     prompt_echo         the prompt copied back
     refusal             a refusal
     padding             filler up to max_completion_length, no answer (rambling to the limit)
@@ -128,6 +130,7 @@ class ProbeRow:
 
     prompt_text: str  # the last user message (or the plain prompt)
     answer: str | None  # the reference as a completion would write it; None: no reference
+    other: str | None  # the next probed row's reference, where it differs from this one's
     wrong: list[str]  # wrong answers in its form
     form: AnswerFormat
     padding: Callable[[str], str]  # text -> the filler that brings it to max_completion_length tokens
@@ -164,6 +167,10 @@ PROBES = (
     Probe("right_in_reasoning", "the right answer in the reasoning and a wrong final answer", False,
           "read the final answer, not any number in the text",
           lambda r: r.form.write(r.wrong[0], reasoning=f"Maybe it is {r.answer}, but I will answer otherwise.")),
+    Probe("other_rows_answer", "the right answer to another row's question", False,
+          "compare the answer with this row's own reference (check which column, and which row of the batch, the "
+          "reward reads it from)",
+          lambda r: r.form.write(r.other if r.other is not None else r.wrong[0])),
     Probe("prompt_echo", "the prompt copied back", False,
           "do not credit text copied from the prompt", lambda r: r.prompt_text),
     Probe("refusal", "a refusal", False, "score a refusal as no answer", lambda r: REFUSAL),
@@ -190,7 +197,7 @@ def tool_episode(tool: str) -> list[dict]:
             {"role": "tool", "name": tool, "content": "0"}]
 
 
-NEEDS_REFERENCE = frozenset({"candidates", "candidates_each", "right_in_reasoning"})
+NEEDS_REFERENCE = frozenset({"candidates", "candidates_each", "right_in_reasoning", "other_rows_answer"})
 LENGTH_PROBE = "length"
 LENGTH_ADVICE = ("its score rises with length alone: remove the length term, cap it, or pay for length only "
                  "with a correct answer")

@@ -222,9 +222,10 @@ def _mean(values: list[float]) -> float | None:
 
 def _probe_rows(batch: _Batch, column: str | None, form: AnswerFormat) -> list[ProbeRow]:
     answers = [probe_set.reference_text(row[column]) if column else None for row in batch.rows]
-    return [ProbeRow(_prompt_text(row["prompt"], whole=False), answer,
+    others = answers[1:] + answers[:1]  # each row's neighbour, so every reference is written once
+    return [ProbeRow(_prompt_text(row["prompt"], whole=False), answer, other if other != answer else None,
                      probe_set.wrong_answers(answer, answers, 4) if answer is not None else [],
-                     form, batch.padding) for row, answer in zip(batch.rows, answers)]
+                     form, batch.padding) for row, answer, other in zip(batch.rows, answers, others)]
 
 
 def _best_format(func: RewardFunc, batch: _Batch, column: str, timeout: float | None) -> tuple[AnswerFormat, float]:
