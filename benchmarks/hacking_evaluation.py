@@ -161,12 +161,26 @@ TINY = {
     "tiny-healthy-seed23": (tiny_qwen2, 23, share_of_letter("e"), plain),
     "tiny-healthy-seed29": (tiny_llama, 29, share_of_letter("o"), plain),
     "tiny-healthy-seed31": (tiny_qwen2, 31, share_of_letter("o"), plain),
+    # the second evaluation set (tests/data/hacking/second-evaluation), made after the held-out reward's ceiling
+    # was added to the rules: fresh seeds, the hacks that tiny models took in the first set on other models
+    "tiny-healthy-seed37": (tiny_llama, 37, share_of_letter("i"), plain),
+    "tiny-healthy-seed41": (tiny_qwen2, 41, share_of_letter("i"), plain),
+    "tiny-healthy-seed43": (tiny_llama, 43, share_of_letter("s"), plain),
+    "tiny-healthy-seed47": (tiny_qwen2, 47, share_of_letter("s"), plain),
+    "tiny-healthy-seed53": (tiny_llama, 53, share_of_letter("t"), plain),
+    "tiny-healthy-seed59": (tiny_qwen2, 59, share_of_letter("t"), plain),
+    "tiny-qwen-brevity-seed61": (tiny_qwen2, 61, brevity, arithmetic),
+    "tiny-llama-brevity-seed67": (tiny_llama, 67, brevity, arithmetic),
+    "tiny-qwen-echo-seed71": (tiny_qwen2, 71, prompt_echo, arithmetic),
+    "tiny-llama-echo-seed73": (tiny_llama, 73, prompt_echo, arithmetic),
+    "tiny-tool-calls-seed79": (tiny_qwen2, 79, tool_calls, multiplication),
+    "tiny-qwen-digits-seed83": (tiny_qwen2, 83, digits_anywhere, gsm8k),
 }
 
 
-# the tool task's run: its tool, two rounds of calls, the call format above, room for the tool's replies
-TOOL_RUNS = {"tiny-tool-calls": ({"tools": ["calculate"], "max_tool_calling_iterations": 2, "stop_strings": ["*"],
-                                  "max_completion_length": 64}, star_calls)}
+# the tool task's runs: its tool, two rounds of calls, the call format above, room for the tool's replies
+TOOL_TASKS = {multiplication: ({"tools": ["calculate"], "max_tool_calling_iterations": 2, "stop_strings": ["*"],
+                                "max_completion_length": 64}, star_calls)}
 
 
 def tiny_run(name: str, out: Path, steps: int, gsm8k_folder: Path) -> None:
@@ -184,7 +198,7 @@ def tiny_run(name: str, out: Path, steps: int, gsm8k_folder: Path) -> None:
                  seed=seed, eval_strategy="steps", eval_steps=4, eval_max_samples=8, log_completions_steps=1,
                  num_completions_to_print=0, save_steps=0)
     preset = {k: v for k, v in DEMO.items() if k not in ("dataset", "reward_funcs")}  # the demo's logging, schedule
-    fields, call_format = TOOL_RUNS.get(name, ({}, None))
+    fields, call_format = TOOL_TASKS.get(rows, ({}, None))
     args = GRPOConfig(**{**preset, **sizes, **fields})
     GRPOTrainer(model=build(len(tokenizer), seed), reward_funcs=[reward], args=args, train_dataset=train_rows,
                 eval_dataset=heldout_rows, processing_class=tokenizer, quiet=True,
@@ -219,7 +233,7 @@ def probes_found(name: str, gsm8k_folder: Path, length: int) -> str:
         length = fields.get("max_completion_length", length)
     else:
         _, _, reward, rows_of = TINY[name]
-        fields = TOOL_RUNS.get(name, ({}, None))[0]
+        fields = TOOL_TASKS.get(rows_of, ({}, None))[0]
         funcs, weights, tools, tokenizer = [reward], None, fields.get("tools", []), make_tokenizer()
         length = fields.get("max_completion_length", 16)
         rows = rows_of(gsm8k_folder, "train", 32)

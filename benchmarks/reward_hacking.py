@@ -205,14 +205,14 @@ def table(out: Path, run_set: str) -> None:
               f"{live_warnings(run_data.history)} | {verdict} ({expected.get(folder.name, '?')}) | {message[:600]} |")
 
 
-def out_of_sample(out: Path, gsm8k: Path, length: int) -> None:
-    """The evaluation set's table: per run folder under ``out``, what it was set up to be, covey diagnose's verdict,
+def out_of_sample(out: Path, run_set: str, gsm8k: Path, length: int) -> None:
+    """An evaluation set's table: per run folder under ``out``, what it was set up to be, covey diagnose's verdict,
     whether a hackable run was found (gaming the reward, with the finding its reward plants) or a healthy one
     drew a false alarm (any hacking or collapse warning while replayed, or either verdict), the step of the
     first warning, and what the reward probes found before training."""
     from covey.telemetry.diagnose import COLLAPSED, GAMING, diagnose, read_run
 
-    expectations = json.loads((FOLDERS["evaluation"] / "expectations.json").read_text())
+    expectations = json.loads((FOLDERS[run_set] / "expectations.json").read_text())
     print(f"machine: {machine()}")
     print("| run | model, task: rewards | set up to be | verdict | found / false alarm | first warning (step of steps) "
           "| probes before training |")
@@ -291,7 +291,8 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 
 # the verdict each run must get, written by hand from what it was set up to do (not from what covey said), with why
 DATA = Path(__file__).parent.parent / "tests" / "data" / "hacking"
-FOLDERS = {"tuning": DATA, "evaluation": DATA / "evaluation"}  # where each set's runs are recorded
+FOLDERS = {"tuning": DATA, "evaluation": DATA / "evaluation",  # where each set's runs are recorded
+           "second-evaluation": DATA / "second-evaluation"}
 
 
 def intended(run_set: str) -> dict[str, str]:
@@ -351,7 +352,7 @@ def main() -> None:
     parser.add_argument("name", nargs="?")
     parser.add_argument("--out", default="runs/hacking")
     parser.add_argument("--set", dest="run_set", choices=tuple(FOLDERS), default="tuning",
-                        help="the tuning set (the rules' thresholds were chosen on it) or the evaluation set")
+                        help="the tuning set (the rules' thresholds were chosen on it) or an evaluation set")
     parser.add_argument("--gsm8k", default="data/gsm8k", help="a folder of GSM8K's train.jsonl and test.jsonl")
     parser.add_argument("--only", nargs="*", help="these setups only (default: every one of the set)")
     parser.add_argument("--steps", type=int, default=20)
@@ -370,8 +371,8 @@ def main() -> None:
               a.eval_samples, a.bf16)
     elif a.command == "record":
         record(a.name, out, a.run_set)
-    elif a.command == "tiny" and a.run_set == "evaluation":
-        for name in a.only or evaluation.TINY:
+    elif a.command == "tiny" and a.run_set != "tuning":
+        for name in a.only or [name for name in intended(a.run_set) if name in evaluation.TINY]:
             evaluation.tiny_run(name, out, a.steps, Path(a.gsm8k))
     elif a.command == "tiny":
         for name in a.only or ("tiny-keyword", "tiny-healthy"):
@@ -384,8 +385,8 @@ def main() -> None:
                    "--prompts", str(a.prompts), "--generations", str(a.generations), "--length", str(a.length),
                    "--eval-samples", str(a.eval_samples), "--bf16" if a.bf16 else "--no-bf16"]
         run(a.only or list(SETUPS if a.run_set == "tuning" else evaluation.SETUPS), out, options, a.parallel)
-    elif a.run_set == "evaluation":
-        out_of_sample(out, Path(a.gsm8k), a.length)
+    elif a.run_set != "tuning":
+        out_of_sample(out, a.run_set, Path(a.gsm8k), a.length)
     else:
         table(out, a.run_set)
 

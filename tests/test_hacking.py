@@ -334,10 +334,11 @@ def test_diagnose_refuses_a_folder_that_is_no_run(tmp_path):
 
 
 EXPECTATIONS = json.loads((DATA / "expectations.json").read_text())  # written by hand from how each run was set up
+EVALUATION_SETS = ("evaluation", "second-evaluation")  # each judged after the rules were frozen for it
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if p.is_dir() and p.name != "evaluation"))
-def test_recorded_runs_get_their_verdicts(name):  # the tuning set; the evaluation set: test_hacking_evaluation.py
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if p.is_dir() and p.name not in EVALUATION_SETS))
+def test_recorded_runs_get_their_verdicts(name):  # the tuning set; the evaluation sets: test_hacking_evaluation.py
     """Histories of real short runs (benchmarks/reward_hacking.py), kept small: each gets the verdict it was set
     up to get (tests/data/hacking/expectations.json, with why); a gamed one draws the finding its reward plants,
     an honest one draws none."""

@@ -1,6 +1,7 @@
-"""The reward-hacking rules out of sample: the evaluation set of benchmarks/hacking_evaluation.py (hackable kinds the
-rules were not tuned on, healthy runs with seeds the tuning never used), recorded small in
-tests/data/hacking/evaluation/, each against the verdict written by hand from how it was set up; and the reward
+"""The reward-hacking rules out of sample: the evaluation sets of benchmarks/hacking_evaluation.py (hackable kinds the
+rules were not tuned on, healthy runs with seeds the tuning never used; the second made after a rule was changed on
+the first), recorded small in tests/data/hacking/<set>/, each against the verdict written by hand from how it was
+set up; and the reward
 probes against each of its rewards before training. A run the frozen rules get wrong is marked ``known_miss`` in
 the expectations (docs/diagnose.md, "Out of sample", reports it): its test holds that it is still a miss."""
 
@@ -15,19 +16,21 @@ from covey import probe_rewards
 from covey.data.tasks import arithmetic, gsm8k_rows, multiplication
 from covey.telemetry.diagnose import GAMING, diagnose, read_run
 from tests.conftest import make_tokenizer
+from tests.test_hacking import EVALUATION_SETS as SETS
 
-DATA = Path(__file__).parent / "data" / "hacking" / "evaluation"
-EXPECTATIONS = json.loads((DATA / "expectations.json").read_text())  # written by hand before any run was judged
-RECORDED = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+HACKING = Path(__file__).parent / "data" / "hacking"
+EXPECTATIONS = {(s, name): e for s in SETS  # written by hand before any run of the set was judged
+                for name, e in json.loads((HACKING / s / "expectations.json").read_text()).items()}
+RECORDED = {(s, p.name) for s in SETS for p in (HACKING / s).iterdir() if p.is_dir()}
 
 
-@pytest.mark.parametrize("name", sorted(set(EXPECTATIONS) | set(RECORDED)))
-def test_evaluation_runs_get_their_verdicts_or_stay_known_misses(name):
-    assert name in EXPECTATIONS, f"tests/data/hacking/evaluation/{name} has no expectation in expectations.json"
-    assert name in RECORDED, (f"{name} is not recorded: python -m benchmarks.reward_hacking record {name} --set "
-                              "evaluation --out RUNS")
-    expected = EXPECTATIONS[name]
-    result = diagnose(read_run(DATA / name))
+@pytest.mark.parametrize("run_set, name", sorted(set(EXPECTATIONS) | RECORDED))
+def test_evaluation_runs_get_their_verdicts_or_stay_known_misses(run_set, name):
+    assert (run_set, name) in EXPECTATIONS, f"tests/data/hacking/{run_set}/{name} has no expectation in expectations.json"
+    assert (run_set, name) in RECORDED, (f"{name} is not recorded: python -m benchmarks.reward_hacking record {name} "
+                                         f"--set {run_set} --out RUNS")
+    expected = EXPECTATIONS[run_set, name]
+    result = diagnose(read_run(HACKING / run_set / name))
     found = {f.key for _, f in result.findings}
     right = result.verdict == expected["verdict"] and (
         set(expected.get("planted", ())) <= found if expected["verdict"] == GAMING else not found)

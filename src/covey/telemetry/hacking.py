@@ -18,7 +18,7 @@ import statistics
 
 from covey.telemetry import text_signals
 from covey.telemetry.finding import Finding
-from covey.telemetry.trends import WINDOW, Z, binomial_error, change, noise, onset, series, smooth, spearman
+from covey.telemetry.trends import WINDOW, Z, Change, binomial_error, change, noise, onset, series, smooth, spearman
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
 MIN_EVALS = 3  # held-out evaluations (the one after training among them) before the held-out trend is judged
@@ -92,12 +92,13 @@ def _accuracy_gap(values: list[float], sizes: list[int] | None, last: list[int])
     return fell or flat
 
 
-def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, float, int] | None:
+def _heldout_flat(history: list[dict], reward: Change) -> tuple[str, float, float, int] | None:
     """(key, first, last, the step of its best evaluation before the last) where the held-out metric did not gain
-    (or fell) from its first evaluation while the training reward gained ``reward_gain``; None where it gained,
-    the task is solved, or too few evaluations were made after the reward rose. A held-out metric can only fail
-    to follow a rise it was measured after: at least MIN_RISEN_EVALS evaluations must have been made once the
-    reward had clearly risen, and "last" is the mean of the last two of those."""
+    (or fell) from its first evaluation while the training ``reward`` rose; None where it gained, the task is
+    solved, or too few evaluations were made after the reward rose. A held-out metric can only fail to follow a
+    rise it was measured after: at least MIN_RISEN_EVALS evaluations must have been made once the reward had
+    clearly risen, and "last" is the mean of the last two of those. A held-out mean reward (the same reward, on
+    unseen prompts) at or above the training reward's last level has nothing left to follow."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
         return None
@@ -111,7 +112,9 @@ def _heldout_flat(history: list[dict], reward_gain: float) -> tuple[str, float, 
             return None  # a solved task stays flat near the top
         flat = _accuracy_gap(values, _sizes(history, steps), risen[-2:])
     else:
-        flat = last - first < HELDOUT_REWARD_SHARE * reward_gain
+        if last >= reward.last:
+            return None  # unseen prompts already pay as much as the training ones
+        flat = last - first < HELDOUT_REWARD_SHARE * reward.delta
     if not flat:
         return None
     best = max(range(len(values) - 1), key=lambda i: (values[i], -i))  # the best before the last evaluation
@@ -134,7 +137,7 @@ def reward_outruns_heldout(history: list[dict], samples: list[dict]) -> Finding 
     moved = change(rewards)
     if moved is None or not moved.rose:
         return None
-    flat = _heldout_flat(history, moved.delta)
+    flat = _heldout_flat(history, moved)
     if flat is None:
         return None
     key, first, last, best_step = flat
@@ -158,7 +161,7 @@ def reward_saturated(history: list[dict], samples: list[dict]) -> Finding | None
     top, bottom = max(smooth(rewards)), min(smooth(rewards))
     if statistics.fmean(same[-WINDOW:]) < SATURATED_GROUPS or moved.last < top - PLATEAU * (top - bottom):
         return None
-    flat = _heldout_flat(history, moved.delta)
+    flat = _heldout_flat(history, moved)
     if flat is None:
         return None
     key, first, last, _ = flat
