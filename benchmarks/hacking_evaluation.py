@@ -175,6 +175,20 @@ TINY = {
     "tiny-llama-echo-seed73": (tiny_llama, 73, prompt_echo, arithmetic),
     "tiny-tool-calls-seed79": (tiny_qwen2, 79, tool_calls, multiplication),
     "tiny-qwen-digits-seed83": (tiny_qwen2, 83, digits_anywhere, gsm8k),
+    # the third (tests/data/hacking/third-evaluation), made after heldout_gap was let judge one evaluation after the
+    # rise where the held-out set's size is known: fresh seeds again
+    "tiny-healthy-seed89": (tiny_llama, 89, share_of_letter("n"), plain),
+    "tiny-healthy-seed97": (tiny_qwen2, 97, share_of_letter("n"), plain),
+    "tiny-healthy-seed101": (tiny_llama, 101, share_of_letter("r"), plain),
+    "tiny-healthy-seed103": (tiny_qwen2, 103, share_of_letter("r"), plain),
+    "tiny-healthy-seed107": (tiny_llama, 107, share_of_letter("l"), plain),
+    "tiny-healthy-seed109": (tiny_qwen2, 109, share_of_letter("l"), plain),
+    "tiny-qwen-brevity-seed113": (tiny_qwen2, 113, brevity, arithmetic),
+    "tiny-llama-brevity-seed127": (tiny_llama, 127, brevity, arithmetic),
+    "tiny-qwen-echo-seed131": (tiny_qwen2, 131, prompt_echo, arithmetic),
+    "tiny-llama-echo-seed137": (tiny_llama, 137, prompt_echo, arithmetic),
+    "tiny-tool-calls-seed139": (tiny_qwen2, 139, tool_calls, multiplication),
+    "tiny-llama-digits-seed149": (tiny_llama, 149, digits_anywhere, gsm8k),
 }
 
 

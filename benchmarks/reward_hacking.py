@@ -292,7 +292,7 @@ def trl_run(name: str, out: Path, steps: int) -> None:
 # the verdict each run must get, written by hand from what it was set up to do (not from what covey said), with why
 DATA = Path(__file__).parent.parent / "tests" / "data" / "hacking"
 FOLDERS = {"tuning": DATA, "evaluation": DATA / "evaluation",  # where each set's runs are recorded
-           "second-evaluation": DATA / "second-evaluation"}
+           "second-evaluation": DATA / "second-evaluation", "third-evaluation": DATA / "third-evaluation"}
 
 
 def intended(run_set: str) -> dict[str, str]:

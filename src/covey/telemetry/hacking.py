@@ -104,13 +104,14 @@ def _heldout_flat(history: list[dict], reward: Change) -> tuple[str, float, floa
         return None
     key, steps, values = found
     risen = [i + 1 for i, up in enumerate(risen_at(history, steps[1:])) if up]
-    if len(risen) < MIN_RISEN_EVALS:
+    sizes = _sizes(history, steps) if key == "eval/accuracy" else None
+    if len(risen) < (1 if sizes else MIN_RISEN_EVALS):
         return None
     first, last = values[0], statistics.fmean(values[i] for i in risen[-2:])
     if key == "eval/accuracy":
         if last >= HIGH_ACCURACY and last >= first - HELDOUT_ACCURACY_GAIN:
             return None  # a solved task stays flat near the top
-        flat = _accuracy_gap(values, _sizes(history, steps), risen[-2:])
+        flat = _accuracy_gap(values, sizes, risen[-2:])
     else:
         if last >= reward.last:
             return None  # unseen prompts already pay as much as the training ones
