@@ -79,6 +79,7 @@ def share_of_letter(letter: str):
 SETUPS = {
     "echo": ([prompt_echo], None, {"dataset": "arithmetic", "seed": 100}, True),
     "healthy-seed7": (["answer_format", "answer_correct"], None, {"dataset": "arithmetic", "seed": 7}, False),
+    "healthy-seed11": (["answer_format", "answer_correct"], None, {"dataset": "arithmetic", "seed": 11}, False),  # third set
 }
 
 
