@@ -8,7 +8,7 @@ measurement runs in a fresh process (so peak memory is that run's own); the vari
 
 Variants: ``covey`` (float32), ``covey-rollout-bf16`` (float32 training, bfloat16 sampling),
 ``covey-bf16`` (bf16: true), ``covey-bf16-rollout-fp32`` (bf16 training, float32 sampling),
-``covey-freed-memory-returned`` (float32, keep_freed_memory: false),
+``covey-freed-memory-kept`` (float32, keep_freed_memory: true),
 ``trl`` (float32, bf16=False) and ``trl-bf16`` (TRL's own default, bf16 mixed precision). Each covey
 variant is compared with each TRL variant of the same run, and with the first covey variant listed.
 Where each step's time goes is printed after, per phase (``PHASES``): covey's from its own timings
@@ -41,7 +41,7 @@ PHASES = ("generate", "score", "logprobs", "update")
 
 VARIANTS = {"covey": {}, "covey-rollout-bf16": {"rollout_bf16": True}, "covey-bf16": {"bf16": True},
             "covey-bf16-rollout-fp32": {"bf16": True, "rollout_bf16": False},
-            "covey-freed-memory-returned": {"keep_freed_memory": False},
+            "covey-freed-memory-kept": {"keep_freed_memory": True},
             "trl": {"bf16": False}, "trl-bf16": {"bf16": True}}
 
 

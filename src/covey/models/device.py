@@ -23,8 +23,9 @@ def keep_freed_memory() -> bool:
     default step (docs/benchmark-history.md): half the page faults, a third less system time and a
     slightly lower peak; the step time moved within the machine's noise. But where a later phase
     cannot reuse the blocks an earlier one freed, they stay held: examples/gsm8k.yaml's step peaked
-    18% higher (BENCHMARKS.md). Process-wide; the process's memory then stays near its peak instead
-    of shrinking between passes. True where applied (Linux with glibc), False elsewhere."""
+    7% higher (docs/plan.md), so it is off unless asked for (``keep_freed_memory: true``).
+    Process-wide; the process's memory then stays near its peak instead of shrinking between passes.
+    True where applied (Linux with glibc), False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -8,7 +8,7 @@ from covey.plan.advice import Suggestion
 # keep_freed_memory on a CPU: what the C library keeps is not in the estimate (docs/plan.md)
 KEPT_MEMORY_NOTE = ("keep_freed_memory: the C library keeps freed memory for reuse, which the estimate does not "
                     "count: where the training pass cannot reuse the blocks sampling freed, the peak is higher "
-                    "(examples/gsm8k.yaml: 18% higher); keep_freed_memory: false for the peak estimated here")
+                    "(examples/gsm8k.yaml: 7% higher); keep_freed_memory: false for the peak estimated here")
 
 
 def gib(n: float) -> str:
