@@ -317,10 +317,10 @@ def engine_bytes(shape: ModelShape, s: Settings) -> int:
         matrices = shape.linear_params + shape.vocab * shape.hidden
         if s.rollout_bf16 and s.weight_bytes == 4:  # sampled from a bfloat16 copy of the matrices
             total += matrices * 2
+        elif s.engine_copies_weights:  # its own copy of every matrix (a LoRA policy's merged ones among them)
+            total += matrices * s.weight_bytes
         elif s.trains_lora:  # from the adapted layers merged into their base weights
             total += lora_merged_bytes(shape, s)
-        elif s.engine_copies_weights:
-            total += matrices * s.weight_bytes
     if s.sharded:  # the engine samples from a whole copy of the sharded policy
         total += shape.params * s.weight_bytes
     return total

@@ -13,9 +13,9 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   those same matrices; the embedding lookup and the final norm stay in torch, and the head and
   small prefills multiply through the kernel's products. In bfloat16 where the CPU has AMX, the copy
   is laid out in the kernel's tiles instead, and every forward multiplies through it. Elsewhere,
-  through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies in their place;
-  in float32 a fused prepacked copy beside a full model's matrices, for steps of
-  ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
+  through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies and a LoRA
+  policy's merged ones in their place; in float32 a fused prepacked copy beside a full model's
+  matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -219,9 +219,9 @@ class LeanDecoder:
         if kernel and self.dtype == torch.bfloat16:  # AMX sums forwards of any rows at the pace of the stream
             return [(1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
         onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
-        if self.dtype != model_dtype:
-            # the matrices are new copies anyway: fuse them, lay them out for oneDNN, and take each once,
-            # so that the unfused copies are freed as we go
+        if self.dtype != model_dtype or (onednn is not None and not kernel and not full_model):
+            # the matrices are new copies anyway (cast, or a LoRA policy's merged ones): fuse them, lay them
+            # out for oneDNN, and take each once, so that the unfused copies are freed as we go
             def take(name):
                 return weights.pop(name).to(self.dtype) if name in weights else None
             kind = "prepacked" if onednn else "plain"
@@ -231,9 +231,9 @@ class LeanDecoder:
         if kernel:  # in float32, on those same matrices, for decode steps
             return [(decode_kernel.MAX_ROWS + 1, plain),
                     (1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
-        # for steps with many rows, a fused prepacked copy: not beside a LoRA policy's merged copies,
-        # where it would be a second copy (a full model's optimizer state outweighs one)
-        if onednn is not None and full_model:
+        # for steps with many rows, a fused prepacked copy beside the model's own matrices (a full model's
+        # optimizer state outweighs it)
+        if onednn is not None:
             packed = Products.build(weights.get, n_layers, head_name, linear_products(True, onednn), "prepacked")
             return [(PREPACKED_FLOAT32_FROM_ROWS if self.dtype == torch.float32 else 1, packed), (1, plain)]
         return [(1, plain)]
