@@ -22,7 +22,7 @@ from covey.telemetry.trends import WINDOW, Z, Change, binomial_error, change, no
 
 MIN_STEPS = 2 * WINDOW  # logged steps before any trend is judged
 MIN_EVALS = 3  # held-out evaluations (the one after training among them) before the held-out trend is judged
-MIN_RISEN_EVALS = 2  # of them made after the training reward had clearly risen (see _heldout_flat)
+MIN_RISEN_EVALS = 2  # of them made after the training reward had clearly risen (1 where the sizes are known)
 HELDOUT_ACCURACY_GAIN = 0.05  # a held-out accuracy gain below this (5 points) is "no gain"
 HELDOUT_REWARD_SHARE = 0.25  # a held-out reward gain below this share of the training reward's is "no gain"
 HIGH_ACCURACY = 0.8  # held-out accuracy already this high and not falling: a flat one is a solved task
@@ -97,8 +97,9 @@ def _heldout_flat(history: list[dict], reward: Change) -> tuple[str, float, floa
     (or fell) from its first evaluation while the training ``reward`` rose; None where it gained, the task is
     solved, or too few evaluations were made after the reward rose. A held-out metric can only fail to follow a
     rise it was measured after: at least MIN_RISEN_EVALS evaluations must have been made once the reward had
-    clearly risen, and "last" is the mean of the last two of those. A held-out mean reward (the same reward, on
-    unseen prompts) at or above the training reward's last level has nothing left to follow."""
+    clearly risen (one where the held-out set's sizes are known: the binomial test weighs its noise), and "last"
+    is the mean of the last two of those. A held-out mean reward (the same reward, on unseen prompts) at or above
+    the training reward's last level has nothing left to follow."""
     found = heldout(history)
     if found is None or len(found[2]) < MIN_EVALS:
         return None
