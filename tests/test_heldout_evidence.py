@@ -42,6 +42,33 @@ def test_the_gap_fires_once_two_evaluations_after_the_rise_stay_flat():
     assert fired == [(16, "heldout_gap")]
 
 
+def with_sizes(rows, n):
+    return [{**row, "eval/checked": n} if "eval/accuracy" in row else row for row in rows]
+
+
+def test_with_the_held_out_set_s_size_one_evaluation_after_the_rise_is_enough():
+    """The late rise above, its held-out set's size logged: the binomial test weighs the one evaluation made
+    after the rise, so a flat accuracy on 64 problems is a gap, and one that gained on 16 is not."""
+    flat_after = history(13, reward=late_rise, evals={4: 0.0, 8: 0.0, 12: 0.0})
+    assert keys(with_sizes(flat_after, 64)) == ["heldout_gap"]
+    gained_some = history(13, reward=late_rise, evals={4: 0.0, 8: 0.0, 12: 0.0625})
+    assert keys(with_sizes(gained_some, 16)) == []
+
+
+def reward_only(rows, held_out):
+    """``rows`` with their held-out accuracies as held-out mean rewards ``held_out`` (no accuracy)."""
+    return [{**{k: v for k, v in row.items() if k != "eval/accuracy"}, "eval/mean_reward": held_out}
+            if "eval/accuracy" in row else row for row in rows]
+
+
+def test_a_held_out_reward_at_or_above_the_training_reward_has_nothing_to_follow():
+    """A reward on unseen prompts already at 1.0 while the sampled training reward creeps up to about 0.8 (the
+    first evaluation set's false alarms); the same flat held-out reward below the training reward is a gap."""
+    rows = history(evals={6: 0.0, 12: 0.0, 18: 0.0, 24: 0.0})
+    assert keys(reward_only(rows, 1.0)) == []
+    assert keys(reward_only(rows, 0.3)) == ["heldout_gap"]
+
+
 def test_a_reward_rising_from_the_start_is_judged_as_before():
     rows = history(evals={6: 0.4, 12: 0.35, 18: 0.25, 24: 0.2})
     assert hacking.risen_at(rows, [12, 18, 24]) == [True, True, True]
