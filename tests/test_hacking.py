@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.reward_hacking import FOLDERS
 from covey.telemetry import hacking, text_signals
 from covey.telemetry.diagnose import (COLLAPSED, GAMING, LEARNING, NOT_LEARNING, TOO_EARLY, diagnose, read_run,
                                       trl_history)
@@ -334,7 +335,7 @@ def test_diagnose_refuses_a_folder_that_is_no_run(tmp_path):
 
 
 EXPECTATIONS = json.loads((DATA / "expectations.json").read_text())  # written by hand from how each run was set up
-EVALUATION_SETS = ("evaluation", "second-evaluation", "third-evaluation")  # each judged after the rules were frozen for it
+EVALUATION_SETS = tuple(name for name in FOLDERS if name != "tuning")  # each judged after the rules were frozen for it
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.iterdir() if p.is_dir() and p.name not in EVALUATION_SETS))
