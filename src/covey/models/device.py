@@ -20,10 +20,10 @@ def keep_freed_memory() -> bool:
     large block back to the system at free and take it again (zeroed page by page) at the next
     allocation, as glibc does by default for blocks over 32 MB or so: on CPU each training step
     allocates and frees its activations, gradients and vocabulary-wide logits. Measured on the
-    default step (docs/benchmark-history.md): half the page faults, a third less system time and a
-    slightly lower peak; the step time moved within the machine's noise. But where a later phase
-    cannot reuse the blocks an earlier one freed, they stay held: examples/gsm8k.yaml's step peaked
-    7% higher (docs/plan.md), so it is off unless asked for (``keep_freed_memory: true``).
+    default step: half the page faults, a third less system time (docs/benchmark-history.md), a step
+    about 5% faster (BENCHMARKS.md). But where a later phase cannot reuse the blocks an earlier one
+    freed, they stay held: examples/gsm8k.yaml's step peaked 7% higher (docs/plan.md), beyond what
+    covey plan estimates, so it is off unless asked for (``keep_freed_memory: true``).
     Process-wide; the process's memory then stays near its peak instead of shrinking between passes.
     True where applied (Linux with glibc), False elsewhere."""
     if not sys.platform.startswith("linux"):
