@@ -194,7 +194,7 @@ class RunSettings:
     gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
     logprob_budget_mib: int | None = _f(None, "MiB of float32 logits the log-prob pass makes at once and keeps for its backward: larger computes fewer logits twice (faster past it), smaller lowers the peak (None: a micro-batch's logits whole where they take at most a quarter of the memory free, else 128; docs/training.md)")
     disable_dropout: bool = _f(False, "turn every dropout of the policy off (LoRA's included), so its log-probs are deterministic")
-    keep_freed_memory: bool = _f(False, "on Linux, have the C library keep freed CPU memory for reuse while training: half the page faults, CPU steps about 5% faster; the peak can be higher, which covey plan does not count (process-wide)")
+    keep_freed_memory: bool = _f(False, "on Linux, have the C library keep freed CPU memory for reuse while training: half the page faults, CPU steps about 1.05x as fast; the peak can be higher, which covey plan does not count (process-wide)")
     memory_check: bool = _f(True, "before loading the model, estimate a step's peak memory (covey plan) and refuse a run estimated at over 1.5x the device's memory (false: train anyway)")
     # --- output ------------------------------------------------------------------------------
     output_dir: str | None = _f(None, "run folder (default: runs/<date>-<time>); an existing run is never overwritten "
