@@ -314,7 +314,7 @@ def test_a_prompt_with_pictures_travels_to_the_server_as_the_template_s_ids_and_
     urls = [picture_url(p) for p in pictures.pictures]
     params = SamplingParams(max_new_tokens=5, temperature=0.7, suppress=(7, 9))
     body = generate_request("m", pictures.unexpanded(list(ids[0])), urls, 2, params, [3], 11)
-    assert body["token_ids"] == list(pictures.template_ids) and len(body["token_ids"]) < len(ids[0])
+    assert body["token_ids"] == list(pictures.expansions[0].template_ids) and len(body["token_ids"]) < len(ids[0])
     [part] = body["content_parts"]
     assert part["type"] == "image_url" and part["url"].startswith("data:image/png;base64,")
     decoded = Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))

@@ -1,6 +1,6 @@
-"""Prompts with pictures through the paths text runs take: asynchronous generation, resume from a checkpoint,
-two processes (DDP and FSDP2); and a picture a tool or an environment returns, refused. On the cheapest family
-of tests/tiny_vision.py, Idefics3 (one image token per picture)."""
+"""Pictures through the paths text runs take: asynchronous generation, resume from a checkpoint, two processes
+(DDP and FSDP2), on the cheapest family of tests/tiny_vision.py, Idefics3 (one image token per picture); and
+pictures a tool or an environment returns, seen by the later turns and every log-prob pass, on every family."""
 
 from __future__ import annotations
 
@@ -11,15 +11,18 @@ import pytest
 import torch
 
 from covey import GRPOConfig, GRPOTrainer
+from covey.data.text import encode_prompts
 from covey.errors import ConfigError
-from covey.rollout import HFEngine
+from covey.rollout import HFEngine, Rollout
+from covey.train.forward import completion_logprobs
 from covey.train.sharding import whole
 from covey.vision import image_label, images_of
+from covey.vision.fit import feature_count, image_token_id
 from tests.conftest import SMALL_RUN, scored_batch
-from tests.test_agents import ROWS as AGENT_ROWS, ScriptedAgent
+from tests.test_agents import ScriptedAgent
 from tests.test_checkpoint import assert_same_weights, learned_metrics
 from tests.test_distributed import ScriptedEngine, as_launched, free_port, run_in_two_processes
-from tests.tiny_vision import BUILDERS, image
+from tests.tiny_vision import BUILDERS, FAMILIES, IDS, image
 
 
 def picture_rows(n: int = 8) -> list[dict]:
@@ -164,24 +167,116 @@ class Scene:
         return look()
 
 
-class LooksAround(ScriptedAgent):
-    """The agents' scripted episodes, for prompts with pictures: its first turn calls the tool look."""
+class LooksThenSamples(HFEngine):
+    """Every episode's first turn calls the tool look; the later turns are the model's own samples, drawn with every
+    picture the episode shows (the prompt's and the tool's)."""
 
-    takes_images = True
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        self.tokenizer = tokenizer
+        self.call = tokenizer.encode('<tool_call>{"name": "look", "arguments": {}}</tool_call>',
+                                     add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer, call='<tool_call>{{"name": "look", "arguments": {{}}}}</tool_call>')
+    def generate(self, prompt_ids, num_generations, params, seed=None):
+        if "<s>tool\n" in self.tokenizer.decode(prompt_ids[0]):  # after the tool's message
+            return super().generate(prompt_ids, num_generations, params, seed)
+        B = len(prompt_ids) * num_generations
+        ids_BT = torch.tensor([self.call] * B)
+        return Rollout(ids_BT, torch.ones_like(ids_BT), torch.zeros(ids_BT.shape), ["eos"] * B)
+
+
+def shown_to_rewards(completions, **kwargs):
+    """The tool's message reaches reward functions as TRL gives it: its content parts, the picture opened."""
+    for messages in completions:
+        parts = messages[1]["content"]
+        assert messages[1]["role"] == "tool" and image_label(parts[0]["image"]) == image_label(image(9))
+        assert parts[1] == {"type": "text", "text": "the scene"}
+    return spread([[m] for m in (messages[-1] for messages in completions)])
+
+
+def plain_later_logprobs(model, processor, sequences, b: int, tool_picture, prompt_picture) -> torch.Tensor:
+    """The log-probs of row ``b``'s completion under the model's own forward of the whole row, with the pixel
+    inputs of its two pictures (the prompt's, then ``tool_picture``) from the processor given both at once, and
+    each token field 1 on the image tokens (built apart from covey)."""
+    prompt = sequences.prompt_ids_BP[b][sequences.prompt_mask_BP[b].bool()]
+    completion = sequences.completion_ids_BT[b][sequences.completion_mask_BT[b].bool()]
+    ids = torch.cat([prompt, completion])[None]
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+                                         tokenize=False)
+    out = processor(text=[text], images=[[prompt_picture, tool_picture]], return_tensors="pt")
+    inputs = {key: value for key, value in out.items() if key not in ("input_ids", "attention_mask")}
+    for key, value in inputs.items():
+        if value.shape == out["input_ids"].shape:  # a field of each token
+            inputs[key] = (ids == image_token_id(model.config)).to(value.dtype)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, completion[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass(tmp_path, family):
+    model, processor = BUILDERS[family]()
+    with torch.no_grad():  # later turns end soon: the model's end token made likely
+        model.get_output_embeddings().weight[IDS["eos_token_id"]] *= 6.0
+    engine = LooksThenSamples(model, processor.tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=[shown_to_rewards], train_dataset=picture_rows(2),
+                          processing_class=processor, tools=[look], rollout_engine=engine, quiet=True,
+                          args=run_args(tmp_path, num_generations=2, max_completion_length=120, max_prompt_length=1024))
+    batch, _ = scored_batch(trainer, [0, 1])
+    samples, sequences = batch.samples, batch.samples.sequences
+    token = image_token_id(model.config)
+    tool_picture, features = image(9), feature_count(model, images_of(
+        encoded_alone(processor, image(9))).tensors)
+    for b in range(4):
+        pictures = sequences.images[b]
+        assert pictures.labels == (image_label(image(b // 2)), image_label(tool_picture))
+        completion = sequences.completion_ids_BT[b][sequences.completion_mask_BT[b].bool()]
+        # the tool message holds the tool picture's image tokens, one per feature, never trained
+        written = completion[~samples.loss_mask_BT[b][:len(completion)].bool()]
+        assert completion.tolist().count(token) == written.tolist().count(token) == features > 0
+        assert "[image:" in samples.records[b]["completion"]  # the transcript names the picture
+    later = samples.loss_mask_BT.bool() & (torch.arange(samples.loss_mask_BT.shape[1]) > len(engine.call))
+    assert later.any(), "no episode had a turn after the tool's message"
+    with torch.no_grad():  # sampling saw what every log-prob pass sees
+        logp, _ = completion_logprobs(model, sequences, trainer.parts.sampler.sampling.distribution)
+        raw, _ = completion_logprobs(model, sequences)
+    assert float((logp - samples.sampling_logp_BT).abs()[later].max()) < 1e-4
+    for b in range(4):  # and that is the model's own forward with both pictures; other pixels change it
+        n = int(sequences.completion_mask_BT[b].sum())
+        turn = later[b, :n]
+        if not turn.any():
+            continue
+        plain = plain_later_logprobs(model, processor, sequences, b, tool_picture, image(b // 2))
+        assert float((plain - raw[b, :n]).abs()[turn].max()) < 1e-4
+        other = plain_later_logprobs(model, processor, sequences, b, image(10), image(b // 2))
+        assert float((other - raw[b, :n]).abs()[turn].max()) > 1e-3
+
+
+def encoded_alone(processor, picture):
+    """A prompt of one picture encoded by covey, for its pixel inputs."""
+    return encode_prompts(processor.tokenizer, [[{"role": "user", "content": [{"type": "image", "image": picture}]}]],
+                          512, processor=processor)[0]
 
 
 @pytest.mark.parametrize("handed", [dict(tools=[look]), dict(environment_factory=Scene)], ids=["tool", "environment"])
-def test_a_tool_or_an_environment_that_returns_a_picture_stops_the_run_saying_so(tmp_path, handed):
+def test_a_run_whose_tool_or_environment_shows_pictures_trains(tmp_path, handed):
     model, processor = BUILDERS["idefics3"]()
-    rows = [{**row, "image": image(i)} for i, row in enumerate(AGENT_ROWS)]
-    trainer = GRPOTrainer(model=model, reward_funcs=[spread], train_dataset=rows, processing_class=processor,
-                          args=run_args(tmp_path, num_generations=2, max_completion_length=200, max_prompt_length=1024),
-                          rollout_engine=LooksAround(processor.tokenizer), quiet=True, **handed)
-    with pytest.raises(ConfigError, match=r"the tool look returned a picture \(\{'type': 'image', \.\.\.\} among its "
-                                          r"content parts, .*covey does not add the pictures of a tool's or an "
-                                          "environment's message to the conversation; return text"):
-        scored_batch(trainer, [0, 1])
+    engine = LooksThenSamples(model, processor.tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=[shown_to_rewards], train_dataset=picture_rows(4),
+                          processing_class=processor, rollout_engine=engine, quiet=True, **handed,
+                          args=run_args(tmp_path, num_generations=2, max_completion_length=120, max_prompt_length=1024,
+                                        max_steps=2, gradient_accumulation_steps=1))
+    trainer.train()
+    assert trainer.global_step == 2
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert records and all(f"[look] [{image_label(image(9))}] the scene" in r["completion"] for r in records)
 
+
+def test_a_picture_a_tool_shows_a_text_model_is_refused_saying_so(tmp_path, tokenizer):
+    from tests.test_agents import trainer_with
+
+    looks = ScriptedAgent(tokenizer, call='<tool_call>{{"name": "look", "arguments": {{}}}}</tool_call>')
+    trainer = trainer_with(tmp_path, tokenizer, engine=looks, tools=[look])
+    with pytest.raises(ConfigError, match=r"the tool look returned a picture \(an image part among its content parts\), "
+                                          "and the model reads text only: train a vision-language model"):
+        scored_batch(trainer, [0, 1])

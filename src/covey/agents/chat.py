@@ -12,6 +12,7 @@ from __future__ import annotations
 from covey.agents.formats import ToolCallFormat
 from covey.data.text import render_chat
 from covey.errors import ConfigError
+from covey.vision import ShownPictures, processed, prompt_images
 
 _PROBE = "covey_probe_tool"
 
@@ -59,22 +60,47 @@ def tool_message_ids(tokenizer, tool_messages: list[dict], eos_ids: list[int],
     (its chat_template_kwargs). Read off a conversation rendered with
     and without the tool messages: what follows the assistant turn's end token in the second (so a
     template that renders a last assistant turn otherwise, as Qwen3's does, is read right too)."""
+    before, after = (tokenizer(text, add_special_tokens=False)["input_ids"]
+                     for text in _rendered(tokenizer, tool_messages, template_kwargs))
+    end = _turn_end(before, after, eos_ids)
+    return after[end + 1:], after[end]
+
+
+def tool_message_pictures(processor, tool_messages: list[dict], eos_ids: list[int],
+                          template_kwargs: dict | None = None) -> tuple[list[int], int, ShownPictures]:
+    """``tool_message_ids`` of tool messages that show pictures (TRL's content parts), through a
+    vision-language model's ``processor``: each picture's placeholder expanded to its image tokens; and what
+    the pictures are to the model."""
+    tokenizer = processor.tokenizer
+    without, text = _rendered(processor, tool_messages, template_kwargs)
+    before = tokenizer(without, add_special_tokens=False)["input_ids"]
+    written = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pictures = prompt_images(tool_messages)
+    ids, fields, _ = processed(processor, text, pictures, f"the tool {tool_messages[0].get('name', '')}'s picture(s)")
+    end, written_end = _turn_end(before, ids, eos_ids), _turn_end(before, written, eos_ids)
+    shown = ShownPictures(tuple(pictures), text, tuple(written[written_end + 1:]), tuple(ids[end + 1:]),
+                          {key: values[end + 1:] for key, values in fields.items()})
+    return ids[end + 1:], ids[end], shown
+
+
+def _rendered(renderer, tool_messages: list[dict], template_kwargs: dict | None) -> tuple[str, str]:
+    """The texts of a short conversation ending with a tool call, without and with ``tool_messages`` after it
+    (and the next assistant turn opened), as ``renderer``'s chat template writes them."""
     call = [{"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]
     turn = [{"role": "user", "content": "covey"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    try:
+        return (render_chat(renderer, turn, False, template_kwargs=template_kwargs),
+                render_chat(renderer, turn + tool_messages, True, template_kwargs=template_kwargs))
+    except Exception as e:  # the template's own error (a missing field it wants, a role it refuses)
+        raise ConfigError(f"the chat template cannot render a tool's result after a tool call ({type(e).__name__}: "
+                          f"{e}); use a model whose template has a tool role (ChatML, Qwen, Llama 3)") from None
 
-    def ids(messages: list[dict], opened: bool) -> list[int]:
-        try:
-            text = render_chat(tokenizer, messages, opened, template_kwargs=template_kwargs)
-        except Exception as e:  # the template's own error (a missing field it wants, a role it refuses)
-            raise ConfigError(f"the chat template cannot render a tool's result after a tool call ({type(e).__name__}: "
-                              f"{e}); use a model whose template has a tool role (ChatML, Qwen, Llama 3)") from None
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    before, after = ids(turn, False), ids(turn + tool_messages, True)
+def _turn_end(before: list[int], after: list[int], eos_ids: list[int]) -> int:
+    """Where the assistant turn of ``before`` ends in ``after`` (the same conversation with more after it)."""
     turn_ends = sum(token in eos_ids for token in before)  # the assistant turn's end is the last of them
     ends = [i for i, token in enumerate(after) if token in eos_ids]
     if not turn_ends or len(ends) < turn_ends:
         raise ConfigError("the chat template does not end an assistant turn with the model's end token, so where a "
                           "tool's result begins cannot be told; use a model whose template does (ChatML, Qwen, Llama 3)")
-    end = ends[turn_ends - 1]
-    return after[end + 1:], after[end]
+    return ends[turn_ends - 1]

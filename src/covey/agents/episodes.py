@@ -12,6 +12,11 @@ were made ("cut by the turn limit"), or when the next tool results would not fit
 ``max_completion_length`` tokens, all tokens after the prompt counted ("cut by the length limit";
 the results are then not appended, as in TRL). The finish reason is the last turn's: ``eos``,
 ``stop``, or ``length`` where the budget ran out inside it.
+
+A tool's result may show pictures (TRL's content parts) to a vision-language model: its processor writes the
+tool message with each picture's image tokens, and the pictures join the episode's (``prompt_ids``, the ids
+of each episode's prompt, carry them: ``covey.vision.images_of``), which every later turn and every log-prob
+pass reads.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from covey.agents.chat import template_renders_tools, tool_message_ids, with_reset_text, with_tools
+from covey.agents.chat import (template_renders_tools, tool_message_ids, tool_message_pictures, with_reset_text,
+                               with_tools)
 from covey.agents.environments import Environments
 from covey.agents.formats import ToolCallFormat
 from covey.agents.tools import CallResult, Tool, ToolWorkers, call_tool
 from covey.errors import ConfigError
+from covey.vision import ImagePromptIds, content_text, images_of, with_pictures_shown
 
 
 @dataclass
@@ -118,6 +125,13 @@ class Episodes:
     environments: list[Any]  # the instance of each episode (None without an environment)
     tools: list[dict[str, Tool]]  # each episode's tools by name
     prompts: list[list[dict]]  # each episode's prompt messages (with what reset returned)
+    # each episode's prompt ids, given before it runs (``begin``); they carry the pictures of the prompt and of
+    # the tool messages appended so far
+    prompt_ids: list[list[int]] = field(default_factory=list)
+
+    def begin(self, prompt_ids: list[list[int]]) -> None:
+        """The episodes' prompts as encoded (one per episode): ``respond`` adds their tools' pictures to them."""
+        self.prompt_ids = list(prompt_ids)
 
     def respond(self, row: int, turn_ids: list[int], room: int) -> list[int] | None:
         """The engine's callback at the end of a model turn (``covey.rollout.engine.Respond``)."""
@@ -144,17 +158,33 @@ class Episodes:
             result = (call_tool(tool, call.arguments, agent.tool_timeout, agent.workers) if tool is not None else
                       CallResult(f"error: there is no tool named {call.name!r}; the tools are "
                                  f"{', '.join(self.tools[row]) or 'none'}", True))
-            results.append({"role": "tool", "name": call.name, "content": result.text})
+            results.append({"role": "tool", "name": call.name, "content": result.parts or result.text})
             record.tool_calls += 1
             record.tool_errors += result.failed
-        appended, end = tool_message_ids(agent.tokenizer, results, agent.eos_ids, agent.chat_template_kwargs)
-        if not turn_ids or turn_ids[-1] not in agent.eos_ids:  # ended by a stop string: the template's end first
+        shows = [r for r in results if not isinstance(r["content"], str)]
+        if shows and agent.processor is None:
+            raise ConfigError(f"the tool {shows[0]['name']} returned a picture (an image part among its content parts), "
+                              "and the model reads text only: train a vision-language model (with its processor), "
+                              "or return text (a description of the picture)")
+        if shows:
+            appended, end, pictures = tool_message_pictures(agent.processor, results, agent.eos_ids,
+                                                            agent.chat_template_kwargs)
+        else:
+            (appended, end), pictures = tool_message_ids(agent.tokenizer, results, agent.eos_ids,
+                                                         agent.chat_template_kwargs), None
+        opened = not turn_ids or turn_ids[-1] not in agent.eos_ids  # ended by a stop string: the template's end first
+        if opened:
             appended = [end, *appended]
         if len(appended) >= room:
             record.cut = "length"
             return None
         record.messages.extend(results)
         record.tool_rounds += 1
+        if pictures is not None:  # the episode's pictures from here on, which ride on what it appends
+            start = len(self.prompt_ids[row]) + record.consumed + opened  # where the messages begin in the episode
+            images = with_pictures_shown(images_of(self.prompt_ids[row]), agent.processor, pictures, start)
+            self.prompt_ids[row] = ImagePromptIds(self.prompt_ids[row], images)
+            appended = ImagePromptIds(appended, images)
         record.consumed += len(appended)
         return appended
 
@@ -169,5 +199,5 @@ class Episodes:
 
     def transcript(self, row: int) -> str:
         """The episode as people read it: each turn of the model, and each tool's result after its name."""
-        return "\n".join(m["content"] if m["role"] == "assistant" else f"[{m.get('name', 'tool')}] {m['content']}"
-                         for m in self.records[row].messages)
+        return "\n".join(m["content"] if m["role"] == "assistant" else
+                         f"[{m.get('name', 'tool')}] {content_text(m['content'])}" for m in self.records[row].messages)

@@ -4,9 +4,9 @@ Google-style docstring, and called with a time limit.
 
 A failing call never crashes the run: a tool that raises, runs past ``tool_timeout`` or returns
 something that is not text gives the model an error message as its result, and the failure is counted.
-Content parts of text alone (TRL's form of a message) read as their texts; a picture among them (TRL
-lets a tool show one) is refused, stopping the run: covey does not add the pictures of tool messages
-to the conversation.
+A result may be content parts (TRL's form of a message): text parts alone read as their texts; with
+pictures among them (``{"type": "image", "image": <PIL image or path>}``) the parts are the tool
+message's content, which a vision-language model's processor writes with the pictures expanded.
 
 A run's own tools (not an environment's) are called in a worker process forked for them
 (``ToolWorkers``), which is killed, with every process the tool started, when a call runs past
@@ -33,6 +33,7 @@ from covey.errors import ConfigError
 from covey.rewards.pool import RewardPool
 from covey.rewards.stoppable import WorkerFault, call_in_thread, can_fork, stays_in_process
 from covey.sources import load_reference
+from covey.vision.rows import IMAGE_KEYS, content_text, open_image
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,9 @@ def as_tool(function: Callable[..., Any]) -> Tool:
 class CallResult:
     """What a tool call gave the model, and whether it failed."""
 
-    text: str
+    text: str  # what the model was told (a picture as its label)
     failed: bool
+    parts: list[dict] | None = None  # a result that shows pictures: its content parts, each picture opened
 
 
 class ToolWorkers:
@@ -122,10 +124,8 @@ def call_tool(tool: Tool, arguments: dict, timeout: float | None, workers: ToolW
     except (Exception, SystemExit) as e:  # the tool's own failure goes back to the model
         return CallResult(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
     if shows_pictures(value):
-        raise ConfigError(f"the tool {tool.name} returned a picture ({{'type': 'image', ...}} among its content parts, "
-                          "as TRL lets a tool or an environment show one): covey does not add the pictures of a tool's "
-                          "or an environment's message to the conversation; return text (a description of the picture, "
-                          "or its text parts alone)")
+        parts = opened_parts(value, f"the tool {tool.name}'s result")
+        return CallResult(content_text(parts), False, parts)
     text = result_text(value)
     if text is None:
         return CallResult(f"error: {tool.name} returned a {type(value).__name__}, not text", True)
@@ -154,6 +154,21 @@ def content_parts(value: Any) -> list[dict] | None:
 def shows_pictures(value: Any) -> bool:
     """Whether a tool's result is content parts that show a picture."""
     return any(part["type"] in PICTURE_PARTS for part in content_parts(value) or ())
+
+
+def opened_parts(parts: list[dict], where: str) -> list[dict]:
+    """Content parts that show pictures, each picture opened (a PIL image, or a file's path); an ``image_url``
+    part is refused (covey fetches nothing)."""
+    out = []
+    for part in parts:
+        if part["type"] == "image_url":
+            raise ConfigError(f"{where}: an image_url part ({str(part)[:80]}); give the picture itself, "
+                              "{'type': 'image', 'image': <PIL image or path to a file>}")
+        if part["type"] == "image":
+            given = next((part[key] for key in IMAGE_KEYS if part.get(key) is not None), None)
+            part = {"type": "image", "image": open_image(given, where)}
+        out.append(part)
+    return out
 
 
 def result_text(value: Any) -> str | None:

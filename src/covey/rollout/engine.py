@@ -18,7 +18,7 @@ import torch
 
 from covey import core
 from covey.errors import ConfigError
-from covey.vision import with_images_of
+from covey.vision import images_of, with_images_of
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Rollout:
 # What an episode's environment does when the model ends a turn: given the row (the episode's place in the
 # batch), the ids the model sampled in that turn (up to its end token) and how many more tokens the episode
 # may hold, the ids to append before the model's next turn (tool results, an environment's message, the
-# opening of the next assistant turn), fewer than that many; or None: the episode is over.
+# opening of the next assistant turn), fewer than that many; or None: the episode is over. Appended ids that
+# show pictures carry the episode's pictures from then on (``covey.vision.images_of``).
 Respond = Callable[[int, list[int], int], "list[int] | None"]
 # how far apart the seeds of an episode's later turns are, when an engine samples them one call at a time
 TURN_SEED_STRIDE = 1_000_003
@@ -186,6 +187,8 @@ def episodes_by_turns(engine: RolloutEngine, prompt_ids: list[list[int]], num_ge
             ids[row] += list(appended)
             sampled[row] += [0] * len(appended)
             logps[row] += [0.0] * len(appended)
+            if images_of(appended) is not None:  # the appended messages show pictures: the episode's from here on
+                prompts[row] = with_images_of(appended, list(prompts[row]))
             still.append(row)
         if not still:
             break

@@ -64,6 +64,7 @@ def _episodes(engine: RolloutEngine, agent: Agent, rows: list[dict], indices: li
     else:  # each episode's prompt holds what its environment's reset returned
         row_ids = _episode_prompt_ids(agent, episodes, rows, indices, max_prompt_length, prompt_overflow)
     groups = [row_ids[g:g + G] for g in range(0, len(row_ids), G)]
+    episodes.begin(row_ids)
     if all(ids == group[0] for group in groups for ids in group):  # a group's prompt prefilled once
         rollout = engine.generate_episodes([group[0] for group in groups], G, params, seed, episodes.respond)
     else:
@@ -73,7 +74,8 @@ def _episodes(engine: RolloutEngine, agent: Agent, rows: list[dict], indices: li
     completions = [[{**m, "content": answer_after_reasoning(m["content"])} if strip_reasoning and
                      m["role"] == "assistant" else dict(m) for m in record.messages] for record in episodes.records]
     columns = {"environments": list(episodes.environments)} if agent.environment is not None else {}
-    return Generation(rollout, row_ids, completions, completion_ids,
+    # each row's prompt ids, carrying its episode's pictures (its prompt's and its tools')
+    return Generation(rollout, episodes.prompt_ids, completions, completion_ids,
                       [episodes.transcript(b) for b in range(len(rows))], columns,
                       [record.stats() for record in episodes.records])
 
