@@ -1,7 +1,8 @@
 """rollout_engine: vllm (colocated) with a vision-language model: a TRL script with use_vllm=True trains a tiny
 Idefics3 (SmolVLM's architecture) on prompts with pictures, vLLM's processor reading the pictures each
 prompt carries; before training and after it (the trained weights pushed, the vision tower's too) vLLM
-samples with the log-probs of the trainer's forward on the same pictures, and on text prompts. In a process
+samples with the log-probs of the trainer's forward on the same pictures, and on text prompts, and in
+episodes whose later turn follows a tool's message that shows a picture. In a process
 of its own: a process holds one vLLM engine, and the session's other tests share theirs."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 from tests.tiny_vision import saved
 
 SCRIPT = '''
-import json, sys
+import json, os, sys
+sys.path.insert(0, os.getcwd())  # the repository's tests
 import numpy as np
 import torch
 from datasets import Dataset
@@ -24,6 +26,7 @@ from covey import GRPOConfig, GRPOTrainer
 from covey.rollout import left_pad
 from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.vision import batch_images
+from tests.vllm.tool_pictures import end_turns_early, episode_gap
 
 MODEL, OUTPUT = sys.argv[1], sys.argv[2]
 
@@ -69,6 +72,12 @@ trainer.train()
 engine.policy_changed(trainer.model)  # the trained weights pushed at the next generation
 result["text after"] = gap(engine, trainer.model, text, 4)[0]
 result["pictures after"], result["rows"] = gap(engine, trainer.model, ids, 5)
+
+end_turns_early(trainer.model.eval(), text[0], trainer.tokenizer.eos_token_id)
+engine.policy_changed(trainer.model)
+result["episodes"], result["rows with a later turn"] = episode_gap(
+    engine, trainer.model, processor, ids, trainer.parts.sampler.sampling, trainer.parts.sampler.eos_ids, 6,
+    pictures[3])
 json.dump(result, open(OUTPUT + "/result.json", "w"))
 '''
 
@@ -87,5 +96,7 @@ def test_a_vision_language_model_trains_and_samples_with_vllm_colocated(tmp_path
     print(result)
     # vLLM samples with the trainer's log-probs, on prompts with pictures and without, before training and after
     # the trained weights of the vision-language model were pushed
-    for key in ("text before", "pictures before", "text after", "pictures after"):
+    for key in ("text before", "pictures before", "text after", "pictures after", "episodes"):
         assert result[key] < 1e-3, f"vLLM's log-probs differ from the trainer's: {result}"
+    # and in episodes whose later turn follows a tool's message that shows a picture
+    assert result["rows with a later turn"] > 0, str(result)

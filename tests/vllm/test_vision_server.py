@@ -1,7 +1,7 @@
 """vllm_mode: server with a vision-language model: vLLM's server (started by covey server --backend vllm) is
 given each prompt's pictures with its token ids, and samples with the log-probs of the trainer's forward on
 the same pictures, before training and after a run through the server pushed the trained weights (the vision
-tower's too). On a tiny Idefics3 (SmolVLM's architecture) saved to a folder, as vLLM loads one."""
+tower's too), and in episodes whose later turn follows a tool's message that shows a picture. On a tiny Idefics3 (SmolVLM's architecture) saved to a folder, as vLLM loads one."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from covey.train.forward import SequenceBatch, completion_logprobs
 from covey.vision import batch_images, placeholder_token_ids
 from tests.tiny_vision import image, saved
 from tests.vllm.test_server_mode import Server
+from tests.vllm.tool_pictures import end_turns_early, episode_gap
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,22 @@ def test_the_server_samples_prompts_with_pictures_with_the_trainer_s_log_probs(s
                                                     add_generation_prompt=True, return_dict=False)]
     plain = engine.generate(text, 2, params, seed=4)  # a prompt without pictures, through /v1/completions
     assert gap(plain, trainer_logprobs(model, text, plain, params)) < 1e-3
+
+
+def test_episodes_whose_tool_shows_a_picture_are_sampled_with_the_trainer_s_log_probs(server, vlm):
+    import copy
+
+    model, processor = vlm
+    policy = copy.deepcopy(model)
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "What is it?"}], tokenize=True,
+                                                   add_generation_prompt=True, return_dict=False)
+    end_turns_early(policy, text, 3)
+    engine = ServerEngine("127.0.0.1", server.port, 0, [3], timeout=60, policy=policy)  # its weights pushed first
+    params = SamplingParams(max_new_tokens=8, suppress=tuple(placeholder_token_ids(model.config)))
+    largest, later = episode_gap(engine, policy, processor, encoded(processor, picture_rows([0, 1])), params, [3], 6,
+                                 image(9))
+    print(f"episodes: largest gap {largest:.3g} to the trainer's; {later} of 4 rows with a turn after the tool's")
+    assert largest < 1e-3 and later > 0
 
 
 def test_a_run_through_the_server_trains_on_pictures_and_the_server_samples_with_the_trained_weights(
