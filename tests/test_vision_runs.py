@@ -272,6 +272,33 @@ def test_a_run_whose_tool_or_environment_shows_pictures_trains(tmp_path, handed)
     assert records and all(f"[look] [{image_label(image(9))}] the scene" in r["completion"] for r in records)
 
 
+def test_a_tool_s_picture_is_opened_from_a_file_and_what_cannot_be_opened_stops_the_run(tmp_path):
+    from covey.agents.tools import as_tool, call_tool
+    from covey.errors import DataError
+
+    image(9).save(tmp_path / "scene.png")
+
+    def from_file() -> list:
+        """Look at the scene."""
+        return [{"type": "image", "image": str(tmp_path / "scene.png")}, {"type": "text", "text": "the scene"}]
+
+    def from_the_web() -> list:
+        """Look at the scene."""
+        return [{"type": "image_url", "image_url": {"url": "https://example.com/scene.png"}}]
+
+    def missing() -> list:
+        """Look at the scene."""
+        return [{"type": "image", "path": str(tmp_path / "none.png")}]
+
+    result = call_tool(as_tool(from_file), {}, 5.0)
+    assert not result.failed and image_label(result.parts[0]["image"]) == image_label(image(9))
+    assert result.text == f"[{image_label(image(9))}] the scene"
+    with pytest.raises(ConfigError, match="the tool from_the_web's result: an image_url part .*give the picture itself"):
+        call_tool(as_tool(from_the_web), {}, 5.0)
+    with pytest.raises(DataError, match="the tool missing's result: image file .*none.png' does not exist"):
+        call_tool(as_tool(missing), {}, 5.0)
+
+
 def test_a_picture_a_tool_shows_a_text_model_is_refused_saying_so(tmp_path, tokenizer):
     from tests.test_agents import trainer_with
 
