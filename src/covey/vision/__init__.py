@@ -10,8 +10,8 @@ from covey.vision.models import (backbone, freeze_vision_parts, is_processor, is
 from covey.vision.rows import (content_text, has_images, image_label, image_parts, jsonable, prompt_images,
                                valid_content, with_images_in_prompts)
 
-__all__ = ["ImagePromptIds", "PromptImages", "ShownPictures", "backbone", "batch_images", "content_text", "encode_image_prompt",
-           "freeze_vision_parts", "has_images", "image_label", "image_parts", "images_of", "is_processor",
-           "is_vision_model", "jsonable", "lora_exclusion", "model_inputs", "picture_errors", "placeholder_token_ids", "processed",
-           "processor_of", "prompt_images", "text_tokenizer", "valid_content", "vision_parts",
-           "with_images_in_prompts", "with_images_of", "with_pictures_shown"]
+__all__ = ["ImagePromptIds", "PromptImages", "ShownPictures", "backbone", "batch_images", "content_text",
+           "encode_image_prompt", "freeze_vision_parts", "has_images", "image_label", "image_parts", "images_of",
+           "is_processor", "is_vision_model", "jsonable", "lora_exclusion", "model_inputs", "picture_errors",
+           "placeholder_token_ids", "processed", "processor_of", "prompt_images", "text_tokenizer", "valid_content",
+           "vision_parts", "with_images_in_prompts", "with_images_of", "with_pictures_shown"]

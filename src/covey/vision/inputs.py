@@ -7,7 +7,9 @@ tensors the vision tower reads (``pixel_values``, and per family ``image_grid_th
 (``mm_token_type_ids``, ``token_type_ids``). ``encode_image_prompt`` keeps all of them with the prompt's
 ids (``ImagePromptIds``, a list of ids that carries its ``PromptImages``), so that sampling and every
 log-prob pass (training, old policy, reference) hand the model the very same inputs:
-``model_inputs`` puts those of a batch's rows together.
+``model_inputs`` puts those of a batch's rows together. A tool message that shows pictures, later in an
+episode, adds them (``with_pictures_shown``): the sequence's ids then carry the pictures of its prompt and
+of its tool messages, in order.
 """
 
 from __future__ import annotations
