@@ -167,22 +167,21 @@ class Scene:
         return look()
 
 
-class LooksThenSamples(HFEngine):
-    """Every episode's first turn calls the tool look; the later turns are the model's own samples, drawn with every
-    picture the episode shows (the prompt's and the tool's)."""
+LOOK = '<tool_call>{"name": "look", "arguments": {}}</tool_call>'
 
-    def __init__(self, model, tokenizer):
-        super().__init__(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
-        self.tokenizer = tokenizer
-        self.call = tokenizer.encode('<tool_call>{"name": "look", "arguments": {}}</tool_call>',
-                                     add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    def generate(self, prompt_ids, num_generations, params, seed=None):
-        if "<s>tool\n" in self.tokenizer.decode(prompt_ids[0]):  # after the tool's message
-            return super().generate(prompt_ids, num_generations, params, seed)
-        B = len(prompt_ids) * num_generations
-        ids_BT = torch.tensor([self.call] * B)
-        return Rollout(ids_BT, torch.ones_like(ids_BT), torch.zeros(ids_BT.shape), ["eos"] * B)
+def calls_look_first(tokenizer):
+    """``HFEngine.generate``, but every episode's first turn calls the tool look: the later turns are the model's own
+    samples, drawn with every picture the episode shows (the prompt's and the tool's)."""
+    sample, call = HFEngine.generate, tokenizer.encode(LOOK, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def generate(engine, prompt_ids, num_generations, params, seed=None):
+        if "<s>tool\n" in tokenizer.decode(prompt_ids[0]):  # after the tool's message
+            return sample(engine, prompt_ids, num_generations, params, seed)
+        ids_BT = torch.tensor([call] * (len(prompt_ids) * num_generations))
+        return Rollout(ids_BT, torch.ones_like(ids_BT), torch.zeros(ids_BT.shape), ["eos"] * len(ids_BT))
+
+    return generate
 
 
 def shown_to_rewards(completions, **kwargs):
@@ -214,13 +213,13 @@ def plain_later_logprobs(model, processor, sequences, b: int, tool_picture, prom
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass(tmp_path, family):
+def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass(tmp_path, monkeypatch, family):
     model, processor = BUILDERS[family]()
     with torch.no_grad():  # later turns end soon: the model's end token made likely
         model.get_output_embeddings().weight[IDS["eos_token_id"]] *= 6.0
-    engine = LooksThenSamples(model, processor.tokenizer)
+    monkeypatch.setattr(HFEngine, "generate", calls_look_first(processor.tokenizer))
     trainer = GRPOTrainer(model=model, reward_funcs=[shown_to_rewards], train_dataset=picture_rows(2),
-                          processing_class=processor, tools=[look], rollout_engine=engine, quiet=True,
+                          processing_class=processor, tools=[look], quiet=True,
                           args=run_args(tmp_path, num_generations=2, max_completion_length=120, max_prompt_length=1024))
     batch, _ = scored_batch(trainer, [0, 1])
     samples, sequences = batch.samples, batch.samples.sequences
@@ -235,7 +234,7 @@ def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass
         written = completion[~samples.loss_mask_BT[b][:len(completion)].bool()]
         assert completion.tolist().count(token) == written.tolist().count(token) == features > 0
         assert "[image:" in samples.records[b]["completion"]  # the transcript names the picture
-    later = samples.loss_mask_BT.bool() & (torch.arange(samples.loss_mask_BT.shape[1]) > len(engine.call))
+    later = samples.loss_mask_BT.bool() & (torch.arange(samples.loss_mask_BT.shape[1]) > len(LOOK))
     assert later.any(), "no episode had a turn after the tool's message"
     with torch.no_grad():  # sampling saw what every log-prob pass sees
         logp, _ = completion_logprobs(model, sequences, trainer.parts.sampler.sampling.distribution)
@@ -258,14 +257,16 @@ def encoded_alone(processor, picture):
                           512, processor=processor)[0]
 
 
-@pytest.mark.parametrize("handed", [dict(tools=[look]), dict(environment_factory=Scene)], ids=["tool", "environment"])
-def test_a_run_whose_tool_or_environment_shows_pictures_trains(tmp_path, handed):
+@pytest.mark.parametrize("handed,changes", [(dict(tools=[look]), {}), (dict(environment_factory=Scene), {}),
+                                            (dict(tools=[look]), dict(async_generation=True))],
+                         ids=["tool", "environment", "tool-async"])
+def test_a_run_whose_tool_or_environment_shows_pictures_trains(tmp_path, monkeypatch, handed, changes):
     model, processor = BUILDERS["idefics3"]()
-    engine = LooksThenSamples(model, processor.tokenizer)
+    monkeypatch.setattr(HFEngine, "generate", calls_look_first(processor.tokenizer))
     trainer = GRPOTrainer(model=model, reward_funcs=[shown_to_rewards], train_dataset=picture_rows(4),
-                          processing_class=processor, rollout_engine=engine, quiet=True, **handed,
+                          processing_class=processor, quiet=True, **handed,
                           args=run_args(tmp_path, num_generations=2, max_completion_length=120, max_prompt_length=1024,
-                                        max_steps=2, gradient_accumulation_steps=1))
+                                        max_steps=2, gradient_accumulation_steps=1, **changes))
     trainer.train()
     assert trainer.global_step == 2
     records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
