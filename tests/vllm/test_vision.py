@@ -2,7 +2,8 @@
 Idefics3 (SmolVLM's architecture) on prompts with pictures, vLLM's processor reading the pictures each
 prompt carries; before training and after it (the trained weights pushed, the vision tower's too) vLLM
 samples with the log-probs of the trainer's forward on the same pictures, and on text prompts, and in
-episodes whose later turn follows a tool's message that shows a picture. In a process
+episodes whose later turn follows a tool's message that shows a picture; and vLLM serves the trained model
+as `covey export` writes it. In a process
 of its own: a process holds one vLLM engine, and the session's other tests share theirs."""
 
 from __future__ import annotations
@@ -81,6 +82,43 @@ result["episodes"], result["rows with a later turn"] = episode_gap(
 json.dump(result, open(OUTPUT + "/result.json", "w"))
 '''
 
+# vLLM serves the exported model: it samples a prompt with a picture with transformers' log-probs of that folder
+SERVE = '''
+import json, sys
+import numpy as np
+import torch
+import vllm
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from covey.rollout.vllm_engine import vllm_memory
+
+
+def main():
+    folder, output = sys.argv[1], sys.argv[2]
+    picture = Image.fromarray((np.random.RandomState(7).rand(40, 48, 3) * 255).astype("uint8"))
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    llm = vllm.LLM(model=folder, dtype="float32", max_model_len=256, seed=0, **vllm_memory(0.02))
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}},
+                       vllm.SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=0))[0].outputs[0]
+    ids = list(out.token_ids)
+    sampled = [step[token].logprob for step, token in zip(out.logprobs, ids)]
+    inputs = processor(text=[text], images=[[picture]], add_special_tokens=False, return_tensors="pt")
+    P = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([ids])], 1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, P - 1:-1].float()
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    json.dump({"tokens": len(ids), "gap": float((torch.tensor(sampled) - want).abs().max())}, open(output, "w"))
+
+
+if __name__ == "__main__":  # vLLM starts its engine's process by spawning
+    main()
+'''
+
 
 def test_a_vision_language_model_trains_and_samples_with_vllm_colocated(tmp_path):
     folder = saved("idefics3", tmp_path / "tiny-smolvlm")
@@ -98,5 +136,16 @@ def test_a_vision_language_model_trains_and_samples_with_vllm_colocated(tmp_path
     # the trained weights of the vision-language model were pushed
     for key in ("text before", "pictures before", "text after", "pictures after", "episodes"):
         assert result[key] < 1e-3, f"vLLM's log-probs differ from the trainer's: {result}"
+    # the trained model exported (covey export) is one vLLM serves, with the processor and chat template beside it
+    done = subprocess.run([sys.executable, "-m", "covey", "export", str(tmp_path / "run"), str(tmp_path / "exported")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (tmp_path / "serve.py").write_text(SERVE)
+    done = subprocess.run([sys.executable, str(tmp_path / "serve.py"), str(tmp_path / "exported"),
+                           str(tmp_path / "served.json")], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    served = json.loads((tmp_path / "served.json").read_text())
+    print(served)
+    assert served["tokens"] == 6 and served["gap"] < 1e-3
     # and in episodes whose later turn follows a tool's message that shows a picture
     assert result["rows with a later turn"] > 0, str(result)
