@@ -212,6 +212,12 @@ def plain_later_logprobs(model, processor, sequences, b: int, tool_picture, prom
     return torch.log_softmax(logits.float(), -1).gather(-1, completion[:, None])[:, 0]
 
 
+def encoded_alone(processor, picture):
+    """A prompt of one picture encoded by covey, for its pixel inputs."""
+    return encode_prompts(processor.tokenizer, [[{"role": "user", "content": [{"type": "image", "image": picture}]}]],
+                          512, processor=processor)[0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass(tmp_path, monkeypatch, family):
     model, processor = BUILDERS[family]()
@@ -224,8 +230,8 @@ def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass
     batch, _ = scored_batch(trainer, [0, 1])
     samples, sequences = batch.samples, batch.samples.sequences
     token = image_token_id(model.config)
-    tool_picture, features = image(9), feature_count(model, images_of(
-        encoded_alone(processor, image(9))).tensors)
+    tool_picture = image(9)
+    features = feature_count(model, images_of(encoded_alone(processor, tool_picture)).tensors)
     for b in range(4):
         pictures = sequences.images[b]
         assert pictures.labels == (image_label(image(b // 2)), image_label(tool_picture))
@@ -234,6 +240,7 @@ def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass
         written = completion[~samples.loss_mask_BT[b][:len(completion)].bool()]
         assert completion.tolist().count(token) == written.tolist().count(token) == features > 0
         assert "[image:" in samples.records[b]["completion"]  # the transcript names the picture
+    # the tokens the model sampled after the first turn (the call, at most one token per character, and its end)
     later = samples.loss_mask_BT.bool() & (torch.arange(samples.loss_mask_BT.shape[1]) > len(LOOK))
     assert later.any(), "no episode had a turn after the tool's message"
     with torch.no_grad():  # sampling saw what every log-prob pass sees
@@ -249,12 +256,6 @@ def test_a_picture_a_tool_returns_is_seen_by_later_turns_and_every_log_prob_pass
         assert float((plain - raw[b, :n]).abs()[turn].max()) < 1e-4
         other = plain_later_logprobs(model, processor, sequences, b, image(10), image(b // 2))
         assert float((other - raw[b, :n]).abs()[turn].max()) > 1e-3
-
-
-def encoded_alone(processor, picture):
-    """A prompt of one picture encoded by covey, for its pixel inputs."""
-    return encode_prompts(processor.tokenizer, [[{"role": "user", "content": [{"type": "image", "image": picture}]}]],
-                          512, processor=processor)[0]
 
 
 @pytest.mark.parametrize("handed,changes", [(dict(tools=[look]), {}), (dict(environment_factory=Scene), {}),
