@@ -24,10 +24,7 @@ from datasets import Dataset
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from covey import GRPOConfig, GRPOTrainer
-from covey.rollout import left_pad
-from covey.train.forward import SequenceBatch, completion_logprobs
-from covey.vision import batch_images
-from tests.vllm.tool_pictures import end_turns_early, episode_gap
+from tests.vllm.tool_pictures import end_turns_early, episode_gap, trainer_logprobs
 
 MODEL, OUTPUT = sys.argv[1], sys.argv[2]
 
@@ -54,12 +51,7 @@ def gap(engine, policy, ids, seed):
     """The largest difference between vLLM's log-prob of a sampled token and the trainer's, on the pictures."""
     params = trainer.parts.sampler.sampling
     rollout = engine.generate(ids, 2, params, seed=seed)  # the policy's weights pushed first
-    repeated = [p for p in ids for _ in range(2)]
-    prompt_BP, mask_BP = left_pad(repeated, 0)
-    sequences = SequenceBatch(prompt_BP, mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT,
-                              batch_images(repeated))
-    with torch.no_grad():
-        want, _ = completion_logprobs(policy.eval(), sequences, params.distribution)
+    want = trainer_logprobs(policy, [p for p in ids for _ in range(2)], rollout, params)
     mask = rollout.completion_mask_BT.bool()
     return float((rollout.sampling_logp_BT - want).abs()[mask].max()), int(mask.shape[0])
 

@@ -49,11 +49,17 @@ def episode_gap(engine, model, processor, prompt_ids: list, params, eos: list[in
 
     rollout = episodes_by_turns(engine, prompt_ids, 2, dataclasses.replace(params, max_new_tokens=60), seed,
                                 respond, 0)
+    want = trainer_logprobs(model, rows, rollout, params)
+    sampled = rollout.sampled_mask_BT.bool()
+    later = sampled & (rollout.sampled_mask_BT.cumsum(1) < torch.arange(1, sampled.shape[1] + 1))
+    return float((rollout.sampling_logp_BT - want).abs()[sampled].max()), int(later.any(1).sum())
+
+
+def trainer_logprobs(model, rows: list, rollout, params) -> torch.Tensor:
+    """The trainer's log-prob of each token of ``rollout`` (one row per prompt of ``rows``, which carry their
+    pictures), under the distribution of ``params``."""
     prompt_BP, mask_BP = left_pad(rows, 0)
     sequences = SequenceBatch(prompt_BP, mask_BP, rollout.completion_ids_BT, rollout.completion_mask_BT,
                               batch_images(rows))
     with torch.no_grad():
-        want, _ = completion_logprobs(model.eval(), sequences, params.distribution)
-    sampled = rollout.sampled_mask_BT.bool()
-    later = sampled & (rollout.sampled_mask_BT.cumsum(1) < torch.arange(1, sampled.shape[1] + 1))
-    return float((rollout.sampling_logp_BT - want).abs()[sampled].max()), int(later.any(1).sum())
+        return completion_logprobs(model.eval(), sequences, params.distribution)[0]
