@@ -319,10 +319,10 @@ def test_bf16_lean_decoder_casts_the_embedding_only_as_a_tied_head(tokenizer, mo
 
 
 def _skip_unless_it_runs(products: str, dtype: torch.dtype) -> None:
-    from covey.rollout.fast.decoder import onednn_linear
+    from covey.rollout.fast.decoder import prepacked_linear
     from tests.test_decode_kernel import skip_without_kernel
 
-    if products == "prepacked" and onednn_linear(dtype) is None:
+    if products == "prepacked" and prepacked_linear(dtype) is None:
         pytest.skip(f"this torch build has no oneDNN {dtype} linear")
     if products == "kernel":
         skip_without_kernel(dtype)

@@ -122,23 +122,31 @@ def test_a_budget_left_to_covey_holds_a_micro_batch_s_logits_where_the_memory_fr
         assert trainer.parts.policy.logprob_budget_bytes == budget
 
 
-def test_bfloat16_on_a_cpu_without_bfloat16_instructions_is_said_before_training(tmp_path, tokenizer, monkeypatch):
+def test_bfloat16_on_a_cpu_that_multiplies_it_in_software_is_said_before_training(tmp_path, tokenizer, monkeypatch):
     import warnings
 
     import covey.train.run_rules as run_rules
 
-    def build(bf16):
+    folder = tmp_path / "model"  # by name: a model handed over loaded has no dtype to set
+    make_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    def said(**settings):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            GRPOTrainer(model=make_model(len(tokenizer)), reward_funcs=[count_a], train_dataset=ROWS,
-                        processing_class=tokenizer, quiet=True,
-                        args=small_args(tmp_path, bf16=bf16, use_cpu=True, overwrite_output_dir=True))
-        return [str(w.message) for w in caught if "no bfloat16 instructions" in str(w.message)]
+            GRPOTrainer(model=str(folder), reward_funcs=[count_a], train_dataset=ROWS, quiet=True,
+                        args=small_args(tmp_path, use_cpu=True, overwrite_output_dir=True, **settings))
+        return [str(w.message) for w in caught if "no bfloat16 matrix products" in str(w.message)]
 
-    monkeypatch.setattr(run_rules, "cpu_multiplies_bfloat16", lambda: False)
-    assert len(build(True)) == 1 and build(False) == []
-    monkeypatch.setattr(run_rules, "cpu_multiplies_bfloat16", lambda: True)
-    assert build(True) == []
+    monkeypatch.setattr(run_rules, "bfloat16_products_in_software", lambda device: device.type == "cpu")
+    computed, = said(bf16=True)
+    assert "covey computes bfloat16's in float32" in computed
+    assert said(bf16=False) == []
+    assert said(bf16=False, rollout_bf16=True) == [computed]
+    loaded, = said(bf16=False, dtype="bfloat16")
+    assert "multiplies in software" in loaded and "dtype: float32" in loaded
+    monkeypatch.setattr(run_rules, "bfloat16_products_in_software", lambda device: False)
+    assert said(bf16=True) == [] and said(dtype="bfloat16") == []
 
 
 def test_the_saved_tokenizer_pads_as_the_one_given(tmp_path, tiny_model):

@@ -1,13 +1,15 @@
-"""Where models live: the device covey loads them on, bfloat16 autocast there, and how the C library
-handles the CPU memory of freed tensors."""
+"""Where models live: the device covey loads them on, bfloat16 autocast there (with its products in
+float32 on a CPU that has no bfloat16 ones), and how the C library handles the CPU memory of freed tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
-from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 def default_device(use_cpu: bool = False) -> torch.device:
     """Where covey puts the models it loads: the current CUDA device when there is one (and ``use_cpu``
@@ -38,20 +40,57 @@ def keep_freed_memory() -> bool:
 
 
 
-def cpu_multiplies_bfloat16() -> bool | None:
-    """Whether this CPU has bfloat16 instructions (x86: AVX-512 BF16 or AMX; Arm: BF16), as /proc/cpuinfo
-    says; None where it says nothing. Without them torch multiplies bfloat16 in software: on an AVX2 CPU
-    about 80 times slower than float32 (a 1024 x 1024 product: 0.9 against 76 GFLOP/s)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith(("flags", "Features")):
-            return bool(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16", "bf16"})
-    return None
-
-
+@contextlib.contextmanager
 def autocast(device: torch.device, enabled: bool):
-    """bfloat16 autocast on ``device`` when enabled (the `bf16` setting), a no-op otherwise."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+    """bfloat16 autocast on ``device`` when enabled (the `bf16` setting), a no-op otherwise; where torch
+    multiplies bfloat16 in software there, its products are computed in float32 (``float32_products``)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled), float32_products(device, enabled):
+        yield
+
+
+def bfloat16_products_in_software(device: torch.device) -> bool:
+    """Whether torch multiplies bfloat16 matrices in software on ``device``: a CPU for which its oneDNN has
+    no bfloat16 products (one without AVX-512 or AMX, or an Arm without BF16), where its own loops run
+    them about 80 times slower than float32."""
+    return device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def float32_products(device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
+    """Where bfloat16 is ``enabled`` and ``device`` multiplies it in software, a context in which every
+    bfloat16 product is computed in float32 (``Float32Products``); else a no-op."""
+    return Float32Products() if enabled and bfloat16_products_in_software(device) else contextlib.nullcontext()
+
+
+aten = torch.ops.aten
+# the operations that multiply matrices, as autograd calls them in a forward, a backward and a recomputed forward
+PRODUCTS = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.mv.default,
+                      aten.convolution.default, aten.convolution_backward.default))
+
+
+class Float32Products(TorchDispatchMode):
+    """Each matrix product (and convolution) of bfloat16 CPU tensors computed in float32 from the same
+    bfloat16 operands, its result rounded to bfloat16: the numbers of a bfloat16 product summed in
+    float32, as bfloat16 instructions give them, at nearly float32's speed on a CPU without them (the
+    operands are exact in float32; only the order of the sums may differ). Below autograd, so the graph,
+    the tensors it saves and the gradients' dtypes are those of bfloat16; only how a product is
+    computed changes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in PRODUCTS and any(_bfloat16_on_cpu(a) for a in args):
+            return in_float32(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _bfloat16_on_cpu(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.device.type == "cpu"
+
+
+def in_float32(func, args: tuple, kwargs: dict):
+    """``func`` of bfloat16 tensors computed on their float32 copies, its tensors rounded to bfloat16."""
+    def widen(value):
+        return value.float() if _bfloat16_on_cpu(value) else value
+
+    def narrow(value):
+        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) else value
+    return tree_map(narrow, func(*tree_map(widen, args), **tree_map(widen, kwargs)))

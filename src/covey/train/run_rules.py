@@ -12,7 +12,7 @@ from typing import Any
 
 from covey.config import GRPOConfig
 from covey.data import is_stream
-from covey.models import cpu_multiplies_bfloat16, default_device, resolve_model_path
+from covey.models import bfloat16_products_in_software, default_device, resolve_model_path
 from covey.plan import MemoryCheckSkipped, check_fits
 from covey.rollout.vllm_engine import check_vllm
 from covey.rules import VESPO_SEQUENCE_CORRECTION, Need
@@ -141,14 +141,20 @@ def fits_the_device(c: GRPOConfig, h: Handed, need: Need) -> str | None:
 
 
 def bfloat16_on_this_cpu(c: GRPOConfig, h: Handed, need: Need) -> str | None:
-    """A note where a run on the CPU asks for bfloat16 (bf16, rollout_bf16) and the CPU has no bfloat16
-    instructions: allowed, and far slower than float32 there."""
-    if default_device(c.use_cpu).type != "cpu" or not (c.bf16 or c.sample_in_bf16("cpu")):
+    """A note where a run asks for bfloat16 on a CPU whose bfloat16 products torch runs in software:
+    under bf16 or rollout_bf16 covey computes them in float32 (the same numbers, no faster than float32
+    there); weights loaded in bfloat16 without bf16 multiply in software, many times slower."""
+    device = default_device(c.use_cpu)
+    if not bfloat16_products_in_software(device):
         return None
-    if cpu_multiplies_bfloat16() is False:
-        return ("covey: this CPU has no bfloat16 instructions (AVX-512 BF16, AMX or Arm's BF16), so torch multiplies "
-                "bfloat16 in software, many times slower than float32 (a training step about 10x on an AVX2 CPU); set bf16: "
-                "false and rollout_bf16: false")
+    if c.dtype == "bfloat16" and not c.bf16:
+        return ("covey: torch has no bfloat16 matrix products on this CPU (no AVX-512 or AMX), so a model loaded in "
+                "bfloat16 (dtype: bfloat16) multiplies in software, many times slower than float32; set dtype: "
+                "float32, or add bf16: true, whose products covey computes in float32 here")
+    if c.bf16 or c.sample_in_bf16(device.type):
+        return ("covey: torch has no bfloat16 matrix products on this CPU (no AVX-512 or AMX), so covey computes "
+                "bfloat16's in float32 from their bfloat16 operands (the same numbers); bfloat16 saves no time here, "
+                "float32 (bf16: false, rollout_bf16: false) is as fast and exact")
     return None
 
 

@@ -14,7 +14,7 @@ import torch
 
 from covey import core
 from covey.config import GRPOConfig
-from covey.models import autocast
+from covey.models import autocast, float32_products
 from covey.train.batch import FixedLogprobs, Progress, Samples, ScoredBatch
 from covey.train.forward import SequenceBatch
 from covey.train.parts import StepParts
@@ -160,7 +160,8 @@ def micro_batch_loss(parts: StepParts, forward: torch.nn.Module, batch: ScoredBa
     behaviour_BT = sampling_BT if terms.behaviour_from_engine else old_BT
     loss, stats = core.policy_loss(logp_BT, old_BT, batch.advantages_B[rows].to(device), mask_BT, terms.counts,
                                    settings, ref_BT, entropy_BT, weights, behaviour_BT, terms.entropy_coef, *router_aux)
-    with gradients_summed_if(forward, last):  # DistributedDataParallel averages; the step's gradient is the sum
+    # DistributedDataParallel averages; the step's gradient is the sum
+    with gradients_summed_if(forward, last), float32_products(device, parts.args.bf16):
         (loss * parts.world.size).backward()
     return loss, stats
 
@@ -213,7 +214,8 @@ def take_part_without_rows(parts: StepParts, forward: torch.nn.Module, samples: 
                               torch.ones(1, 1, dtype=torch.long), batch_images(parts.prompts.ids[:1]))
     with autocast(parts.policy.device, parts.args.bf16):
         logp_BT, _ = forward(micro, parts.sampler.sampling.distribution, True, False)
-    (logp_BT.sum() * 0.0).backward()
+    with float32_products(parts.policy.device, parts.args.bf16):
+        (logp_BT.sum() * 0.0).backward()
 
 
 def adapt_entropy_coef(bonus: core.EntropyBonus, totals: dict[str, float], progress: Progress) -> Progress:

@@ -15,7 +15,8 @@ Two implementations behind the same three calls (``prefill``, ``step``, ``keep``
   is laid out in the kernel's tiles instead, and every forward multiplies through it. Elsewhere,
   through oneDNN's linear on matrices laid out once per rollout (the bfloat16 copies and a LoRA
   policy's merged ones in their place; in float32 a fused prepacked copy beside a full model's
-  matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more). Measured in BENCHMARKS.md.
+  matrices, for steps of ``PREPACKED_FLOAT32_FROM_ROWS`` rows or more; in bfloat16 on a CPU without
+  bfloat16 products, float32 copies of the bfloat16 matrices). Measured in BENCHMARKS.md.
 - ``ModelDecoder``: the model's own forward with a ``DynamicCache``, for every other model.
 """
 
@@ -28,7 +29,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from covey.models import cache_keyword, is_peft_model, lora_merge_blocker, plain_model, policy_weights
+from covey.models import (bfloat16_products_in_software, cache_keyword, is_peft_model, lora_merge_blocker, plain_model,
+                          policy_weights)
 from covey.rollout.fast import decode_kernel
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -70,6 +72,26 @@ def onednn_linear(dtype: torch.dtype = torch.bfloat16) -> tuple[Callable, Callab
             return None
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
+    return pack, linear
+
+
+def prepacked_linear(dtype: torch.dtype) -> tuple[Callable, Callable] | None:
+    """(pack, linear) on prepacked matrices in ``dtype``: oneDNN's (``onednn_linear``); for bfloat16 where
+    torch multiplies it in software, oneDNN's float32 linear on float32 copies of the bfloat16 matrices,
+    each product rounded to bfloat16 (the numbers of ``models.Float32Products``, without widening the
+    matrices at every step). None where neither runs."""
+    onednn = onednn_linear(dtype)
+    float32 = onednn_linear(torch.float32)
+    if onednn is not None or dtype != torch.bfloat16 or float32 is None \
+            or not bfloat16_products_in_software(torch.device("cpu")):
+        return onednn
+    pack32, linear32 = float32
+
+    def pack(weight):
+        return pack32(weight.to(torch.bfloat16).float())
+
+    def linear(x, weight, bias=None):
+        return linear32(x.float(), weight, None if bias is None else bias.float()).to(torch.bfloat16)
     return pack, linear
 
 
@@ -218,7 +240,7 @@ class LeanDecoder:
         ``kernel``: whether covey's kernel runs here in this dtype."""
         if kernel and self.dtype == torch.bfloat16:  # AMX sums forwards of any rows at the pace of the stream
             return [(1, Products.build(weights.get, n_layers, head_name, decode_kernel.matrices, "kernel"))]
-        onednn = onednn_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
+        onednn = prepacked_linear(self.dtype) if on_cpu and choice in ("fastest", "prepacked") else None
         if self.dtype != model_dtype or (onednn is not None and not kernel and not full_model):
             # the matrices are new copies anyway (cast, or a LoRA policy's merged ones): fuse them, lay them
             # out for oneDNN, and take each once, so that the unfused copies are freed as we go
