@@ -7,7 +7,8 @@ same token ids for both trainers: a ``rollout_func`` (TRL's, which covey takes a
 so the step is the work this measures (the log-prob pass, its backward, the optimizer) and not
 sampling, which would take far longer on a CPU than the step itself. beta 0 (no reference model),
 one pass over each batch, AdamW, gradient checkpointing the same in both (on: TRL 1.16's default, which
-recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither). Each
+recomputes the decoder's activations in the backward; ``--gradient-checkpointing off`` for neither);
+float32, or bfloat16 autocast for a trainer named with ``-bf16`` (``covey-bf16``, ``trl-bf16``). Each
 configuration runs in a fresh process; its peak is that process's
 resident-set high-water mark (``ru_maxrss``): weights, gradients, optimizer state and the step. Time:
 the median of the steps after the first (with ``--steps 1``, the one step).
@@ -84,7 +85,7 @@ def completion_length(completions, **kwargs):
 
 
 def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
-              checkpointing: bool = True, budget_mib: int | None = None) -> list[float]:
+              checkpointing: bool = True, budget_mib: int | None = None, bf16: bool = False) -> list[float]:
     from covey import GRPOConfig, GRPOTrainer
 
     budget = {} if budget_mib is None else {"logprob_budget_mib": budget_mib}  # None: the default (any version)
@@ -92,7 +93,8 @@ def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: st
     args = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                       gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                       learning_rate=1e-6, temperature=1.0, eval_max_samples=0, log_completions=False, seed=0,
-                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing, **budget)
+                      vllm_importance_sampling_correction=False, gradient_checkpointing=checkpointing, bf16=bf16,
+                      **budget)
     GRPOTrainer(model=model, reward_funcs=completion_length, train_dataset=[{"prompt": PROMPT}] * 64,
                 processing_class=tokenizer, args=args, quiet=True, rollout_func=fixed_rollouts(length)).train()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -103,7 +105,7 @@ def run_covey(model, tokenizer, length: int, group: int, steps: int, out_dir: st
 
 
 def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
-            checkpointing: bool = True) -> list[float]:
+            checkpointing: bool = True, bf16: bool = False) -> list[float]:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -125,7 +127,7 @@ def run_trl(model, tokenizer, length: int, group: int, steps: int, out_dir: str,
     config = GRPOConfig(output_dir=out_dir, max_steps=steps, num_generations=group, per_device_train_batch_size=group,
                         gradient_accumulation_steps=1, max_completion_length=length, beta=0.0, num_iterations=1,
                         learning_rate=1e-6, temperature=1.0, logging_steps=1, report_to="none", use_cpu=True,
-                        bf16=False, save_strategy="no", seed=0, vllm_importance_sampling_correction=False,
+                        bf16=bf16, save_strategy="no", seed=0, vllm_importance_sampling_correction=False,
                         gradient_checkpointing=checkpointing)
     timer = Timer()
     GRPOTrainer(model=model, reward_funcs=completion_length, args=config, processing_class=tokenizer,
@@ -141,14 +143,15 @@ def worker(trainer: str, vocabulary: int, length: int, group: int, steps: int, c
     from covey.models import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    trainer, bf16 = trainer.removesuffix("-bf16"), trainer.endswith("-bf16")
     peaks = StagePeaks(trainer) if stages else None
     model = random_model(vocabulary, tokenizer)
     if peaks is not None:
         peaks.stage = "after the model is built"
     with tempfile.TemporaryDirectory() as out_dir:
         out = os.path.join(out_dir, "run")
-        seconds = run_trl(model, tokenizer, length, group, steps, out, checkpointing) if trainer == "trl" else \
-            run_covey(model, tokenizer, length, group, steps, out, checkpointing, budget_mib)
+        seconds = run_trl(model, tokenizer, length, group, steps, out, checkpointing, bf16) if trainer == "trl" else \
+            run_covey(model, tokenizer, length, group, steps, out, checkpointing, budget_mib, bf16)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if peaks is not None:
         print("STAGES " + json.dumps(peaks.peaks_mib), flush=True)
@@ -280,6 +283,7 @@ def pass_alone(vocabulary: int, tokens: int, repeats: int, budgets_mib: list[int
 
 
 PASS_WAYS = ("whole logits", "128 tokens, none kept", "budget")
+TRAINERS = ("covey", "covey-bf16", "trl", "trl-bf16")  # -bf16: under bfloat16 autocast (bf16: true)
 
 
 def pass_memory_worker(vocabulary: int, tokens: int, way: str) -> None:
@@ -371,7 +375,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--vocabularies", type=int, nargs="+", default=[49152, 151936], choices=list(SHAPES))
-    parser.add_argument("--trainers", nargs="+", default=["covey", "trl"], choices=["covey", "trl"])
+    parser.add_argument("--trainers", nargs="+", default=["covey", "trl"], choices=TRAINERS)
     parser.add_argument("--covey-before", help="another covey's src folder, measured as 'covey before' beside them")
     parser.add_argument("--covey-budgets", type=int, nargs="+", default=[], metavar="MIB",
                         help="covey also with these logprob_budget_mib, each measured as 'covey N MiB'")
@@ -392,7 +396,7 @@ def main() -> None:
                         help="the head's pass alone: its peak memory above the process's before it, each way in a "
                              "fresh process (whole logits, 128-token chunks none kept, the budget)")
     parser.add_argument("--pass-memory-worker", choices=PASS_WAYS)
-    parser.add_argument("--worker", choices=["covey", "trl"],
+    parser.add_argument("--worker", choices=TRAINERS,
                         help="one configuration in this process (--stages: also the resident set's peak per stage)")
     parser.add_argument("--stages", action="store_true")
     args = parser.parse_args()

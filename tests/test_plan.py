@@ -468,3 +468,13 @@ def test_on_a_cpu_the_plan_says_the_memory_the_c_library_keeps_is_not_counted(qw
     plan = make_plan(args)
     assert plan.device.kind == "cpu"
     assert (KEPT_MEMORY_NOTE in plan_text(plan)) == keep
+
+
+def test_bfloat16_sampling_on_a_cpu_without_bfloat16_products_counts_a_float32_copy(qwen_like):
+    """There the fast engine's bfloat16 copy holds float32 copies of the bfloat16 values (twice the bytes)."""
+    args = GRPOConfig(**DEMO, model=str(qwen_like), rollout_bf16=True)
+    shape = model_shape(model_config(str(qwen_like)))
+    with_products, in_software = (make_plan(args, 1, dataclasses.replace(small_device(64), bfloat16_in_software=soft))
+                                  for soft in (False, True))
+    matrices = shape.linear_params + shape.vocab * shape.hidden
+    assert in_software.breakdown.engine - with_products.breakdown.engine == 2 * matrices

@@ -26,12 +26,12 @@ from covey.models.sharded import SHARDED_PASSES, gathered_parameters, is_sharded
 from covey.models.verbosity import LIBRARY_LOG_LEVEL, quiet_transformers, set_log_level
 
 __all__ = [
-    "EMBEDDED_GGUF", "Float32Products", "LIBRARY_LOG_LEVEL", "QUANTIZED_PARAMETERS", "SHARDED_PASSES", "Float32Head", "ModelLoading",
-    "Reference", "adapted_shared_matrix", "add_lora", "autocast", "base_parameter_name", "bfloat16_products_in_software", "cache_dir",
-    "cache_keyword", "check_quantization", "default_device", "dequantized", "disable_dropout",
-    "embedded_model_folder", "eos_token_ids", "float32_products", "gathered_parameters", "head_in_float32", "is_peft_model",
-    "is_sharded", "keep_freed_memory", "load_policy", "load_processing", "load_tokenizer", "lora_merge_blocker",
-    "merged_model",
-    "parameters_whole", "plain_model", "policy_weights", "prepare_tokenizer", "quantization_settings", "quiet_transformers",
-    "resolve_model_path", "set_log_level", "tokenizer_as_loaded",
+    "EMBEDDED_GGUF", "Float32Head", "Float32Products", "LIBRARY_LOG_LEVEL", "ModelLoading", "QUANTIZED_PARAMETERS",
+    "Reference", "SHARDED_PASSES", "adapted_shared_matrix", "add_lora", "autocast", "base_parameter_name",
+    "bfloat16_products_in_software", "cache_dir", "cache_keyword", "check_quantization", "default_device",
+    "dequantized", "disable_dropout", "embedded_model_folder", "eos_token_ids", "float32_products",
+    "gathered_parameters", "head_in_float32", "is_peft_model", "is_sharded", "keep_freed_memory", "load_policy",
+    "load_processing", "load_tokenizer", "lora_merge_blocker", "merged_model", "parameters_whole", "plain_model",
+    "policy_weights", "prepare_tokenizer", "quantization_settings", "quiet_transformers", "resolve_model_path",
+    "set_log_level", "tokenizer_as_loaded",
 ]

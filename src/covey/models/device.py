@@ -51,11 +51,16 @@ def autocast(device: torch.device, enabled: bool):
 def bfloat16_products_in_software(device: torch.device) -> bool:
     """Whether torch multiplies bfloat16 matrices in software on ``device``: a CPU for which its oneDNN has
     no bfloat16 products (one without AVX-512 or AMX, or an Arm without BF16), where its own loops run
-    them about 80 times slower than float32."""
-    return device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    them about 80 times slower than float32. False where this torch build cannot say (no oneDNN)."""
+    if device.type != "cpu":
+        return False
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def float32_products(device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
+def float32_products(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
     """Where bfloat16 is ``enabled`` and ``device`` multiplies it in software, a context in which every
     bfloat16 product is computed in float32 (``Float32Products``); else a no-op."""
     return Float32Products() if enabled and bfloat16_products_in_software(device) else contextlib.nullcontext()

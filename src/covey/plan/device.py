@@ -18,6 +18,7 @@ class Device:
     total: int
     available: int
     runtime: int = 0
+    bfloat16_in_software: bool = False  # a CPU whose bfloat16 products torch runs in software (models.device)
 
 
 def this_device(use_cpu: bool = False, processes: int = 1) -> Device:
@@ -30,7 +31,10 @@ def this_device(use_cpu: bool = False, processes: int = 1) -> Device:
         return Device(torch.cuda.get_device_name(), "cuda", total, free)
     total, available = ram_bytes()
     name = "this machine's RAM" + (f", shared by {processes} processes" if processes > 1 else "")
-    return Device(name, "cpu", total // processes, available // processes, resident_bytes())
+    from covey.models import bfloat16_products_in_software
+
+    return Device(name, "cpu", total // processes, available // processes, resident_bytes(),
+                  bfloat16_products_in_software(torch.device("cpu")))
 
 
 def ram_bytes() -> tuple[int, int]:

@@ -57,6 +57,7 @@ class Settings:
     shard_optimizer_state: bool = False
     engine: str = "fast"  # fast, hf, vllm (colocate), server
     rollout_bf16: bool = False
+    bfloat16_copy_bytes: int = 2  # a value of the engine's bfloat16 copy (4: on a CPU without bfloat16 products)
     engine_copies_weights: bool = False  # the fast engine samples from its own float32 copy (no kernel here)
     vllm_share_bytes: int = 0  # gpu_memory_utilization x the device's memory (vllm colocated)
     eager_attention: bool = False
@@ -316,7 +317,7 @@ def engine_bytes(shape: ModelShape, s: Settings) -> int:
     if s.engine == "fast":
         matrices = shape.linear_params + shape.vocab * shape.hidden
         if s.rollout_bf16 and s.weight_bytes == 4:  # sampled from a bfloat16 copy of the matrices
-            total += matrices * 2
+            total += matrices * s.bfloat16_copy_bytes
         elif s.engine_copies_weights:  # its own copy of every matrix (a LoRA policy's merged ones among them)
             total += matrices * s.weight_bytes
         elif s.trains_lora:  # from the adapted layers merged into their base weights
@@ -328,7 +329,8 @@ def engine_bytes(shape: ModelShape, s: Settings) -> int:
 
 def lora_merged_bytes(shape: ModelShape, s: Settings) -> int:
     wrapped = [lin for lin in shape.layer_linears if lin.name in s.lora_targets]
-    return shape.layers * sum(lin.inputs * lin.outputs for lin in wrapped) * (2 if s.rollout_bf16 else 4)
+    merged = shape.layers * sum(lin.inputs * lin.outputs for lin in wrapped)
+    return merged * (s.bfloat16_copy_bytes if s.rollout_bf16 else 4)
 
 
 def fsdp_gathered_bytes(shape: ModelShape, s: Settings) -> int:

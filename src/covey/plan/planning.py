@@ -64,6 +64,7 @@ def settings_from_config(args: GRPOConfig, shape: ModelShape, config, processes:
         quantization=args.quantization, reference=args.beta > 0,
         processes=processes, fsdp=args.fsdp.split()[0] if args.fsdp.split() else "",
         shard_optimizer_state=args.shard_optimizer_state, engine=engine, rollout_bf16=rollout_bf16,
+        bfloat16_copy_bytes=4 if device.bfloat16_in_software else 2,
         engine_copies_weights=engine == "fast" and device.kind == "cpu" and not _decode_kernel_runs(),
         vllm_share_bytes=int(args.vllm_gpu_memory_utilization * device.total) if engine == "vllm" else 0,
         eager_attention=args.attn_implementation == "eager", head_in_float32=args.cast_lm_head_to_fp32,
