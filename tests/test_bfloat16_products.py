@@ -93,6 +93,25 @@ def test_each_product_and_its_gradients_are_torch_bfloat16_ones_computed_in_floa
             within_one_unit(g, w)
 
 
+@pytest.mark.parametrize("shape", [(300, 24, 16), (24, 300, 16), (16, 24, 300)], ids=["rows", "summed", "columns"])
+def test_a_large_product_is_computed_a_block_at_a_time_with_the_same_numbers(shape, monkeypatch, computed):
+    """Past BLOCK_VALUES a product (N x K times K x M) is widened and computed a block at a time along its
+    largest dimension: the numbers of torch's bfloat16 product, with addmm's bias, beta and alpha."""
+    monkeypatch.setattr(device_module, "BLOCK_VALUES", 500)
+    N, K, M = shape
+    g = torch.Generator().manual_seed(3)
+    a, b, bias = (torch.randn(*s, generator=g).bfloat16() for s in ((N, K), (K, M), (M,)))
+    blocks = []
+    float_ = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: blocks.append(t.numel()) or float_(t))
+    with Float32Products():
+        got = [torch.mm(a, b), torch.addmm(bias, a, b, beta=0.5, alpha=2.0), F.linear(a, b.T, bias)]
+    assert max(blocks) < max(a.numel(), b.numel())  # the largest operand never widened whole
+    monkeypatch.setattr(torch.Tensor, "float", float_)
+    for g_, w in zip(got, [torch.mm(a, b), torch.addmm(bias, a, b, beta=0.5, alpha=2.0), F.linear(a, b.T, bias)]):
+        within_one_unit(g_, w)
+
+
 def test_float32_products_leave_every_other_operation_alone(computed):
     a = torch.randn(8, 8)
     with Float32Products():

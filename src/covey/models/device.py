@@ -93,9 +93,55 @@ def _bfloat16_on_cpu(value) -> bool:
 
 def in_float32(func, args: tuple, kwargs: dict):
     """``func`` of bfloat16 tensors computed on their float32 copies, its tensors rounded to bfloat16."""
+    if func is aten.mm.default:
+        return matrix_product(*args)
+    if func is aten.addmm.default:
+        return matrix_product(args[1], args[2], args[0], **kwargs)
+
     def widen(value):
         return value.float() if _bfloat16_on_cpu(value) else value
 
     def narrow(value):
         return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) else value
     return tree_map(narrow, func(*tree_map(widen, args), **tree_map(widen, kwargs)))
+
+
+# Values of a product's float32 copies made at once; past it the product is computed a block at a time, so
+# that widening a large matrix (a 152k-vocabulary head, its logits) costs a block of memory, not a float32
+# copy of it and of its result
+BLOCK_VALUES = 2**22
+
+
+def matrix_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, beta: float = 1,
+                   alpha: float = 1) -> torch.Tensor:
+    """``alpha * a @ b + beta * bias`` (``addmm``; ``a @ b`` without bias) of bfloat16 matrices, in float32
+    and rounded to bfloat16; past ``BLOCK_VALUES`` a block at a time along the largest of its three
+    dimensions (along the summed one, the blocks' products summed in float32)."""
+    (N, K), M = a.shape, b.shape[1]
+
+    def rounded(product: torch.Tensor, rows: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
+        if alpha != 1:
+            product = product.mul_(alpha)
+        if bias is not None and beta != 0:
+            product = product.add_(bias.float().expand(N, M)[rows, columns], alpha=beta)
+        return product.to(torch.bfloat16)
+
+    if N * K + K * M + N * M <= BLOCK_VALUES:
+        return rounded(a.float() @ b.float())
+    largest = max(N, K, M)
+    if K == largest:
+        step = max(1, BLOCK_VALUES // max(N, M))
+        total = sum(a[:, k:k + step].float() @ b[k:k + step].float() for k in range(0, K, step))
+        return rounded(total)
+    out = a.new_empty(N, M)
+    if N == largest:
+        step, whole = max(1, BLOCK_VALUES // max(K, M)), b.float()
+        for i in range(0, N, step):
+            rows = slice(i, i + step)
+            out[rows] = rounded(a[rows].float() @ whole, rows)
+    else:
+        step, whole = max(1, BLOCK_VALUES // max(N, K)), a.float()
+        for j in range(0, M, step):
+            columns = slice(j, j + step)
+            out[:, columns] = rounded(whole @ b[:, columns].float(), columns=columns)
+    return out

@@ -154,7 +154,7 @@ def bfloat16_on_this_cpu(c: GRPOConfig, h: Handed, need: Need) -> str | None:
     if c.bf16 or c.sample_in_bf16(device.type):
         return ("covey: torch has no bfloat16 matrix products on this CPU (no AVX-512 or AMX), so covey computes "
                 "bfloat16's in float32 from their bfloat16 operands (the same numbers); bfloat16 saves no time here, "
-                "float32 (bf16: false, rollout_bf16: false) is as fast and exact")
+                "float32 (bf16: false, rollout_bf16: false) is a little faster and exact")
     return None
 
 
