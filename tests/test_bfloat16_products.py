@@ -72,14 +72,11 @@ def test_each_product_and_its_gradients_are_torch_bfloat16_ones_computed_in_floa
     values; but a convolution's gradients, which torch sums partly in bfloat16 (several units off the float32
     result here): covey's are nearer the float32 result than torch's."""
     op, args = _products()[name]
-    cotangent = None
 
     def product_and_gradients(dtype=torch.bfloat16):
-        nonlocal cotangent
         inputs = [a.detach().to(dtype).requires_grad_() for a in args]
         out = op(*inputs)
-        cotangent = torch.linspace(-1, 1, out.numel()).view(out.shape).bfloat16()
-        out.backward(cotangent.to(dtype))
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).bfloat16().to(dtype))
         return [out.detach()] + [a.grad for a in inputs]
 
     want, exact = product_and_gradients(), product_and_gradients(torch.float32)

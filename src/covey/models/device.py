@@ -118,12 +118,13 @@ def matrix_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     and rounded to bfloat16; past ``BLOCK_VALUES`` a block at a time along the largest of its three
     dimensions (along the summed one, the blocks' products summed in float32)."""
     (N, K), M = a.shape, b.shape[1]
+    added = None if bias is None or beta == 0 else bias.float().expand(N, M)
 
     def rounded(product: torch.Tensor, rows: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
         if alpha != 1:
             product = product.mul_(alpha)
-        if bias is not None and beta != 0:
-            product = product.add_(bias.float().expand(N, M)[rows, columns], alpha=beta)
+        if added is not None:
+            product = product.add_(added[rows, columns], alpha=beta)
         return product.to(torch.bfloat16)
 
     if N * K + K * M + N * M <= BLOCK_VALUES:
