@@ -81,11 +81,11 @@ def prepacked_linear(dtype: torch.dtype) -> tuple[Callable, Callable] | None:
     each product rounded to bfloat16 (the numbers of ``models.Float32Products``, without widening the
     matrices at every step). None where neither runs."""
     onednn = onednn_linear(dtype)
-    float32 = onednn_linear(torch.float32)
-    if onednn is not None or dtype != torch.bfloat16 or float32 is None \
-            or not bfloat16_products_in_software(torch.device("cpu")):
+    if onednn is not None or dtype != torch.bfloat16 or not bfloat16_products_in_software(torch.device("cpu")):
         return onednn
-    pack32, linear32 = float32
+    if onednn_linear(torch.float32) is None:
+        return None
+    pack32, linear32 = onednn_linear(torch.float32)
 
     def pack(weight):
         return pack32(weight.to(torch.bfloat16).float())
